@@ -1,0 +1,42 @@
+# make test / make demo work on a fresh machine: they build .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+# The CPU build of torch lies in /opt/wheels on this workplace's machines;
+# elsewhere pip's own index serves it.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+ARGS ?=
+
+.PHONY: install test demo bench soak lint typecheck clean partition-test
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+	$(PIP) install -q $(FIND_LINKS) -c constraints.txt torch==2.13.0
+	$(PIP) install -q $(FIND_LINKS) -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not soak" $(ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/redgrain demo $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks all $(ARGS)
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m soak tests/chaos $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check grains silo dashboard
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .redgrain .pytest_cache

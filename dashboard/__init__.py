@@ -1,0 +1,1 @@
+"""The web dashboard (FastAPI); reads only what silos publish to Redis."""

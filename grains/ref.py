@@ -1,0 +1,119 @@
+"""Grain references: proxies whose awaitable methods are exactly the grain's.
+
+A reference class is generated once per grain class. It has one method per
+public ``async def`` of the grain, so a typo is an ``AttributeError`` at the
+call site, never a remote surprise. Calls go through a :class:`Caller` (the
+client or the silo's router).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from grains.ids import GrainId
+
+if TYPE_CHECKING:
+    from grains.base import Grain
+
+G = TypeVar("G")
+
+# Methods of the base class that are lifecycle hooks or helpers, never remote.
+_NOT_REMOTE = frozenset({"on_activate", "on_deactivate", "receive_reminder"})
+
+
+class Caller(Protocol):
+    """What a reference sends its calls through."""
+
+    async def invoke(
+        self,
+        grain_id: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout_s: float | None,
+    ) -> Any: ...
+
+
+def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """The grain's remote interface: public coroutine functions not from ``Grain`` itself."""
+    from grains.base import Grain
+
+    base_names = set(dir(Grain))
+    out: dict[str, Callable[..., Any]] = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in _NOT_REMOTE or name in base_names:
+            continue
+        fn = getattr(cls, name, None)
+        if inspect.iscoroutinefunction(fn):
+            out[name] = fn
+    return out
+
+
+class GrainRef:
+    """Base of generated reference classes. Cheap, comparable, valid forever."""
+
+    __slots__ = ("_caller", "_grain_id", "_timeout_s")
+    _methods: frozenset[str] = frozenset()
+
+    def __init__(self, caller: Caller, grain_id: GrainId, timeout_s: float | None = None) -> None:
+        self._caller = caller
+        self._grain_id = grain_id
+        self._timeout_s = timeout_s
+
+    @property
+    def grain_id(self) -> GrainId:
+        return self._grain_id
+
+    @property
+    def key(self) -> str:
+        return self._grain_id.key
+
+    def with_timeout(self: G, timeout_s: float) -> G:
+        """The same reference with another call deadline."""
+        ref = type(self)(self._caller, self._grain_id, timeout_s)  # type: ignore[attr-defined]
+        return ref
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GrainRef) and other._grain_id == self._grain_id
+
+    def __hash__(self) -> int:
+        return hash(self._grain_id)
+
+    def __repr__(self) -> str:
+        return f"<GrainRef {self._grain_id}>"
+
+
+def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
+    async def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        return await self._caller.invoke(
+            self._grain_id, name, args, kwargs or None, self._timeout_s
+        )
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = doc
+    return call
+
+
+def build_ref_class(type_name: str, methods: Iterable[str], docs: dict[str, str | None] | None = None) -> type[GrainRef]:
+    names = sorted(methods)
+    ns: dict[str, Any] = {"__slots__": (), "_methods": frozenset(names)}
+    for name in names:
+        ns[name] = _remote_method(name, (docs or {}).get(name))
+    return type(f"{type_name}Ref", (GrainRef,), ns)
+
+
+def ref_class_for(cls: type[Grain]) -> type[GrainRef]:
+    """The reference class of a grain class, generated once and kept on the class."""
+    cached = cls.__dict__.get("__rg_ref_class__")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    from grains.placement import grain_options
+
+    methods = public_methods(cls)
+    ref_cls = build_ref_class(
+        grain_options(cls).type_name, methods, {n: f.__doc__ for n, f in methods.items()}
+    )
+    type.__setattr__(cls, "__rg_ref_class__", ref_cls)
+    return ref_cls

@@ -1,0 +1,493 @@
+"""Values to bytes and back: msgpack for the value tree, raw buffers for the bulk.
+
+``Codec.encode`` gives ``Encoded(meta, buffers)``: ``meta`` is msgpack with
+placeholders, ``buffers`` are memoryviews over the value's own memory (tensor
+storage, ndarray data, big bytes) so the transport can ``writelines`` them
+without a copy. ``pickle`` is never used: decoding builds only the types below
+and classes registered in a ``TypeRegistry``, and checks every size against the
+buffer before touching memory.
+
+msgpack ExtType codes (-1 is msgpack's own Timestamp)::
+
+    1  int outside int64/uint64   decimal ASCII
+    2  tuple                      msgpack array of items
+    3  set                        msgpack array of items
+    4  frozenset                  msgpack array of items
+    5  uuid.UUID                  16 raw bytes
+    6  datetime.datetime          ISO 8601 text (UTC offset kept, zone name not)
+    7  bytes, out of band         msgpack int: buffer index
+    8  torch.Tensor               msgpack [dtype name, shape, buffer index]
+    9  numpy.ndarray              msgpack [dtype.str, shape, buffer index]
+    10 registered model/dataclass msgpack [registered name, {field: value}]
+    11 registered Enum            msgpack [registered name, value]
+    12 GrainId                    msgpack [type_name, key]
+    13 SiloAddress                msgpack [host, port, generation]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import enum
+import inspect
+import math
+import re
+import struct
+import sys
+import types
+import typing
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, cast
+
+import msgpack
+from msgpack import ExtType
+from pydantic import BaseModel, ValidationError
+
+from grains.ids import GrainId, SiloAddress
+from silo.errors import CodecError, ConfigError
+
+__all__ = ["Codec", "Encoded", "TypeRegistry"]
+
+(_BIGINT, _TUPLE, _SET, _FROZENSET, _UUID, _DATETIME, _BYTES, _TENSOR, _NDARRAY,
+ _OBJECT, _ENUM, _GRAIN_ID, _SILO_ADDRESS) = range(1, 14)  # fmt: skip
+
+_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
+_PASS = frozenset({str, float, bool, type(None)})  # msgpack packs these as they are
+_TORCH_DTYPES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+# Plain fixed-size numpy kinds only: no object, no structured, no zero itemsize.
+_NP_DTYPE = re.compile(r"[<>|=]?[biufcmMSU][1-9][0-9]*(\[[0-9]*[a-zA-Z]+\])?")
+_MAX_DIMS = 64  # numpy's own limit; also keeps math.prod on hostile shapes cheap
+_BLOB_HEAD = struct.Struct("<BI")  # version, buffer count; then u64 lengths of meta, buffers
+_ID_FIELDS: dict[int, tuple[type, list[type]]] = {
+    _GRAIN_ID: (GrainId, [str, str]),
+    _SILO_ADDRESS: (SiloAddress, [str, int, int]),
+}
+_Encoder = Callable[[Any, list[memoryview]], Any]
+_unpackb = msgpack.unpackb
+
+
+def _ext(code: int, data: bytes) -> ExtType:
+    # ExtType.__new__ re-validates in Python (0.7 us); our codes and payloads are known good.
+    return tuple.__new__(ExtType, (code, data))
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    meta: bytes
+    buffers: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.meta) + sum(b.nbytes for b in self.buffers)
+
+
+def _qualname(cls: object) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+def _is_wire_class(cls: object) -> bool:
+    return isinstance(cls, type) and (
+        issubclass(cls, (BaseModel, enum.Enum)) or dataclasses.is_dataclass(cls)
+    )
+
+
+class TypeRegistry:
+    """Per-instance table of wire-visible types.
+
+    Never module-global: several silos share a process in tests, each with its own table.
+    """
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, type] = {}
+        self._by_class: dict[type, str] = {}
+
+    def register(self, cls: type, name: str | None = None) -> type:
+        if cls is GrainId or cls is SiloAddress:
+            return cls  # always known, under their own ext codes
+        if not _is_wire_class(cls):
+            raise ConfigError(f"cannot register {_qualname(cls)}: only pydantic models,"
+                              " dataclasses and Enums travel as registered types")  # fmt: skip
+        known = self._by_class.get(cls)
+        if known is not None and name in (None, known):
+            return cls
+        if known is not None:
+            raise ConfigError(f"{_qualname(cls)} is already registered as {known!r}, not {name!r}")
+        name = name or cls.__qualname__
+        if name in self._by_name:
+            raise ConfigError(f"wire type name {name!r} is taken by {_qualname(self._by_name[name])};"
+                              f" register {_qualname(cls)} with register(cls, name=...)")  # fmt: skip
+        self._by_name[name] = cls
+        self._by_class[cls] = name
+        return cls
+
+    def register_annotations(self, obj: object) -> None:
+        seen: set[int] = set()
+        if _is_wire_class(obj) or not isinstance(obj, type):
+            self._collect(obj, seen) if isinstance(obj, type) else self._collect_hints(obj, seen)
+            return
+        for attr in dir(obj):
+            if attr.startswith("_"):
+                continue
+            try:
+                member = getattr(obj, attr)
+            except Exception:  # noqa: BLE001, S112 - a descriptor may raise anything; skip it
+                continue
+            if attr == "State" and isinstance(member, type):
+                self._collect(member, seen)
+            elif callable(member) and not isinstance(member, type):
+                self._collect_hints(member, seen)
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def copy(self) -> TypeRegistry:
+        other = TypeRegistry()
+        other._by_name, other._by_class = dict(self._by_name), dict(self._by_class)
+        return other
+
+    def _collect_hints(self, obj: object, seen: set[int]) -> None:
+        for hint in _hints(getattr(obj, "__func__", obj)):
+            self._collect(hint, seen)
+
+    def _collect(self, tp: Any, seen: set[int]) -> None:
+        if id(tp) in seen:
+            return
+        seen.add(id(tp))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin is typing.Literal:
+            return
+        if origin is typing.Annotated:
+            args = args[:1]
+        elif origin is not None:
+            self._collect(origin, seen)  # a parametrised generic model or dataclass
+        for arg in args:
+            for a in arg if isinstance(arg, list) else (arg,):  # Callable[[A], B]
+                self._collect(a, seen)
+        if origin is not None or not _is_wire_class(tp) or tp in (GrainId, SiloAddress):
+            return
+        self.register(tp)
+        if issubclass(tp, BaseModel):
+            for field in tp.model_fields.values():
+                self._collect(field.annotation, seen)
+        elif dataclasses.is_dataclass(tp):
+            for hint in _hints(tp):
+                self._collect(hint, seen)
+
+
+def _hints(obj: Any) -> list[Any]:
+    with contextlib.suppress(Exception):  # one unresolvable hint spoils the lot: then go one by one
+        return list(typing.get_type_hints(obj, include_extras=True).values())
+    try:
+        annotations = inspect.get_annotations(obj)
+        module = sys.modules.get(obj.__module__) if isinstance(obj, type) else None
+        globalns = vars(module) if module else getattr(inspect.unwrap(obj), "__globals__", {})
+    except Exception:  # noqa: BLE001 - not a function or class after all
+        return []
+    found: list[Any] = []
+    for hint in annotations.values():
+        shim = types.SimpleNamespace(__annotations__={"h": hint}, __globals__=globalns)
+        with contextlib.suppress(Exception):
+            found.extend(typing.get_type_hints(shim, include_extras=True).values())
+    return found
+
+
+@cache
+def _torch_dtypes() -> dict[str, Any]:
+    import torch  # only when a tensor shows up: silos without tensors skip the import
+
+    found = {n: getattr(torch, n, None) for n in _TORCH_DTYPES}
+    return {n: d for n, d in found.items() if isinstance(d, torch.dtype)}
+
+
+@cache
+def _torch_names() -> dict[Any, str]:
+    return {d: n for n, d in _torch_dtypes().items()}
+
+
+class Codec:
+    def __init__(self, registry: TypeRegistry | None = None, *, oob_threshold: int = 65536) -> None:
+        self.registry = registry if registry is not None else TypeRegistry()
+        self.oob_threshold = oob_threshold
+        # Packers are shared, so no pack() may run Python code that lets another thread in
+        # mid-pack: the walker hands over only natives and ExtType, and the native fast path
+        # bails out through NoneType(x), a C callable that raises TypeError for any argument.
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack_native = msgpack.Packer(
+            use_bin_type=True, strict_types=True, default=type(None)
+        ).pack
+        pack, items = self._pack, self._items
+        self._encoders: dict[type, _Encoder] = {
+            set: lambda v, b: _ext(_SET, pack(items(v, b))),
+            frozenset: lambda v, b: _ext(_FROZENSET, pack(items(v, b))),
+            bytes: self._encode_bytes,
+            bytearray: self._encode_bytes,
+            memoryview: self._encode_bytes,
+            uuid.UUID: lambda v, b: _ext(_UUID, v.bytes),
+            dt.datetime: lambda v, b: _ext(_DATETIME, v.isoformat().encode()),
+            GrainId: lambda v, b: _ext(_GRAIN_ID, pack([v.type_name, v.key])),
+            SiloAddress: lambda v, b: _ext(_SILO_ADDRESS, pack([v.host, v.port, v.generation])),
+        }
+
+    # --- encode ---------------------------------------------------------------
+
+    def encode(self, value: object) -> Encoded:
+        # Most messages hold only natives (call args are a tuple of them): msgpack's C packer
+        # does those whole, 3x faster than the walker. Anything else bails out to the walker,
+        # as does a result big enough that it might hold bytes that belong out of band.
+        try:
+            if type(value) is tuple:
+                meta = self._pack(_ext(_TUPLE, self._pack_native(list(value))))
+            else:
+                meta = self._pack_native(value)
+            if len(meta) < self.oob_threshold:
+                return Encoded(meta, [])
+        except (TypeError, OverflowError, ValueError, BufferError):
+            pass
+        buffers: list[memoryview] = []
+        try:
+            meta = self._pack(self._walk(value, buffers))
+        except RecursionError as exc:
+            raise CodecError("value is nested too deeply (or contains itself)") from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise CodecError(f"cannot encode value: {exc}") from exc
+        return Encoded(meta, buffers)
+
+    def dumps(self, value: object) -> bytes:
+        enc = self.encode(value)
+        parts: list[bytes | memoryview] = [enc.meta, *enc.buffers]
+        lengths = struct.pack(f"<{len(parts)}Q", *(len(p) for p in parts))
+        return b"".join([_BLOB_HEAD.pack(1, len(enc.buffers)), lengths, *parts])
+
+    def _walk(self, v: Any, bufs: list[memoryview]) -> Any:
+        # Exact type checks keep subclasses (IntEnum, StrEnum, ...) off the native path.
+        t = type(v)
+        if t in _PASS:
+            return v
+        if t is int:
+            return v if _INT_MIN <= v <= _UINT_MAX else self._encode_bigint(v)
+        if t is list:
+            return self._items(v, bufs)
+        if t is tuple:
+            return _ext(_TUPLE, self._pack(self._items(v, bufs)))
+        if t is dict:
+            walk = self._walk
+            return {(k if type(k) in _PASS else walk(k, bufs)): (
+                x if type(x) in _PASS else walk(x, bufs)) for k, x in v.items()}  # fmt: skip
+        enc = self._encoders.get(t) or self._encoder_for(t, v)
+        return enc(v, bufs)
+
+    def _items(self, v: Any, bufs: list[memoryview]) -> list[Any]:
+        walk = self._walk  # skipping natives inline saves a call per element
+        return [x if type(x) in _PASS else walk(x, bufs) for x in v]
+
+    def _encoder_for(self, t: type, v: Any) -> _Encoder:
+        enc: _Encoder
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+        name = self.registry._by_class.get(t)
+        if name is not None:
+            enc = self._object_encoder(t, name)
+        elif torch is not None and isinstance(v, torch.Tensor):
+            enc = self._encode_tensor
+        elif np is not None and (t is np.ndarray or isinstance(v, np.memmap)):
+            enc = self._encode_ndarray
+        elif isinstance(v, dt.datetime):
+            enc = self._encoders[dt.datetime]
+        else:
+            raise CodecError(f"cannot encode a value of type {_qualname(t)}: register it with"
+                             " TypeRegistry.register (pydantic model, dataclass or Enum)"
+                             " or send a supported type")  # fmt: skip
+        self._encoders[t] = enc  # registrations only ever add, so a cached answer stays right
+        return enc
+
+    def _object_encoder(self, cls: type, name: str) -> _Encoder:
+        if issubclass(cls, enum.Enum):
+            return lambda v, b: _ext(_ENUM, self._pack([name, self._walk(v.value, b)]))
+        if issubclass(cls, BaseModel):
+            fields = tuple(cls.model_fields)
+        else:
+            fields = tuple(f.name for f in dataclasses.fields(cast(Any, cls)) if f.init)
+
+        def encode(v: Any, bufs: list[memoryview]) -> ExtType:
+            data = {f: self._walk(getattr(v, f), bufs) for f in fields}
+            extra = getattr(v, "__pydantic_extra__", None)
+            if extra:
+                data.update({k: self._walk(x, bufs) for k, x in extra.items()})
+            return _ext(_OBJECT, self._pack([name, data]))
+
+        return encode
+
+    def _encode_bigint(self, v: int) -> ExtType:
+        try:
+            return _ext(_BIGINT, str(v).encode())
+        except ValueError as exc:  # over sys.get_int_max_str_digits()
+            raise CodecError(f"int too large to encode: {exc}") from exc
+
+    def _out_of_band(self, code: int, header: Any, view: memoryview, bufs: list) -> ExtType:
+        bufs.append(view)
+        return _ext(code, self._pack([*header, len(bufs) - 1] if header else len(bufs) - 1))
+
+    def _encode_bytes(self, v: Any, bufs: list[memoryview]) -> Any:
+        view = memoryview(v)
+        if view.nbytes < self.oob_threshold:
+            return v if type(v) is not memoryview else view.tobytes()
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        return self._out_of_band(_BYTES, None, view.cast("B"), bufs)
+
+    def _encode_tensor(self, v: Any, bufs: list[memoryview]) -> ExtType:
+        import torch
+
+        t = v.detach()
+        name = _torch_names().get(t.dtype)
+        if name is None or t.layout != torch.strided or t.device.type == "meta":
+            raise CodecError(f"cannot encode a {t.dtype} tensor with layout {t.layout} on"
+                             f" {t.device}: only dense tensors of plain dtypes travel")  # fmt: skip
+        t = t.cpu().resolve_conj().resolve_neg().contiguous()  # each a no-op when not needed
+        # The numpy view holds the tensor, so its memory lives as long as the memoryview.
+        flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return self._out_of_band(_TENSOR, [name, list(t.shape)], flat, bufs)
+
+    def _encode_ndarray(self, v: Any, bufs: list[memoryview]) -> ExtType:
+        import numpy as np
+
+        if not _NP_DTYPE.fullmatch(v.dtype.str):
+            raise CodecError(f"cannot encode a numpy array of dtype {v.dtype}: object, structured"
+                             " and zero-size dtypes do not travel")  # fmt: skip
+        a = v if v.flags.c_contiguous else v.copy(order="C")
+        flat = memoryview(a.reshape(-1).view(np.uint8))
+        return self._out_of_band(_NDARRAY, [v.dtype.str, list(v.shape)], flat, bufs)
+
+    # --- decode ---------------------------------------------------------------
+
+    def decode(
+        self,
+        meta: bytes | bytearray | memoryview,
+        buffers: Sequence[bytearray | memoryview | bytes] = (),
+    ) -> Any:
+        def hook(code: int, data: bytes) -> Any:
+            return self._decode_ext(code, data, buffers, hook)
+
+        try:
+            return _unpackb(meta, ext_hook=hook, raw=False, strict_map_key=False)
+        except CodecError:
+            raise
+        except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, ...
+            raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+    def loads(self, data: bytes | bytearray | memoryview) -> Any:
+        view = memoryview(data).cast("B")
+        version, count = _BLOB_HEAD.unpack_from(view) if len(view) >= 5 else (0, 0)
+        start = _BLOB_HEAD.size + 8 * (count + 1)
+        if version != 1 or start > len(view):
+            raise CodecError(f"not a codec blob ({len(view)} bytes, version {version})")
+        lengths = struct.unpack_from(f"<{count + 1}Q", view, _BLOB_HEAD.size)
+        if start + sum(lengths) != len(view):
+            raise CodecError(f"blob holds {len(view) - start} bytes of payload but its header"
+                             f" describes {sum(lengths)}")  # fmt: skip
+        parts = []
+        for n in lengths:
+            parts.append(view[start : start + n])
+            start += n
+        return self.decode(parts[0], parts[1:])
+
+    def _unpack(self, data: bytes, hook: Any, kind: type = list) -> Any:
+        if hook is None:  # a header we wrote ourselves: natives only, ExtType stays inert
+            value = _unpackb(data, raw=False, strict_map_key=False)
+        else:
+            value = _unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)
+        if type(value) is not kind:
+            raise CodecError(f"ext payload should be a {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def _decode_ext(self, code: int, data: bytes, bufs: Sequence[Any], hook: Any) -> Any:
+        if code == _TUPLE:
+            return tuple(self._unpack(data, hook))
+        if code == _OBJECT or code == _ENUM:
+            items = self._unpack(data, hook)
+            if len(items) != 2 or type(items[0]) is not str:
+                raise CodecError("registered value should be [name: str, fields]")
+            return self._build(*items)
+        if code == _TENSOR or code == _NDARRAY:
+            return self._decode_array(data, bufs, tensor=code == _TENSOR)
+        if code == _BYTES:
+            return bytes(self._buffer(self._unpack(data, None, int), bufs, None))
+        if code == _SET or code == _FROZENSET:
+            return (set if code == _SET else frozenset)(self._unpack(data, hook))
+        if code == _UUID:
+            return uuid.UUID(bytes=data)
+        if code == _DATETIME:
+            return dt.datetime.fromisoformat(data.decode())
+        if code == _BIGINT:
+            return int(data.decode())  # at most 4300 digits: the interpreter's own limit
+        if code in _ID_FIELDS:
+            cls, kinds = _ID_FIELDS[code]
+            items = self._unpack(data, None)
+            if list(map(type, items)) != kinds:
+                raise CodecError(f"{cls.__name__} fields should be {kinds}, got {items!r:.200}")
+            return cls(*items)
+        raise CodecError(f"unknown ext type code {code}")
+
+    def _build(self, name: str, fields: Any) -> Any:
+        cls = self.registry._by_name.get(name)
+        if cls is None:
+            raise CodecError(f"unknown wire type {name!r}: register it in this codec's registry")
+        try:
+            if issubclass(cls, enum.Enum):
+                return cls(fields)
+            if type(fields) is not dict:
+                raise CodecError(f"fields of {name!r} should be a map")
+            if issubclass(cls, BaseModel):
+                return cls.model_validate(fields)  # keeps tensors and arrays as they are
+            return cls(**fields)
+        except ValidationError as exc:
+            raise CodecError(f"invalid {name!r} on the wire: {exc}") from exc
+        except (CodecError, RecursionError):
+            raise
+        except Exception as exc:  # Enum lookup, dataclass __init__ / __post_init__
+            raise CodecError(f"cannot build {name!r} from the wire: {exc!r}") from exc
+
+    @staticmethod
+    def _buffer(index: int, bufs: Sequence[Any], expected: int | None) -> memoryview:
+        if not 0 <= index < len(bufs):
+            raise CodecError(f"buffer index {index} out of range: message has {len(bufs)} buffers")
+        buf = memoryview(bufs[index]).cast("B")
+        if expected is not None and expected != buf.nbytes:
+            raise CodecError(f"array needs {expected} bytes, buffer {index} holds {buf.nbytes}")
+        return buf
+
+    def _decode_array(self, data: bytes, bufs: Sequence[Any], *, tensor: bool) -> Any:
+        header = self._unpack(data, None)
+        dtype_name, shape, index = header if len(header) == 3 else (None, None, None)
+        if not (type(dtype_name) is str and type(index) is int and type(shape) is list
+                and len(shape) <= _MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):  # fmt: skip
+            raise CodecError(f"array header should be [dtype: str, shape: up to {_MAX_DIMS} ints"
+                             f" >= 0, buffer index: int], got {header!r:.200}")  # fmt: skip
+        if tensor:
+            import torch
+
+            tdtype = _torch_dtypes().get(dtype_name)
+            if tdtype is None:
+                raise CodecError(f"unknown tensor dtype {dtype_name!r}")
+            buf = self._buffer(index, bufs, math.prod(shape) * tdtype.itemsize)
+            if not buf.nbytes:
+                return torch.empty(shape, dtype=tdtype)
+            if buf.readonly:  # torch.frombuffer warns on read-only memory
+                buf = memoryview(bytearray(buf))
+            return torch.frombuffer(buf, dtype=tdtype).view(shape)
+        import numpy as np
+
+        if not _NP_DTYPE.fullmatch(dtype_name):
+            raise CodecError(f"unknown or unsupported numpy dtype {dtype_name!r}")
+        ndtype = np.dtype(dtype_name)
+        buf = self._buffer(index, bufs, math.prod(shape) * ndtype.itemsize)
+        if not buf.nbytes:
+            return np.empty(shape, dtype=ndtype)
+        return np.frombuffer(buf, dtype=ndtype).reshape(shape)

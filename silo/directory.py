@@ -1,0 +1,312 @@
+"""The grain directory: which activation on which silo owns each grain.
+
+Register is one Lua script: if the entry is absent, or names a silo that is
+not alive in the membership table, write ours with a fresh fencing token
+(INCR) and return it; otherwise return the winner, and the caller forwards
+there. Unregister is compare-and-delete. A per-silo index set lets survivors
+purge a dead silo's entries in bulk (Orleans' Redis directory keeps such
+stale entries; see dotnet/orleans #7054).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from grains.ids import GrainId, SiloAddress
+from silo import errors
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+
+LIVE_STATUSES = ("Joining", "Active", "ShuttingDown")
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryEntry:
+    silo: SiloAddress
+    activation_id: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryStatistics:
+    registrations: int
+    """Register calls that won (a new activation owns its grain)."""
+    conflicts: int
+    """Register calls that lost to a live activation elsewhere."""
+    unregistrations: int
+    """Entries removed by their owner."""
+    purged: int
+    """Entries removed because their silo died."""
+    cache_size: int
+    """Lookups cached on this silo or client."""
+    cache_hits: int
+    cache_misses: int
+
+
+class GrainDirectory(Protocol):
+    async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry: ...
+
+    async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool: ...
+
+    async def lookup(self, grain: GrainId) -> DirectoryEntry | None: ...
+
+    async def purge_silo(self, silo: SiloAddress) -> int: ...
+
+    def cached(self, grain: GrainId) -> DirectoryEntry | None: ...
+
+    def invalidate(self, grain: GrainId) -> None: ...
+
+    def invalidate_silo(self, silo: SiloAddress) -> None: ...
+
+    def statistics(self) -> DirectoryStatistics: ...
+
+
+_REGISTER = """
+local cur = redis.call('HMGET', KEYS[1], 'silo', 'act', 'token')
+if cur[1] then
+  if cur[1] == ARGV[1] then return cur end
+  local row = redis.call('HGET', KEYS[2], cur[1])
+  if row then
+    local ok, m = pcall(cjson.decode, row)
+    if ok and (m['status'] == 'Joining' or m['status'] == 'Active' or m['status'] == 'ShuttingDown') then
+      return cur
+    end
+  end
+  redis.call('SREM', ARGV[4] .. cur[1], ARGV[3])
+end
+local token = redis.call('INCR', KEYS[3])
+redis.call('HSET', KEYS[1], 'silo', ARGV[1], 'act', ARGV[2], 'token', token)
+redis.call('SADD', KEYS[4], ARGV[3])
+return {ARGV[1], ARGV[2], tostring(token)}
+"""
+
+_UNREGISTER = """
+local act = redis.call('HGET', KEYS[1], 'act')
+if act == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+_PURGE = """
+local grains = redis.call('SMEMBERS', KEYS[1])
+local n = 0
+for _, g in ipairs(grains) do
+  local key = ARGV[2] .. g
+  if redis.call('HGET', key, 'silo') == ARGV[1] then
+    redis.call('DEL', key)
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[1])
+return n
+"""
+
+
+class _Cache:
+    """Bounded LRU of lookups; a misdirected call drops its entry."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[GrainId, DirectoryEntry] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, grain: GrainId) -> DirectoryEntry | None:
+        entry = self._entries.get(grain)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(grain)
+        return entry
+
+    def put(self, grain: GrainId, entry: DirectoryEntry) -> None:
+        self._entries[grain] = entry
+        self._entries.move_to_end(grain)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+    def drop(self, grain: GrainId) -> None:
+        self._entries.pop(grain, None)
+
+    def drop_silo(self, silo: SiloAddress) -> None:
+        for grain in [g for g, e in self._entries.items() if e.silo == silo]:
+            del self._entries[grain]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _entry(raw: Iterable[bytes | str | None]) -> DirectoryEntry | None:
+    silo, act, token = (x.decode() if isinstance(x, bytes) else x for x in raw)
+    if not silo or not act:
+        return None
+    return DirectoryEntry(SiloAddress.parse(silo), act, int(token or 0))
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.registrations = 0
+        self.conflicts = 0
+        self.unregistrations = 0
+        self.purged = 0
+
+
+class RedisGrainDirectory:
+    """The directory in Redis (Lua, fenced) with a local lookup cache."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, cache_size: int = 100_000) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._cache = _Cache(cache_size)
+        self._n = _Counters()
+        self._register = redis.register_script(_REGISTER)
+        self._unregister = redis.register_script(_UNREGISTER)
+        self._purge = redis.register_script(_PURGE)
+
+    async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
+        k = self._keys
+        g = str(grain)
+        with redis_errors("directory register"):
+            raw = await self._register(
+                keys=[k.directory_entry(g), k.members, k.fencing_counter, k.directory_index(str(silo))],
+                args=[str(silo), activation_id, g, k.directory_index("")],
+            )
+        entry = _entry(raw)
+        if entry is None:  # pragma: no cover - the script always returns a full entry
+            raise errors.StorageError(f"directory register for {g} returned {raw!r}")
+        if entry.activation_id == activation_id:
+            self._n.registrations += 1
+        else:
+            self._n.conflicts += 1
+        self._cache.put(grain, entry)
+        return entry
+
+    async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool:
+        g = str(grain)
+        self._cache.drop(grain)
+        with redis_errors("directory unregister"):
+            done = await self._unregister(
+                keys=[self._keys.directory_entry(g), self._keys.directory_index(str(silo))],
+                args=[activation_id, g],
+            )
+        if done:
+            self._n.unregistrations += 1
+        return bool(done)
+
+    async def lookup(self, grain: GrainId) -> DirectoryEntry | None:
+        with redis_errors("directory lookup"):
+            raw = await self._redis.hmget(self._keys.directory_entry(str(grain)), ["silo", "act", "token"])
+        entry = _entry(raw)
+        if entry is not None:
+            self._cache.put(grain, entry)
+        else:
+            self._cache.drop(grain)
+        return entry
+
+    async def purge_silo(self, silo: SiloAddress) -> int:
+        self._cache.drop_silo(silo)
+        with redis_errors("directory purge"):
+            n = int(
+                await self._purge(
+                    keys=[self._keys.directory_index(str(silo))],
+                    args=[str(silo), self._keys.directory_entry("")],
+                )
+            )
+        self._n.purged += n
+        return n
+
+    async def entries_of(self, silo: SiloAddress) -> list[GrainId]:
+        with redis_errors("directory index"):
+            members = await self._redis.smembers(self._keys.directory_index(str(silo)))
+        return [GrainId.parse(m.decode() if isinstance(m, bytes) else m) for m in members]
+
+    def cached(self, grain: GrainId) -> DirectoryEntry | None:
+        return self._cache.get(grain)
+
+    def invalidate(self, grain: GrainId) -> None:
+        self._cache.drop(grain)
+
+    def invalidate_silo(self, silo: SiloAddress) -> None:
+        self._cache.drop_silo(silo)
+
+    def statistics(self) -> DirectoryStatistics:
+        return DirectoryStatistics(
+            registrations=self._n.registrations,
+            conflicts=self._n.conflicts,
+            unregistrations=self._n.unregistrations,
+            purged=self._n.purged,
+            cache_size=len(self._cache),
+            cache_hits=self._cache.hits,
+            cache_misses=self._cache.misses,
+        )
+
+
+class InMemoryGrainDirectory:
+    """The same rules in a dict, for unit tests. ``is_alive`` plays the membership table."""
+
+    def __init__(self, is_alive: Callable[[SiloAddress], bool] = lambda s: True) -> None:
+        self._entries: dict[GrainId, DirectoryEntry] = {}
+        self._is_alive = is_alive
+        self._token = 0
+        self._cache = _Cache(100_000)
+        self._n = _Counters()
+        self.clock = time.monotonic
+
+    async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
+        cur = self._entries.get(grain)
+        if cur is not None and (cur.silo == silo or self._is_alive(cur.silo)):
+            self._n.conflicts += cur.activation_id != activation_id
+            return cur
+        self._token += 1
+        entry = DirectoryEntry(silo, activation_id, self._token)
+        self._entries[grain] = entry
+        self._n.registrations += 1
+        return entry
+
+    async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool:
+        cur = self._entries.get(grain)
+        if cur is not None and cur.activation_id == activation_id:
+            del self._entries[grain]
+            self._n.unregistrations += 1
+            return True
+        return False
+
+    async def lookup(self, grain: GrainId) -> DirectoryEntry | None:
+        return self._entries.get(grain)
+
+    async def purge_silo(self, silo: SiloAddress) -> int:
+        dead = [g for g, e in self._entries.items() if e.silo == silo]
+        for g in dead:
+            del self._entries[g]
+        self._n.purged += len(dead)
+        return len(dead)
+
+    def cached(self, grain: GrainId) -> DirectoryEntry | None:
+        return self._entries.get(grain)
+
+    def invalidate(self, grain: GrainId) -> None:
+        pass
+
+    def invalidate_silo(self, silo: SiloAddress) -> None:
+        pass
+
+    def statistics(self) -> DirectoryStatistics:
+        return DirectoryStatistics(
+            registrations=self._n.registrations,
+            conflicts=self._n.conflicts,
+            unregistrations=self._n.unregistrations,
+            purged=self._n.purged,
+            cache_size=len(self._entries),
+            cache_hits=0,
+            cache_misses=0,
+        )

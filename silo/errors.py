@@ -1,0 +1,201 @@
+"""The whole redgrain error tree.
+
+::
+
+    RedgrainError
+    ├── GrainCallError
+    │   ├── GrainTimeoutError        the call's deadline passed before an answer came
+    │   ├── RemoteGrainError         the grain method raised; carries type, message, traceback
+    │   ├── GrainDeactivatedError    the activation went away and the call could not be re-routed
+    │   ├── DeadlockError            a non-reentrant call chain came back to a grain already in it
+    │   ├── UnknownGrainError        no such grain type (or not allowed on this silo)
+    │   ├── UnknownMethodError       the grain type has no such public async method
+    │   └── OverloadedError          back-pressure: too many calls in flight or queued
+    ├── SiloError
+    │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
+    │   ├── SiloClosedError          we closed it: the local silo or client is stopping
+    │   ├── MembershipError          the membership table refused or lost us
+    │   └── AuthenticationError      the cluster secret did not match
+    ├── StorageError                 state could not be read or written (Redis down, slow)
+    │   └── StateConflictError       etag or fencing check failed
+    ├── CodecError                   bad frame / unknown type / oversized message
+    └── ConfigError                  bad settings, bad job spec, bad import path
+
+Errors are named for who is at fault: ``SiloClosedError`` means *we* closed
+it, ``SiloUnavailableError`` means the *peer* broke. Leaf classes build their
+own message from their fields.
+"""
+
+from __future__ import annotations
+
+
+class RedgrainError(Exception):
+    """Root of every error redgrain raises on purpose."""
+
+
+# --- calls -----------------------------------------------------------------
+
+
+class GrainCallError(RedgrainError):
+    """A grain call did not produce a result."""
+
+
+class GrainTimeoutError(GrainCallError):
+    def __init__(self, target: str = "", method: str = "", timeout_s: float = 0.0) -> None:
+        self.target = target
+        self.method = method
+        self.timeout_s = timeout_s
+        super().__init__(f"call {target}.{method} got no answer within {timeout_s:.3g}s")
+
+
+class RemoteGrainError(GrainCallError):
+    """A grain method raised; this carries what the remote side knew about it."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str = "") -> None:
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text
+        super().__init__(f"{type_name}: {message}")
+
+    def __str__(self) -> str:
+        text = f"{self.type_name}: {self.message}"
+        if self.traceback_text:
+            text += "\n--- remote traceback ---\n" + self.traceback_text.rstrip()
+        return text
+
+
+class GrainDeactivatedError(GrainCallError):
+    def __init__(self, target: str = "", reason: str = "") -> None:
+        self.target = target
+        self.reason = reason
+        super().__init__(f"activation of {target} went away ({reason}) and the call was not re-routed")
+
+
+class DeadlockError(GrainCallError):
+    def __init__(self, target: str = "", chain: list[str] | None = None) -> None:
+        self.target = target
+        self.chain = list(chain or [])
+        path = " -> ".join([*self.chain, target])
+        super().__init__(f"call chain would deadlock on non-reentrant grain {target}: {path}")
+
+
+class UnknownGrainError(GrainCallError):
+    def __init__(self, type_name: str = "", detail: str = "") -> None:
+        self.type_name = type_name
+        msg = f"unknown grain type {type_name!r}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class UnknownMethodError(GrainCallError):
+    def __init__(self, type_name: str = "", method: str = "") -> None:
+        self.type_name = type_name
+        self.method = method
+        super().__init__(f"grain type {type_name!r} has no public async method {method!r}")
+
+
+class OverloadedError(GrainCallError):
+    def __init__(self, what: str = "", limit: int = 0) -> None:
+        self.what = what
+        self.limit = limit
+        super().__init__(f"{what} is over its limit of {limit}; retry later")
+
+
+# --- silos -----------------------------------------------------------------
+
+
+class SiloError(RedgrainError):
+    """Something about a silo or a connection to one."""
+
+
+class SiloUnavailableError(SiloError):
+    """The peer broke: refused, reset, or declared dead. A call in flight may have run."""
+
+    def __init__(self, address: str = "", detail: str = "") -> None:
+        self.address = address
+        self.detail = detail
+        msg = f"silo {address} is unavailable" if address else "silo unavailable"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class SiloClosedError(SiloError):
+    """We closed it: the local silo, client or connection is shutting down."""
+
+    def __init__(self, what: str = "connection") -> None:
+        self.what = what
+        super().__init__(f"{what} is closed")
+
+
+class MembershipError(SiloError):
+    """The membership table refused us or declared us dead."""
+
+
+class AuthenticationError(SiloError):
+    def __init__(self, peer: str = "", detail: str = "cluster secret mismatch") -> None:
+        self.peer = peer
+        super().__init__(f"authentication with {peer or 'peer'} failed: {detail}")
+
+
+# --- storage ---------------------------------------------------------------
+
+
+class StorageError(RedgrainError):
+    """Grain state could not be read or written."""
+
+
+class StateConflictError(StorageError):
+    def __init__(self, grain: str = "", detail: str = "etag or fencing token mismatch") -> None:
+        self.grain = grain
+        self.detail = detail
+        super().__init__(f"state write for {grain} refused: {detail}")
+
+
+# --- the rest --------------------------------------------------------------
+
+
+class CodecError(RedgrainError):
+    """A frame or value could not be encoded or decoded."""
+
+
+class ConfigError(RedgrainError):
+    """Bad settings, a bad job spec or an import path that does not resolve."""
+
+
+# Wire codes for errors that cross the network as themselves rather than as
+# RemoteGrainError. The receiving side rebuilds the class from the code.
+WIRE_CODES: dict[str, type[RedgrainError]] = {
+    "timeout": GrainTimeoutError,
+    "deactivated": GrainDeactivatedError,
+    "deadlock": DeadlockError,
+    "unknown_grain": UnknownGrainError,
+    "unknown_method": UnknownMethodError,
+    "overloaded": OverloadedError,
+    "unavailable": SiloUnavailableError,
+    "closed": SiloClosedError,
+    "storage": StorageError,
+    "state_conflict": StateConflictError,
+    "codec": CodecError,
+    "config": ConfigError,
+    "auth": AuthenticationError,
+}
+CODE_OF: dict[type[RedgrainError], str] = {cls: code for code, cls in WIRE_CODES.items()}
+
+__all__ = [
+    "AuthenticationError",
+    "CodecError",
+    "ConfigError",
+    "DeadlockError",
+    "GrainCallError",
+    "GrainDeactivatedError",
+    "GrainTimeoutError",
+    "MembershipError",
+    "OverloadedError",
+    "RedgrainError",
+    "RemoteGrainError",
+    "SiloClosedError",
+    "SiloError",
+    "SiloUnavailableError",
+    "StateConflictError",
+    "StorageError",
+    "UnknownGrainError",
+    "UnknownMethodError",
+]

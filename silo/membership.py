@@ -1,0 +1,422 @@
+"""The membership table in Redis: silo rows, status changes, heartbeats, the view.
+
+Rows are JSON (so Lua scripts can read a status with cjson) in one hash,
+keyed by the silo's address ``host:port@generation``. Every status change is
+one Lua script that bumps a version counter and publishes it, so peers and
+clients re-read the table as soon as anything changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field, field_validator
+
+from grains.ids import SiloAddress
+from silo import errors
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+
+log = logging.getLogger("redgrain.membership")
+
+
+class SiloStatus(str, enum.Enum):
+    JOINING = "Joining"
+    ACTIVE = "Active"
+    SHUTTING_DOWN = "ShuttingDown"
+    DEAD = "Dead"
+
+
+LIVE = (SiloStatus.JOINING, SiloStatus.ACTIVE, SiloStatus.SHUTTING_DOWN)
+
+
+class SiloLoad(BaseModel):
+    """Load a silo publishes with each heartbeat, for resource-optimized placement."""
+
+    cpu_percent: float = 0.0
+    memory_percent: float = 0.0
+    activations: int = 0
+
+
+class MemberRow(BaseModel):
+    address: str
+    host: str
+    port: int
+    generation: int
+    status: SiloStatus = SiloStatus.JOINING
+    roles: list[str] = Field(default_factory=list)
+    grain_types: list[str] = Field(default_factory=list)
+    started: float = 0.0
+    heartbeat: float = 0.0
+    pid: int = 0
+    hostname: str = ""
+    load: SiloLoad = Field(default_factory=SiloLoad)
+
+    @field_validator("roles", "grain_types", mode="before")
+    @classmethod
+    def _empty_lua_table(cls, v: Any) -> Any:
+        # Lua's cjson cannot tell an empty array from an empty object: {} means [].
+        return [] if v == {} else v
+
+    @property
+    def silo(self) -> SiloAddress:
+        return SiloAddress(self.host, self.port, self.generation)
+
+
+class MembershipTable(Protocol):
+    async def new_generation(self) -> int: ...
+
+    async def join(self, row: MemberRow) -> int: ...
+
+    async def set_status(self, address: str, status: SiloStatus) -> int: ...
+
+    async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None: ...
+
+    async def read_all(self) -> tuple[int, dict[str, MemberRow]]: ...
+
+
+_SET_STATUS = """
+local row = redis.call('HGET', KEYS[1], ARGV[1])
+if not row then return -1 end
+local m = cjson.decode(row)
+if m['status'] == 'Dead' then return -2 end
+m['status'] = ARGV[2]
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+local v = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', KEYS[3], v)
+return v
+"""
+
+_JOIN = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local v = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', KEYS[3], v)
+return v
+"""
+
+_HEARTBEAT = """
+local row = redis.call('HGET', KEYS[1], ARGV[1])
+if not row then return 'Gone' end
+local m = cjson.decode(row)
+if m['status'] == 'Dead' then return 'Dead' end
+m['heartbeat'] = tonumber(ARGV[2])
+m['load'] = cjson.decode(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+return m['status']
+"""
+
+
+class RedisMembershipTable:
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._set_status = redis.register_script(_SET_STATUS)
+        self._join = redis.register_script(_JOIN)
+        self._heartbeat = redis.register_script(_HEARTBEAT)
+
+    @property
+    def _status_keys(self) -> list[str]:
+        k = self._keys
+        return [k.members, k.members_version, k.members_channel]
+
+    async def new_generation(self) -> int:
+        with redis_errors("membership generation"):
+            return int(await self._redis.incr(self._keys.generation))
+
+    async def join(self, row: MemberRow) -> int:
+        with redis_errors("membership join"):
+            return int(await self._join(keys=self._status_keys, args=[row.address, row.model_dump_json()]))
+
+    async def set_status(self, address: str, status: SiloStatus) -> int:
+        with redis_errors("membership status"):
+            v = int(await self._set_status(keys=self._status_keys, args=[address, status.value]))
+        if v == -1:
+            raise errors.MembershipError(f"silo {address} is not in the membership table")
+        if v == -2:
+            raise errors.MembershipError(f"silo {address} was declared dead")
+        return v
+
+    async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None:
+        with redis_errors("membership heartbeat"):
+            raw = await self._heartbeat(
+                keys=[self._keys.members], args=[address, repr(at), load.model_dump_json()]
+            )
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return None if text == "Gone" else SiloStatus(text)
+
+    async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
+        with redis_errors("membership read"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.get(self._keys.members_version)
+                pipe.hgetall(self._keys.members)
+                version, rows = await pipe.execute()
+        out: dict[str, MemberRow] = {}
+        for addr, raw in rows.items():
+            try:
+                row = MemberRow.model_validate_json(raw)
+            except ValueError:
+                log.warning("skipping unreadable membership row %r", addr)
+                continue
+            out[row.address] = row
+        return int(version or 0), out
+
+    async def remove(self, address: str) -> None:
+        """Forget a dead row (housekeeping; dead rows are kept a while for the dashboard)."""
+        with redis_errors("membership remove"):
+            await self._redis.hdel(self._keys.members, address)
+
+
+class InMemoryMembershipTable:
+    """The same table in a dict, for unit tests."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, MemberRow] = {}
+        self.version = 0
+        self._gen = 0
+
+    async def new_generation(self) -> int:
+        self._gen += 1
+        return self._gen
+
+    async def join(self, row: MemberRow) -> int:
+        self.rows[row.address] = row
+        self.version += 1
+        return self.version
+
+    async def set_status(self, address: str, status: SiloStatus) -> int:
+        row = self.rows.get(address)
+        if row is None:
+            raise errors.MembershipError(f"silo {address} is not in the membership table")
+        if row.status is SiloStatus.DEAD:
+            raise errors.MembershipError(f"silo {address} was declared dead")
+        self.rows[address] = row.model_copy(update={"status": status})
+        self.version += 1
+        return self.version
+
+    async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None:
+        row = self.rows.get(address)
+        if row is None:
+            return None
+        if row.status is not SiloStatus.DEAD:
+            self.rows[address] = row.model_copy(update={"heartbeat": at, "load": load})
+        return row.status
+
+    async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
+        return self.version, dict(self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipStatistics:
+    version: int
+    """Membership version this view last read."""
+    active: int
+    """Silos Active in the view."""
+    dead: int
+    """Silos Dead in the view."""
+    refreshes: int
+    """Times the table was re-read."""
+    members: dict[str, str] = field(default_factory=dict)
+    """Address -> status, as seen here."""
+
+
+class MembershipView:
+    """A silo's or client's picture of the table, kept fresh by pub/sub and polling."""
+
+    def __init__(
+        self,
+        table: MembershipTable,
+        *,
+        redis: aioredis.Redis | None = None,
+        keys: Keys | None = None,
+        refresh_s: float = 2.0,
+    ) -> None:
+        self._table = table
+        self._redis = redis
+        self._keys = keys
+        self._refresh_s = refresh_s
+        self.version = -1
+        self.rows: dict[str, MemberRow] = {}
+        self._silos: dict[SiloAddress, MemberRow] = {}
+        self._listeners: list[Callable[[dict[str, MemberRow], dict[str, MemberRow]], Any]] = []
+        self._unreachable_listeners: list[Callable[[SiloAddress], Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._refreshes = 0
+        self._changed = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    def hint_unreachable(self, silo: SiloAddress) -> None:
+        """A caller could not reach ``silo``: tell the failure detector (fast path)."""
+        if self.is_dead(silo):
+            return
+        for fn in self._unreachable_listeners:
+            try:
+                fn(silo)
+            except Exception:
+                log.exception("unreachable listener failed")
+
+    def on_unreachable(self, fn: Callable[[SiloAddress], Any]) -> None:
+        self._unreachable_listeners.append(fn)
+
+    def on_change(self, fn: Callable[[dict[str, MemberRow], dict[str, MemberRow]], Any]) -> None:
+        """``fn(old_rows, new_rows)`` after every refresh that changed a status."""
+        self._listeners.append(fn)
+
+    async def start(self) -> None:
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._poll_forever()))
+        if self._redis is not None and self._keys is not None:
+            self._tasks.append(loop.create_task(self._listen_forever()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            version, rows = await self._table.read_all()
+            self._refreshes += 1
+            old = self.rows
+            changed = version != self.version or {a: r.status for a, r in rows.items()} != {
+                a: r.status for a, r in old.items()
+            }
+            self.version = version
+            self.rows = rows
+            self._silos = {r.silo: r for r in rows.values()}
+        if changed:
+            for fn in self._listeners:
+                try:
+                    res = fn(old, rows)
+                    if asyncio.iscoroutine(res):
+                        await res
+                except Exception:
+                    log.exception("membership listener failed")
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await self.refresh()
+            except errors.StorageError as exc:
+                log.warning("membership refresh failed: %s", exc)
+
+    async def _listen_forever(self) -> None:
+        assert self._redis is not None and self._keys is not None
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._keys.members_channel)
+                while True:
+                    # Poll without blocking in redis-py: cancelling a blocked
+                    # read there can hang a stopping silo.
+                    msg = await pubsub.get_message(timeout=0)
+                    if msg is not None:
+                        await self.refresh()
+                    else:
+                        await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("membership subscription dropped: %s", exc)
+                await asyncio.sleep(self._refresh_s)
+            finally:
+                # Closing must not hold up a stopping silo.
+                close = asyncio.ensure_future(pubsub.aclose())
+                close.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    # --- queries -----------------------------------------------------------
+    def row(self, silo: SiloAddress) -> MemberRow | None:
+        return self._silos.get(silo)
+
+    def is_active(self, silo: SiloAddress) -> bool:
+        row = self._silos.get(silo)
+        return row is not None and row.status is SiloStatus.ACTIVE
+
+    def is_dead(self, silo: SiloAddress) -> bool:
+        row = self._silos.get(silo)
+        return row is None or row.status is SiloStatus.DEAD
+
+    def active(self) -> list[MemberRow]:
+        return sorted(
+            (r for r in self.rows.values() if r.status is SiloStatus.ACTIVE), key=lambda r: r.address
+        )
+
+    def hosting(self, type_name: str, role: str | None = None) -> list[MemberRow]:
+        """Active silos that host a grain type (and have a role, when asked)."""
+        return [
+            r
+            for r in self.active()
+            if type_name in r.grain_types and (role is None or role in r.roles)
+        ]
+
+    def statistics(self) -> MembershipStatistics:
+        statuses = [r.status for r in self.rows.values()]
+        return MembershipStatistics(
+            version=self.version,
+            active=statuses.count(SiloStatus.ACTIVE),
+            dead=statuses.count(SiloStatus.DEAD),
+            refreshes=self._refreshes,
+            members={a: r.status.value for a, r in self.rows.items()},
+        )
+
+
+
+class Heartbeat:
+    """Writes this silo's heartbeat and load; notices when the table says we are dead."""
+
+    def __init__(
+        self,
+        table: MembershipTable,
+        address: str,
+        interval_s: float,
+        load: Callable[[], SiloLoad],
+        on_dead: Callable[[], Any],
+        clock: Callable[[], float],
+    ) -> None:
+        self._table = table
+        self._address = address
+        self._interval_s = interval_s
+        self._load = load
+        self._on_dead = on_dead
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self.beats = 0
+        self.failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def beat(self) -> SiloStatus | None:
+        status = await self._table.heartbeat(self._address, self._clock(), self._load())
+        self.beats += 1
+        return status
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                status = await self.beat()
+            except errors.StorageError as exc:
+                self.failures += 1
+                log.warning("heartbeat failed: %s", exc)
+            else:
+                if status is None or status is SiloStatus.DEAD:
+                    log.error("membership says this silo (%s) is dead: stopping at once", self._address)
+                    res = self._on_dead()
+                    if asyncio.iscoroutine(res):
+                        await res
+                    return
+            await asyncio.sleep(self._interval_s)

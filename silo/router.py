@@ -1,0 +1,269 @@
+"""Outgoing calls: find where a grain lives and send the call there.
+
+Shared by silos and clients. The lookup order is: the local cache, the
+directory in Redis, then placement over the membership view. A call that
+could not be delivered (connection refused, silo dead) is retried against a
+fresh lookup; a call that was delivered and then lost its connection fails
+with SiloUnavailableError and is *not* retried, since the method may have run
+(at-most-once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+from grains.ids import GrainId, SiloAddress
+from grains.placement import Placement
+from silo import errors
+from silo.catalog import CALL_CHAIN
+from silo.directory import GrainDirectory
+from silo.keys import Keys
+from silo.membership import MembershipView
+from silo.placement import Placer
+from silo.redis_util import redis_errors
+from silo.transport import REQUEST, Transport
+
+log = logging.getLogger("redgrain.router")
+
+MAX_DELIVERY_ATTEMPTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TypeInfo:
+    """What a caller needs to route calls to a grain type."""
+
+    name: str
+    methods: frozenset[str]
+    placement: Placement
+    stateless_worker: int = 0
+
+
+class LocalDispatch(Protocol):
+    """A silo delivers calls to its own grains without the network."""
+
+    address: SiloAddress
+
+    async def dispatch(
+        self,
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> Any: ...
+
+
+class Manifests:
+    """Grain type manifests published by silos in Redis, cached."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._types: dict[str, TypeInfo] = {}
+        self._local: dict[str, TypeInfo] = {}
+
+    def add_local(self, info: TypeInfo) -> None:
+        self._local[info.name] = info
+
+    def get_nowait(self, name: str) -> TypeInfo | None:
+        return self._local.get(name) or self._types.get(name)
+
+    async def get(self, name: str) -> TypeInfo:
+        info = self.get_nowait(name)
+        if info is None:
+            await self.refresh()
+            info = self._types.get(name)
+        if info is None:
+            raise errors.UnknownGrainError(name, "no silo in the cluster hosts it")
+        return info
+
+    async def refresh(self) -> None:
+        with redis_errors("grain type manifests"):
+            raw = await self._redis.hgetall(self._keys.grain_types)
+        for name, text in raw.items():
+            m = json.loads(text)
+            n = name.decode() if isinstance(name, bytes) else name
+            self._types[n] = TypeInfo(
+                name=n,
+                methods=frozenset(m["methods"]),
+                placement=Placement(m["placement"], m.get("role")),
+                stateless_worker=int(m.get("stateless_worker", 0)),
+            )
+
+    def names(self) -> list[str]:
+        return sorted({*self._types, *self._local})
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    calls: int
+    """Calls sent by this router (local and remote)."""
+    local_calls: int
+    """Calls delivered to this silo's own grains without the network."""
+    retries: int
+    """Undelivered calls retried after a fresh lookup."""
+    placements: int
+    """Calls that placed a new activation."""
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        directory: GrainDirectory,
+        view: MembershipView,
+        manifests: Manifests,
+        placer: Placer,
+        call_timeout_s: float,
+        local: LocalDispatch | None = None,
+        cache_size: int = 100_000,
+    ) -> None:
+        self._transport = transport
+        self._directory = directory
+        self._view = view
+        self._manifests = manifests
+        self._placer = placer
+        self._timeout_s = call_timeout_s
+        self._local = local
+        self._where: OrderedDict[GrainId, SiloAddress] = OrderedDict()
+        self._cache_size = cache_size
+        self._calls = self._local_calls = self._retries = self._placements = 0
+        view.on_change(self._on_membership_change)
+
+    def set_local(self, local: LocalDispatch) -> None:
+        self._local = local
+
+    def _on_membership_change(self, old: dict[str, Any], new: dict[str, Any]) -> None:
+        for row in new.values():
+            if row.status.value == "Dead":
+                self.forget_silo(row.silo)
+
+    def forget_silo(self, silo: SiloAddress) -> None:
+        for grain in [g for g, s in self._where.items() if s == silo]:
+            del self._where[grain]
+        self._directory.invalidate_silo(silo)
+
+    def forget(self, grain: GrainId) -> None:
+        self._where.pop(grain, None)
+        self._directory.invalidate(grain)
+
+    def _remember(self, grain: GrainId, silo: SiloAddress) -> None:
+        self._where[grain] = silo
+        if len(self._where) > self._cache_size:
+            self._where.popitem(last=False)
+
+    async def locate(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+        if info.stateless_worker:
+            return self._place(grain, info)
+        silo = self._where.get(grain)
+        if silo is not None and not self._view.is_dead(silo):
+            return silo
+        entry = await self._directory.lookup(grain)
+        if entry is not None and not self._view.is_dead(entry.silo):
+            self._remember(grain, entry.silo)
+            return entry.silo
+        return self._place(grain, info)
+
+    def _place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+        self._placements += 1
+        local = self._local.address if self._local is not None else None
+        return self._placer.place(grain, info.placement, self._view.hosting(info.name), local)
+
+    # --- the Caller protocol used by GrainRef ------------------------------
+    async def invoke(
+        self,
+        grain_id: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout_s: float | None,
+    ) -> Any:
+        info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
+        if method not in info.methods:
+            raise errors.UnknownMethodError(grain_id.type_name, method)
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        chain = CALL_CHAIN.get()
+        self._calls += 1
+        last: Exception | None = None
+        for attempt in range(MAX_DELIVERY_ATTEMPTS):
+            if attempt:
+                self._retries += 1
+                # Give membership a moment to learn of the death we just saw.
+                await asyncio.sleep(min(0.05 * 2**attempt, max(0.0, deadline - loop.time())))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            target = await self.locate(grain_id, info)
+            if self._local is not None and target == self._local.address:
+                self._local_calls += 1
+                return await self._local.dispatch(grain_id, method, args, kwargs, deadline, chain, 0)
+            try:
+                conn = await self._transport.connect(target.endpoint)
+            except errors.SiloUnavailableError as exc:
+                # Not delivered: safe to retry elsewhere.
+                last = exc
+                self.forget_silo(target)
+                self._view.hint_unreachable(target)
+                continue
+            return await self.send(conn, grain_id, method, args, kwargs, remaining, chain, 0)
+        if last is not None:
+            raise last
+        raise errors.GrainTimeoutError(str(grain_id), method, timeout)
+
+    async def send(
+        self,
+        conn: Any,
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout_s: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> Any:
+        header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(chain), hops]
+        body = (args, kwargs) if kwargs else args
+        fut = conn.request(header, body, timeout_s, label=f"{grain}.{method}")
+        try:
+            return await fut
+        except errors.GrainTimeoutError as exc:
+            raise errors.GrainTimeoutError(str(grain), method, timeout_s) from exc
+
+    async def forward(
+        self,
+        target: SiloAddress,
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> Any:
+        """Relay a call that reached the wrong silo to the directory's winner."""
+        self._remember(grain, target)
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise errors.GrainTimeoutError(str(grain), method, 0.0)
+        conn = await self._transport.connect(target.endpoint)
+        return await self.send(conn, grain, method, args, kwargs, remaining, chain, hops)
+
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(
+            calls=self._calls, local_calls=self._local_calls, retries=self._retries, placements=self._placements
+        )
+
+

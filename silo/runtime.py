@@ -1,0 +1,109 @@
+"""Silo services a grain reaches through its activation: calls, threads, state, reminders."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from grains.base import Grain
+from grains.ids import GrainId
+from grains.placement import grain_options
+from grains.ref import GrainRef, build_ref_class, ref_class_for
+from silo import errors
+from silo.codec import Codec
+from silo.state import StateHandle
+from silo.storage import StateStore
+
+if TYPE_CHECKING:
+    from silo.catalog import Activation
+    from silo.router import Manifests, Router
+
+R = TypeVar("R")
+
+
+class RefFactory:
+    """Builds grain references for a caller; shared by the silo runtime and the client."""
+
+    def __init__(self, caller: Any, manifests: Manifests, codec: Codec) -> None:
+        self._caller = caller
+        self._manifests = manifests
+        self._codec = codec
+        self._by_name: dict[str, type[GrainRef]] = {}
+
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
+        if isinstance(grain, str):
+            ref_cls = self._by_name.get(grain)
+            if ref_cls is None:
+                info = self._manifests.get_nowait(grain)
+                if info is None:
+                    raise errors.UnknownGrainError(grain, "no silo has published it yet")
+                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods)
+            return ref_cls(self._caller, GrainId.of(grain, key))
+        if not (isinstance(grain, type) and issubclass(grain, Grain)):
+            raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")
+        name = grain_options(grain).type_name
+        if name not in self._by_name:
+            self._codec.registry.register_annotations(grain)
+            self._by_name[name] = ref_class_for(grain)
+        return self._by_name[name](self._caller, GrainId.of(name, key))
+
+
+class SiloRuntime:
+    """The ``Runtime`` of catalog.py for one silo."""
+
+    def __init__(
+        self,
+        *,
+        device: str,
+        refs: RefFactory,
+        store: StateStore,
+        codec: Codec,
+        threads: int,
+    ) -> None:
+        self.device = device
+        self._refs = refs
+        self._store = store
+        self._codec = codec
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
+        self._reminders: Any = None
+
+    def get_grain(self, grain: Any, key: Any) -> Any:
+        return self._refs.get_grain(grain, key)
+
+    async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+        loop = asyncio.get_running_loop()
+        call = functools.partial(fn, *args, **kwargs) if kwargs else functools.partial(fn, *args)
+        return await loop.run_in_executor(self._executor, call)
+
+    def set_reminders(self, reminders: Any) -> None:
+        self._reminders = reminders
+
+    def reminders(self) -> Any:
+        if self._reminders is None:
+            raise errors.ConfigError("reminders are not available on this silo")
+        return self._reminders
+
+    def state_handle(self, activation: Activation) -> StateHandle:
+        return StateHandle(activation, self._store, self._codec)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def resolve_device(setting: str) -> str:
+    """``auto`` picks cuda when torch sees a GPU, else cpu."""
+    if setting == "auto":
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+    if setting not in ("cpu", "cuda") and not setting.startswith("cuda:"):
+        raise errors.ConfigError(f"device must be auto, cpu or cuda, not {setting!r}")
+    return setting
+
+

@@ -1,0 +1,111 @@
+"""Settings: one pydantic-settings class, env prefix ``REDGRAIN_``, frozen, read once.
+
+Nested sections are plain models; each component receives only its own
+section. Environment variables use ``__`` between section and field, e.g.
+``REDGRAIN_MEMBERSHIP__HEARTBEAT_S=0.5``. Durations end in ``_s`` or ``_ms``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TransportSettings(_Section):
+    """TCP messaging between silos and clients."""
+
+    call_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a grain call.")
+    max_frame_bytes: int = Field(
+        1 << 30, gt=1024, description="Largest frame accepted; bigger ones are refused with CodecError."
+    )
+    max_in_flight: int = Field(
+        10_000, gt=0, description="Calls one connection may have outstanding before OverloadedError."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection.")
+    cluster_secret: SecretStr | None = Field(
+        None, description="Shared secret; when set every connection starts with an HMAC challenge."
+    )
+
+
+class MembershipSettings(_Section):
+    """Heartbeats and failure detection."""
+
+    heartbeat_s: float = Field(1.0, gt=0, description="How often a silo writes its heartbeat.")
+    suspect_after_s: float = Field(
+        3.0, gt=0, description="A heartbeat older than this makes peers probe the silo."
+    )
+    probe_timeout_s: float = Field(1.0, gt=0, description="Time a direct TCP probe may take.")
+    dead_after_s: float = Field(
+        4.0, gt=0, description="A suspected silo whose heartbeat stays stale this long is declared dead."
+    )
+    refresh_s: float = Field(
+        2.0, gt=0, description="Periodic membership re-read (pub/sub tells most changes sooner)."
+    )
+
+
+class CatalogSettings(_Section):
+    """Activations on one silo."""
+
+    idle_timeout_s: float = Field(
+        900.0, gt=0, description="Activations unused this long are collected (per type: @idle_timeout)."
+    )
+    collection_interval_s: float = Field(5.0, gt=0, description="How often idle activations are swept.")
+    max_queue: int = Field(
+        10_000, gt=0, description="Calls one activation may have queued before OverloadedError."
+    )
+    deactivation_timeout_s: float = Field(
+        10.0, gt=0, description="Time on_deactivate and draining may take."
+    )
+    thread_pool_size: int = Field(
+        2, gt=0, description="Threads for Grain.run_in_thread (CPU-heavy work off the event loop)."
+    )
+    slow_turn_ms: float = Field(100.0, gt=0, description="Watchdog: log any turn holding the loop longer.")
+
+
+class StorageSettings(_Section):
+    """Grain state in Redis."""
+
+    chunk_bytes: int = Field(8 << 20, gt=0, description="States bigger than this are written in chunks.")
+    retries: int = Field(3, ge=0, description="Retries of a state operation on a Redis error.")
+    retry_backoff_s: float = Field(0.1, gt=0, description="First backoff between retries (doubles).")
+
+
+class SiloSettings(BaseSettings):
+    """Everything a silo reads at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REDGRAIN_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the cluster state.")
+    cluster: str = Field("default", description="Cluster name; all keys live under rg:{cluster}:.")
+    host: str = Field("127.0.0.1", description="Address the silo binds and advertises.")
+    advertise_host: str | None = Field(None, description="Address peers use, when it differs from host.")
+    port: int = Field(0, ge=0, lt=65536, description="TCP port; 0 picks a free one.")
+    grains: tuple[str, ...] = Field(
+        (), description="Modules whose Grain classes this silo hosts (the allow-list)."
+    )
+    roles: tuple[str, ...] = Field((), description="Role labels for @silo_role placement.")
+    device: str = Field("auto", description="Torch device for training grains: auto, cpu or cuda.")
+    transport: TransportSettings = TransportSettings()
+    membership: MembershipSettings = MembershipSettings()
+    catalog: CatalogSettings = CatalogSettings()
+    storage: StorageSettings = StorageSettings()
+    stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
+
+
+class ClientSettings(BaseSettings):
+    """Everything a ClusterClient reads at connect."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REDGRAIN_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    cluster: str = "default"
+    transport: TransportSettings = TransportSettings()
+    membership: MembershipSettings = MembershipSettings()

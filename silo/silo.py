@@ -1,0 +1,251 @@
+"""A silo: wires the components together and starts and stops them in stages.
+
+Start: Redis → grain types → transport listener → generation and address →
+directory, membership, catalog → join as Joining → publish grain types →
+Active → heartbeats, idle collection, stats. Stop (graceful): ShuttingDown →
+deactivate every activation (queued calls re-routed to other silos) → Dead →
+close. A silo that finds itself declared Dead stops serving at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psutil
+
+from grains.base import DeactivationReason, Grain
+from grains.ids import SiloAddress
+from grains.placement import grain_options
+from silo import errors
+from silo.catalog import CallFilter, Catalog
+from silo.codec import Codec, TypeRegistry
+from silo.directory import RedisGrainDirectory
+from silo.dispatcher import Dispatcher
+from silo.grain_types import GrainTypes
+from silo.keys import Keys
+from silo.membership import Heartbeat, MemberRow, MembershipView, RedisMembershipTable, SiloLoad, SiloStatus
+from silo.placement import Placer
+from silo.redis_util import connect_redis, redis_errors
+from silo.router import Manifests, Router, TypeInfo
+from silo.runtime import RefFactory, SiloRuntime, resolve_device
+from silo.settings import SiloSettings
+from silo.stats import CallStats
+from silo.storage import RedisStateStore
+from silo.transport import Transport
+
+log = logging.getLogger("redgrain.silo")
+
+
+class Silo:
+    """One silo process (or several in one process, for tests)."""
+
+    def __init__(
+        self,
+        settings: SiloSettings | None = None,
+        *,
+        grains: Iterable[type[Grain]] = (),
+        filters: Iterable[CallFilter] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings or SiloSettings()
+        self._extra_classes = list(grains)
+        self._user_filters = list(filters)
+        self._clock = clock
+        self.keys = Keys(self.settings.cluster)
+        self.status = "created"
+        self.address: SiloAddress | None = None
+        self.stopped = asyncio.Event()
+        self._process = psutil.Process()
+        self._started_at = 0.0
+        self._background: list[Any] = []
+
+    # --- start -------------------------------------------------------------
+    async def start(self) -> Silo:
+        s = self.settings
+        self.redis = connect_redis(s.redis_url)
+        with redis_errors(f"connect to {s.redis_url}"):
+            await self.redis.ping()
+        self.types = GrainTypes.from_modules(s.grains) if s.grains else GrainTypes()
+        for cls in self._extra_classes:
+            self.types.add(cls)
+        if not self.types.names():
+            raise errors.ConfigError("a silo needs at least one grain class (--grains module)")
+        registry = TypeRegistry()
+        for cls in self.types.classes():
+            registry.register_annotations(cls)
+        self.codec = Codec(registry)
+        self.device = resolve_device(s.device)
+
+        self.transport = Transport(s.transport, self.codec)
+        port = await self.transport.listen(s.host, s.port)
+        self.table = RedisMembershipTable(self.redis, self.keys)
+        generation = await self.table.new_generation()
+        self.address = SiloAddress(s.advertise_host or _advertised(s.host), port, generation)
+
+        self.directory = RedisGrainDirectory(self.redis, self.keys)
+        self.view = MembershipView(self.table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
+        self.manifests = Manifests(self.redis, self.keys)
+        for name in self.types.names():
+            opts = self.types.options(name)
+            self.manifests.add_local(
+                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker)
+            )
+        self.router = Router(
+            transport=self.transport,
+            directory=self.directory,
+            view=self.view,
+            manifests=self.manifests,
+            placer=Placer(),
+            call_timeout_s=s.transport.call_timeout_s,
+        )
+        self.refs = RefFactory(self.router, self.manifests, self.codec)
+        self.store = RedisStateStore(self.redis, self.keys, s.storage)
+        self.runtime = SiloRuntime(
+            device=self.device, refs=self.refs, store=self.store, codec=self.codec, threads=s.catalog.thread_pool_size
+        )
+        self.call_stats = CallStats()
+        self.catalog = Catalog(
+            settings=s.catalog,
+            silo=self.address,
+            types=self.types,
+            directory=self.directory,
+            runtime=self.runtime,
+            filters=[self.call_stats, *self._user_filters],
+        )
+        self.dispatcher = Dispatcher(address=self.address, catalog=self.catalog, types=self.types, router=self.router)
+        self.router.set_local(self.dispatcher)
+        self.transport.set_handler(self.dispatcher.on_frame)
+
+        self._started_at = self._clock()
+        row = MemberRow(
+            address=str(self.address),
+            host=self.address.host,
+            port=self.address.port,
+            generation=generation,
+            status=SiloStatus.JOINING,
+            roles=list(s.roles) + (["gpu"] if self.device.startswith("cuda") and "gpu" not in s.roles else []),
+            grain_types=self.types.names(),
+            started=self._started_at,
+            heartbeat=self._started_at,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+        await self.table.join(row)
+        await self._publish_types()
+        await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
+        await self.view.start()
+        await self.manifests.refresh()
+        self.heartbeat = Heartbeat(
+            self.table,
+            str(self.address),
+            s.membership.heartbeat_s,
+            self._load,
+            self._on_declared_dead,
+            self._clock,
+        )
+        self.heartbeat.start()
+        self.catalog.start()
+        self._process.cpu_percent(None)  # prime: the first reading is meaningless
+        self.status = "active"
+        log.info("silo %s active, hosting %s", self.address, ", ".join(self.types.names()))
+        return self
+
+    async def _publish_types(self) -> None:
+        mapping = {name: json.dumps(self.types.manifest(name)) for name in self.types.names()}
+        with redis_errors("publish grain types"):
+            await self.redis.hset(self.keys.grain_types, mapping=mapping)
+
+    def _load(self) -> SiloLoad:
+        return SiloLoad(
+            cpu_percent=self._process.cpu_percent(None),
+            memory_percent=self._process.memory_percent(),
+            activations=len(self.catalog),
+        )
+
+    # --- stop --------------------------------------------------------------
+    async def stop(self, *, graceful: bool = True) -> None:
+        if self.status in ("stopping", "stopped", "dead"):
+            await self.stopped.wait()
+            return
+        self.status = "stopping"
+        addr = str(self.address)
+        try:
+            if graceful:
+                try:
+                    await self.table.set_status(addr, SiloStatus.SHUTTING_DOWN)
+                except errors.RedgrainError as exc:
+                    log.warning("could not mark %s ShuttingDown: %s", addr, exc)
+                await self.catalog.deactivate_all(DeactivationReason.SHUTDOWN)
+            await self.heartbeat.stop()
+            await self.catalog.stop()
+            try:
+                await self.table.set_status(addr, SiloStatus.DEAD)
+                await self.directory.purge_silo(self.address)  # type: ignore[arg-type]
+            except errors.RedgrainError as exc:
+                log.warning("could not mark %s Dead: %s", addr, exc)
+            await self.dispatcher.close()
+            await self.view.stop()
+            await self.transport.close()
+            self.runtime.shutdown()
+            await self.redis.aclose()
+        finally:
+            self.status = "stopped"
+            self.stopped.set()
+            log.info("silo %s stopped", addr)
+
+    def _on_declared_dead(self) -> None:
+        """Membership says we are dead: stop serving now, touch nothing in Redis."""
+        if self.status in ("dead", "stopped"):
+            return
+        self.status = "dead"
+        self.transport.abort_all()
+        self.catalog.drop_all_nowait()
+        self.dispatcher.closed = True
+        asyncio.get_running_loop().create_task(self._finish_dead())
+
+    async def _finish_dead(self) -> None:
+        await self.heartbeat.stop()
+        await self.catalog.stop()
+        await self.dispatcher.close()
+        await self.view.stop()
+        self.runtime.shutdown()
+        await self.redis.aclose()
+        self.stopped.set()
+
+    async def __aenter__(self) -> Silo:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- client-like access, for grains' callers inside the silo process ---
+    def get_grain(self, grain: Any, key: Any) -> Any:
+        return self.refs.get_grain(grain, key)
+
+    def statistics(self) -> dict[str, Any]:
+        """Every component's statistics(), for the stats publisher and the dashboard."""
+        return {
+            "transport": self.transport.statistics(),
+            "catalog": self.catalog.statistics(),
+            "directory": self.directory.statistics(),
+            "membership": self.view.statistics(),
+            "router": self.router.statistics(),
+            "dispatcher": self.dispatcher.statistics(),
+            "storage": self.store.statistics(),
+            "methods": self.call_stats.statistics(),
+        }
+
+
+def _advertised(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+

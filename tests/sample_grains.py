@@ -1,0 +1,179 @@
+"""Grains used by the test suite (imported by silo subprocesses too)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from grains import Grain, grain_type, interleave, reentrant, stateless_worker, deactivate_on
+
+
+class Echo(Grain):
+    async def echo(self, value: object) -> object:
+        return value
+
+    async def where(self) -> str:
+        return str(self.silo)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def sleep(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    async def tensor_sum(self, t: torch.Tensor) -> float:
+        return float(t.sum())
+
+    async def array_roundtrip(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+
+class Counter(Grain):
+    class State(BaseModel):
+        value: int = 0
+
+    async def add(self, n: int = 1) -> int:
+        self.state.value += n
+        await self.write_state()
+        return self.state.value
+
+    async def get(self) -> int:
+        return self.state.value
+
+
+class Sequencer(Grain):
+    """Records call order; `step` awaits so interleaving would show."""
+
+    def __init__(self) -> None:
+        self.log: list[int] = []
+        self.active = 0
+        self.max_active = 0
+
+    async def step(self, i: int) -> int:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        await asyncio.sleep(0)
+        self.log.append(i)
+        self.active -= 1
+        return i
+
+    async def history(self) -> list[int]:
+        return self.log
+
+    async def concurrency(self) -> int:
+        return self.max_active
+
+
+class PingPong(Grain):
+    """A calls B, B calls back A: a deadlock unless reentrant."""
+
+    async def ping(self, other: str, depth: int) -> int:
+        if depth == 0:
+            return 0
+        peer = self.get_grain(PingPong, other)
+        return 1 + await peer.ping(self.key, depth - 1)
+
+
+@reentrant
+class ReentrantPingPong(Grain):
+    async def ping(self, other: str, depth: int) -> int:
+        if depth == 0:
+            return 0
+        peer = self.get_grain(ReentrantPingPong, other)
+        return 1 + await peer.ping(self.key, depth - 1)
+
+
+class Relay(Grain):
+    """Calls another grain (possibly on another silo) and reports where both ran."""
+
+    async def relay(self, target_key: str, value: object) -> dict:
+        echo = self.get_grain(Echo, target_key)
+        return {"here": str(self.silo), "there": await echo.where(), "value": await echo.echo(value)}
+
+
+class Lifecycle(Grain):
+    """Counts its activations in a shared registry grain-free way: via state."""
+
+    class State(BaseModel):
+        activations: int = 0
+        deactivations: int = 0
+
+    async def on_activate(self) -> None:
+        self.state.activations += 1
+        await self.write_state()
+
+    async def on_deactivate(self, reason: object) -> None:
+        self.state.deactivations += 1
+        await self.write_state()
+
+    async def counts(self) -> tuple[int, int]:
+        return self.state.activations, self.state.deactivations
+
+    async def retire(self) -> None:
+        self.deactivate_on_idle()
+
+
+@grain_type("Renamed")
+class NamedGrain(Grain):
+    async def name(self) -> str:
+        return self.grain_id.type_name
+
+
+class Gate(Grain):
+    """`wait` blocks until `open` is called; `open` is @interleave so it gets in."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def wait(self) -> str:
+        await self.event.wait()
+        return "opened"
+
+    @interleave
+    async def open(self) -> None:
+        self.event.set()
+
+
+@deactivate_on(MemoryError)
+class Fragile(Grain):
+    def __init__(self) -> None:
+        self.generation = id(self)
+
+    async def ident(self) -> int:
+        return self.generation
+
+    async def oom(self) -> None:
+        raise MemoryError("pretend the GPU ran out of memory")
+
+
+@stateless_worker(max_local=4)
+class Worker(Grain):
+    async def work(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return self.activation_id
+
+
+class Ticker(Grain):
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.fired = asyncio.Event()
+
+    async def start(self, period_s: float) -> None:
+        async def tick() -> None:
+            self.ticks += 1
+            if self.ticks >= 3:
+                self.fired.set()
+
+        self.register_timer(tick, due_s=period_s, period_s=period_s)
+
+    async def wait_ticks(self) -> int:
+        await self.fired.wait()
+        return self.ticks
