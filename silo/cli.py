@@ -137,6 +137,9 @@ async def cmd_silo(args: argparse.Namespace) -> int:
         print(f"embedded Redis at {embedded.url}", flush=True)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    from silo.transport import retain_freed_memory
+
+    retain_freed_memory()
     silo = Silo(SiloSettings(**kw))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -66,6 +66,7 @@ _TORCH_DTYPES = (
 _NP_DTYPE = re.compile(r"[<>|=]?[biufcmMSU][1-9][0-9]*(\[[0-9]*[a-zA-Z]+\])?")
 _MAX_DIMS = 64  # numpy's own limit; also keeps math.prod on hostile shapes cheap
 _BLOB_HEAD = struct.Struct("<BI")  # version, buffer count; then u64 lengths of meta, buffers
+_BLOB_VERSION = 1
 _ID_FIELDS: dict[int, tuple[type, list[type]]] = {
     _GRAIN_ID: (GrainId, [str, str]),
     _SILO_ADDRESS: (SiloAddress, [str, int, int]),
@@ -130,8 +131,11 @@ class TypeRegistry:
 
     def register_annotations(self, obj: object) -> None:
         seen: set[int] = set()
-        if _is_wire_class(obj) or not isinstance(obj, type):
-            self._collect(obj, seen) if isinstance(obj, type) else self._collect_hints(obj, seen)
+        if not isinstance(obj, type):
+            self._collect_hints(obj, seen)
+            return
+        if _is_wire_class(obj):
+            self._collect(obj, seen)
             return
         for attr in dir(obj):
             if attr.startswith("_"):
@@ -171,7 +175,7 @@ class TypeRegistry:
         for arg in args:
             for a in arg if isinstance(arg, list) else (arg,):  # Callable[[A], B]
                 self._collect(a, seen)
-        if origin is not None or not _is_wire_class(tp) or tp in (GrainId, SiloAddress):
+        if origin is not None or not _is_wire_class(tp) or tp is GrainId or tp is SiloAddress:
             return
         self.register(tp)
         if issubclass(tp, BaseModel):
@@ -264,7 +268,7 @@ class Codec:
         enc = self.encode(value)
         parts: list[bytes | memoryview] = [enc.meta, *enc.buffers]
         lengths = struct.pack(f"<{len(parts)}Q", *(len(p) for p in parts))
-        return b"".join([_BLOB_HEAD.pack(1, len(enc.buffers)), lengths, *parts])
+        return b"".join([_BLOB_HEAD.pack(_BLOB_VERSION, len(enc.buffers)), lengths, *parts])
 
     def _walk(self, v: Any, bufs: list[memoryview]) -> Any:
         # Exact type checks keep subclasses (IntEnum, StrEnum, ...) off the native path.
@@ -384,9 +388,9 @@ class Codec:
 
     def loads(self, data: bytes | bytearray | memoryview) -> Any:
         view = memoryview(data).cast("B")
-        version, count = _BLOB_HEAD.unpack_from(view) if len(view) >= 5 else (0, 0)
+        version, count = _BLOB_HEAD.unpack_from(view) if len(view) >= _BLOB_HEAD.size else (0, 0)
         start = _BLOB_HEAD.size + 8 * (count + 1)
-        if version != 1 or start > len(view):
+        if version != _BLOB_VERSION or start > len(view):
             raise CodecError(f"not a codec blob ({len(view)} bytes, version {version})")
         lengths = struct.unpack_from(f"<{count + 1}Q", view, _BLOB_HEAD.size)
         if start + sum(lengths) != len(view):
@@ -418,7 +422,7 @@ class Codec:
         if code == _TENSOR or code == _NDARRAY:
             return self._decode_array(data, bufs, tensor=code == _TENSOR)
         if code == _BYTES:
-            return bytes(self._buffer(self._unpack(data, None, int), bufs, None))
+            return bytes(self._buffer(self._unpack(data, None, int), bufs))
         if code == _SET or code == _FROZENSET:
             return (set if code == _SET else frozenset)(self._unpack(data, hook))
         if code == _UUID:
@@ -455,12 +459,18 @@ class Codec:
             raise CodecError(f"cannot build {name!r} from the wire: {exc!r}") from exc
 
     @staticmethod
-    def _buffer(index: int, bufs: Sequence[Any], expected: int | None) -> memoryview:
+    def _buffer(index: int, bufs: Sequence[Any]) -> memoryview:
         if not 0 <= index < len(bufs):
             raise CodecError(f"buffer index {index} out of range: message has {len(bufs)} buffers")
-        buf = memoryview(bufs[index]).cast("B")
-        if expected is not None and expected != buf.nbytes:
-            raise CodecError(f"array needs {expected} bytes, buffer {index} holds {buf.nbytes}")
+        return memoryview(bufs[index]).cast("B")
+
+    def _sized_buffer(
+        self, index: int, bufs: Sequence[Any], shape: list, size: int, dtype: str
+    ) -> memoryview:
+        buf = self._buffer(index, bufs)
+        if math.prod(shape) * size != buf.nbytes:
+            raise CodecError(f"{dtype} array of shape {shape} needs {math.prod(shape) * size}"
+                             f" bytes, buffer {index} holds {buf.nbytes}")  # fmt: skip
         return buf
 
     def _decode_array(self, data: bytes, bufs: Sequence[Any], *, tensor: bool) -> Any:
@@ -476,7 +486,7 @@ class Codec:
             tdtype = _torch_dtypes().get(dtype_name)
             if tdtype is None:
                 raise CodecError(f"unknown tensor dtype {dtype_name!r}")
-            buf = self._buffer(index, bufs, math.prod(shape) * tdtype.itemsize)
+            buf = self._sized_buffer(index, bufs, shape, tdtype.itemsize, dtype_name)
             if not buf.nbytes:
                 return torch.empty(shape, dtype=tdtype)
             if buf.readonly:  # torch.frombuffer warns on read-only memory
@@ -487,7 +497,7 @@ class Codec:
         if not _NP_DTYPE.fullmatch(dtype_name):
             raise CodecError(f"unknown or unsupported numpy dtype {dtype_name!r}")
         ndtype = np.dtype(dtype_name)
-        buf = self._buffer(index, bufs, math.prod(shape) * ndtype.itemsize)
+        buf = self._sized_buffer(index, bufs, shape, ndtype.itemsize, dtype_name)
         if not buf.nbytes:
             return np.empty(shape, dtype=ndtype)
         return np.frombuffer(buf, dtype=ndtype).reshape(shape)

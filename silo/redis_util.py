@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from silo import errors
 
@@ -24,10 +26,16 @@ def redis_errors(what: str) -> Iterator[None]:
 
 def connect_redis(url: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
     """An asyncio Redis client with bounded timeouts (a hung Redis must not hang a silo)."""
-    return aioredis.Redis.from_url(
+    # A blocking pool: a burst of calls waits for a connection instead of
+    # failing with "Too many connections".
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=64,
+        timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         health_check_interval=30,
-        retry_on_timeout=False,
     )
+    # redis-py 8 retries 10 times with backoff by default; a silo must notice
+    # a dead Redis in bounded time, and storage does its own bounded retries.
+    return aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 1))

@@ -137,6 +137,7 @@ class Router:
         self._timeout_s = call_timeout_s
         self._local = local
         self._where: OrderedDict[GrainId, SiloAddress] = OrderedDict()
+        self._locating: dict[GrainId, asyncio.Future[SiloAddress]] = {}
         self._cache_size = cache_size
         self._calls = self._local_calls = self._retries = self._placements = 0
         view.on_change(self._on_membership_change)
@@ -165,20 +166,46 @@ class Router:
 
     async def locate(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
         if info.stateless_worker:
-            return self._place(grain, info)
+            return await self._place(grain, info)
         silo = self._where.get(grain)
         if silo is not None and not self._view.is_dead(silo):
             return silo
+        # One lookup per grain at a time: a burst of first calls shares it,
+        # and keeps its send order.
+        pending = self._locating.get(grain)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[SiloAddress] = asyncio.get_running_loop().create_future()
+        self._locating[grain] = fut
+        try:
+            silo = await self._lookup_or_place(grain, info)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise
+        finally:
+            self._locating.pop(grain, None)
+        fut.set_result(silo)
+        return silo
+
+    async def _lookup_or_place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
         entry = await self._directory.lookup(grain)
         if entry is not None and not self._view.is_dead(entry.silo):
             self._remember(grain, entry.silo)
             return entry.silo
-        return self._place(grain, info)
+        silo = await self._place(grain, info)
+        self._remember(grain, silo)
+        return silo
 
-    def _place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+    async def _place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
         self._placements += 1
         local = self._local.address if self._local is not None else None
-        return self._placer.place(grain, info.placement, self._view.hosting(info.name), local)
+        candidates = self._view.hosting(info.name)
+        if not candidates:
+            # Our view may predate the silos that host this type: read it again once.
+            await self._view.refresh()
+            candidates = self._view.hosting(info.name)
+        return self._placer.place(grain, info.placement, candidates, local)
 
     # --- the Caller protocol used by GrainRef ------------------------------
     async def invoke(

@@ -19,17 +19,21 @@ other frame is accepted.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
+import heapq
 import hmac
 import itertools
 import logging
 import os
 import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
+import numpy as np
 
 from silo import errors
 from silo.codec import Codec, Encoded
@@ -47,6 +51,7 @@ _STAGING = 256 * 1024
 # Buffers at least this big are received straight into their own bytearray.
 _DIRECT = 64 * 1024
 _PRE_AUTH_MAX = 4096
+_SLICE = 1 << 20
 _packb = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
 
@@ -55,7 +60,7 @@ _unpackb = msgpack.unpackb
 class Frame:
     header: list[Any]
     meta: bytes
-    buffers: list[bytearray]
+    buffers: list[bytearray | memoryview]
 
 
 class RequestHandler(Protocol):
@@ -151,9 +156,15 @@ class Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_event_loop()
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Any], asyncio.TimerHandle | None, str]] = {}
-        self._out: list[bytes | memoryview] = []
+        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        # One timer for the earliest deadline instead of one per request:
+        # a libuv/asyncio timer per call costs more than the call itself.
+        self._deadlines: list[tuple[float, int]] = []
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_at = float("inf")
+        self._out: deque[bytes | memoryview] = deque()
         self._flush_scheduled = False
+        self._big: asyncio.Task[None] | None = None
         self._paused: asyncio.Future[None] | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
         self.closed = False
@@ -171,14 +182,13 @@ class Connection(asyncio.BufferedProtocol):
         self._header: list[Any] = []
         self._meta = b""
         self._lens: list[int] = []
-        self._bufs: list[bytearray] = []
+        self._bufs: list[bytearray | memoryview] = []
         self._direct: memoryview | None = None
         self._direct_pos = 0
 
     # --- asyncio protocol --------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._n.connections_opened += 1
@@ -194,12 +204,15 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = True
         self._direct = None
         err = errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
-        for fut, timer, _ in self._pending.values():
-            if timer is not None:
-                timer.cancel()
+        for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
+        self._deadlines.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._big is not None:
+            self._big.cancel()
         if not self.ready.done():
             self.ready.set_exception(err)
             self.ready.exception()
@@ -286,13 +299,15 @@ class Connection(asyncio.BufferedProtocol):
                 size = self._lens[len(self._bufs)]
                 avail = self._end - self._start
                 if size >= _DIRECT or size > avail:
-                    target = bytearray(size)
+                    # np.empty: no zero-fill, and with retain_freed_memory() no
+                    # fresh page faults either; the codec wraps it as a tensor.
+                    target = memoryview(np.empty(size, np.uint8)) if size else memoryview(bytearray())
                     take = min(avail, size)
                     target[:take] = self._view[self._start : self._start + take]
                     self._start += take
                     self._bufs.append(target)
                     if take < size:
-                        self._direct = memoryview(target)
+                        self._direct = target
                         self._direct_pos = take
                         return
                 else:
@@ -400,9 +415,7 @@ class Connection(asyncio.BufferedProtocol):
         entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
         if entry is None:
             return  # answered after its deadline: the caller already gave up
-        fut, timer, _ = entry
-        if timer is not None:
-            timer.cancel()
+        fut, _ = entry
         if fut.done():
             return
         kind = frame.header[0]
@@ -444,10 +457,36 @@ class Connection(asyncio.BufferedProtocol):
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Write queued frames; hand big buffers to a task that writes them in slices."""
         self._flush_scheduled = False
-        if self._out and self._transport is not None and not self.closed:
-            out, self._out = self._out, []
-            self._transport.writelines(out)
+        if self._big is not None or self._transport is None or self.closed:
+            return
+        batch: list[bytes | memoryview] = []
+        while self._out:
+            part = self._out.popleft()
+            if len(part) > _SLICE and isinstance(part, memoryview):
+                if batch:
+                    self._transport.writelines(batch)
+                self._big = self._loop.create_task(self._write_big(part.cast("B")))
+                return
+            batch.append(part)
+        if batch:
+            self._transport.writelines(batch)
+
+    async def _write_big(self, part: memoryview) -> None:
+        # Writing a huge buffer at once makes asyncio copy the unsent rest and
+        # then memmove it down after every send (quadratic); slices keep each
+        # copy small and let the kernel take the rest zero-copy.
+        try:
+            for off in range(0, part.nbytes, _SLICE):
+                if self.closed or self._transport is None:
+                    return
+                self._transport.write(part[off : off + _SLICE])
+                if self._paused is not None and not self._paused.done():
+                    await self._paused
+        finally:
+            self._big = None
+        self._flush()
 
     async def drain(self) -> None:
         """Wait while the kernel's send buffer is full (back-pressure for big tensors)."""
@@ -466,26 +505,51 @@ class Connection(asyncio.BufferedProtocol):
         header[1] = req_id
         encoded = self.codec.encode(body)
         fut: asyncio.Future[Any] = self._loop.create_future()
-        timer = (
-            self._loop.call_later(timeout_s, self._expire, req_id) if timeout_s is not None else None
-        )
-        self._pending[req_id] = (fut, timer, label)
+        self._pending[req_id] = (fut, label)
+        if timeout_s is not None:
+            self._arm(req_id, timeout_s)
         self._send_frame(header, encoded)
         return fut
 
     def ping(self, timeout_s: float) -> asyncio.Future[Any]:
         req_id = next(self._ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
-        timer = self._loop.call_later(timeout_s, self._expire, req_id)
-        self._pending[req_id] = (fut, timer, "ping")
+        self._pending[req_id] = (fut, "ping")
+        self._arm(req_id, timeout_s)
         self._send_frame([PING, req_id])
         return fut
+
+    def _arm(self, req_id: int, timeout_s: float) -> None:
+        at = self._loop.time() + timeout_s
+        heapq.heappush(self._deadlines, (at, req_id))
+        if at < self._sweep_at:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._sweep_at = at
+            self._sweeper = self._loop.call_at(at, self._sweep)
+        if len(self._deadlines) > 2 * len(self._pending) + 1024:
+            # Drop entries of answered requests so the heap stays proportional.
+            self._deadlines = [d for d in self._deadlines if d[1] in self._pending]
+            heapq.heapify(self._deadlines)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self._sweep_at = float("inf")
+        now = self._loop.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, req_id = heapq.heappop(self._deadlines)
+            self._expire(req_id)
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            self._sweep_at = self._deadlines[0][0]
+            self._sweeper = self._loop.call_at(self._sweep_at, self._sweep)
 
     def _expire(self, req_id: int) -> None:
         entry = self._pending.pop(req_id, None)
         if entry is None:
             return
-        fut, _, label = entry
+        fut, label = entry
         if not fut.done():
             target, _, method = label.rpartition(".")
             fut.set_exception(errors.GrainTimeoutError(target, method, 0.0))
@@ -525,6 +589,23 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+def retain_freed_memory() -> bool:
+    """Ask glibc to keep freed large blocks instead of returning them to the OS.
+
+    Every received tensor needs a fresh buffer; by default glibc serves big
+    ones with mmap and unmaps them on free, so each 64 MB message pays ~16k
+    page faults (30-50 ms here, more than the copy itself). Keeping the heap
+    lets the next message reuse the pages. Called by silo processes; clients
+    may opt in. Returns False where glibc's mallopt is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31))
+    except (OSError, AttributeError):
+        return False
 
 
 class Transport:

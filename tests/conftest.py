@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from silo.embedded import RedisServer
+from silo.settings import MembershipSettings, SiloSettings
+from silo.silo import Silo
+from silo.client import ClusterClient
+from tests.helpers import SiloProcess
+
+_cluster_names = itertools.count()
+
+# Fast failure detection for tests; the defaults are in silo/settings.py.
+FAST_MEMBERSHIP = MembershipSettings(
+    heartbeat_s=0.2, suspect_after_s=0.8, probe_timeout_s=0.3, dead_after_s=1.2, refresh_s=0.5
+)
+FAST_ENV = {
+    "REDGRAIN_MEMBERSHIP__HEARTBEAT_S": "0.2",
+    "REDGRAIN_MEMBERSHIP__SUSPECT_AFTER_S": "0.8",
+    "REDGRAIN_MEMBERSHIP__PROBE_TIMEOUT_S": "0.3",
+    "REDGRAIN_MEMBERSHIP__DEAD_AFTER_S": "1.2",
+    "REDGRAIN_MEMBERSHIP__REFRESH_S": "0.5",
+}
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +54,64 @@ def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of the test's own, with AOF in tmp_path: kill and restart it freely."""
     with RedisServer(appendonly=True, data_dir=tmp_path / "redis") as server:
         yield server
+
+
+@pytest.fixture
+def cluster_name(request: pytest.FixtureRequest) -> str:
+    return f"t{next(_cluster_names)}-{request.node.name[:40]}"
+
+
+@pytest.fixture
+async def cluster(
+    redis_url: str, cluster_name: str
+) -> AsyncIterator[Callable[..., Awaitable[list[Silo]]]]:
+    """``await cluster(n, **settings)``: n silos in this process, stopped after the test."""
+    silos: list[Silo] = []
+
+    async def start(n: int = 1, **overrides: Any) -> list[Silo]:
+        new = []
+        for _ in range(n):
+            kw: dict[str, Any] = {
+                "redis_url": redis_url,
+                "cluster": cluster_name,
+                "grains": ("tests.sample_grains",),
+                "membership": FAST_MEMBERSHIP,
+            }
+            kw.update(overrides)
+            silo = await Silo(SiloSettings(**kw)).start()
+            silos.append(silo)
+            new.append(silo)
+        return new
+
+    yield start
+    for silo in reversed(silos):
+        await silo.stop(graceful=False)
+
+
+@pytest.fixture
+async def client(redis_url: str, cluster_name: str) -> AsyncIterator[ClusterClient]:
+    c = await ClusterClient.connect(redis_url, cluster=cluster_name)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def silo_processes(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> Iterator[Callable[..., list[SiloProcess]]]:
+    """``silo_processes(n)``: n real silo subprocesses (fast failure detection), all stopped after."""
+    procs: list[SiloProcess] = []
+
+    def start(n: int = 1, **kw: Any) -> list[SiloProcess]:
+        env = {**FAST_ENV, **kw.pop("env", {})}
+        new = [SiloProcess(redis_url, cluster_name, tmp_path, env=env, **kw) for _ in range(n)]
+        for p in new:
+            procs.append(p)
+            p.start()
+        return new
+
+    yield start
+    for p in procs:
+        if p.alive():
+            p.resume() if p.proc else None
+            p.kill()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from grains import Grain, grain_type, interleave, reentrant, stateless_worker, deactivate_on
+from grains import Grain, deactivate_on, grain_type, interleave, random_placement, reentrant, stateless_worker
 
 
 class Echo(Grain):
@@ -91,11 +91,16 @@ class ReentrantPingPong(Grain):
         return 1 + await peer.ping(self.key, depth - 1)
 
 
+@random_placement
+class RandomEcho(Echo):
+    """An Echo placed at random, so tests can spread grains over silos."""
+
+
 class Relay(Grain):
     """Calls another grain (possibly on another silo) and reports where both ran."""
 
     async def relay(self, target_key: str, value: object) -> dict:
-        echo = self.get_grain(Echo, target_key)
+        echo = self.get_grain(RandomEcho, target_key)
         return {"here": str(self.silo), "there": await echo.where(), "value": await echo.echo(value)}
 
 
@@ -174,6 +179,7 @@ class Ticker(Grain):
 
         self.register_timer(tick, due_s=period_s, period_s=period_s)
 
+    @interleave  # waiting must not hold the turn the timer callbacks need
     async def wait_ticks(self) -> int:
         await self.fired.wait()
         return self.ticks
