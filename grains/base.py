@@ -18,8 +18,9 @@ calls :meth:`Grain.on_activate`. Users never construct grains themselves.
 
 from __future__ import annotations
 
+import asyncio
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
@@ -95,6 +96,15 @@ class Grain:
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         """Run CPU-heavy ``fn`` on the silo's bounded executor, keeping the loop free."""
         return await self._rg_activation.runtime.run_in_thread(fn, *args, **kwargs)
+
+    def start_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background, owned by this activation.
+
+        The task does not hold the turn (other calls keep being served) and is
+        cancelled when the activation deactivates, before ``on_deactivate``.
+        Use it for long-running loops such as a training job's driver.
+        """
+        return self._rg_activation.start_task(coro, name=name)
 
     # --- timers ------------------------------------------------------------
     def register_timer(

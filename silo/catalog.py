@@ -16,7 +16,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -154,6 +154,7 @@ class Activation:
         """Fencing token the directory handed this activation."""
         self.status = "activating"
         self.timers: set[Timer] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
         self.instance: Grain = cls.__new__(cls)
         self.instance._rg_activation = self
         self._catalog = catalog
@@ -316,6 +317,27 @@ class Activation:
             self._deactivate_reason = reason
         if not self._running:
             self._catalog.schedule_deactivation(self, reason)
+
+    def start_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        if self.status not in ("active", "activating"):
+            coro.close()
+            raise errors.GrainDeactivatedError(self.grain_key, "cannot start a task on an inactive activation")
+        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.grain_key} task")
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: background task %s failed", self.grain_key, task.get_name(), exc_info=task.exception())
+
+    async def cancel_tasks(self) -> None:
+        tasks = list(self.tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def register_timer(
         self,
@@ -515,6 +537,7 @@ class Catalog:
         for timer in list(act.timers):
             timer.cancel()
         queued = act.take_queued()
+        await act.cancel_tasks()
         timeout = self.settings.deactivation_timeout_s
         if not await act.wait_idle(timeout):
             log.warning("%s: turns still running after %.1fs; deactivating anyway", act.grain_key, timeout)
@@ -566,6 +589,8 @@ class Catalog:
             for inv in list(act._running):
                 if inv.task is not None:
                     inv.task.cancel()
+            for task in list(act.tasks):
+                task.cancel()
         self._activations.clear()
         self._workers.clear()
 
