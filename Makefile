@@ -30,7 +30,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks all $(ARGS)
 
 soak: $(STAMP)
-	$(PY) -m pytest -q -m soak tests/chaos $(ARGS)
+	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grains silo dashboard

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
@@ -155,4 +155,50 @@ class Grain:
         await self._rg_activation.runtime.reminders().unregister(self.grain_id, name)
 
     async def receive_reminder(self, name: str) -> None:
-        """Override to act on reminders."""
+        """Override to act on reminders (runs as a turn; activates the grain if needed)."""
+
+    # --- checkpoints -------------------------------------------------------
+    async def save_snapshot(
+        self,
+        group: str,
+        snapshot_id: int | str,
+        members: Iterable[Any] | None = None,
+        *,
+        keep: int | None = None,
+    ) -> bool:
+        """Save ``self.state`` as this grain's part of snapshot ``(group, snapshot_id)``.
+
+        ``members`` (grain ids, references or ``"Type/key"``; default: this grain
+        alone) must be the same list in every member's save. The snapshot becomes
+        visible once all members saved; True is returned to the save that completed
+        it. ``keep``: complete snapshots of the group to retain (default from settings).
+        """
+        act = self._rg_activation
+        cps: Any = act.runtime
+        return bool(
+            await cps.checkpoints().save(
+                group,
+                snapshot_id,
+                self.grain_id,
+                act.state_handle().encode(),
+                members=[self.grain_id] if members is None else members,
+                token=act.token,
+                keep=keep,
+            )
+        )
+
+    async def load_snapshot(
+        self, group: str, snapshot_id: int | str | None = None, *, write: bool = True
+    ) -> str:
+        """Replace ``self.state`` with this grain's part of a complete snapshot (None: the latest).
+
+        With ``write`` (default) the restored state is persisted at once. Returns the snapshot id.
+        """
+        act = self._rg_activation
+        cps: Any = act.runtime
+        stored, snap = await cps.checkpoints().load(group, snapshot_id, self.grain_id)
+        handle = act.state_handle()
+        handle.adopt(handle.decode(stored))
+        if write:
+            await handle.write()
+        return str(snap)

@@ -632,6 +632,12 @@ class Catalog:
             return await fn(*ctx.args, **ctx.kwargs)
         return await fn(*ctx.args)
 
+    def running_turns(self) -> list[str]:
+        """``type/key.method`` of every turn in progress (for the loop watchdog)."""
+        return [
+            f"{act.grain_key}.{inv.method}" for act in self.activations() for inv in list(act._running)
+        ]
+
     def statistics(self) -> CatalogStatistics:
         by_type: dict[str, int] = {}
         keys: dict[str, list[str]] = {}

@@ -44,6 +44,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=os.environ.get("REDGRAIN_CLUSTER"), help="cluster name (default: $REDGRAIN_CLUSTER or 'default')")
 
 
+def _secret(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="PATH",
+        help="read the cluster secret from PATH (safer than $REDGRAIN_CLUSTER_SECRET in a process list)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redgrain",
@@ -56,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("silo", help="run a silo (e.g. redgrain silo --grains samples.hello)")
     _common(p)
+    _secret(p)
     p.add_argument("--grains", required=True, help="comma-separated modules whose Grain classes this silo hosts")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--advertise-host", default=None, help="address peers should use, if not --host")
@@ -68,20 +78,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("call", help="call a grain method (redgrain call TYPE KEY METHOD [JSON_ARG ...])")
     _common(p)
+    _secret(p)
     p.add_argument("type")
     p.add_argument("key")
     p.add_argument("method")
     p.add_argument("args", nargs="*", help="arguments as JSON")
     p.add_argument("--timeout", type=float, default=30.0)
 
+    p = sub.add_parser(
+        "demo",
+        help="a training cluster on this machine, a silo killed half-way (e.g. redgrain demo --steps 200 --exit)",
+    )
+    from silo.demo import add_arguments
+
+    add_arguments(p)
+
     p = sub.add_parser("status", help="print members, their status, load and activations")
     _common(p)
+
+    p = sub.add_parser(
+        "drain", help="hand a silo's activations off and stop it (also: redgrain silo drain ADDRESS)"
+    )
+    _common(p)
+    p.add_argument("address", help="silo address as `redgrain status` prints it (host:port@generation)")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait until it is Dead (0: do not wait)")
+
+    p = sub.add_parser("train", help="run a training job with a live progress bar (redgrain train job.toml)")
+    _common(p)
+    _secret(p)
+    from grains.training.console import add_arguments as add_train_arguments
+
+    add_train_arguments(p)
+
+    p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    p.add_argument("--admin-token", default=os.environ.get("REDGRAIN_DASHBOARD_TOKEN"),
+                   help="enable admin actions (drain, cancel) for requests bearing this token "
+                        "(default: $REDGRAIN_DASHBOARD_TOKEN; none: read-only)")  # fmt: skip
 
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["silo", "drain"]:  # `redgrain silo drain ADDRESS` reads better; same command
+        argv = argv[1:]
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
@@ -90,10 +134,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "demo":
+        # The demo drives subprocesses and its own loops; it runs outside run_async.
+        from silo.demo import run as run_demo
+
+        try:
+            return run_demo(args)
+        except (errors.RedgrainError, OSError) as exc:
+            if args.debug:
+                raise
+            print(f"redgrain: error: {exc}", file=sys.stderr)
+            return 1
     handlers: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "silo": cmd_silo,
         "call": cmd_call,
         "status": cmd_status,
+        "drain": cmd_drain,
+        "dashboard": cmd_dashboard,
+        "train": cmd_train,
     }
     try:
         return int(run_async(handlers[args.command](args)) or 0)
@@ -112,6 +170,16 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["redis_url"] = args.redis
     if args.cluster:
         kw["cluster"] = args.cluster
+    path = getattr(args, "cluster_secret_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise errors.ConfigError(f"cannot read --cluster-secret-file {path!r}: {exc}") from exc
+        if not secret:
+            raise errors.ConfigError(f"--cluster-secret-file {path!r} is empty")
+        kw["cluster_secret"] = secret
     return kw
 
 
@@ -152,14 +220,27 @@ async def cmd_silo(args: argparse.Namespace) -> int:
             with open(args.ready_file + ".tmp", "w") as f:
                 f.write(str(silo.address))
             os.replace(args.ready_file + ".tmp", args.ready_file)
+        if args.dashboard is not None:
+            from dashboard.server import make_server, serve
+
+            board = make_server(silo.settings.redis_url, silo.settings.cluster, port=args.dashboard)
+            board_task = asyncio.ensure_future(serve(board))
+            print(f"dashboard at http://127.0.0.1:{args.dashboard}/", flush=True)
         waiter = asyncio.ensure_future(stop.wait())
         dead = asyncio.ensure_future(silo.stopped.wait())
         await asyncio.wait([waiter, dead], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         dead.cancel()
+        if args.dashboard is not None:
+            board.should_exit = True
+            await board_task
         if silo.status == "dead":
             print("silo was declared dead by the cluster; exiting", file=sys.stderr, flush=True)
-            return 3
+            if embedded is not None:
+                embedded.stop()
+            # A zombie must not linger: no waiting on tasks that may not end.
+            sys.stdout.flush()
+            os._exit(3)
         await silo.stop(graceful=True)
         return 0
     finally:
@@ -169,6 +250,7 @@ async def cmd_silo(args: argparse.Namespace) -> int:
 
 async def cmd_call(args: argparse.Namespace) -> int:
     from silo.client import ClusterClient
+    from silo.settings import ClientSettings
 
     kw = _settings_kwargs(args)
     values = []
@@ -177,7 +259,8 @@ async def cmd_call(args: argparse.Namespace) -> int:
             values.append(json.loads(a))
         except json.JSONDecodeError as exc:
             raise errors.ConfigError(f"argument {a!r} is not JSON: {exc}") from exc
-    async with await ClusterClient.connect(kw.get("redis_url"), cluster=kw.get("cluster")) as client:
+    settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
+    async with await ClusterClient.connect(kw.get("redis_url"), cluster=kw.get("cluster"), settings=settings) as client:
         ref = client.get_grain(args.type, args.key)
         fn = getattr(ref, args.method, None)
         if fn is None:
@@ -197,17 +280,29 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
     kw = _settings_kwargs(args)
     redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
+    keys = Keys(kw.get("cluster", "default"))
     try:
-        version, rows = await RedisMembershipTable(redis, Keys(kw.get("cluster", "default"))).read_all()
+        version, rows = await RedisMembershipTable(redis, keys).read_all()
+        leader = await redis.get(keys.leader("rebalancer"))
     finally:
         await redis.aclose()
-    table = Table(title=f"cluster {kw.get('cluster', 'default')} (membership version {version})")
-    for col in ("silo", "status", "roles", "cpu %", "mem %", "activations", "grain types"):
+    leader_text = leader.decode() if isinstance(leader, bytes) else str(leader or "none")
+    active = sum(r.status.value == "Active" for r in rows.values())
+    title = (
+        f"cluster {keys.cluster}: {active} active of {len(rows)} "
+        f"(membership version {version}, rebalancer {leader_text})"
+    )
+    table = Table(title=title)
+    for col in ("silo", "status", "heartbeat", "roles", "cpu %", "mem %", "activations", "grain types"):
         table.add_column(col)
+    import time
+
+    now = time.time()
     for row in sorted(rows.values(), key=lambda r: (r.status.value != "Active", r.address)):
         table.add_row(
             row.address,
             row.status.value,
+            f"{now - row.heartbeat:.1f}s ago" if row.status.value != "Dead" else "-",
             ",".join(row.roles),
             f"{row.load.cpu_percent:.0f}",
             f"{row.load.memory_percent:.1f}",
@@ -216,6 +311,74 @@ async def cmd_status(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     return 0
+
+
+async def cmd_train(args: argparse.Namespace) -> int:
+    from grains.training.console import run
+    from silo.settings import ClientSettings
+
+    kw = _settings_kwargs(args)
+    settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
+    return await run(args, kw.get("redis_url"), kw.get("cluster"), settings)
+
+
+async def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.server import make_server, serve
+
+    kw = _settings_kwargs(args)
+    url, cluster = kw.get("redis_url", "redis://127.0.0.1:6379/0"), kw.get("cluster", "default")
+    server = make_server(url, cluster, host=args.host, port=args.port, admin_token=args.admin_token)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    mode = "admin actions enabled" if args.admin_token else "read-only"
+    print(f"dashboard for cluster {cluster} at http://{args.host}:{args.port}/ ({mode})", flush=True)
+    await serve(server)
+    return 0
+
+
+async def cmd_drain(args: argparse.Namespace) -> int:
+    """Push a drain command to the silo's control list, then wait until it is Dead."""
+    import time
+
+    from grains.ids import SiloAddress
+    from silo.keys import Keys
+    from silo.membership import RedisMembershipTable, SiloStatus
+    from silo.redis_util import connect_redis, redis_errors
+
+    kw = _settings_kwargs(args)
+    keys = Keys(kw.get("cluster", "default"))
+    try:
+        address = str(SiloAddress.parse(args.address))
+    except ValueError as exc:
+        raise errors.ConfigError(str(exc)) from exc
+    redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
+    try:
+        table = RedisMembershipTable(redis, keys)
+        _, rows = await table.read_all()
+        row = rows.get(address)
+        if row is None or row.status is SiloStatus.DEAD:
+            raise errors.MembershipError(f"silo {address} is not a live member of cluster {keys.cluster}")
+        command = json.dumps({"command": "drain", "at": time.time(), "by": "redgrain drain"})
+        with redis_errors("send drain"):
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(keys.control(address), command)
+                pipe.expire(keys.control(address), 300)
+                await pipe.execute()
+        print(f"drain requested for {address}", flush=True)
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            _, rows = await table.read_all()
+            if rows[address].status is SiloStatus.DEAD:
+                print(f"{address} drained and stopped")
+                return 0
+            await asyncio.sleep(0.2)
+        if args.wait:
+            print(f"{address} still {rows[address].status.value} after {args.wait:.0f}s", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        await redis.aclose()
 
 
 if __name__ == "__main__":

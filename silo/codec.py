@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgpack
 from msgpack import ExtType
@@ -80,8 +80,10 @@ def _ext(code: int, data: bytes) -> ExtType:
     return tuple.__new__(ExtType, (code, data))
 
 
-@dataclass(frozen=True, slots=True)
-class Encoded:
+class Encoded(NamedTuple):
+    """A value as msgpack ``meta`` plus out-of-band ``buffers`` (a tuple: built once per call,
+    and a frozen dataclass's ``__init__`` cost more than the rest of encoding a small call)."""
+
     meta: bytes
     buffers: list[memoryview]
 
@@ -227,6 +229,7 @@ class Codec:
         self._pack_native = msgpack.Packer(
             use_bin_type=True, strict_types=True, default=type(None)
         ).pack
+        self._hook0 = self._no_buffers_hook
         pack, items = self._pack, self._items
         self._encoders: dict[type, _Encoder] = {
             set: lambda v, b: _ext(_SET, pack(items(v, b))),
@@ -376,15 +379,22 @@ class Codec:
         meta: bytes | bytearray | memoryview,
         buffers: Sequence[bytearray | memoryview | bytes] = (),
     ) -> Any:
-        def hook(code: int, data: bytes) -> Any:
-            return self._decode_ext(code, data, buffers, hook)
+        if buffers:
 
+            def hook(code: int, data: bytes) -> Any:
+                return self._decode_ext(code, data, buffers, hook)
+
+        else:
+            hook = self._hook0  # most messages: no closure to build per call
         try:
             return _unpackb(meta, ext_hook=hook, raw=False, strict_map_key=False)
         except CodecError:
             raise
         except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, ...
             raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+    def _no_buffers_hook(self, code: int, data: bytes) -> Any:
+        return self._decode_ext(code, data, (), self._hook0)
 
     def loads(self, data: bytes | bytearray | memoryview) -> Any:
         view = memoryview(data).cast("B")

@@ -3,7 +3,7 @@
 Register is one Lua script: if the entry is absent, or names a silo that is
 not alive in the membership table, write ours with a fresh fencing token
 (INCR) and return it; otherwise return the winner, and the caller forwards
-there. Unregister is compare-and-delete. A per-silo index set lets survivors
+there. A registrant that is itself not alive (declared dead) is refused. Unregister is compare-and-delete. A per-silo index set lets survivors
 purge a dead silo's entries in bulk (Orleans' Redis directory keeps such
 stale entries; see dotnet/orleans #7054).
 """
@@ -69,8 +69,15 @@ class GrainDirectory(Protocol):
 
 _REGISTER = """
 local cur = redis.call('HMGET', KEYS[1], 'silo', 'act', 'token')
+if cur[1] == ARGV[1] then return cur end
+-- A registrant that is not live (declared dead: a zombie) claims nothing.
+local mine = redis.call('HGET', KEYS[2], ARGV[1])
+if not mine then return {'!dead', '', '0'} end
+local okm, me = pcall(cjson.decode, mine)
+if not okm or not (me['status'] == 'Joining' or me['status'] == 'Active' or me['status'] == 'ShuttingDown') then
+  return {'!dead', '', '0'}
+end
 if cur[1] then
-  if cur[1] == ARGV[1] then return cur end
   local row = redis.call('HGET', KEYS[2], cur[1])
   if row then
     local ok, m = pcall(cjson.decode, row)
@@ -181,6 +188,9 @@ class RedisGrainDirectory:
                 keys=[k.directory_entry(g), k.members, k.fencing_counter, k.directory_index(str(silo))],
                 args=[str(silo), activation_id, g, k.directory_index("")],
             )
+        first = raw[0].decode() if isinstance(raw[0], bytes) else raw[0]
+        if first == "!dead":
+            raise errors.MembershipError(f"silo {silo} is not live in the membership table: it may not register {g}")
         entry = _entry(raw)
         if entry is None:  # pragma: no cover - the script always returns a full entry
             raise errors.StorageError(f"directory register for {g} returned {raw!r}")
@@ -264,7 +274,11 @@ class InMemoryGrainDirectory:
 
     async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
         cur = self._entries.get(grain)
-        if cur is not None and (cur.silo == silo or self._is_alive(cur.silo)):
+        if cur is not None and cur.silo == silo:
+            return cur
+        if not self._is_alive(silo):
+            raise errors.MembershipError(f"silo {silo} is not live: it may not register {grain}")
+        if cur is not None and self._is_alive(cur.silo):
             self._n.conflicts += cur.activation_id != activation_id
             return cur
         self._token += 1

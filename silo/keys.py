@@ -71,8 +71,13 @@ class Keys:
         """Hash: etag, version, chunk count, size of the visible state."""
         return self.prefix + f"state:{grain}"
 
-    def state_chunk(self, grain: str, version: int, index: int) -> str:
-        return self.prefix + f"state:{grain}:v{version}:{index}"
+    def state_chunk(self, grain: str, version: str, index: int) -> str:
+        """String: chunk ``index`` of one version of a big state (the version is its etag)."""
+        return chunk_key(self.state_chunk_base(grain), version, index)
+
+    def state_chunk_base(self, grain: str) -> str:
+        """Prefix of a state's chunk keys; see :func:`chunk_key` (Lua scripts append the rest)."""
+        return self.prefix + f"state:{grain}:v"
 
     def state_types(self) -> str:
         """Set of grain types that have persisted state (for the dashboard)."""
@@ -83,11 +88,33 @@ class Keys:
         return self.prefix + f"state:index:{type_name}"
 
     def checkpoint_index(self, group: str) -> str:
-        """Sorted set: snapshot id scored by creation time."""
+        """Sorted set: complete snapshot ids of a group, scored by their order."""
         return self.prefix + f"ckpt:{group}"
 
+    def checkpoint_pending(self, group: str) -> str:
+        """Sorted set: snapshot ids some but not all members have written, scored by order."""
+        return self.prefix + f"ckptpending:{group}"
+
+    @property
+    def checkpoint_groups(self) -> str:
+        """Set of checkpoint group names (for listing and the dashboard)."""
+        return self.prefix + "ckptgroups"
+
     def checkpoint_manifest(self, group: str, snapshot: str) -> str:
-        return self.prefix + f"ckpt:{group}:{snapshot}"
+        """Hash: members (JSON list), order, keep, status, created, completed, w:{member} flags."""
+        return self.checkpoint_base(group) + snapshot
+
+    def checkpoint_base(self, group: str) -> str:
+        """Prefix of a group's manifests; Lua appends ``{snapshot}`` and ``:m:{member}``."""
+        return self.prefix + f"ckpt:{group}:"
+
+    def checkpoint_member(self, group: str, snapshot: str, member: str) -> str:
+        """Hash like ``state_head``: one member's saved state in one snapshot."""
+        return self.checkpoint_manifest(group, snapshot) + f":m:{member}"
+
+    def checkpoint_chunk_base(self, group: str, snapshot: str, member: str) -> str:
+        """Prefix of a member's chunk keys; see :func:`chunk_key`."""
+        return self.checkpoint_member(group, snapshot, member) + ":v"
 
     # --- reminders ---------------------------------------------------------
     @property
@@ -97,7 +124,7 @@ class Keys:
 
     @property
     def reminder_rows(self) -> str:
-        """Hash: reminder id -> msgpack row (grain, name, period)."""
+        """Hash: reminder id (JSON [type, key, name]) -> JSON row (type, key, name, period_ms)."""
         return self.prefix + "reminders:rows"
 
     # --- cluster services --------------------------------------------------
@@ -111,7 +138,12 @@ class Keys:
 
     @property
     def silo_stats_index(self) -> str:
+        """Sorted set: silo address scored by the time of its last stats record."""
         return self.prefix + "stats:index"
+
+    def silo_stats_history(self, silo: str) -> str:
+        """Capped list (newest first) with a TTL: the silo's recent load points."""
+        return self.prefix + f"stats:{silo}:history"
 
     @property
     def events(self) -> str:
@@ -131,6 +163,10 @@ class Keys:
         """Capped stream of a job's per-step metrics (for curves)."""
         return self.prefix + f"job:{job}:history"
 
+    def job_cancel(self, job: str) -> str:
+        """String with a TTL: set when an admin asked to cancel the job (the coordinator reads it)."""
+        return self.prefix + f"job:{job}:cancel"
+
     def rendezvous(self, job: str, generation: int) -> str:
         """Prefix for torch.distributed store keys of one group generation."""
         return self.prefix + f"rdzv:{job}:{generation}:"
@@ -138,3 +174,11 @@ class Keys:
     def control(self, silo: str) -> str:
         """List: admin commands for one silo (drain)."""
         return self.prefix + f"control:{silo}"
+
+
+def chunk_key(base: str, version: str, index: int) -> str:
+    """A chunk of a head+chunks value (state, checkpoint member).
+
+    The storage Lua scripts build the same name as ``base .. version .. ':' .. index``.
+    """
+    return f"{base}{version}:{index}"

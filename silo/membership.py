@@ -80,6 +80,19 @@ class MembershipTable(Protocol):
 
     async def read_all(self) -> tuple[int, dict[str, MemberRow]]: ...
 
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome: ...
+
+
+@dataclass(frozen=True, slots=True)
+class VoteOutcome:
+    """What one vote against a suspected silo achieved."""
+
+    result: str
+    """``declared`` (this vote made it Dead), ``voted`` (counted, not enough yet), ``alive``
+    (its heartbeat moved since the voter looked: vote void), ``dead`` (already Dead) or ``gone``."""
+    votes: int
+    """Valid votes counted, this one included."""
+
 
 _SET_STATUS = """
 local row = redis.call('HGET', KEYS[1], ARGV[1])
@@ -112,6 +125,39 @@ return m['status']
 """
 
 
+# A vote counts only while the suspect's heartbeat is the one the voter saw
+# unchanged: comparing heartbeat values instead of clocks keeps the rule
+# immune to clock skew between silos. Enough valid votes -> Dead, in one step.
+_VOTE_DEAD = """
+local row = redis.call('HGET', KEYS[1], ARGV[1])
+if not row then return {'gone', 0} end
+local m = cjson.decode(row)
+if m['status'] == 'Dead' then return {'dead', 0} end
+local hb = tonumber(m['heartbeat']) or 0
+if math.abs(hb - tonumber(ARGV[3])) > 1e-4 then
+  redis.call('DEL', KEYS[2])
+  return {'alive', 0}
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], 60000)
+local votes = redis.call('HGETALL', KEYS[2])
+local n = 0
+for i = 2, #votes, 2 do
+  if math.abs((tonumber(votes[i]) or -1) - hb) <= 1e-4 then n = n + 1 end
+end
+if n < tonumber(ARGV[4]) then return {'voted', n} end
+m['status'] = 'Dead'
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+redis.call('DEL', KEYS[2])
+local v = redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', KEYS[4], v)
+return {'declared', n}
+"""
+
+HEARTBEAT_LUA = _HEARTBEAT
+"""The heartbeat script, for the heartbeat thread's own synchronous connection."""
+
+
 class RedisMembershipTable:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._redis = redis
@@ -119,6 +165,7 @@ class RedisMembershipTable:
         self._set_status = redis.register_script(_SET_STATUS)
         self._join = redis.register_script(_JOIN)
         self._heartbeat = redis.register_script(_HEARTBEAT)
+        self._vote = redis.register_script(_VOTE_DEAD)
 
     @property
     def _status_keys(self) -> list[str]:
@@ -166,6 +213,16 @@ class RedisMembershipTable:
             out[row.address] = row
         return int(version or 0), out
 
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+        k = self._keys
+        with redis_errors("membership vote"):
+            raw = await self._vote(
+                keys=[k.members, k.suspicions(suspect), k.members_version, k.members_channel],
+                args=[suspect, voter, repr(seen_heartbeat), max(1, needed)],
+            )
+        result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
+        return VoteOutcome(result, int(raw[1]))
+
     async def remove(self, address: str) -> None:
         """Forget a dead row (housekeeping; dead rows are kept a while for the dashboard)."""
         with redis_errors("membership remove"):
@@ -179,6 +236,7 @@ class InMemoryMembershipTable:
         self.rows: dict[str, MemberRow] = {}
         self.version = 0
         self._gen = 0
+        self.votes: dict[str, dict[str, float]] = {}
 
     async def new_generation(self) -> int:
         self._gen += 1
@@ -209,6 +267,25 @@ class InMemoryMembershipTable:
 
     async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
         return self.version, dict(self.rows)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+        row = self.rows.get(suspect)
+        if row is None:
+            return VoteOutcome("gone", 0)
+        if row.status is SiloStatus.DEAD:
+            return VoteOutcome("dead", 0)
+        votes = self.votes.setdefault(suspect, {})
+        if abs(row.heartbeat - seen_heartbeat) > 1e-4:
+            votes.clear()
+            return VoteOutcome("alive", 0)
+        votes[voter] = seen_heartbeat
+        n = sum(1 for v in votes.values() if abs(v - row.heartbeat) <= 1e-4)
+        if n < max(1, needed):
+            return VoteOutcome("voted", n)
+        self.rows[suspect] = row.model_copy(update={"status": SiloStatus.DEAD})
+        votes.clear()
+        self.version += 1
+        return VoteOutcome("declared", n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +326,7 @@ class MembershipView:
         self._refreshes = 0
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._stopping = False
 
     def hint_unreachable(self, silo: SiloAddress) -> None:
         """A caller could not reach ``silo``: tell the failure detector (fast path)."""
@@ -275,6 +353,9 @@ class MembershipView:
             self._tasks.append(loop.create_task(self._listen_forever()))
 
     async def stop(self) -> None:
+        # A flag as well as cancel(): redis-py 8 can swallow a cancellation that
+        # lands inside a command, and then a `while True` loop never ends.
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -301,7 +382,7 @@ class MembershipView:
                     log.exception("membership listener failed")
 
     async def _poll_forever(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self._refresh_s)
             try:
                 await self.refresh()
@@ -310,11 +391,11 @@ class MembershipView:
 
     async def _listen_forever(self) -> None:
         assert self._redis is not None and self._keys is not None
-        while True:
+        while not self._stopping:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self._keys.members_channel)
-                while True:
+                while not self._stopping:
                     # Poll without blocking in redis-py: cancelling a blocked
                     # read there can hang a stopping silo.
                     msg = await pubsub.get_message(timeout=0)
@@ -324,7 +405,7 @@ class MembershipView:
                         await asyncio.sleep(0.05)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever broke it, subscribe again
                 log.debug("membership subscription dropped: %s", exc)
                 await asyncio.sleep(self._refresh_s)
             finally:
@@ -368,55 +449,31 @@ class MembershipView:
         )
 
 
+EventListener = Callable[[str, dict[str, Any]], Any]
 
-class Heartbeat:
-    """Writes this silo's heartbeat and load; notices when the table says we are dead."""
+EVENT_KINDS = ("join", "suspect", "dead", "rebalance", "failover", "drain")
 
-    def __init__(
-        self,
-        table: MembershipTable,
-        address: str,
-        interval_s: float,
-        load: Callable[[], SiloLoad],
-        on_dead: Callable[[], Any],
-        clock: Callable[[], float],
-    ) -> None:
-        self._table = table
-        self._address = address
-        self._interval_s = interval_s
-        self._load = load
-        self._on_dead = on_dead
-        self._clock = clock
-        self._task: asyncio.Task[None] | None = None
-        self.beats = 0
-        self.failures = 0
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+class ClusterEvents:
+    """Cluster events of one silo: a log line each, and listeners (the dashboard's hook).
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    ``add_listener(fn)`` gets ``fn(kind, data)`` for every event; kinds are
+    join, suspect, dead, rebalance, failover and drain. A failing listener is
+    logged and never breaks the component that emitted the event.
+    """
 
-    async def beat(self) -> SiloStatus | None:
-        status = await self._table.heartbeat(self._address, self._clock(), self._load())
-        self.beats += 1
-        return status
+    def __init__(self) -> None:
+        self._listeners: list[EventListener] = []
+        self.counts: dict[str, int] = {}
 
-    async def _run(self) -> None:
-        while True:
+    def add_listener(self, fn: EventListener) -> None:
+        self._listeners.append(fn)
+
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        log.info("cluster event %s %s", kind, " ".join(f"{k}={v}" for k, v in data.items()))
+        for fn in self._listeners:
             try:
-                status = await self.beat()
-            except errors.StorageError as exc:
-                self.failures += 1
-                log.warning("heartbeat failed: %s", exc)
-            else:
-                if status is None or status is SiloStatus.DEAD:
-                    log.error("membership says this silo (%s) is dead: stopping at once", self._address)
-                    res = self._on_dead()
-                    if asyncio.iscoroutine(res):
-                        await res
-                    return
-            await asyncio.sleep(self._interval_s)
+                fn(kind, data)
+            except Exception:
+                log.exception("cluster event listener failed")

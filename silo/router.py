@@ -33,7 +33,10 @@ from silo.transport import REQUEST, Transport
 
 log = logging.getLogger("redgrain.router")
 
-MAX_DELIVERY_ATTEMPTS = 4
+RETRY_BACKOFF_S = 0.025
+MAX_RETRY_BACKOFF_S = 0.2
+SYSTEM_TYPE = "$silo"
+"""Reserved grain type of a silo's control surface (activate, activations, move, drain)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +149,16 @@ class Router:
         self._local = local
 
     def _on_membership_change(self, old: dict[str, Any], new: dict[str, Any]) -> None:
-        for row in new.values():
+        for addr, row in new.items():
             if row.status.value == "Dead":
                 self.forget_silo(row.silo)
+                was = old.get(addr)
+                # A silo that left gracefully closes its own connections once
+                # callers stop sending; only a silo declared dead is cut off.
+                if was is None or was.status.value not in ("Dead", "ShuttingDown"):
+                    # Calls in flight to a silo declared dead (a hung one) fail now
+                    # with SiloUnavailableError instead of waiting for their deadline.
+                    self._transport.drop(row.silo.endpoint)
 
     def forget_silo(self, silo: SiloAddress) -> None:
         for grain in [g for g, s in self._where.items() if s == silo]:
@@ -225,30 +235,64 @@ class Router:
         chain = CALL_CHAIN.get()
         self._calls += 1
         last: Exception | None = None
-        for attempt in range(MAX_DELIVERY_ATTEMPTS):
+        attempt = 0
+        # Undelivered calls are retried until the deadline: a killed silo is
+        # declared dead within about a second, and its grains then re-place.
+        while True:
             if attempt:
                 self._retries += 1
                 # Give membership a moment to learn of the death we just saw.
-                await asyncio.sleep(min(0.05 * 2**attempt, max(0.0, deadline - loop.time())))
+                await asyncio.sleep(min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S, max(0.0, deadline - loop.time())))
+            attempt += 1
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            target = await self.locate(grain_id, info)
-            if self._local is not None and target == self._local.address:
-                self._local_calls += 1
-                return await self._local.dispatch(grain_id, method, args, kwargs, deadline, chain, 0)
+            # Cache hit inline: locate() is a coroutine, a cost on every call.
+            target = self._where.get(grain_id) if not info.stateless_worker else None
+            if target is None or self._view.is_dead(target):
+                target = await self.locate(grain_id, info)
             try:
-                conn = await self._transport.connect(target.endpoint)
-            except errors.SiloUnavailableError as exc:
-                # Not delivered: safe to retry elsewhere.
+                if self._local is not None and target == self._local.address:
+                    self._local_calls += 1
+                    return await self._local.dispatch(grain_id, method, args, kwargs, deadline, chain, 0)
+                try:
+                    conn = self._transport.connection_nowait(target.endpoint) or await self._transport.connect(
+                        target.endpoint
+                    )
+                except errors.SiloUnavailableError as exc:
+                    # Not delivered: safe to retry elsewhere.
+                    last = exc
+                    self.forget_silo(target)
+                    self._view.hint_unreachable(target)
+                    continue
+                return await self.send(conn, grain_id, method, args, kwargs, remaining, chain, 0)
+            except errors.SiloNotServingError as exc:
+                # Turned away before any grain code ran (draining or fenced): retry.
                 last = exc
-                self.forget_silo(target)
-                self._view.hint_unreachable(target)
+                self.forget(grain_id)
                 continue
-            return await self.send(conn, grain_id, method, args, kwargs, remaining, chain, 0)
         if last is not None:
             raise last
         raise errors.GrainTimeoutError(str(grain_id), method, timeout)
+
+    async def system_call(
+        self, silo: SiloAddress, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None
+    ) -> Any:
+        """Call a silo's own control surface (activate, activations, move, drain), not a grain."""
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        grain = GrainId(SYSTEM_TYPE, str(silo))
+        if self._local is not None and silo == self._local.address:
+            deadline = asyncio.get_running_loop().time() + timeout
+            return await self._local.dispatch(grain, method, args, None, deadline, (), 0)
+        conn = await self._transport.connect(silo.endpoint)
+        return await self.send(conn, grain, method, args, None, timeout, (), 0)
+
+    async def activate(self, grain: GrainId, target: SiloAddress | None = None, timeout_s: float = 10.0) -> str:
+        """Make sure ``grain`` has an activation (on ``target`` if it has none yet); its silo."""
+        if target is None:
+            info = self._manifests.get_nowait(grain.type_name) or await self._manifests.get(grain.type_name)
+            target = await self.locate(grain, info)
+        return str(await self.system_call(target, "activate", (str(grain),), timeout_s))
 
     async def send(
         self,
@@ -263,7 +307,7 @@ class Router:
     ) -> Any:
         header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(chain), hops]
         body = (args, kwargs) if kwargs else args
-        fut = conn.request(header, body, timeout_s, label=f"{grain}.{method}")
+        fut = conn.request(header, body, timeout_s, label=(grain, method))  # formatted only on timeout
         try:
             return await fut
         except errors.GrainTimeoutError as exc:

@@ -86,6 +86,16 @@ class SiloRuntime:
             raise errors.ConfigError("reminders are not available on this silo")
         return self._reminders
 
+    def set_checkpoints(self, checkpoints: Any) -> None:
+        self._checkpoints = checkpoints
+
+    def checkpoints(self) -> Any:
+        """The silo's ``silo.checkpoint.Checkpoints`` (snapshots of grain groups)."""
+        found = getattr(self, "_checkpoints", None)
+        if found is None:
+            raise errors.ConfigError("checkpoints are not available on this silo")
+        return found
+
     def state_handle(self, activation: Activation) -> StateHandle:
         return StateHandle(activation, self._store, self._codec)
 

@@ -7,7 +7,9 @@ section. Environment variables use ``__`` between section and field, e.g.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -45,6 +47,11 @@ class MembershipSettings(_Section):
     refresh_s: float = Field(
         2.0, gt=0, description="Periodic membership re-read (pub/sub tells most changes sooner)."
     )
+    probe_interval_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often each peer is pinged over TCP; a refused connection votes it dead at once.",
+    )
 
 
 class CatalogSettings(_Section):
@@ -66,15 +73,76 @@ class CatalogSettings(_Section):
     slow_turn_ms: float = Field(100.0, gt=0, description="Watchdog: log any turn holding the loop longer.")
 
 
+class RebalancerSettings(_Section):
+    """The cluster's one rebalancer (elected) and the handoff on drain."""
+
+    enabled: bool = Field(True, description="Take part in the rebalancer election on this silo.")
+    period_s: float = Field(5.0, gt=0, description="How often the leader compares loads and orders moves.")
+    max_moves_per_period: int = Field(
+        20, ge=0, description="Activations moved per period at most, so training is not disturbed."
+    )
+    tolerance: float = Field(
+        0.2, ge=0, description="A silo is overloaded above mean * (1 + tolerance) movable activations."
+    )
+    lease_ttl_s: float = Field(
+        3.0, gt=0, description="Leader lease in Redis; a dead leader is replaced after this."
+    )
+
+
 class StorageSettings(_Section):
     """Grain state in Redis."""
 
-    chunk_bytes: int = Field(8 << 20, gt=0, description="States bigger than this are written in chunks.")
+    chunk_bytes: int = Field(8 << 20, gt=0, description="Size of one chunk of a state stored in chunks.")
+    inline_bytes: int = Field(
+        64 << 10,
+        ge=0,
+        description="States up to this size go inline in the head hash (one script call); bigger ones to chunks.",
+    )
     retries: int = Field(3, ge=0, description="Retries of a state operation on a Redis error.")
     retry_backoff_s: float = Field(0.1, gt=0, description="First backoff between retries (doubles).")
+    orphan_ttl_s: int = Field(
+        3600, gt=0, description="Chunks of a write that never committed (writer crashed) expire after this."
+    )
+    keep_snapshots: int = Field(
+        3, gt=0, description="Complete checkpoint snapshots kept per group unless a save says otherwise."
+    )
 
 
-class SiloSettings(BaseSettings):
+class RemindersSettings(_Section):
+    """Durable reminders in Redis."""
+
+    poll_interval_s: float = Field(
+        1.0, gt=0, description="How often a silo claims due reminders (a reminder fires up to this late)."
+    )
+    batch: int = Field(100, gt=0, description="Most due reminders one silo claims per poll.")
+    delivery_timeout_s: float = Field(30.0, gt=0, description="Deadline of one reminder delivery call.")
+
+
+_CLUSTER_SECRET_DESCRIPTION = (
+    "Shared secret (REDGRAIN_CLUSTER_SECRET); the same as transport.cluster_secret, which it fills in."
+)
+
+
+class _SecretAlias(BaseSettings):
+    """``cluster_secret`` at the top level, flowing into ``transport.cluster_secret``."""
+
+    cluster_secret: SecretStr | None = Field(None, description=_CLUSTER_SECRET_DESCRIPTION)
+    transport: TransportSettings = TransportSettings()
+
+    @model_validator(mode="after")
+    def _share_secret(self) -> Self:
+        top, nested = self.cluster_secret, self.transport.cluster_secret
+        if top is not None and nested is not None and top.get_secret_value() != nested.get_secret_value():
+            raise ValueError("cluster_secret and transport.cluster_secret are both set and differ")
+        # Frozen models: the validator is the one place allowed to fill these in.
+        if top is not None and nested is None:
+            object.__setattr__(self, "transport", self.transport.model_copy(update={"cluster_secret": top}))
+        elif nested is not None and top is None:
+            object.__setattr__(self, "cluster_secret", nested)
+        return self
+
+
+class SiloSettings(_SecretAlias):
     """Everything a silo reads at start."""
 
     model_config = SettingsConfigDict(
@@ -95,10 +163,12 @@ class SiloSettings(BaseSettings):
     membership: MembershipSettings = MembershipSettings()
     catalog: CatalogSettings = CatalogSettings()
     storage: StorageSettings = StorageSettings()
+    reminders: RemindersSettings = RemindersSettings()
+    rebalancer: RebalancerSettings = RebalancerSettings()
     stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
 
 
-class ClientSettings(BaseSettings):
+class ClientSettings(_SecretAlias):
     """Everything a ClusterClient reads at connect."""
 
     model_config = SettingsConfigDict(

@@ -28,17 +28,23 @@ from silo.catalog import CallFilter, Catalog
 from silo.codec import Codec, TypeRegistry
 from silo.directory import RedisGrainDirectory
 from silo.dispatcher import Dispatcher
+from silo.failure_detector import FailureDetector, HeartbeatThread, transport_probe
 from silo.grain_types import GrainTypes
 from silo.keys import Keys
-from silo.membership import Heartbeat, MemberRow, MembershipView, RedisMembershipTable, SiloLoad, SiloStatus
+from silo.membership import ClusterEvents, MemberRow, MembershipView, RedisMembershipTable, SiloLoad, SiloStatus
 from silo.placement import Placer
+from silo.rebalancer import ControlInbox, Migrator, Rebalancer
 from silo.redis_util import connect_redis, redis_errors
 from silo.router import Manifests, Router, TypeInfo
 from silo.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.settings import SiloSettings
-from silo.stats import CallStats
+from silo.events import EventLog
+from silo.stats import CallStats, StatsPublisher
 from silo.storage import RedisStateStore
+from silo.checkpoint import Checkpoints
+from silo.reminders import ReminderService, ReminderTable, RouterDelivery
 from silo.transport import Transport
+from silo.watchdog import LoopWatchdog
 
 log = logging.getLogger("redgrain.silo")
 
@@ -88,6 +94,8 @@ class Silo:
         self.table = RedisMembershipTable(self.redis, self.keys)
         generation = await self.table.new_generation()
         self.address = SiloAddress(s.advertise_host or _advertised(s.host), port, generation)
+        # Cluster events (join, suspect, dead, rebalance, ...): components call self.events.emit(kind, **data).
+        self.events = EventLog(self.redis, self.keys, str(self.address), clock=self._clock)
 
         self.directory = RedisGrainDirectory(self.redis, self.keys)
         self.view = MembershipView(self.table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
@@ -122,6 +130,20 @@ class Silo:
         self.dispatcher = Dispatcher(address=self.address, catalog=self.catalog, types=self.types, router=self.router)
         self.router.set_local(self.dispatcher)
         self.transport.set_handler(self.dispatcher.on_frame)
+        self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
+        self.runtime.set_checkpoints(self.checkpoints)
+        self.reminders = ReminderService(
+            ReminderTable(self.redis, self.keys),
+            s.reminders,
+            RouterDelivery(
+                router=self.router,
+                manifests=self.manifests,
+                dispatcher=self.dispatcher,
+                transport=self.transport,
+                timeout_s=s.reminders.delivery_timeout_s,
+            ),
+        )
+        self.runtime.set_reminders(self.reminders)
 
         self._started_at = self._clock()
         row = MemberRow(
@@ -142,18 +164,25 @@ class Silo:
         await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
         await self.view.start()
         await self.manifests.refresh()
-        self.heartbeat = Heartbeat(
-            self.table,
-            str(self.address),
-            s.membership.heartbeat_s,
-            self._load,
-            self._on_declared_dead,
-            self._clock,
-        )
-        self.heartbeat.start()
+        self._start_cluster_services()
         self.catalog.start()
+        self.reminders.start()
+        self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
+        self.watchdog.start()
         self._process.cpu_percent(None)  # prime: the first reading is meaningless
         self.status = "active"
+        self.events.emit("join", roles=row.roles, grain_types=row.grain_types, pid=row.pid, host=row.hostname)
+        self.stats_publisher = StatsPublisher(
+            self.redis,
+            self.keys,
+            str(self.address),
+            self.statistics,
+            status=lambda: self.status,
+            started=self._started_at,
+            interval_s=s.stats_interval_s,
+            clock=self._clock,
+        )
+        self.stats_publisher.start()
         log.info("silo %s active, hosting %s", self.address, ", ".join(self.types.names()))
         return self
 
@@ -169,6 +198,97 @@ class Silo:
             activations=len(self.catalog),
         )
 
+    def _start_cluster_services(self) -> None:
+        """Heartbeat thread, failure detector, rebalancer (silo/failure_detector.py, rebalancer.py)."""
+        s = self.settings
+        assert self.address is not None
+        self.cluster_events = ClusterEvents()
+        self.cluster_events.add_listener(self._forward_event)
+        self.heartbeat = HeartbeatThread(
+            redis_url=s.redis_url,
+            keys=self.keys,
+            address=str(self.address),
+            settings=s.membership,
+            load=self._load,
+            on_dead=self._on_declared_dead,
+            loop=asyncio.get_running_loop(),
+            clock=self._clock,
+        )
+        self.dispatcher.fenced = self.heartbeat.fenced
+        self.detector = FailureDetector(
+            table=self.table,
+            me=self.address,
+            settings=s.membership,
+            probe=transport_probe(self.transport),
+            on_self_dead=self._on_declared_dead,
+            events=self.cluster_events,
+        )
+        self.view.on_unreachable(self.detector.hint_unreachable)
+        self.migrator = Migrator(
+            me=self.address,
+            catalog=self.catalog,
+            dispatcher=self.dispatcher,
+            router=self.router,
+            view=self.view,
+            manifests=self.manifests,
+            placer=Placer(),
+            events=self.cluster_events,
+        )
+        self.rebalancer = Rebalancer(
+            redis=self.redis,
+            keys=self.keys,
+            me=self.address,
+            view=self.view,
+            directory=self.directory,
+            router=self.router,
+            settings=s.rebalancer,
+            events=self.cluster_events,
+        )
+        self.dispatcher.system["move"] = self._system_move
+        self.dispatcher.system["drain"] = self._system_drain
+        self.control = ControlInbox(self.redis, self.keys, self.address, {"drain": self._drain_command})
+        self.heartbeat.start()
+        self.detector.start()
+        self.control.start()
+        if s.rebalancer.enabled:
+            self.rebalancer.start()
+
+    async def _stop_cluster_services(self) -> None:
+        await self.control.stop()
+        await self.rebalancer.stop()
+        await self.migrator.stop()
+        await self.detector.stop()
+        await self.heartbeat.stop()
+
+    def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
+        events = getattr(self, "events", None)  # the dashboard's event stream, once started
+        if events is not None:
+            events.emit(kind, **data)
+
+    async def _system_move(self, count: int, targets: list[str]) -> int:
+        return self.migrator.move_out_nowait(int(count), [str(t) for t in targets])
+
+    async def _system_drain(self) -> str:
+        self._drain_command({"by": "system call"})
+        return "draining"
+
+    def _drain_command(self, cmd: dict[str, Any]) -> None:
+        """Drain (graceful stop) asked by an admin: the process then exits as after SIGTERM."""
+        log.info("drain requested by %s", cmd.get("by", "?"))
+        self._background.append(asyncio.get_running_loop().create_task(self.stop(graceful=True)))
+
+    async def _quiesce(self, quiet_s: float = 0.2, limit_s: float = 1.0) -> None:
+        """Wait until callers stop sending (they have seen us Dead) before closing connections."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit_s
+        seen = self.dispatcher.statistics().requests
+        quiet_since = loop.time()
+        while loop.time() < end and loop.time() - quiet_since < quiet_s:
+            await asyncio.sleep(0.05)
+            now = self.dispatcher.statistics().requests
+            if now != seen:
+                seen, quiet_since = now, loop.time()
+
     # --- stop --------------------------------------------------------------
     async def stop(self, *, graceful: bool = True) -> None:
         if self.status in ("stopping", "stopped", "dead"):
@@ -177,19 +297,29 @@ class Silo:
         self.status = "stopping"
         addr = str(self.address)
         try:
+            await self.reminders.stop()
             if graceful:
                 try:
                     await self.table.set_status(addr, SiloStatus.SHUTTING_DOWN)
                 except errors.RedgrainError as exc:
                     log.warning("could not mark %s ShuttingDown: %s", addr, exc)
+                self.dispatcher.draining = True
+                self.cluster_events.emit("drain", {"silo": addr, "activations": len(self.catalog)})
+                await self.migrator.hand_off_keep_alive()
                 await self.catalog.deactivate_all(DeactivationReason.SHUTDOWN)
-            await self.heartbeat.stop()
+            await self._stop_cluster_services()
+            await self.stats_publisher.stop()
             await self.catalog.stop()
+            await self.watchdog.stop()
             try:
                 await self.table.set_status(addr, SiloStatus.DEAD)
                 await self.directory.purge_silo(self.address)  # type: ignore[arg-type]
             except errors.RedgrainError as exc:
                 log.warning("could not mark %s Dead: %s", addr, exc)
+            if graceful:
+                await self._quiesce()
+            self.events.emit("leave", graceful=graceful)
+            await self.events.flush()
             await self.dispatcher.close()
             await self.view.stop()
             await self.transport.close()
@@ -206,13 +336,21 @@ class Silo:
             return
         self.status = "dead"
         self.transport.abort_all()
+        if hasattr(self, "stats_publisher"):  # declared dead before start finished
+            self.stats_publisher.stop_nowait()
+        self.events.cancel_pending()
         self.catalog.drop_all_nowait()
         self.dispatcher.closed = True
-        asyncio.get_running_loop().create_task(self._finish_dead())
+        loop = asyncio.get_running_loop()
+        self._background.append(loop.create_task(self._finish_dead()))
+        # Whoever waits for the end (the CLI exits with 3) must not wait on a cleanup that hangs.
+        loop.call_later(5.0, self.stopped.set)
 
     async def _finish_dead(self) -> None:
-        await self.heartbeat.stop()
+        await self.reminders.stop()
+        await self._stop_cluster_services()
         await self.catalog.stop()
+        await self.watchdog.stop()
         await self.dispatcher.close()
         await self.view.stop()
         self.runtime.shutdown()
@@ -239,7 +377,13 @@ class Silo:
             "router": self.router.statistics(),
             "dispatcher": self.dispatcher.statistics(),
             "storage": self.store.statistics(),
+            "reminders": self.reminders.statistics(),
+            "checkpoints": self.checkpoints.statistics(),
             "methods": self.call_stats.statistics(),
+            "watchdog": self.watchdog.statistics(),
+            "heartbeat": self.heartbeat.statistics(),
+            "failure_detector": self.detector.statistics(),
+            "rebalancer": self.rebalancer.statistics(self.migrator),
         }
 
 

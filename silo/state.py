@@ -1,10 +1,23 @@
 """The state handle behind ``self.state`` / ``write_state`` / ``read_state`` / ``clear_state``.
 
 The handle keeps the etag of what it last read or wrote and the activation's
-fencing token; the store refuses a write whose etag or token is stale. With
-``@write_behind(ms)`` writes are coalesced: ``write_state`` marks the state
-dirty and returns once the next periodic flush has committed it, so a caller
-never sees an acknowledgement for a write that is not durable.
+fencing token; the store refuses a write whose etag or token is stale
+(StateConflictError, and the catalog deactivates the activation). A write that
+fails for any other reason (Redis down or slow) also deactivates it: whether
+the write landed is unknown, so the next call must reload rather than trust
+memory.
+
+The state is stored as a map of the model's fields (not as the registered
+model), so a renamed class still loads, added fields take their defaults,
+removed fields are ignored, and a field whose type changed fails with a
+StorageError naming the grain and the field.
+
+With ``@write_behind(ms)`` ``write_state`` only marks the state dirty and
+returns; a flush runs as a turn of the activation at most ``ms`` later and
+commits whatever the state is then (several writes, one Redis write). The
+flush is fenced like any write, so a zombie's flush is refused. Deactivation
+flushes. The price: an acknowledged call's state change is durable only after
+the next flush (a crash loses at most ``ms`` of writes).
 """
 
 from __future__ import annotations
@@ -13,12 +26,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from grains.base import DeactivationReason
 from silo import errors
-from silo.codec import Codec
-from silo.storage import StateStore
+from silo.codec import Codec, Encoded
+from silo.storage import StateStore, StoredState
 
 if TYPE_CHECKING:
     from silo.catalog import Activation
@@ -40,14 +53,62 @@ class StateHandle:
         self._codec = codec
         self.value: Any = model()
         self.etag: str | None = None
-        self._write_behind_s = (
-            activation.options.write_behind_ms / 1000.0 if activation.options.write_behind_ms else None
-        )
+        wb = activation.options.write_behind_ms
+        self._write_behind_s = wb / 1000.0 if wb else None
         self._dirty = False
-        self._flush_waiters: list[asyncio.Future[None]] = []
         self._flusher: asyncio.TimerHandle | None = None
-        self._flushing: asyncio.Task[None] | None = None
+        self._refused: errors.StateConflictError | None = None
 
+    # --- encode / decode (also used by checkpoints) ---------------------------
+    def encode(self) -> Encoded:
+        """The state as the codec's map of field values (nested models stay registered types)."""
+        value = self.value
+        if not isinstance(value, self._model):
+            raise errors.StorageError(
+                f"self.state of {self._act.grain_key} is a {type(value).__name__}, not {self._model.__qualname__}"
+            )
+        fields = {name: getattr(value, name) for name in type(value).model_fields}
+        extra = getattr(value, "__pydantic_extra__", None)
+        if extra:
+            fields.update(extra)
+        return self._codec.encode(fields)
+
+    def decode(self, stored: StoredState) -> Any:
+        """Build the State model from a stored value (current, older or newer schema)."""
+        try:
+            value = self._codec.decode(stored.meta, stored.buffers)
+        except errors.CodecError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValidationError):
+                raise self._misfit(cause) from exc
+            raise errors.StorageError(
+                f"stored state of {self._act.grain_key} cannot be decoded as {self._model.__qualname__}: {exc}"
+            ) from exc
+        if isinstance(value, self._model):  # written as the registered model (older format)
+            return value
+        if isinstance(value, dict):
+            try:
+                return self._model.model_validate(value)
+            except ValidationError as exc:
+                raise self._misfit(exc) from exc
+        raise errors.StorageError(
+            f"stored state of {self._act.grain_key} is a {type(value).__name__}, "
+            f"not a {self._model.__qualname__}"
+        )
+
+    def _misfit(self, exc: ValidationError) -> errors.StorageError:
+        problems = []
+        for e in exc.errors():
+            field = ".".join(str(p) for p in e.get("loc", ())) or "(root)"
+            problems.append(
+                f"field {field!r}: {e.get('msg')} (stored value {e.get('input')!r:.80})"
+            )
+        return errors.StorageError(
+            f"stored state of grain {self._act.grain_key} does not fit "
+            f"{self._model.__qualname__}: " + "; ".join(problems)
+        )
+
+    # --- read / write ---------------------------------------------------------
     async def load(self) -> None:
         await self.read()
 
@@ -56,74 +117,87 @@ class StateHandle:
         if stored is None:
             self.value, self.etag = self._model(), None
             return
-        try:
-            value = self._codec.decode(stored.meta, stored.buffers)
-        except errors.CodecError as exc:
-            raise errors.StorageError(
-                f"stored state of {self._act.grain_key} does not fit {self._model.__qualname__}: {exc}"
-            ) from exc
-        if isinstance(value, dict):  # stored before the model was registered under this name
-            try:
-                value = self._model.model_validate(value)
-            except ValueError as exc:
-                raise errors.StorageError(
-                    f"stored state of {self._act.grain_key} does not fit {self._model.__qualname__}: {exc}"
-                ) from exc
-        if not isinstance(value, self._model):
-            raise errors.StorageError(
-                f"stored state of {self._act.grain_key} is a {type(value).__name__}, "
-                f"not {self._model.__qualname__}"
-            )
-        self.value, self.etag = value, stored.etag
+        self.value, self.etag = self.decode(stored), stored.etag
 
     async def write(self) -> None:
         if self._write_behind_s is None:
             await self._write_now()
             return
+        if self._refused is not None:
+            raise self._refused
         self._dirty = True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        if self._flusher is None and self._flushing is None:
-            self._flusher = asyncio.get_running_loop().call_later(self._write_behind_s, self._start_flush)
-        await fut
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().call_later(
+                self._write_behind_s, self._flush_soon
+            )
 
     async def _write_now(self) -> None:
-        encoded = self._codec.encode(self.value)
-        self.etag = await self._store.write(self._act.grain_id, encoded, self.etag, self._act.token)
+        try:
+            self.etag = await self._store.write(
+                self._act.grain_id, self.encode(), self.etag, self._act.token
+            )
+        except errors.StateConflictError as exc:
+            self._refused = exc
+            self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
+            raise
+        except errors.StorageError:
+            # The write may or may not have landed: memory can no longer be trusted.
+            self._act.request_deactivation(DeactivationReason.ERROR)
+            raise
 
-    def _start_flush(self) -> None:
+    def _flush_soon(self) -> None:
         self._flusher = None
-        self._flushing = asyncio.get_running_loop().create_task(self.flush())
+        if self._act.status == "active":
+            # As a turn: no other (non-interleaved) turn mutates the state while it streams out.
+            self._act.enqueue_internal(self._flush_turn)
+        # Otherwise deactivation is under way and flushes itself.
+
+    async def _flush_turn(self) -> None:
+        try:
+            await self.flush()
+        except errors.StateConflictError:
+            raise
+        except errors.StorageError as exc:
+            log.warning("%s: write-behind flush failed, retrying: %s", self._act.grain_key, exc)
 
     async def flush(self) -> None:
-        """Commit a pending write-behind write now (also called on deactivation)."""
+        """Commit a pending write-behind write now (deactivation calls it)."""
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
-        waiters, self._flush_waiters = self._flush_waiters, []
+        if not self._dirty or self._refused is not None:
+            return
+        self._dirty = False
         try:
-            if self._dirty:
-                self._dirty = False
-                await self._write_now()
-        except BaseException as exc:
-            for w in waiters:
-                if not w.done():
-                    w.set_exception(exc)
-            if isinstance(exc, errors.StateConflictError):
-                self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
-        finally:
-            self._flushing = None
-            if self._flush_waiters and self._flusher is None:
+            self.etag = await self._store.write(
+                self._act.grain_id, self.encode(), self.etag, self._act.token
+            )
+        except errors.StateConflictError as exc:
+            self._refused = exc
+            self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
+            raise
+        except errors.StorageError:
+            self._dirty = True  # acknowledged writes must not be dropped: try again later
+            if self._act.status == "active" and self._flusher is None and self._write_behind_s:
                 self._flusher = asyncio.get_running_loop().call_later(
-                    self._write_behind_s or 0.0, self._start_flush
+                    self._write_behind_s, self._flush_soon
                 )
+            raise
+
+    @property
+    def dirty(self) -> bool:
+        """A write-behind write is waiting for its flush."""
+        return self._dirty
 
     async def clear(self) -> None:
-        await self._store.clear(self._act.grain_id, self.etag, self._act.token)
-        self.value, self.etag = self._model(), None
+        try:
+            await self._store.clear(self._act.grain_id, self.etag, self._act.token)
+        except errors.StateConflictError as exc:
+            self._refused = exc
+            self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
+            raise
+        self.value, self.etag, self._dirty = self._model(), None, False
+
+    def adopt(self, value: Any) -> None:
+        """Replace the in-memory state (a restored snapshot); the etag stays, so a write is fenced as usual."""
+        self.value = value

@@ -6,12 +6,30 @@ dashboard can add them up across silos and read p50/p99 from the sum.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field
+
+from silo import errors
 from silo.catalog import CallContext, CallNext
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+
+log = logging.getLogger("redgrain.stats")
 
 # Upper bounds in milliseconds: 0.05 ms .. ~100 s, 4 buckets per doubling-ish.
 BUCKETS_MS: tuple[float, ...] = tuple(round(0.05 * 1.5**i, 4) for i in range(36))
@@ -84,3 +102,400 @@ class CallStats:
             MethodStatistics(t, m, c.calls, c.errors, c.total_ms, tuple(c.histogram))
             for (t, m), c in sorted(self._methods.items())
         ]
+
+
+# --- the published records ----------------------------------------------------
+#
+# Silos write one small JSON record a second; the dashboard reads only these,
+# so it never adds work to a call path. Histograms travel sparse ({bucket
+# index: count}) because most of the 37 buckets of a method are empty.
+
+STATS_TTL_FACTOR = 5
+"""A stats record expires after this many publish intervals (a dead silo's fades)."""
+HISTORY_POINTS = 300
+"""Load points kept per silo (5 minutes at the default interval)."""
+WINDOW_S = 10.0
+"""Span of the 'recent' rates and latency histograms."""
+
+
+class MethodRecord(BaseModel):
+    """One method's counters in a silo's record."""
+
+    grain_type: str
+    method: str
+    calls: int = Field(description="Calls completed since the silo started.")
+    errors: int = Field(description="Calls that raised since the silo started.")
+    total_ms: float = Field(description="Sum of call durations since start.")
+    hist: dict[int, int] = Field(
+        default_factory=dict, description="Sparse BUCKETS_MS histogram since start."
+    )
+    window_calls: int = Field(default=0, description="Calls completed in the last window_s.")
+    window_errors: int = Field(default=0, description="Calls that raised in the last window_s.")
+    window_hist: dict[int, int] = Field(
+        default_factory=dict, description="Sparse histogram of the last window_s."
+    )
+
+
+class LoadPoint(BaseModel):
+    """One point of a silo's load history."""
+
+    at: float
+    cpu_percent: float
+    rss_bytes: int
+    activations: int
+    calls_per_s: float
+
+
+class SiloStatsRecord(BaseModel):
+    """What a silo publishes each interval under ``keys.silo_stats(address)``."""
+
+    address: str
+    status: str = Field(description="The silo object's own status: active, stopping, ...")
+    at: float = Field(description="Publish time (unix seconds).")
+    started: float
+    uptime_s: float
+    pid: int
+    cpu_percent: float = Field(description="Process CPU since the last record (100 = one core).")
+    rss_bytes: int
+    memory_percent: float
+    activations: int
+    by_type: dict[str, int] = Field(
+        default_factory=dict, description="Live activations per grain type."
+    )
+    keys_sample: dict[str, list[str]] = Field(
+        default_factory=dict, description="Some live keys per type."
+    )
+    window_s: float = Field(description="Span the window_* counters of the methods cover.")
+    methods: list[MethodRecord] = Field(default_factory=list)
+    components: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Every other component's statistics(), as plain fields."
+    )
+
+
+def _sparse(histogram: list[int] | tuple[int, ...]) -> dict[int, int]:
+    return {i: n for i, n in enumerate(histogram) if n}
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """A component's statistics() as JSON-able fields (dataclass, pydantic model or dict)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, BaseModel):
+        value = value.model_dump()
+    if not isinstance(value, dict):
+        return {"value": str(value)}
+    # default=str: an address object or enum among the fields must not stop the record.
+    return dict(json.loads(json.dumps(value, default=str)))
+
+
+def dense(sparse: dict[int, int]) -> list[int]:
+    """A sparse histogram back to one count per bucket of BUCKETS_MS (+ overflow)."""
+    out = [0] * (len(BUCKETS_MS) + 1)
+    for i, n in sparse.items():
+        if 0 <= int(i) < len(out):
+            out[int(i)] += n
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStatistics:
+    published: int
+    """Records written since start."""
+    failures: int
+    """Publishes that failed (Redis unreachable); the silo keeps serving."""
+    last_bytes: int
+    """Size of the last record."""
+
+
+class StatsPublisher:
+    """Writes the silo's stats record to Redis once per interval, with a TTL.
+
+    ``source`` returns ``Silo.statistics()``; everything else is read here
+    (process CPU, RSS, uptime). A failed publish is logged once and retried
+    next interval: Redis being down must never stop a silo.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        address: str,
+        source: Callable[[], dict[str, Any]],
+        *,
+        status: Callable[[], str],
+        started: float,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._address = address
+        self._source = source
+        self._status = status
+        self._started = started
+        self._interval_s = interval_s
+        self._clock = clock
+        self._process = psutil.Process()  # own instance: cpu_percent() is per instance
+        self._process.cpu_percent(None)
+        # (time, {method key: (calls, errors, histogram)}) snapshots spanning WINDOW_S
+        self._snapshots: deque[
+            tuple[float, dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]]
+        ] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._published = self._failures = self._last_bytes = 0
+        self._failing = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"stats-{self._address}"
+        )
+
+    async def stop(self) -> None:
+        """Stop publishing (the last record expires by its TTL)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def stop_nowait(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.publish()
+            except errors.StorageError as exc:
+                self._failures += 1
+                if not self._failing:
+                    log.warning("stats publish failed (will retry each interval): %s", exc)
+                self._failing = True
+            except Exception:  # a bug in one statistics() must not end publishing
+                self._failures += 1
+                if not self._failing:
+                    log.exception("stats record could not be built (will retry each interval)")
+                self._failing = True
+            else:
+                if self._failing:
+                    log.info("stats publish works again")
+                self._failing = False
+            await asyncio.sleep(self._interval_s)
+
+    def record(self) -> SiloStatsRecord:
+        """Build the record now (also used by tests)."""
+        now = self._clock()
+        stats = self._source()
+        methods: list[MethodStatistics] = stats.get("methods", [])
+        current = {(m.grain_type, m.method): (m.calls, m.errors, m.histogram) for m in methods}
+        self._snapshots.append((now, current))
+        while len(self._snapshots) > 1 and now - self._snapshots[1][0] >= WINDOW_S:
+            self._snapshots.popleft()
+        t0, old = self._snapshots[0]
+        window_s = max(now - t0, 0.0)
+        records = []
+        for m in methods:
+            c0, e0, h0 = old.get((m.grain_type, m.method), (0, 0, ()))
+            if window_s == 0.0:
+                c0, e0, h0 = m.calls, m.errors, m.histogram
+            records.append(
+                MethodRecord(
+                    grain_type=m.grain_type,
+                    method=m.method,
+                    calls=m.calls,
+                    errors=m.errors,
+                    total_ms=round(m.total_ms, 3),
+                    hist=_sparse(m.histogram),
+                    window_calls=m.calls - c0,
+                    window_errors=m.errors - e0,
+                    window_hist={
+                        i: n - (h0[i] if i < len(h0) else 0)
+                        for i, n in enumerate(m.histogram)
+                        if n - (h0[i] if i < len(h0) else 0)
+                    },
+                )
+            )
+        catalog = stats.get("catalog")
+        with self._process.oneshot():
+            cpu = self._process.cpu_percent(None)
+            rss = self._process.memory_info().rss
+            mem = self._process.memory_percent()
+        components = {
+            name: _plain(value)
+            for name, value in stats.items()
+            if name not in ("methods", "catalog")
+        }
+        if catalog is not None:
+            components["catalog"] = {
+                k: v
+                for k, v in dataclasses.asdict(catalog).items()
+                if k not in ("by_type", "by_type_keys")
+            }
+        return SiloStatsRecord(
+            address=self._address,
+            status=self._status(),
+            at=now,
+            started=self._started,
+            uptime_s=max(now - self._started, 0.0),
+            pid=os.getpid(),
+            cpu_percent=round(cpu, 2),
+            rss_bytes=rss,
+            memory_percent=round(mem, 3),
+            activations=catalog.activations if catalog is not None else 0,
+            by_type=dict(catalog.by_type) if catalog is not None else {},
+            keys_sample=dict(catalog.by_type_keys) if catalog is not None else {},
+            window_s=round(window_s, 3),
+            methods=records,
+            components=components,
+        )
+
+    async def publish(self) -> SiloStatsRecord:
+        rec = self.record()
+        body = rec.model_dump_json()
+        calls_per_s = (
+            sum(m.window_calls for m in rec.methods) / rec.window_s if rec.window_s else 0.0
+        )
+        point = LoadPoint(
+            at=rec.at,
+            cpu_percent=rec.cpu_percent,
+            rss_bytes=rec.rss_bytes,
+            activations=rec.activations,
+            calls_per_s=round(calls_per_s, 3),
+        ).model_dump_json()
+        ttl = max(1, math.ceil(self._interval_s * STATS_TTL_FACTOR))
+        k = self._keys
+        history = k.silo_stats_history(self._address)
+        with redis_errors("publish silo stats"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(k.silo_stats(self._address), body, ex=ttl)
+                pipe.zadd(k.silo_stats_index, {self._address: rec.at})
+                pipe.lpush(history, point)
+                pipe.ltrim(history, 0, HISTORY_POINTS - 1)
+                pipe.expire(history, max(ttl, 600))
+                await pipe.execute()
+        self._published += 1
+        self._last_bytes = len(body)
+        return rec
+
+    def statistics(self) -> PublisherStatistics:
+        return PublisherStatistics(self._published, self._failures, self._last_bytes)
+
+
+# --- training progress ----------------------------------------------------------
+
+JOB_HISTORY_MAXLEN = 10_000
+CANCEL_TTL_S = 7 * 24 * 3600
+
+
+class Placement(BaseModel):
+    """Where one trainer or parameter shard of a job lives."""
+
+    key: str
+    silo: str = ""
+
+
+class CheckpointInfo(BaseModel):
+    snapshot: str
+    step: int
+    at: float
+
+
+class JobProgress(BaseModel):
+    """A training job's latest progress, JSON under ``keys.job_progress(job)``."""
+
+    job: str
+    status: str = Field(
+        default="running", description="pending, running, completed, failed or cancelled."
+    )
+    step: int = 0
+    total_steps: int | None = None
+    epoch: int = 0
+    loss: float | None = None
+    accuracy: float | None = None
+    samples_per_s: float = 0.0
+    bytes_per_step: int = Field(
+        default=0, description="Bytes on the wire per step, all trainers and shards."
+    )
+    staleness: float = Field(
+        default=0.0, description="Mean gradient staleness in steps (async / ssp)."
+    )
+    mode: str = Field(default="sync", description="sync, async or ssp.")
+    trainers: list[Placement] = Field(default_factory=list)
+    shards: list[Placement] = Field(default_factory=list)
+    checkpoints: list[CheckpointInfo] = Field(default_factory=list)
+    updated_at: float = 0.0
+    error: str | None = None
+
+
+class JobPoint(BaseModel):
+    """One step's metrics in ``keys.job_history(job)`` (a capped stream)."""
+
+    step: int
+    loss: float | None = None
+    accuracy: float | None = None
+    samples_per_s: float | None = None
+    bytes: int | None = None
+    at: float = 0.0
+
+    def fields(self) -> dict[str, str]:
+        return {
+            k: repr(v) if isinstance(v, float) else str(v)
+            for k, v in self.model_dump().items()
+            if v is not None
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> JobPoint:
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        return cls.model_validate({text(k): text(v) for k, v in fields.items()})
+
+
+async def publish_job_progress(
+    redis: aioredis.Redis,
+    keys: Keys,
+    progress: JobProgress,
+    *,
+    point: JobPoint | None | bool = True,
+) -> bool:
+    """Publish a job's progress (and by default one history point); True if a cancel was asked.
+
+    One pipelined round trip: SET the progress JSON, XADD the point to the
+    capped history stream, SADD the job to ``keys.jobs``, GET the cancel flag
+    an admin sets from the dashboard. ``point=True`` derives the point from
+    ``progress``; pass a JobPoint to write another, or False to write none.
+    """
+    if not progress.updated_at:
+        progress = progress.model_copy(update={"updated_at": time.time()})
+    if point is True:
+        point = JobPoint(
+            step=progress.step,
+            loss=progress.loss,
+            accuracy=progress.accuracy,
+            samples_per_s=progress.samples_per_s,
+            bytes=progress.bytes_per_step,
+            at=progress.updated_at,
+        )
+    with redis_errors(f"publish progress of job {progress.job}"):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(keys.job_progress(progress.job), progress.model_dump_json())
+            if isinstance(point, JobPoint):
+                fields: dict[Any, Any] = point.fields()
+                pipe.xadd(
+                    keys.job_history(progress.job),
+                    fields,
+                    maxlen=JOB_HISTORY_MAXLEN,
+                    approximate=True,
+                )
+            pipe.sadd(keys.jobs, progress.job)
+            pipe.exists(keys.job_cancel(progress.job))
+            result = await pipe.execute()
+    return bool(result[-1])
+
+
+async def request_job_cancel(redis: aioredis.Redis, keys: Keys, job: str, reason: str = "") -> None:
+    """Set the cancel flag publish_job_progress reports to the coordinator."""
+    with redis_errors(f"cancel job {job}"):
+        await redis.set(keys.job_cancel(job), reason or "cancel", ex=CANCEL_TTL_S)

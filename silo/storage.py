@@ -2,27 +2,33 @@
 
 Layout per grain (keys from ``silo/keys.py``)::
 
-    state:{grain}            hash: etag, version, nchunks, size, [d: inline bytes]
-    state:{grain}:v{N}:{i}   chunk i of version N (only for states over chunk_bytes)
+    state:{grain}              hash: etag, nchunks, size, [d: inline stream]
+    state:{grain}:v{etag}:{i}  chunk i of the version whose etag is {etag} (big states only)
 
-A small state is written inline in the head with one script call. A large
-one is streamed in chunks under a *new* version number, with a TTL, while the
-old version stays visible; a commit script then checks the etag and the
-writer's fencing token against the directory, flips the head to the new
-version, persists its chunks and returns the old version, whose chunks are
-deleted after. A crash mid-write leaves the old version intact and the
-orphan chunks expire.
+A value is stored as one *stream* (``<u32 meta_len> <u32 nbuf> <u64 len>*nbuf
+meta buffers...``, the codec's ``Encoded`` laid end to end). A stream up to
+``inline_bytes`` goes inline in the head with one script call. A bigger one is
+streamed into chunk keys (``chunk_bytes`` each) named by the *new* etag, each with a TTL, while the
+old version stays visible; one commit script then checks the etag and the
+writer's fencing token against the directory entry, checks every chunk is
+there, makes them permanent, points the head at them and deletes the old
+version's chunks. So a reader sees the old version or the new one, never a
+mix, and a writer that dies mid-stream leaves only orphan chunks that expire.
+
+The same head+chunks machinery (:class:`Blobs`, :data:`LUA_BLOBS`) stores
+checkpoint snapshots (``silo/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -30,21 +36,20 @@ import redis.exceptions
 from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
-from silo.keys import Keys
+from silo.keys import Keys, chunk_key
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
 
-T = TypeVar("T")
-
-# Stream layout of an encoded value: <u32 meta_len> <u32 nbuf> <u64 len>*nbuf meta buffers...
 _HEAD = struct.Struct("<II")
 _LEN = struct.Struct("<Q")
-_ORPHAN_TTL_S = 3600
+_READ_BATCH = 4  # chunks per MGET: bounds memory beyond the result to a few chunks
 
 
 @dataclass(frozen=True, slots=True)
 class StoredState:
+    """A decoded-ready stored value: memoryviews into one buffer, plus its etag."""
+
     meta: memoryview
     buffers: list[memoryview]
     etag: str
@@ -67,20 +72,28 @@ class StorageStatistics:
     conflicts: int
     """Writes refused by the etag or fencing check."""
     errors: int
-    """Operations that failed after their retries."""
+    """Operations that failed after their retries (Redis down or erroring)."""
     bytes_written: int
+    """Stream bytes of committed writes."""
     bytes_read: int
+    """Stream bytes of reads."""
+    chunks_written: int
+    """Chunk keys written for big states (committed or not)."""
 
 
-def _stream_parts(value: Encoded) -> list[memoryview]:
+# --- the stream ---------------------------------------------------------------
+
+
+def stream_parts(value: Encoded) -> list[memoryview]:
+    """The stream of ``value`` as byte views: a small header, the meta, then each buffer as is."""
     head = bytearray(_HEAD.pack(len(value.meta), len(value.buffers)))
     for b in value.buffers:
         head += _LEN.pack(b.nbytes)
     return [memoryview(bytes(head)), memoryview(value.meta), *(b.cast("B") for b in value.buffers)]
 
 
-def _chunks(parts: list[memoryview], size: int) -> Iterator[list[memoryview]]:
-    """Split the stream into pieces of at most ``size`` bytes without copying."""
+def split_chunks(parts: list[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """Split the stream into pieces of at most ``size`` bytes, as views (no copy)."""
     piece: list[memoryview] = []
     room = size
     for part in parts:
@@ -97,79 +110,224 @@ def _chunks(parts: list[memoryview], size: int) -> Iterator[list[memoryview]]:
         yield piece
 
 
-def _parse_stream(stream: memoryview, etag: str) -> StoredState:
+def parse_stream(stream: memoryview, etag: str) -> StoredState:
+    """Slice a stream back into meta and buffers; the slices share ``stream``'s memory."""
     if stream.nbytes < _HEAD.size:
         raise errors.StorageError("stored state is truncated")
     meta_len, nbuf = _HEAD.unpack_from(stream, 0)
     pos = _HEAD.size
+    if pos + nbuf * _LEN.size > stream.nbytes:
+        raise errors.StorageError("stored state header is truncated")
     lens = []
     for _ in range(nbuf):
         lens.append(_LEN.unpack_from(stream, pos)[0])
         pos += _LEN.size
+    if pos + meta_len + sum(lens) != stream.nbytes:
+        raise errors.StorageError(
+            f"stored state holds {stream.nbytes} bytes but its header describes {pos + meta_len + sum(lens)}"
+        )
     meta = stream[pos : pos + meta_len]
     pos += meta_len
     bufs = []
     for n in lens:
         bufs.append(stream[pos : pos + n])
         pos += n
-    if pos != stream.nbytes:
-        raise errors.StorageError(f"stored state has {stream.nbytes - pos} unexpected trailing bytes")
     return StoredState(meta, bufs, etag)
 
 
-_WRITE_INLINE = """
-local head = KEYS[1]
-local cur = redis.call('HGET', head, 'etag') or ''
-if cur ~= ARGV[1] then return {0, 'etag'} end
-if ARGV[3] ~= '0' then
-  local tok = redis.call('HGET', KEYS[2], 'token')
-  if tok ~= ARGV[3] then return {0, 'fence'} end
+# --- Lua shared by state and checkpoint scripts -------------------------------
+
+LUA_BLOBS = """
+-- drop(base, ver, n): delete the n chunks of version ver (names as keys.chunk_key builds them)
+local function drop(base, ver, n)
+  n = tonumber(n or '0') or 0
+  if not ver or n <= 0 then return end
+  for i = 0, n - 1 do redis.call('UNLINK', base .. ver .. ':' .. i) end
 end
-local oldv = tonumber(redis.call('HGET', head, 'version') or '0')
-local oldn = tonumber(redis.call('HGET', head, 'nchunks') or '0')
-redis.call('HSET', head, 'etag', ARGV[2], 'version', oldv + 1, 'nchunks', 0, 'size', string.len(ARGV[4]), 'd', ARGV[4])
-redis.call('SADD', KEYS[3], ARGV[5])
-redis.call('SADD', KEYS[4], ARGV[6])
-return {1, oldv, oldn}
+-- swap(head, base, ver, n, size, data): make version ver visible in head. With n == 0 the
+-- stream is data, stored inline; otherwise its n staged chunks must all exist: they are made
+-- permanent. The version the head named before is deleted. False if a chunk is missing.
+local function swap(head, base, ver, n, size, data)
+  n = tonumber(n)
+  for i = 0, n - 1 do
+    if redis.call('EXISTS', base .. ver .. ':' .. i) == 0 then return false end
+  end
+  local old = redis.call('HMGET', head, 'etag', 'nchunks')
+  for i = 0, n - 1 do redis.call('PERSIST', base .. ver .. ':' .. i) end
+  redis.call('DEL', head)
+  if n == 0 then
+    redis.call('HSET', head, 'etag', ver, 'nchunks', 0, 'size', size, 'd', data)
+  else
+    redis.call('HSET', head, 'etag', ver, 'nchunks', n, 'size', size)
+  end
+  if old[1] ~= ver then drop(base, old[1], old[2]) end
+  return true
+end
+-- fenced(entry, token): token '0' means unfenced (stateless workers, admin restores)
+local function fenced(entry, token)
+  return token == '0' or redis.call('HGET', entry, 'token') == token
+end
 """
 
-_COMMIT_CHUNKED = """
-local head = KEYS[1]
-local cur = redis.call('HGET', head, 'etag') or ''
-if cur ~= ARGV[1] then return {0, 'etag'} end
-if ARGV[3] ~= '0' then
-  local tok = redis.call('HGET', KEYS[2], 'token')
-  if tok ~= ARGV[3] then return {0, 'fence'} end
-end
-local n = tonumber(ARGV[5])
-for i = 0, n - 1 do
-  if redis.call('PERSIST', ARGV[7] .. i) == 0 and redis.call('EXISTS', ARGV[7] .. i) == 0 then
-    return {0, 'missing'}
-  end
-end
-local oldv = tonumber(redis.call('HGET', head, 'version') or '0')
-local oldn = tonumber(redis.call('HGET', head, 'nchunks') or '0')
-redis.call('HDEL', head, 'd')
-redis.call('HSET', head, 'etag', ARGV[2], 'version', ARGV[4], 'nchunks', n, 'size', ARGV[6])
+# KEYS: head, directory entry, state index, state types
+# ARGV: expected etag ('' none, '*' any), new etag, token, nchunks, size, inline data, chunk base,
+#       grain key, type name
+_WRITE = (
+    LUA_BLOBS
+    + """
+local cur = redis.call('HGET', KEYS[1], 'etag') or ''
+if cur == ARGV[2] then return {1, 'again'} end  -- our own earlier try committed; its reply was lost
+if ARGV[1] ~= '*' and cur ~= ARGV[1] then return {0, 'etag'} end
+if not fenced(KEYS[2], ARGV[3]) then return {0, 'fence'} end
+if not swap(KEYS[1], ARGV[7], ARGV[2], ARGV[4], ARGV[5], ARGV[6]) then return {0, 'missing'} end
 redis.call('SADD', KEYS[3], ARGV[8])
 redis.call('SADD', KEYS[4], ARGV[9])
-return {1, oldv, oldn}
+return {1, 'ok'}
 """
+)
 
-_CLEAR = """
-local head = KEYS[1]
-local cur = redis.call('HGET', head, 'etag') or ''
-if ARGV[1] ~= '*' and cur ~= ARGV[1] then return {0, 'etag'} end
-if ARGV[2] ~= '0' then
-  local tok = redis.call('HGET', KEYS[2], 'token')
-  if tok ~= ARGV[2] then return {0, 'fence'} end
-end
-local oldv = tonumber(redis.call('HGET', head, 'version') or '0')
-local oldn = tonumber(redis.call('HGET', head, 'nchunks') or '0')
-redis.call('DEL', head)
-redis.call('SREM', KEYS[3], ARGV[3])
-return {1, oldv, oldn}
+# KEYS: head, directory entry, state index.  ARGV: expected etag ('*' any), token, chunk base, grain key
+_CLEAR = (
+    LUA_BLOBS
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
+if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
+if not fenced(KEYS[2], ARGV[2]) then return {0, 'fence'} end
+drop(ARGV[3], cur[1], cur[2])
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[3], ARGV[4])
+return {1, 'ok'}
 """
+)
+
+_CONFLICTS = {
+    "etag": "the stored state changed since this activation read it (etag mismatch)",
+    "fence": "another activation owns the grain now (fencing token mismatch)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A stream ready for a commit script: inline (``nchunks == 0``) or in staged chunks."""
+
+    version: str
+    nchunks: int
+    size: int
+    inline: bytes
+
+
+class Blobs:
+    """Head+chunks values in Redis: bounded retries, chunk streaming, consistent reads.
+
+    Shared by the state store and checkpoints so both stream big tensors the same way.
+    """
+
+    def __init__(self, redis: aioredis.Redis, settings: StorageSettings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.errors = 0
+        self.chunks_written = 0
+
+    async def retry(self, what: str, op: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``op``; retry connection errors with doubling backoff, then raise StorageError."""
+        delay = self.settings.retry_backoff_s
+        for attempt in range(self.settings.retries + 1):
+            try:
+                return await op()
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                OSError,
+            ) as exc:
+                if attempt == self.settings.retries:
+                    self.errors += 1
+                    raise errors.StorageError(
+                        f"{what}: Redis unreachable after {attempt + 1} tries ({exc})"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay *= 2
+            except redis.exceptions.RedisError as exc:
+                self.errors += 1
+                raise errors.StorageError(f"{what}: Redis error ({exc})") from exc
+        raise AssertionError("unreachable")
+
+    async def stage(self, what: str, base: str, parts: list[memoryview]) -> Staged:
+        """Prepare a stream for commit: small ones inline, big ones as expiring chunks.
+
+        Each chunk goes out as the views it is made of (SET, then APPEND for a chunk that
+        spans parts), so the whole stream is never joined; redis-py copies at most one
+        chunk at a time into its socket buffer.
+        """
+        version = uuid.uuid4().hex
+        size = sum(p.nbytes for p in parts)
+        if size <= self.settings.inline_bytes:
+            # Small: one round trip. Big values are slow as script arguments, so they go to chunks.
+            return Staged(version, 0, size, b"".join(parts))
+        ttl = self.settings.orphan_ttl_s
+        n = 0
+        for n, piece in enumerate(split_chunks(parts, self.settings.chunk_bytes), start=1):
+            key = chunk_key(base, version, n - 1)
+            if len(piece) == 1:
+                await self.retry(what, functools.partial(self.redis.set, key, piece[0], ex=ttl))
+            else:
+                await self.retry(what, functools.partial(self._set_pieces, key, piece, ttl))
+            self.chunks_written += 1
+        return Staged(version, n, size, b"")
+
+    async def _set_pieces(self, key: str, piece: list[memoryview], ttl: int) -> None:
+        # A retry starts again at SET, so a half-sent pipeline leaves nothing behind.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(key, piece[0], ex=ttl)
+        for p in piece[1:]:
+            pipe.append(key, p)
+        await pipe.execute()
+
+    async def discard(self, base: str, staged: Staged) -> None:
+        """Best effort: delete the chunks of a stream whose commit was refused (else they expire)."""
+        if staged.nchunks <= 0:
+            return
+        try:
+            await self.redis.unlink(
+                *(chunk_key(base, staged.version, i) for i in range(staged.nchunks))
+            )
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not delete uncommitted chunks under %s (they expire): %s", base, exc)
+
+    async def load(self, what: str, head_key: str, base: str) -> tuple[memoryview, str] | None:
+        """The visible stream under ``head_key`` and its etag, or None if there is none.
+
+        Big streams are assembled into one bytearray, so the views the codec gets are
+        writable and tensors decode without a copy.
+        """
+        for _ in range(5):
+            head = await self.retry(what, lambda: self.redis.hgetall(head_key))
+            if not head:
+                return None
+            etag = head[b"etag"].decode()
+            n, size = int(head.get(b"nchunks", 0)), int(head.get(b"size", 0))
+            if n == 0:
+                return memoryview(bytearray(head.get(b"d", b""))), etag
+            stream = bytearray(size)
+            pos = 0
+            complete = True
+            for start in range(0, n, _READ_BATCH):
+                names = [
+                    chunk_key(base, etag, i) for i in range(start, min(n, start + _READ_BATCH))
+                ]
+                got = await self.retry(what, functools.partial(self.redis.mget, names))
+                for part in got:
+                    if part is None or pos + len(part) > size:
+                        complete = False
+                        break
+                    stream[pos : pos + len(part)] = part
+                    pos += len(part)
+                del got
+                if not complete:
+                    break
+            if complete and pos == size:
+                return memoryview(stream), etag
+            # A newer version replaced this one while we read it: read the head again.
+        raise errors.StorageError(f"{what}: the value kept changing while being read")
 
 
 class RedisStateStore:
@@ -179,144 +337,84 @@ class RedisStateStore:
         self._redis = redis
         self._keys = keys
         self._settings = settings
-        self._inline = redis.register_script(_WRITE_INLINE)
-        self._commit = redis.register_script(_COMMIT_CHUNKED)
+        self.blobs = Blobs(redis, settings)
+        self._write = redis.register_script(_WRITE)
         self._clear = redis.register_script(_CLEAR)
-        self._reads = self._writes = self._conflicts = self._errors = 0
+        self._reads = self._writes = self._conflicts = 0
         self._bytes_written = self._bytes_read = 0
-
-    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        delay = self._settings.retry_backoff_s
-        for attempt in range(self._settings.retries + 1):
-            try:
-                return await op()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-                if attempt == self._settings.retries:
-                    self._errors += 1
-                    raise errors.StorageError(f"{what}: Redis unreachable after {attempt + 1} tries ({exc})") from exc
-                await asyncio.sleep(delay)
-                delay *= 2
-            except redis.exceptions.RedisError as exc:
-                self._errors += 1
-                raise errors.StorageError(f"{what}: Redis error ({exc})") from exc
-        raise AssertionError("unreachable")
-
-    def _fence_keys(self, grain: GrainId) -> list[str]:
-        g = str(grain)
-        k = self._keys
-        return [k.state_head(g), k.directory_entry(g), k.state_index(grain.type_name), k.state_types()]
 
     async def read(self, grain: GrainId) -> StoredState | None:
         g = str(grain)
-        for _ in range(5):
-            head = await self._retry(f"read state of {g}", lambda: self._redis.hgetall(self._keys.state_head(g)))
-            if not head:
-                return None
-            etag = head[b"etag"].decode()
-            if b"d" in head:
-                self._reads += 1
-                self._bytes_read += len(head[b"d"])
-                return _parse_stream(memoryview(bytearray(head[b"d"])), etag)
-            version, n, size = int(head[b"version"]), int(head[b"nchunks"]), int(head[b"size"])
-            stream = bytearray(size)
-            pos = 0
-            complete = True
-            # Fetch a few chunks at a time: bounded memory beyond the result itself.
-            for start in range(0, n, 4):
-                names = [self._keys.state_chunk(g, version, i) for i in range(start, min(n, start + 4))]
-                parts = await self._retry(f"read state of {g}", lambda names=names: self._redis.mget(names))
-                for part in parts:
-                    if part is None:
-                        complete = False
-                        break
-                    stream[pos : pos + len(part)] = part
-                    pos += len(part)
-                if not complete:
-                    break
-            if complete and pos == size:
-                self._reads += 1
-                self._bytes_read += size
-                return _parse_stream(memoryview(stream), etag)
-            # A newer version replaced this one while we read it: read the head again.
-        raise errors.StorageError(f"state of {g} kept changing while being read")
+        found = await self.blobs.load(
+            f"read state of {g}", self._keys.state_head(g), self._keys.state_chunk_base(g)
+        )
+        if found is None:
+            return None
+        stream, etag = found
+        self._reads += 1
+        self._bytes_read += stream.nbytes
+        return parse_stream(stream, etag)
 
     async def write(self, grain: GrainId, value: Encoded, etag: str | None, token: int) -> str:
+        return await self.write_stream(grain, stream_parts(value), etag, token)
+
+    async def write_stream(
+        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int
+    ) -> str:
+        """Commit a stream as the grain's state; ``etag="*"`` with token 0 overwrites whatever is there."""
         g = str(grain)
-        parts = _stream_parts(value)
-        size = sum(p.nbytes for p in parts)
-        new_etag = uuid.uuid4().hex
-        keys = self._fence_keys(grain)
-        if size <= self._settings.chunk_bytes:
-            data = b"".join(parts)
-            res = await self._retry(
-                f"write state of {g}",
-                lambda: self._inline(
-                    keys=keys, args=[etag or "", new_etag, str(token), data, grain.key, grain.type_name]
-                ),
-            )
-        else:
-            version = await self._retry(
-                f"write state of {g}", lambda: self._redis.hincrby(self._keys.state_head(g) + ":seq", "v", 1)
-            )
-            version = int(version) + 1_000_000_000  # never collides with inline versions
-            n = 0
-            for n, piece in enumerate(_chunks(parts, self._settings.chunk_bytes), start=1):
-                key = self._keys.state_chunk(g, version, n - 1)
-                body = piece[0] if len(piece) == 1 else b"".join(piece)
-                await self._retry(
-                    f"write state of {g}", lambda key=key, body=body: self._redis.set(key, body, ex=_ORPHAN_TTL_S)
-                )
-            prefix = self._keys.state_chunk(g, version, 0)[:-1]
-            res = await self._retry(
-                f"write state of {g}",
-                lambda: self._commit(
-                    keys=keys,
-                    args=[etag or "", new_etag, str(token), version, n, size, prefix, grain.key, grain.type_name],
-                ),
-            )
-            if int(res[0]) != 1:
-                await self._drop_chunks(g, version, n)
+        k = self._keys
+        base = k.state_chunk_base(g)
+        what = f"write state of {g}"
+        staged = await self.blobs.stage(what, base, parts)
+        keys = [
+            k.state_head(g),
+            k.directory_entry(g),
+            k.state_index(grain.type_name),
+            k.state_types(),
+        ]
+        args: list[Any] = [etag or "", staged.version, str(token), staged.nchunks, staged.size, staged.inline, base,
+                grain.key, grain.type_name]  # fmt: skip
+        try:
+            res = await self.blobs.retry(what, lambda: self._write(keys=keys, args=args))
+        except errors.StorageError:
+            await self.blobs.discard(base, staged)
+            raise
         if int(res[0]) != 1:
-            self._conflicts += 1
+            await self.blobs.discard(base, staged)
             why = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
-            detail = {
-                "etag": "the stored state changed since this activation read it (etag mismatch)",
-                "fence": "another activation owns the grain now (fencing token mismatch)",
-                "missing": "state chunks vanished before commit",
-            }.get(why, why)
-            raise errors.StateConflictError(g, detail)
+            if why == "missing":
+                raise errors.StorageError(
+                    f"{what}: staged chunks expired before the commit (orphan_ttl_s too short?)"
+                )
+            self._conflicts += 1
+            raise errors.StateConflictError(g, _CONFLICTS.get(why, why))
         self._writes += 1
-        self._bytes_written += size
-        await self._drop_chunks(g, int(res[1]), int(res[2]))
-        return new_etag
+        self._bytes_written += staged.size
+        return staged.version
 
     async def clear(self, grain: GrainId, etag: str | None, token: int) -> None:
         g = str(grain)
-        keys = self._fence_keys(grain)[:3]
-        res = await self._retry(
-            f"clear state of {g}", lambda: self._clear(keys=keys, args=[etag or "", str(token), grain.key])
+        k = self._keys
+        keys = [k.state_head(g), k.directory_entry(g), k.state_index(grain.type_name)]
+        args = [etag or "", str(token), k.state_chunk_base(g), grain.key]
+        res = await self.blobs.retry(
+            f"clear state of {g}", lambda: self._clear(keys=keys, args=args)
         )
         if int(res[0]) != 1:
             self._conflicts += 1
-            raise errors.StateConflictError(g, "state changed or grain owned elsewhere")
-        await self._drop_chunks(g, int(res[1]), int(res[2]))
-
-    async def _drop_chunks(self, g: str, version: int, n: int) -> None:
-        if n <= 0:
-            return
-        try:
-            await self._redis.delete(*(self._keys.state_chunk(g, version, i) for i in range(n)))
-        except redis.exceptions.RedisError as exc:
-            log.warning("could not delete old state chunks of %s (they stay until removed): %s", g, exc)
+            why = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            raise errors.StateConflictError(g, _CONFLICTS.get(why, why))
 
     def statistics(self) -> StorageStatistics:
         return StorageStatistics(
             reads=self._reads,
             writes=self._writes,
             conflicts=self._conflicts,
-            errors=self._errors,
+            errors=self.blobs.errors,
             bytes_written=self._bytes_written,
             bytes_read=self._bytes_read,
+            chunks_written=self.blobs.chunks_written,
         )
 
 
@@ -326,28 +424,46 @@ class InMemoryStateStore:
     def __init__(self, owner: Callable[[GrainId], int] | None = None) -> None:
         self._data: dict[GrainId, tuple[bytes, str]] = {}
         self._owner = owner
+        self._reads = self._writes = self._conflicts = 0
+        self._bytes_written = self._bytes_read = 0
 
     async def read(self, grain: GrainId) -> StoredState | None:
         found = self._data.get(grain)
         if found is None:
             return None
-        return _parse_stream(memoryview(bytearray(found[0])), found[1])
+        self._reads += 1
+        self._bytes_read += len(found[0])
+        return parse_stream(memoryview(bytearray(found[0])), found[1])
 
     def _check(self, grain: GrainId, etag: str | None, token: int) -> None:
         cur = self._data.get(grain)
-        if (cur[1] if cur else None) != (etag or None):
-            raise errors.StateConflictError(str(grain), "etag mismatch")
+        if etag != "*" and (cur[1] if cur else None) != (etag or None):
+            self._conflicts += 1
+            raise errors.StateConflictError(str(grain), _CONFLICTS["etag"])
         if self._owner is not None and token and self._owner(grain) != token:
-            raise errors.StateConflictError(str(grain), "fencing token mismatch")
+            self._conflicts += 1
+            raise errors.StateConflictError(str(grain), _CONFLICTS["fence"])
 
     async def write(self, grain: GrainId, value: Encoded, etag: str | None, token: int) -> str:
         self._check(grain, etag, token)
         new = uuid.uuid4().hex
-        self._data[grain] = (b"".join(_stream_parts(value)), new)
+        data = b"".join(stream_parts(value))
+        self._data[grain] = (data, new)
+        self._writes += 1
+        self._bytes_written += len(data)
         return new
 
     async def clear(self, grain: GrainId, etag: str | None, token: int) -> None:
         self._check(grain, etag, token)
         self._data.pop(grain, None)
 
-
+    def statistics(self) -> StorageStatistics:
+        return StorageStatistics(
+            reads=self._reads,
+            writes=self._writes,
+            conflicts=self._conflicts,
+            errors=0,
+            bytes_written=self._bytes_written,
+            bytes_read=self._bytes_read,
+            chunks_written=0,
+        )

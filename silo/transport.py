@@ -156,7 +156,8 @@ class Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_event_loop()
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        # label: "grain.method", or (grain, method) so a call need not format it.
+        self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
         # One timer for the earliest deadline instead of one per request:
         # a libuv/asyncio timer per call costs more than the call itself.
         self._deadlines: list[tuple[float, int]] = []
@@ -276,7 +277,23 @@ class Connection(asyncio.BufferedProtocol):
             if self._need_prefix:
                 if avail < PREFIX.size:
                     break
-                self._hlen, self._mlen, self._nbuf = PREFIX.unpack_from(self._buf, self._start)
+                hlen, mlen, nbuf = PREFIX.unpack_from(self._buf, self._start)
+                ctl = hlen + mlen
+                if (
+                    nbuf == 0
+                    and avail - PREFIX.size >= ctl
+                    and self._authenticated
+                    and ctl <= self._settings.max_frame_bytes
+                ):
+                    # The common case, a small frame wholly in the buffer: no parser state.
+                    pos = self._start + PREFIX.size
+                    header = self._header_at(pos, hlen)
+                    meta = bytes(self._view[pos + hlen : pos + ctl])
+                    self._start = pos + ctl
+                    self._n.frames_in += 1
+                    self._on_frame(Frame(header, meta, []))
+                    continue
+                self._hlen, self._mlen, self._nbuf = hlen, mlen, nbuf
                 self._start += PREFIX.size
                 self._ctl_len = self._nbuf * BUFLEN.size + self._hlen + self._mlen
                 limit = self._settings.max_frame_bytes if self._authenticated or not self._server_side else _PRE_AUTH_MAX
@@ -329,17 +346,21 @@ class Connection(asyncio.BufferedProtocol):
             raise errors.CodecError(
                 f"frame of {total} bytes exceeds max_frame_bytes={self._settings.max_frame_bytes}"
             )
-        try:
-            header = _unpackb(self._view[pos : pos + self._hlen])
-        except Exception as exc:
-            raise errors.CodecError(f"malformed frame header: {exc}") from exc
-        if not isinstance(header, list) or not header or not isinstance(header[0], int):
-            raise errors.CodecError(f"malformed frame header: {header!r:.100}")
+        header = self._header_at(pos, self._hlen)
         pos += self._hlen
         self._meta = bytes(self._view[pos : pos + self._mlen])
         self._start = pos + self._mlen
         self._header = header
         self._lens = lens
+
+    def _header_at(self, pos: int, hlen: int) -> list[Any]:
+        try:
+            header = _unpackb(self._view[pos : pos + hlen])
+        except Exception as exc:
+            raise errors.CodecError(f"malformed frame header: {exc}") from exc
+        if type(header) is not list or not header or type(header[0]) is not int:
+            raise errors.CodecError(f"malformed frame header: {header!r:.100}")
+        return header
 
     def _deliver(self) -> None:
         frame = Frame(self._header, self._meta, self._bufs)
@@ -439,6 +460,17 @@ class Connection(asyncio.BufferedProtocol):
         h = _packb(header)
         meta = encoded.meta if encoded is not None else b""
         bufs = encoded.buffers if encoded is not None else []
+        if not bufs:
+            frame = PREFIX.pack(len(h), len(meta), 0) + h + meta
+            self._out.append(frame)
+            self._n.frames_out += 1
+            self._n.bytes_out += len(frame)
+            if len(frame) >= _DIRECT:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+            return
         ctl = [PREFIX.pack(len(h), len(meta), len(bufs))]
         ctl.extend(BUFLEN.pack(b.nbytes) for b in bufs)
         ctl.append(h)
@@ -461,16 +493,33 @@ class Connection(asyncio.BufferedProtocol):
         self._flush_scheduled = False
         if self._big is not None or self._transport is None or self.closed:
             return
+        out = self._out
+        if len(out) == 1 and len(out[0]) <= _SLICE:
+            self._transport.write(out.popleft())
+            return
+        # Small frames are joined into one write (one syscall, and uvloop's writelines
+        # handles each item separately); big buffers go as they are, without a copy.
         batch: list[bytes | memoryview] = []
-        while self._out:
-            part = self._out.popleft()
+        small: list[bytes | memoryview] = []
+        while out:
+            part = out.popleft()
+            if len(part) < _DIRECT:
+                small.append(part)
+                continue
+            if small:
+                batch.append(b"".join(small) if len(small) > 1 else small[0])
+                small = []
             if len(part) > _SLICE and isinstance(part, memoryview):
                 if batch:
                     self._transport.writelines(batch)
                 self._big = self._loop.create_task(self._write_big(part.cast("B")))
                 return
             batch.append(part)
-        if batch:
+        if small:
+            batch.append(b"".join(small) if len(small) > 1 else small[0])
+        if len(batch) == 1:
+            self._transport.write(batch[0])
+        elif batch:
             self._transport.writelines(batch)
 
     async def _write_big(self, part: memoryview) -> None:
@@ -494,7 +543,7 @@ class Connection(asyncio.BufferedProtocol):
             await self._paused
 
     def request(
-        self, header: list[Any], body: Any, timeout_s: float | None, label: str = ""
+        self, header: list[Any], body: Any, timeout_s: float | None, label: str | tuple[object, str] = ""
     ) -> asyncio.Future[Any]:
         """Send a request; the future gets the decoded result or the error."""
         if self.closed:
@@ -551,7 +600,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         fut, label = entry
         if not fut.done():
-            target, _, method = label.rpartition(".")
+            if isinstance(label, tuple):
+                target, method = str(label[0]), label[1]
+            else:
+                target, _, method = label.rpartition(".")
             fut.set_exception(errors.GrainTimeoutError(target, method, 0.0))
         try:
             self._send_frame([CANCEL, req_id])
@@ -652,6 +704,11 @@ class Transport:
         self._server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
+
+    def connection_nowait(self, endpoint: str) -> Connection | None:
+        """The open pooled connection to ``host:port``, or None (then ``await connect()``)."""
+        conn = self._out.get(endpoint)
+        return conn if conn is not None and not conn.closed else None
 
     async def connect(self, endpoint: str) -> Connection:
         """The pooled connection to ``host:port``, opened (and authenticated) if needed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ class Echo(Grain):
 
     async def fail(self, message: str) -> None:
         raise ValueError(message)
+
+    async def block_loop(self, seconds: float) -> None:
+        time.sleep(seconds)  # deliberately wrong: holds the event loop
 
     async def tensor_sum(self, t: torch.Tensor) -> float:
         return float(t.sum())
@@ -183,3 +187,129 @@ class Ticker(Grain):
     async def wait_ticks(self) -> int:
         await self.fired.wait()
         return self.ticks
+
+
+# --- state, checkpoints, reminders (tests/storage/) ----------------------------
+
+import hashlib
+import zlib
+
+from pydantic import ConfigDict
+
+from grains import write_behind
+
+
+class Ledger(Grain):
+    """Idempotent adds: a retried op id is applied once, so a client may retry blindly."""
+
+    class State(BaseModel):
+        total: int = 0
+        applied: list[str] = []
+
+    async def add(self, n: int, op_id: str) -> int:
+        if op_id not in self.state.applied:
+            self.state.total += n
+            self.state.applied.append(op_id)
+            await self.write_state()
+        return self.state.total
+
+    async def total(self) -> tuple[int, int]:
+        return self.state.total, len(self.state.applied)
+
+    async def where(self) -> str:
+        return str(self.silo)
+
+
+def tensor_digest(t: torch.Tensor | None) -> str:
+    if t is None:
+        return ""
+    return hashlib.sha256(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())).hexdigest()
+
+
+class BigState(Grain):
+    """A tensor state of any size, filled deterministically from a seed."""
+
+    class State(BaseModel):
+        model_config = ConfigDict(arbitrary_types_allowed=True)
+        seed: int = 0
+        weights: torch.Tensor | None = None
+
+    async def fill(self, seed: int, mb: int) -> str:
+        n = mb * (1 << 20) // 4
+        self.state.seed = seed
+        self.state.weights = torch.arange(n, dtype=torch.int32) * (seed * 2 + 1)
+        await self.write_state()
+        return tensor_digest(self.state.weights)
+
+    async def digest(self) -> tuple[int, str]:
+        return self.state.seed, tensor_digest(self.state.weights)
+
+
+@write_behind(60_000)
+class Buffered(Grain):
+    """Write-behind with a flush far away: only deactivation (or a test) flushes it."""
+
+    class State(BaseModel):
+        value: int = 0
+
+    async def set(self, value: int) -> int:
+        self.state.value = value
+        await self.write_state()
+        return value
+
+    async def get(self) -> int:
+        return self.state.value
+
+    async def retire(self) -> None:
+        self.deactivate_on_idle()
+
+
+class Reminded(Grain):
+    """Counts reminder ticks in its state, with the silo each tick ran on."""
+
+    class State(BaseModel):
+        ticks: int = 0
+        silos: list[str] = []
+
+    async def start(self, period_s: float) -> None:
+        await self.register_reminder("tick", period_s, due_s=0.0)
+
+    async def stop(self) -> None:
+        await self.unregister_reminder("tick")
+
+    async def receive_reminder(self, name: str) -> None:
+        if name == "tick":
+            self.state.ticks += 1
+            self.state.silos.append(str(self.silo))
+            await self.write_state()
+
+    async def ticks(self) -> tuple[int, list[str]]:
+        return self.state.ticks, self.state.silos
+
+    async def where(self) -> str:
+        return str(self.silo)
+
+
+class Shard(Grain):
+    """A parameter shard: a step counter and a tensor, checkpointed as a group."""
+
+    class State(BaseModel):
+        model_config = ConfigDict(arbitrary_types_allowed=True)
+        step: int = 0
+        weights: torch.Tensor = torch.zeros(0)
+
+    async def train(self, step: int, numel: int) -> str:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.key}/{step}".encode()))
+        self.state.step = step
+        self.state.weights = torch.randn(numel, generator=gen)
+        await self.write_state()
+        return tensor_digest(self.state.weights)
+
+    async def checkpoint(self, group: str, members: list[str], keep: int) -> bool:
+        return await self.save_snapshot(group, self.state.step, members, keep=keep)
+
+    async def restore(self, group: str, snapshot_id: int | None) -> str:
+        return await self.load_snapshot(group, snapshot_id)
+
+    async def digest(self) -> tuple[int, str]:
+        return self.state.step, tensor_digest(self.state.weights)

@@ -1,0 +1,240 @@
+"""Call-path benchmark: ``python -m benchmarks calls [--quick] [--no-ray]``.
+
+In one run, each measurement warmed up and repeated (median and spread):
+
+* the bare asyncio + msgpack echo baseline (bench_echo_baseline.py), in a subprocess;
+* redgrain client → grain (silo subprocess): sequential latency p50/p99 and
+  calls/s, pipelined calls/s, with 100 B and 1 MB arguments;
+* grain → grain on one silo and across two silos (measured inside a silo);
+* 16 MB and 64 MB float32 tensor arguments grain → grain across silos (GB/s),
+  and a 64 MB tensor echo client → grain (both directions counted);
+* the same shapes on Ray (sync actor, async actor, actor → actor ObjectRef)
+  when ``ray`` is installed (``pip install ".[bench]"``), in a subprocess.
+
+Ratios printed: redgrain / bare echo and redgrain / Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from benchmarks import common
+from benchmarks.bench_echo_baseline import measure_in_subprocess as measure_echo
+
+SMALL = b"x" * 100
+MB = 1 << 20
+
+
+class Sizes:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.repeats = 2 if quick else 5
+        self.seq = 100 if quick else 3000
+        self.pipe = 200 if quick else 10_000
+        self.seq_1mb = 5 if quick else 100
+        self.pipe_1mb = 8 if quick else 64
+        self.tensor_sizes = [1 * MB] if quick else [16 * MB, 64 * MB]
+        self.tensor_repeats = 2 if quick else 5
+
+
+async def _place(client: Any, grain: type, n: int) -> dict[str, list[str]]:
+    """Activate n keys of a randomly placed grain type; group them by silo."""
+    by_silo: dict[str, list[str]] = {}
+    keys = [f"{grain.__name__}-{i}" for i in range(n)]
+    wheres = await asyncio.gather(*(client.get_grain(grain, k).where() for k in keys))
+    for k, w in zip(keys, wheres):
+        by_silo.setdefault(w, []).append(k)
+    return by_silo
+
+
+def _seq_result(lat: list[float], runs: dict[str, Any]) -> dict[str, Any]:
+    return {"per_s": runs, "p50_ms": common.percentile(lat, 0.5) * 1e3, "p99_ms": common.percentile(lat, 0.99) * 1e3}
+
+
+async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.grains import BenchDriver, BenchEcho
+    from silo.client import ClusterClient
+
+    out: dict[str, Any] = {}
+    async with await ClusterClient.connect(cluster.redis_url, cluster=cluster.cluster) as client:
+        echoes = await _place(client, BenchEcho, 24)
+        drivers = await _place(client, BenchDriver, 24)
+        silo_a = next(s for s in drivers if s in echoes and len(echoes) > 1)
+        silo_b = next(s for s in echoes if s != silo_a)
+        driver = client.get_grain(BenchDriver, drivers[silo_a][0])
+        same, other = echoes[silo_a][0], echoes[silo_b][0]
+        echo = client.get_grain(BenchEcho, other)
+
+        for label, payload, n_seq, n_pipe in (
+            ("100B", SMALL, sz.seq, sz.pipe),
+            ("1MB", b"y" * MB, sz.seq_1mb, sz.pipe_1mb),
+        ):
+            lat: list[float] = []
+
+            async def sequential() -> float:
+                lat.clear()
+                t0 = time.perf_counter()
+                for _ in range(n_seq):
+                    t = time.perf_counter()
+                    await echo.echo(payload)
+                    lat.append(time.perf_counter() - t)
+                return n_seq / (time.perf_counter() - t0)
+
+            async def pipelined() -> float:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(echo.echo(payload) for _ in range(n_pipe)))
+                return n_pipe / (time.perf_counter() - t0)
+
+            runs = await common.repeat(sequential, sz.repeats)
+            out[f"client_grain_seq_{label}"] = _seq_result(lat, runs)
+            out[f"client_grain_pipe_{label}"] = {"per_s": await common.repeat(pipelined, sz.repeats)}
+
+            for where, target in (("one_silo", same), ("across", other)):
+                glat: list[float] = []
+
+                async def g_sequential() -> float:
+                    got = await driver.sequential(target, n_seq, payload)
+                    glat[:] = got
+                    return len(got) / sum(got)
+
+                async def g_pipelined() -> float:
+                    return n_pipe / await driver.pipelined(target, n_pipe, payload)
+
+                runs = await common.repeat(g_sequential, sz.repeats)
+                out[f"grain_grain_{where}_seq_{label}"] = _seq_result(glat, runs)
+                out[f"grain_grain_{where}_pipe_{label}"] = {"per_s": await common.repeat(g_pipelined, sz.repeats)}
+
+        for nbytes in sz.tensor_sizes:
+            times = await driver.tensor_to(other, nbytes, sz.tensor_repeats + 1)
+            out[f"tensor_across_{nbytes // MB}MB"] = {
+                "gb_per_s": common.summarize([nbytes / t / 1e9 for t in times[1:]]), "bytes": nbytes
+            }
+        nbytes = sz.tensor_sizes[-1]
+        t = torch.randn(nbytes // 4)
+
+        async def tensor_echo() -> float:
+            t0 = time.perf_counter()
+            back = await echo.echo(t)
+            dt = time.perf_counter() - t0
+            assert back.shape == t.shape
+            return 2 * nbytes / dt / 1e9
+
+        out[f"tensor_echo_client_{nbytes // MB}MB"] = {
+            "gb_per_s": await common.repeat(tensor_echo, sz.tensor_repeats), "bytes": nbytes
+        }
+    return out
+
+
+def measure_ray(sz: Sizes) -> dict[str, Any] | str:
+    """Ray's numbers from a subprocess (its own event loops and workers), or why not."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "ray is not installed (pip install '.[bench]'): Ray columns skipped"
+    proc = common.start_subprocess(["-m", "benchmarks.ray_calls", *(["--quick"] if sz.quick else [])])
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.close()
+    text = proc.stdout.read()
+    rc = proc.wait(600)
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    if rc != 0 or not last.startswith("{"):
+        return f"ray measurement failed (exit {rc}): {text[-500:]}"
+    return json.loads(last)  # type: ignore[no-any-return]
+
+
+def _med(d: dict[str, Any] | None, *path: str) -> float | None:
+    cur: Any = d
+    for p in path:
+        if not isinstance(cur, dict) or p not in cur:
+            return None
+        cur = cur[p]
+    return float(cur["median"]) if isinstance(cur, dict) else float(cur)
+
+
+def report(echo: dict[str, Any], rg: dict[str, Any], ray: dict[str, Any] | None) -> list[list[str]]:
+    rows: list[list[str]] = []
+
+    def row(name: str, value: float | None, spread: dict[str, Any] | None, unit: str,
+            base: float | None, ray_value: float | None, ray_name: str = "") -> None:  # fmt: skip
+        rows.append([
+            name,
+            f"{value:,.0f} {unit}" if value is not None and unit == "/s" else f"{value:.2f} {unit}" if value else "-",
+            common.fmt_spread(spread) if spread else "",
+            common.ratio(value, base),
+            f"{ray_value:,.0f}" if ray_value and unit == "/s" else f"{ray_value:.2f}" if ray_value else "-",
+            common.ratio(value, ray_value) + (f" ({ray_name})" if ray_name and ray_value else ""),
+        ])  # fmt: skip
+
+    e_seq, e_pipe = _med(echo, "sequential_per_s"), _med(echo, "pipelined_futures_per_s")
+    row("bare asyncio+msgpack echo, sequential", e_seq, echo["sequential_per_s"], "/s", e_seq, None)
+    row("bare asyncio+msgpack echo, pipelined", e_pipe, echo["pipelined_futures_per_s"], "/s", e_pipe, None)
+    for label in ("100B", "1MB"):
+        seq = rg[f"client_grain_seq_{label}"]
+        pipe = rg[f"client_grain_pipe_{label}"]
+        row(f"client→grain sequential {label}", _med(seq, "per_s"), seq["per_s"], "/s", e_seq if label == "100B" else None,
+            _med(ray, f"sync_seq_{label}", "per_s"), "sync actor")  # fmt: skip
+        rows.append([f"  p50 / p99 latency {label}", f"{seq['p50_ms']:.3f} / {seq['p99_ms']:.3f} ms", "", "",
+                     f"{ray[f'sync_seq_{label}']['p50_ms']:.3f} / {ray[f'sync_seq_{label}']['p99_ms']:.3f}" if ray else "-", ""])  # fmt: skip
+        row(f"client→grain pipelined {label}", _med(pipe, "per_s"), pipe["per_s"], "/s", e_pipe if label == "100B" else None,
+            _med(ray, f"async_pipe_{label}", "per_s"), "async actor")  # fmt: skip
+        for where in ("one_silo", "across"):
+            seq = rg[f"grain_grain_{where}_seq_{label}"]
+            pipe = rg[f"grain_grain_{where}_pipe_{label}"]
+            w = "on one silo" if where == "one_silo" else "across silos"
+            row(f"grain→grain {w} sequential {label}", _med(seq, "per_s"), seq["per_s"], "/s", None,
+                _med(ray, f"actor_actor_seq_{label}", "per_s"), "actor→actor")  # fmt: skip
+            rows.append([f"  p50 / p99 latency {label}", f"{seq['p50_ms']:.3f} / {seq['p99_ms']:.3f} ms", "", "", "", ""])
+            row(f"grain→grain {w} pipelined {label}", _med(pipe, "per_s"), pipe["per_s"], "/s", None,
+                _med(ray, f"actor_actor_pipe_{label}", "per_s"), "actor→actor")  # fmt: skip
+    for key, val in rg.items():
+        if key.startswith("tensor_across_"):
+            mb = key.removeprefix("tensor_across_")
+            row(f"tensor {mb} grain→grain across silos", _med(val, "gb_per_s"), val["gb_per_s"], "GB/s", None,
+                _med(ray, f"tensor_{mb}", "gb_per_s"), "ObjectRef actor→actor")  # fmt: skip
+        elif key.startswith("tensor_echo_client_"):
+            mb = key.removeprefix("tensor_echo_client_")
+            row(f"tensor {mb} echo client→grain (2× bytes)", _med(val, "gb_per_s"), val["gb_per_s"], "GB/s", None, None)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks calls")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray columns")
+    args = parser.parse_args(argv)
+    sz = Sizes(args.quick)
+    common.fix_torch_threads()
+    from silo.transport import retain_freed_memory
+
+    # The documented opt-in for clients that receive big tensors (silos always do it).
+    retained = retain_freed_memory()
+    print(f"# client process: retain_freed_memory() -> {retained}")
+    facts = common.machine_facts()
+    common.print_header("calls: client→grain, grain→grain, tensors; vs bare echo and Ray", facts, args.quick)
+    echo = measure_echo(args.quick)
+    with common.BenchCluster(2) as cluster:
+        rg = common.run(measure_redgrain(cluster, sz))
+    ray: dict[str, Any] | None = None
+    ray_note = "skipped (--no-ray)"
+    if not args.no_ray:
+        got = measure_ray(sz)
+        if isinstance(got, str):
+            ray_note = got
+        else:
+            ray, ray_note = got, f"ray {facts['ray']}"
+    print(f"# Ray: {ray_note}")
+    common.print_table(["measure", "redgrain", "spread", "/bare echo", "Ray", "redgrain/Ray"], report(echo, rg, ray))
+    common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
+                                  "ray": ray, "ray_note": ray_note})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,156 @@
+"""Training throughput, bytes on the wire and accuracy: redgrain vs a plain torch loop.
+
+``python -m benchmarks training [--quick]``. Every process at one torch thread.
+Two configurations: small (MLP on digits, batch 64) and medium (synthetic
+784 -> 1024 -> 1024 -> 10, batch 256). Rows: a plain single-process loop;
+redgrain with 1 trainer and its shard on 1 silo; 2 trainers on 2 silos (sync,
+async); bytes per step for none / fp16 / topk:0.01; final accuracy of each.
+Samples/s are measured between 20% of the steps and the end (startup excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from benchmarks.common import (
+    BenchCluster,
+    fix_torch_threads,
+    machine_facts,
+    print_header,
+    print_table,
+    ratio,
+    run,
+    write_result,
+)
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "small": dict(model="grains.training.models:mlp", dataset="grains.training.datasets:digits", batch_size=64),
+    "medium": dict(
+        model="grains.training.models:medium_mlp",
+        dataset="grains.training.datasets:synthetic",
+        dataset_args={"samples": 16384, "test_samples": 2048, "features": 784, "spread": 1.5},
+        batch_size=256,
+    ),
+}
+COMMON = dict(optimizer="momentum", lr=0.05, checkpoint_every=0, eval_every=0)
+
+
+def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The baseline: one process, one model, torch's optimizer, the same batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from grains.training.datasets import Batches, load_dataset
+    from grains.training.job import TrainingJob
+    from grains.training.models import build_model
+    from grains.training.shard import make_optimizer
+
+    spec = TrainingJob(**cfg, **COMMON, steps=steps, trainers=1)
+    model = build_model(spec)
+    opt = make_optimizer(list(model.parameters()), spec)
+    data = Batches(load_dataset(spec, "train"))
+    warm = max(1, steps // 5)
+    start = 0.0
+    for t in range(steps):
+        if t == warm:
+            start = time.perf_counter()
+        x, y = data.batch(spec.batch_size, 1, 0, t, spec.seed)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    elapsed = time.perf_counter() - start
+    tx, ty = Batches(load_dataset(spec, "test")).all()
+    with torch.no_grad():
+        acc = float((model(tx).argmax(1) == ty).float().mean())
+    return {"samples_per_s": (steps - warm) * spec.batch_size / elapsed, "step_ms": 1000 * elapsed / (steps - warm),
+            "accuracy": acc, "bytes_per_step": 0}  # fmt: skip
+
+
+async def run_job(client: Any, name: str, cfg: dict[str, Any], steps: int, **kw: Any) -> dict[str, Any]:
+    from grains.training import CoordinatorGrain, TrainingJob
+
+    spec = TrainingJob(**cfg, **COMMON, steps=steps, **kw)
+    coord = client.get_grain(CoordinatorGrain, name)
+    await coord.start(spec)
+    trainers = int(kw.get("trainers", 1))
+    mark: tuple[float, int] | None = None
+    while True:
+        st = await coord.status()
+        now = time.perf_counter()
+        if mark is None and st.step >= steps // 5:
+            mark = (now, st.step)
+        if st.status in ("completed", "failed", "cancelled"):
+            break
+        await asyncio.sleep(0.05)
+    if st.status != "completed":
+        raise RuntimeError(f"job {name} {st.status}: {st.error}")
+    t0, s0 = mark or (now, 0)
+    rate = (steps - s0) * spec.batch_size * trainers / max(1e-9, now - t0)
+    return {"samples_per_s": rate, "step_ms": 1000 * (now - t0) / max(1, steps - s0), "accuracy": st.accuracy,
+            "bytes_per_step": st.bytes_per_step}  # fmt: skip
+
+
+async def measure(quick: bool) -> dict[str, Any]:
+    from silo.client import ClusterClient
+
+    steps = {"small": 60 if quick else 600, "medium": 12 if quick else 200}
+    out: dict[str, Any] = {}
+    for name, cfg in CONFIGS.items():
+        if quick and name == "medium":
+            cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+        out[name] = {"plain": await asyncio.to_thread(plain_loop, cfg, steps[name])}
+    with BenchCluster(1, grains="grains.training") as bc:
+        async with await ClusterClient.connect(bc.redis_url, cluster=bc.cluster) as client:
+            for name, cfg in CONFIGS.items():
+                if quick and name == "medium":
+                    cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+                n = steps[name]
+                out[name]["1 trainer, 1 silo"] = await run_job(client, f"{name}-1", cfg, n, trainers=1, shards=1)
+            bc.add_silo()
+            await client.refresh()
+            for name, cfg in CONFIGS.items():
+                if quick and name == "medium":
+                    cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+                n = steps[name]
+                for mode in ("sync", "async"):
+                    out[name][f"2 trainers, 2 silos, {mode}"] = await run_job(
+                        client, f"{name}-2-{mode}", cfg, n, trainers=2, shards=2, mode=mode
+                    )
+                for comp in ("fp16", "topk:0.01"):
+                    out[name][f"2 trainers, 2 silos, sync, {comp}"] = await run_job(
+                        client, f"{name}-2-{comp.replace(':', '')}", cfg, n, trainers=2, shards=2, compression=comp
+                    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks training")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
+    args = parser.parse_args(argv)
+    fix_torch_threads()
+    facts = machine_facts()
+    print_header("training: plain torch loop vs redgrain trainers and shards", facts, args.quick)
+    results = run(measure(args.quick))
+    for name, rows in results.items():
+        plain = rows["plain"]["samples_per_s"]
+        one = rows["1 trainer, 1 silo"]["samples_per_s"]
+        none_bytes = rows["2 trainers, 2 silos, sync"]["bytes_per_step"]
+        print(f"\n## {name}")
+        table = []
+        for label, r in rows.items():
+            table.append([
+                label, f"{r['samples_per_s']:,.0f}", ratio(r["samples_per_s"], plain),
+                ratio(r["samples_per_s"], one) if label.startswith("2") else "",
+                f"{r['step_ms']:.2f}", f"{r['bytes_per_step'] / 1024:,.1f}",
+                ratio(none_bytes, r["bytes_per_step"]) if r["bytes_per_step"] else "",
+                f"{(r['accuracy'] or 0):.2%}",
+            ])  # fmt: skip
+        print_table(["run", "samples/s", "vs plain", "vs 1 trainer", "ms/step", "KB/step", "bytes cut", "accuracy"], table)
+        overhead = rows["1 trainer, 1 silo"]["step_ms"] - rows["plain"]["step_ms"]
+        print(f"per-step overhead of 1 trainer vs the plain loop: {overhead:.2f} ms")
+        rows["overhead_ms"] = overhead  # type: ignore[assignment]
+    write_result("training" + ("_quick" if args.quick else ""), {"machine": facts, "quick": args.quick, "results": results})
+    return 0

@@ -1,0 +1,261 @@
+"""Shared by every benchmark: machine facts, statistics, result files, a cluster to measure.
+
+Thread counts are fixed (one BLAS/OpenMP thread per process, set before torch
+loads) so numbers from different runs compare; the header of every result
+says what machine they come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
+
+# Every process of a benchmark (this one, silos, baselines) runs with these.
+FIXED_THREADS = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+}
+os.environ.update(FIXED_THREADS)
+
+
+def fix_torch_threads() -> None:
+    """One intra-op and one inter-op thread, like the silos (call before any torch work)."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or torch already ran parallel work
+        pass
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def redis_server_version() -> str:
+    from silo.embedded import find_redis_server
+
+    try:
+        out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    for word in out.stdout.split():
+        if word.startswith("v="):
+            return word[2:]
+    return out.stdout.strip()[:40]
+
+
+def machine_facts() -> dict[str, Any]:
+    """What a reader needs to know to compare numbers across machines."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _version("torch"),
+        "numpy": _version("numpy"),
+        "msgpack": _version("msgpack"),
+        "uvloop": _version("uvloop"),
+        "redis_server": redis_server_version(),
+        "redis_py": _version("redis"),
+        "ray": _version("ray"),
+        "threads": dict(FIXED_THREADS),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def print_header(title: str, facts: dict[str, Any], quick: bool) -> None:
+    print(f"# {title}{' (quick: tiny sizes, numbers not meaningful)' if quick else ''}")
+    print(
+        f"# {facts['cpu_count']} CPUs ({facts['cpu']}), Python {facts['python']}, torch {facts['torch']},"
+        f" numpy {facts['numpy']}, redis-server {facts['redis_server']}, uvloop {facts['uvloop']},"
+        f" ray {facts['ray'] or 'not installed'}; 1 BLAS/OpenMP thread per process;"
+        f" load average at start {facts['load_average_at_start'][0]:.1f}"
+    )
+
+
+# --- statistics -----------------------------------------------------------------------------
+def summarize(samples: Sequence[float]) -> dict[str, Any]:
+    """Median and spread of repeated measurements (spread = (max - min) / median)."""
+    med = statistics.median(samples)
+    lo, hi = min(samples), max(samples)
+    return {
+        "median": med,
+        "min": lo,
+        "max": hi,
+        "spread": (hi - lo) / med if med else 0.0,
+        "samples": list(samples),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of values, nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def repeat(measure: Callable[[], Awaitable[float]], repeats: int, warmup: int = 1) -> dict[str, Any]:
+    """Run ``measure`` warmup + repeats times; summarize the last ``repeats``."""
+    for _ in range(warmup):
+        await measure()
+    return summarize([await measure() for _ in range(repeats)])
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def fmt_spread(s: dict[str, Any]) -> str:
+    return f"±{100 * s['spread'] / 2:.0f}%"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(c) for c in columns], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/NAME.json`` (the directory is created if needed)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **data}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"# results written to {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    return path
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark coroutine on uvloop when installed (as silos do)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+# --- a cluster to measure ---------------------------------------------------------------------
+@dataclass
+class SiloProc:
+    proc: subprocess.Popen[bytes]
+    address: str
+    log: Path
+
+
+@dataclass
+class BenchCluster(AbstractContextManager["BenchCluster"]):
+    """A private redis-server and ``silos`` real silo subprocesses hosting ``grains``.
+
+    ``with BenchCluster(2) as c: c.redis_url, c.cluster, c.silos``; everything is
+    stopped on exit.
+    """
+
+    silos_wanted: int = 1
+    grains: str = "benchmarks.grains"
+    env: dict[str, str] = field(default_factory=dict)
+    cluster: str = "bench"
+    python_args: list[str] = field(default_factory=list)
+    """Between ``python`` and ``-m silo.cli``, e.g. ``["-m", "cProfile", "-o", "silo.prof"]``."""
+    silos: list[SiloProc] = field(default_factory=list)
+
+    def __enter__(self) -> BenchCluster:
+        from silo.embedded import RedisServer
+
+        self._tmp = Path(tempfile.mkdtemp(prefix="redgrain-bench-"))
+        self._redis = RedisServer().start()
+        self.redis_url = self._redis.url
+        try:
+            for _ in range(self.silos_wanted):
+                self.add_silo()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def add_silo(self, timeout_s: float = 60.0) -> SiloProc:
+        n = len(self.silos)
+        ready = self._tmp / f"silo-{n}.ready"
+        log = self._tmp / f"silo-{n}.log"
+        cmd = [
+            sys.executable, *self.python_args, "-m", "silo.cli", "silo", "--redis", self.redis_url,
+            "--cluster", self.cluster, "--grains", self.grains, "--ready-file", str(ready),
+        ]  # fmt: skip
+        env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO), **self.env}
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"silo did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)  # another process: nothing to await
+        silo = SiloProc(proc, ready.read_text().strip(), log)
+        self.silos.append(silo)
+        return silo
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.silos:
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        for s in self.silos:
+            try:
+                s.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait(5)
+        self._redis.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def start_subprocess(args: list[str]) -> subprocess.Popen[str]:
+    """A Python helper process with fixed thread counts, talking on stdin/stdout."""
+    env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )

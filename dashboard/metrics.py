@@ -1,0 +1,129 @@
+"""Prometheus ``/metrics``: a collector over the latest published records.
+
+No global default registry: each app owns a ``CollectorRegistry`` holding one
+``ClusterCollector``, so several dashboards (or tests) share a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from dashboard.reader import Snapshot
+from silo.membership import SiloStatus
+from silo.stats import BUCKETS_MS, JobProgress, dense
+
+
+class ClusterCollector(Collector):
+    """Turns the snapshot the endpoint just read into metric families."""
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = cluster
+        self.snapshot: Snapshot | None = None
+        self.jobs: list[JobProgress] = []
+        self.redis_up = False
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "redgrain_redis_up", "1 when the dashboard could read Redis.", labels=["cluster"]
+        )
+        up.add_metric([self.cluster], 1.0 if self.redis_up else 0.0)
+        yield up
+        snap = self.snapshot
+        if snap is None or not self.redis_up:
+            return
+        silos = GaugeMetricFamily(
+            "redgrain_silos", "Silos per membership status.", labels=["cluster", "status"]
+        )
+        for status in SiloStatus:
+            n = sum(1 for r in snap.members.values() if r.status is status)
+            silos.add_metric([self.cluster, status.value], n)
+        yield silos
+
+        gauges = {
+            "cpu": GaugeMetricFamily(
+                "redgrain_silo_cpu_percent", "Process CPU (100 = one core).", labels=["silo"]
+            ),
+            "rss": GaugeMetricFamily(
+                "redgrain_silo_rss_bytes", "Resident memory.", labels=["silo"]
+            ),
+            "up": GaugeMetricFamily(
+                "redgrain_silo_uptime_seconds", "Seconds since the silo started.", labels=["silo"]
+            ),
+            "act": GaugeMetricFamily(
+                "redgrain_activations", "Live activations.", labels=["silo", "grain_type"]
+            ),
+        }
+        transport = CounterMetricFamily("redgrain_transport_bytes", "Bytes moved by a silo's transport.",
+                                        labels=["silo", "direction"])  # fmt: skip
+        calls = CounterMetricFamily(
+            "redgrain_calls", "Grain calls completed.", labels=["grain_type", "method"]
+        )
+        errs = CounterMetricFamily(
+            "redgrain_call_errors", "Grain calls that raised.", labels=["grain_type", "method"]
+        )
+        latency = HistogramMetricFamily("redgrain_call_duration_seconds", "Grain call duration (queueing included).",
+                                        labels=["grain_type", "method"])  # fmt: skip
+        merged: dict[tuple[str, str], tuple[int, int, float, list[int]]] = {}
+        for rec in snap.live_records():
+            gauges["cpu"].add_metric([rec.address], rec.cpu_percent)
+            gauges["rss"].add_metric([rec.address], rec.rss_bytes)
+            gauges["up"].add_metric([rec.address], rec.uptime_s)
+            for t, n in sorted(rec.by_type.items()):
+                gauges["act"].add_metric([rec.address, t], n)
+            tr = rec.components.get("transport", {})
+            transport.add_metric([rec.address, "in"], float(tr.get("bytes_in", 0)))
+            transport.add_metric([rec.address, "out"], float(tr.get("bytes_out", 0)))
+            for x in rec.methods:
+                c, e, total, hist = merged.get((x.grain_type, x.method), (0, 0, 0.0, dense({})))
+                hist = [a + b for a, b in zip(hist, dense(x.hist), strict=True)]
+                merged[(x.grain_type, x.method)] = (
+                    c + x.calls,
+                    e + x.errors,
+                    total + x.total_ms,
+                    hist,
+                )
+        yield from gauges.values()
+        yield transport
+        for (t, meth), (c, e, total, hist) in sorted(merged.items()):
+            calls.add_metric([t, meth], c)
+            errs.add_metric([t, meth], e)
+            buckets, seen = [], 0
+            for bound, n in zip(BUCKETS_MS, hist, strict=False):
+                seen += n
+                buckets.append((repr(bound / 1000.0), float(seen)))
+            buckets.append(("+Inf", float(sum(hist))))
+            latency.add_metric([t, meth], buckets, total / 1000.0)
+        yield calls
+        yield errs
+        yield latency
+
+        step = GaugeMetricFamily(
+            "redgrain_job_step", "Training step reached.", labels=["job", "status"]
+        )
+        loss = GaugeMetricFamily("redgrain_job_loss", "Latest training loss.", labels=["job"])
+        acc = GaugeMetricFamily(
+            "redgrain_job_accuracy", "Latest training accuracy.", labels=["job"]
+        )
+        sps = GaugeMetricFamily(
+            "redgrain_job_samples_per_second", "Training throughput.", labels=["job"]
+        )
+        wire = GaugeMetricFamily(
+            "redgrain_job_bytes_per_step", "Bytes on the wire per step.", labels=["job"]
+        )
+        for job in self.jobs:
+            step.add_metric([job.job, job.status], job.step)
+            if job.loss is not None:
+                loss.add_metric([job.job], job.loss)
+            if job.accuracy is not None:
+                acc.add_metric([job.job], job.accuracy)
+            sps.add_metric([job.job], job.samples_per_s)
+            wire.add_metric([job.job], job.bytes_per_step)
+        yield from (step, loss, acc, sps, wire)

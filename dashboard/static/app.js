@@ -1,0 +1,488 @@
+// The redgrain dashboard page: hash routes, one fetch loop, everything drawn here.
+"use strict";
+
+const esc = Charts.esc;
+const $ = (sel) => document.querySelector(sel);
+const state = {
+  config: { cluster: "", admin: false, poll_ms: 1000 },
+  route: { page: "overview", args: [] },
+  methodSort: { key: "calls_per_s", desc: true },
+  eventKind: "",
+  overviewRing: [],      // [time, calls/s, errors/s] kept by this page for the overview chart
+  timer: null,
+  busy: false,
+};
+
+// --- formatting ------------------------------------------------------------------
+function num(v, digits = 0) {
+  if (v === null || v === undefined || !Number.isFinite(+v)) return "–";
+  return (+v).toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });
+}
+function rate(v) { return v >= 100 ? num(v, 0) : v >= 10 ? num(v, 1) : num(v, 2); }
+function ms(v) {
+  if (!Number.isFinite(v)) return "–";
+  if (v > 0 && v < 0.1) return num(v * 1000, 0) + " µs";
+  if (v >= 1000) return num(v / 1000, 2) + " s";
+  if (v >= 10) return num(v, 0) + " ms";
+  if (v >= 1) return num(v, 1) + " ms";
+  return num(v, 2) + " ms";
+}
+function bytes(v) {
+  if (!Number.isFinite(v)) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+  return (i ? v.toFixed(v >= 100 ? 0 : 1) : v.toFixed(0)) + " " + units[i];
+}
+function duration(s) {
+  if (!Number.isFinite(s)) return "–";
+  s = Math.max(0, Math.floor(s));
+  const d = Math.floor(s / 86400), h = Math.floor(s / 3600) % 24, m = Math.floor(s / 60) % 60, sec = s % 60;
+  if (d) return `${d}d ${h}h`;
+  if (h) return `${h}h ${m}m`;
+  if (m) return `${m}m ${sec}s`;
+  return `${sec}s`;
+}
+function clock(t) { return t ? new Date(t * 1000).toLocaleTimeString("en-GB") : "–"; }
+function pill(text) { return `<span class="pill ${esc(text)}">${esc(text)}</span>`; }
+function card(label, value, hint = "", testid = "") {
+  const tid = testid ? ` data-testid="${testid}"` : "";
+  return `<div class="card"><div class="label">${esc(label)}</div><div class="value"${tid}>${value}</div>` +
+    (hint ? `<div class="hint">${hint}</div>` : "") + `</div>`;
+}
+function link(hash, text) { return `<a href="#${hash}">${esc(text)}</a>`; }
+function enc(s) { return encodeURIComponent(s); }
+// Charts are drawn at the pixel width they will get, so their text keeps its size.
+function chartWidth(half) {
+  const w = ($("#content").clientWidth || 900) - 34;
+  return half && w >= 2 * 420 + 14 ? (w - 14) / 2 : w;
+}
+function brief(v) {
+  if (Array.isArray(v)) return v.length > 4 ? `[${v.length} items]` : JSON.stringify(v);
+  return typeof v === "object" && v !== null ? JSON.stringify(v) : String(v);
+}
+
+// --- data ---------------------------------------------------------------------------
+class HttpError extends Error {
+  constructor(status, detail) { super(detail); this.status = status; }
+}
+async function api(path, opts = {}) {
+  const ctl = new AbortController();
+  const timer = setTimeout(() => ctl.abort(), 4000);
+  try {
+    const r = await fetch(path, { ...opts, signal: ctl.signal, cache: "no-store" });
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new HttpError(r.status, body.detail || r.statusText);
+    return body;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+function setConn(ok, text) {
+  const el = $("#conn");
+  el.className = "conn " + (ok ? "ok" : "bad");
+  $("#conn-text").textContent = text;
+}
+function setBanner(text) {
+  const b = $("#banner");
+  if (text) { b.textContent = text; b.classList.remove("hidden"); } else { b.classList.add("hidden"); }
+}
+
+// --- pages --------------------------------------------------------------------------
+const pages = {};
+
+pages.overview = async () => {
+  const o = await api("/api/overview");
+  state.lastOverview = o;
+  const ring = state.overviewRing;
+  if (o.redis.ok) {
+    ring.push([o.at, o.calls_per_s, o.errors_per_s]);
+    while (ring.length > 180) ring.shift();
+  }
+  const statuses = Object.entries(o.silos).filter(([, n]) => n).map(([s, n]) => `${n} ${s}`).join(", ");
+  let html = `<h1>Overview</h1><div class="sub">Cluster <b>${esc(o.cluster)}</b> · updated ${clock(o.at)}</div>`;
+  if (o.message) html += `<div class="notice" data-testid="overview-message">${esc(o.message)}</div>`;
+  html += `<div class="cards">` +
+    card("Silos live", num(o.silos_live), esc(statuses || "none"), "silos-live") +
+    card("Activations", num(o.activations), "", "activations") +
+    card("Calls / s", rate(o.calls_per_s), `${num(o.calls_total)} total`, "calls-per-s") +
+    card("Errors / s", rate(o.errors_per_s), `${num(o.errors_total)} total`, "errors-per-s") +
+    card("Latency p50", ms(o.p50_ms), "cluster-wide", "p50") +
+    card("Latency p99", ms(o.p99_ms), "cluster-wide", "p99") +
+    card("Training jobs", num(o.jobs), `<a href="#/training">view</a>`, "jobs") +
+    card("Redis", o.redis.ok ? "OK" : "down", o.redis.ok ? `${num(o.redis.latency_ms, 1)} ms read` : esc(o.redis.error || ""), "redis") +
+    `</div>`;
+  html += `<div style="display:none" data-testid="calls-total">${o.calls_total}</div>`;
+  const calls = [{ name: "calls/s", color: "#3b6cf6", fill: true, points: ring.map((p) => [p[0], p[1]]) },
+    { name: "errors/s", color: "#d64545", points: ring.map((p) => [p[0], p[2]]) }];
+  html += `<h2>Throughput</h2><div class="panel">` +
+    Charts.line(calls, { width: chartWidth(false), height: 190, xFormat: clock, xMinStep: 1, testid: "overview-chart", empty: "collecting…" }) +
+    Charts.legend(calls, rate) + `</div>`;
+  if (o.redis.ok && o.silos_live) {
+    const [silos, events] = await Promise.all([api("/api/silos"), api("/api/events?count=8")]);
+    html += `<h2>Silos</h2>${siloTable(silos.silos.filter((s) => s.status !== "Dead"), false)}` +
+      `<h2>Recent events</h2>${eventTable(events.events)}`;
+  }
+  return html;
+};
+
+function siloTable(silos, full) {
+  if (!silos.length) return `<div class="notice">No silos.</div>`;
+  const admin = full && state.config.admin;
+  let h = `<div class="table-wrap"><table data-testid="silo-table"><thead><tr><th>Silo</th><th>Status</th>` +
+    (full ? `<th>Roles</th><th>Host / pid</th>` : "") +
+    `<th class="num">Uptime</th><th class="num">CPU</th><th class="num">Memory</th><th class="num">Activations</th>` +
+    `<th class="num">Calls/s</th>` + (full ? `<th class="num">Errors/s</th><th class="num">Heartbeat</th><th class="num">In / out</th>` : "") +
+    (admin ? `<th></th>` : "") + `</tr></thead><tbody>`;
+  for (const s of silos) {
+    const live = s.status !== "Dead";
+    h += `<tr data-silo="${esc(s.address)}"><td>${link("/silos/" + enc(s.address), s.address)}</td><td>${pill(s.status)}</td>` +
+      (full ? `<td>${esc(s.roles.join(", ") || "–")}</td><td>${esc(s.hostname)} / ${s.pid}</td>` : "") +
+      `<td class="num">${live ? duration(s.uptime_s) : "–"}</td>` +
+      `<td class="num">${live ? num(s.cpu_percent, 1) + " %" : "–"}</td>` +
+      `<td class="num">${live && s.rss_bytes ? bytes(s.rss_bytes) : "–"}</td>` +
+      `<td class="num" data-testid="silo-activations">${live ? num(s.activations) : "–"}</td>` +
+      `<td class="num">${live ? rate(s.calls_per_s) : "–"}</td>` +
+      (full ? `<td class="num">${live ? rate(s.errors_per_s) : "–"}</td>` +
+        `<td class="num">${s.heartbeat_age_s == null ? "–" : num(s.heartbeat_age_s, 1) + " s ago"}</td>` +
+        `<td class="num">${bytes(s.bytes_in)} / ${bytes(s.bytes_out)}</td>` : "") +
+      (admin ? `<td>${live ? `<button class="danger" data-action="drain" data-arg="${esc(s.address)}">Drain</button>` : ""}</td>` : "") +
+      `</tr>`;
+  }
+  return h + `</tbody></table></div>`;
+}
+
+pages.silos = async () => {
+  const r = await api("/api/silos");
+  const live = r.silos.filter((s) => s.status !== "Dead").length;
+  let html = `<h1>Silos</h1><div class="sub">${live} live, ${r.silos.length - live} dead · CPU and memory are per process</div>`;
+  if (!r.silos.length) html += `<div class="notice" data-testid="no-silos">No silos have joined this cluster yet.</div>`;
+  else html += siloTable(r.silos, true);
+  return html;
+};
+
+pages.silo = async (address) => {
+  const d = await api("/api/silos/" + enc(address));
+  const s = d.silo;
+  const h = d.history;
+  const t = (k) => h.map((p) => [p.at, p[k]]);
+  const cpu = [{ name: "CPU %", color: "#3b6cf6", fill: true, points: t("cpu_percent") }];
+  const mem = [{ name: "RSS", color: "#7a3e9d", fill: true, points: t("rss_bytes") }];
+  const act = [{ name: "activations", color: "#1f9d55", points: t("activations") }];
+  const calls = [{ name: "calls/s", color: "#d98a00", points: t("calls_per_s") }];
+  let html = `<div class="breadcrumb">${link("/silos", "Silos")} /</div><h1>${esc(s.address)} ${pill(s.status)}</h1>` +
+    `<div class="sub">${esc(s.hostname)} · pid ${s.pid} · roles ${esc(s.roles.join(", ") || "none")} · started ${clock(s.started)}</div>`;
+  if (!s.published && s.status !== "Dead") html += `<div class="notice">No fresh stats record from this silo.</div>`;
+  html += `<div class="cards">` + card("Uptime", duration(s.uptime_s)) + card("CPU", num(s.cpu_percent, 1) + " %") +
+    card("Memory (RSS)", bytes(s.rss_bytes), num(s.memory_percent, 1) + " % of host") +
+    card("Activations", num(s.activations), "", "silo-activations") + card("Calls / s", rate(s.calls_per_s), num(s.calls_total) + " total") +
+    card("Connections", num(s.connections), `${bytes(s.bytes_in)} in · ${bytes(s.bytes_out)} out`) + `</div>`;
+  const xf = { xFormat: clock, xMinStep: 1, height: 170, width: chartWidth(true) };
+  html += `<h2>History (last ${h.length} records)</h2><div class="grid2">` +
+    `<div class="panel"><h3>CPU</h3>${Charts.line(cpu, { ...xf, testid: "cpu-chart", yFormat: (v) => v.toFixed(0) + "%" })}${Charts.legend(cpu, (v) => num(v, 1) + " %")}</div>` +
+    `<div class="panel"><h3>Memory</h3>${Charts.line(mem, { ...xf, testid: "mem-chart", yFormat: (v) => bytes(v) })}${Charts.legend(mem, bytes)}</div>` +
+    `<div class="panel"><h3>Activations</h3>${Charts.line(act, xf)}${Charts.legend(act, (v) => num(v))}</div>` +
+    `<div class="panel"><h3>Calls per second</h3>${Charts.line(calls, xf)}${Charts.legend(calls, rate)}</div></div>`;
+  html += `<h2>Activations by type</h2>` + kvTable(d.by_type, "Type", "Activations");
+  html += `<h2>Components</h2><div class="panel components">` + Object.entries(d.components).map(([name, fields]) =>
+      `<section><h3>${esc(name)}</h3><dl class="kv">` + Object.entries(fields).filter(([, v]) => typeof v !== "object")
+        .map(([k, v]) => `<dt>${esc(k)}</dt><dd>${esc(typeof v === "number" ? num(v, Number.isInteger(v) ? 0 : 2) : v)}</dd>`).join("") +
+      `</dl></section>`).join("") + `</div>`;
+  return html;
+};
+
+function kvTable(obj, a, b) {
+  const rows = Object.entries(obj || {}).sort((x, y) => y[1] - x[1]);
+  if (!rows.length) return `<div class="notice">None.</div>`;
+  return `<div class="table-wrap"><table><thead><tr><th>${a}</th><th class="num">${b}</th></tr></thead><tbody>` +
+    rows.map(([k, v]) => `<tr><td>${esc(k)}</td><td class="num">${num(v)}</td></tr>`).join("") + `</tbody></table></div>`;
+}
+
+pages.grains = async () => {
+  const g = await api("/api/grains");
+  const silos = g.by_silo.map((s) => s.silo);
+  const max = Math.max(1, ...g.by_type.map((r) => r.activations));
+  let html = `<h1>Grains</h1><div class="sub">Live activations by type and by silo; persisted state by type and key</div>`;
+  if (!g.by_type.length) return html + `<div class="notice">No activations and no persisted state yet.</div>`;
+  html += `<h2>By type</h2><div class="table-wrap"><table data-testid="grains-by-type"><thead><tr><th>Type</th><th class="num">Activations</th><th></th>` +
+    silos.map((s) => `<th class="num">${esc(s)}</th>`).join("") + `<th>State</th></tr></thead><tbody>`;
+  for (const r of g.by_type) {
+    html += `<tr><td>${link("/grains/" + enc(r.type), r.type)}</td><td class="num">${num(r.activations)}</td>` +
+      `<td><div class="bar"><span style="width:${(100 * r.activations) / max}%"></span></div></td>` +
+      silos.map((s) => `<td class="num">${num(r.by_silo[s] || 0)}</td>`).join("") +
+      `<td>${r.persisted ? link("/grains/" + enc(r.type), "browse") : "<span class='muted'>–</span>"}</td></tr>`;
+  }
+  html += `</tbody></table></div><h2>By silo</h2><div class="table-wrap"><table><thead><tr><th>Silo</th><th>Status</th>` +
+    `<th class="num">Activations</th><th>Types</th></tr></thead><tbody>` +
+    g.by_silo.map((s) => `<tr><td>${link("/silos/" + enc(s.silo), s.silo)}</td><td>${pill(s.status)}</td><td class="num">${num(s.activations)}</td>` +
+      `<td>${Object.entries(s.by_type).sort((a, b) => b[1] - a[1]).map(([t, n]) => `${esc(t)} <span class="muted">${n}</span>`).join(", ") || "–"}</td></tr>`).join("") +
+    `</tbody></table></div>`;
+  return html;
+};
+
+pages.grainType = async (type) => {
+  const k = await api("/api/grains/" + enc(type));
+  const keys = [...new Set([...k.persisted, ...k.active])].sort();
+  let html = `<div class="breadcrumb">${link("/grains", "Grains")} /</div><h1>${esc(type)}</h1>` +
+    `<div class="sub">${k.active.length} live (sampled) · ${k.persisted.length} with persisted state</div>` +
+    `<div class="toolbar"><input id="grain-key" placeholder="key" data-type="${esc(type)}">` +
+    `<button data-action="open-key" data-arg="${esc(type)}">Show state</button></div>`;
+  if (!keys.length) return html + `<div class="notice">No keys to show.</div>`;
+  html += `<div class="table-wrap"><table><thead><tr><th>Key</th><th>Live</th><th>Persisted state</th></tr></thead><tbody>` +
+    keys.map((key) => `<tr><td>${esc(key)}</td><td>${k.active.includes(key) ? pill("Active") : "–"}</td>` +
+      `<td>${k.persisted.includes(key) ? link("/grains/" + enc(type) + "/" + enc(key), "view") : "–"}</td></tr>`).join("") +
+    `</tbody></table></div>`;
+  return html;
+};
+function openKey(type) {
+  const key = $("#grain-key").value.trim();
+  if (key) location.hash = "#/grains/" + enc(type) + "/" + enc(key);
+}
+
+function jsonHtml(v, indent = "") {
+  const pad = indent + "  ";
+  if (v === null) return `<span class="j-lit">null</span>`;
+  if (typeof v === "string") return `<span class="j-str">"${esc(v)}"</span>`;
+  if (typeof v === "number") return `<span class="j-num">${v}</span>`;
+  if (typeof v === "boolean") return `<span class="j-lit">${v}</span>`;
+  if (Array.isArray(v)) {
+    if (!v.length) return "[]";
+    return "[\n" + v.map((x) => pad + jsonHtml(x, pad)).join(",\n") + "\n" + indent + "]";
+  }
+  if ((v.kind === "tensor" || v.kind === "ndarray") && v.summary) {
+    const s = v.summary;
+    const stats = s.mean !== undefined ? ` mean ${Charts.fmtShort(s.mean)} · std ${Charts.fmtShort(s.std)} · min ${Charts.fmtShort(s.min)} · max ${Charts.fmtShort(s.max)}` : "";
+    return `<span class="tensor">${esc(v.kind)} ${esc(v.dtype)} [${v.shape.join("×")}]${stats}</span>`;
+  }
+  const entries = Object.entries(v);
+  if (!entries.length) return "{}";
+  const type = v.__type__ ? `<span class="j-type">${esc(v.__type__)}</span> ` : "";
+  return type + "{\n" + entries.filter(([k]) => k !== "__type__")
+    .map(([k, x]) => `${pad}<span class="j-key">${esc(k)}</span>: ${jsonHtml(x, pad)}`).join(",\n") + "\n" + indent + "}";
+}
+
+pages.grainState = async (type, key) => {
+  const s = await api(`/api/grains/${enc(type)}/${key.split("/").map(enc).join("/")}/state`);
+  let html = `<div class="breadcrumb">${link("/grains", "Grains")} / ${link("/grains/" + enc(type), type)} /</div>` +
+    `<h1>${esc(type)}/${esc(key)}</h1>`;
+  if (!s.found) return html + `<div class="notice">No persisted state for this grain.</div>`;
+  html += `<div class="sub">etag <code>${esc(s.etag)}</code> · ${bytes(s.size)}</div>`;
+  if (s.error) html += `<div class="notice">${esc(s.error)}</div>`;
+  return html + `<pre class="json" data-testid="grain-state">${jsonHtml(s.state)}</pre>`;
+};
+
+const METHOD_COLS = [
+  ["grain_type", "Grain type", false], ["method", "Method", false], ["calls", "Calls", true],
+  ["calls_per_s", "Calls/s", true], ["errors", "Errors", true], ["error_percent", "Error %", true],
+  ["mean_ms", "Mean", true], ["p50_ms", "p50", true], ["p99_ms", "p99", true],
+];
+pages.methods = async () => {
+  const r = await api("/api/methods");
+  const { key, desc } = state.methodSort;
+  // Each column sorts by its own value (not by call count).
+  const rows = r.rows.slice().sort((a, b) => {
+    const x = a[key], y = b[key];
+    const c = typeof x === "string" ? x.localeCompare(y) : x - y;
+    return (desc ? -c : c) || a.grain_type.localeCompare(b.grain_type) || a.method.localeCompare(b.method);
+  });
+  let html = `<h1>Methods</h1><div class="sub">Merged over live silos · rates and latency over the last ~10 s (since start when idle) · click a column to sort</div>`;
+  if (!rows.length) return html + `<div class="notice">No calls recorded yet.</div>`;
+  html += `<div class="table-wrap"><table data-testid="methods-table"><thead><tr>` + METHOD_COLS.map(([k, label, n]) =>
+    `<th class="sortable${n ? " num" : ""}" data-sort="${k}" data-action="sort" data-arg="${k}">${label}` +
+    (k === key ? `<span class="arrow">${desc ? "▼" : "▲"}</span>` : "") + `</th>`).join("") + `</tr></thead><tbody>`;
+  for (const m of rows) {
+    html += `<tr data-method="${esc(m.grain_type + "." + m.method)}"><td>${esc(m.grain_type)}</td><td><code>${esc(m.method)}</code></td>` +
+      `<td class="num" data-col="calls">${num(m.calls)}</td><td class="num">${rate(m.calls_per_s)}</td>` +
+      `<td class="num">${num(m.errors)}</td><td class="num">${num(m.error_percent, 2)}</td>` +
+      `<td class="num">${ms(m.mean_ms)}</td><td class="num">${ms(m.p50_ms)}</td><td class="num">${ms(m.p99_ms)}</td></tr>`;
+  }
+  return html + `</tbody></table></div>`;
+};
+function sortMethods(key) {
+  const s = state.methodSort;
+  s.desc = s.key === key ? !s.desc : !["grain_type", "method"].includes(key);
+  s.key = key;
+  refresh();
+}
+
+pages.training = async () => {
+  const r = await api("/api/jobs");
+  let html = `<h1>Training</h1><div class="sub">Jobs whose coordinator publishes progress</div>`;
+  if (!r.jobs.length) return html + `<div class="notice">No training jobs yet.</div>`;
+  html += `<div class="table-wrap"><table data-testid="jobs-table"><thead><tr><th>Job</th><th>Status</th><th>Mode</th><th>Progress</th>` +
+    `<th class="num">Step</th><th class="num">Loss</th><th class="num">Accuracy</th><th class="num">Samples/s</th><th class="num">Updated</th></tr></thead><tbody>`;
+  for (const j of r.jobs) {
+    const frac = j.total_steps ? Math.min(1, j.step / j.total_steps) : 0;
+    html += `<tr><td>${link("/training/" + enc(j.job), j.job)}</td><td>${pill(j.status)}</td><td>${esc(j.mode)}</td>` +
+      `<td><div class="bar"><span style="width:${100 * frac}%"></span></div></td>` +
+      `<td class="num">${num(j.step)}${j.total_steps ? " / " + num(j.total_steps) : ""}</td>` +
+      `<td class="num">${j.loss == null ? "–" : num(j.loss, 4)}</td><td class="num">${j.accuracy == null ? "–" : num(100 * j.accuracy, 1) + " %"}</td>` +
+      `<td class="num">${rate(j.samples_per_s)}</td><td class="num">${clock(j.updated_at)}</td></tr>`;
+  }
+  return html + `</tbody></table></div>`;
+};
+
+pages.job = async (job) => {
+  const d = await api("/api/jobs/" + enc(job));
+  const p = d.progress;
+  const h = d.history;
+  const by = (k) => h.map((x) => [x.step, x[k] == null ? NaN : +x[k]]);
+  const loss = [{ name: "loss", color: "#d64545", fill: true, points: by("loss") }];
+  const acc = [{ name: "accuracy", color: "#1f9d55", fill: true, points: by("accuracy") }];
+  const sps = [{ name: "samples/s", color: "#3b6cf6", points: by("samples_per_s") }];
+  const wire = [{ name: "bytes/step", color: "#7a3e9d", points: by("bytes") }];
+  const stepX = { xFormat: (v) => num(v), height: 190, width: chartWidth(true) };
+  const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : 0;
+  let html = `<div class="breadcrumb">${link("/training", "Training")} /</div>` +
+    `<h1>${esc(p.job)} ${pill(p.status)}</h1><div class="sub">mode ${esc(p.mode)} · epoch ${num(p.epoch)} · updated ${clock(p.updated_at)}` +
+    (d.cancel_requested ? ` · <b>cancel requested</b>` : "") + `</div>`;
+  if (p.error) html += `<div class="notice">${esc(p.error)}</div>`;
+  if (state.config.admin && ["running", "pending"].includes(p.status) && !d.cancel_requested)
+    html += `<div class="toolbar"><button class="danger" data-action="cancel" data-arg="${esc(p.job)}">Cancel job</button></div>`;
+  html += `<div class="cards">` +
+    card("Step", num(p.step) + (p.total_steps ? `<span class="muted" style="font-size:15px"> / ${num(p.total_steps)}</span>` : ""),
+      p.total_steps ? `<div class="bar" style="margin-top:6px"><span style="width:${100 * frac}%"></span></div>` : "", "job-step") +
+    card("Loss", p.loss == null ? "–" : num(p.loss, 4), "", "job-loss") +
+    card("Accuracy", p.accuracy == null ? "–" : num(100 * p.accuracy, 1) + " %", "", "job-accuracy") +
+    card("Samples / s", rate(p.samples_per_s), "", "job-sps") +
+    card("Bytes on wire", bytes(p.bytes_per_step), "per step", "job-bytes") +
+    card("Staleness", num(p.staleness, 2), "steps (mean)", "job-staleness") + `</div>`;
+  html += `<div class="grid2">` +
+    `<div class="panel"><h3>Loss</h3>${Charts.line(loss, { ...stepX, zeroBased: false, testid: "loss-curve" })}${Charts.legend(loss, (v) => num(v, 4))}</div>` +
+    `<div class="panel"><h3>Accuracy</h3>${Charts.line(acc, { ...stepX, testid: "accuracy-curve", yFormat: (v) => (100 * v).toFixed(0) + "%" })}${Charts.legend(acc, (v) => num(100 * v, 1) + " %")}</div>` +
+    `<div class="panel"><h3>Samples per second</h3>${Charts.line(sps, { ...stepX, testid: "sps-curve" })}${Charts.legend(sps, rate)}</div>` +
+    `<div class="panel"><h3>Bytes on the wire per step</h3>${Charts.line(wire, { ...stepX, yFormat: bytes })}${Charts.legend(wire, bytes)}</div></div>`;
+  const placeTable = (title, rows, tid) => `<div><h2>${title} (${rows.length})</h2>` + (rows.length ?
+    `<div class="table-wrap"><table data-testid="${tid}"><thead><tr><th>Key</th><th>Silo</th></tr></thead><tbody>` +
+    rows.map((r) => `<tr><td>${esc(r.key)}</td><td>${r.silo ? link("/silos/" + enc(r.silo), r.silo) : "–"}</td></tr>`).join("") +
+    `</tbody></table></div>` : `<div class="notice">None.</div>`) + `</div>`;
+  html += `<div class="grid2">` + placeTable("Trainers", p.trainers, "trainers") + placeTable("Parameter shards", p.shards, "shards") + `</div>`;
+  html += `<h2>Checkpoints (${p.checkpoints.length})</h2>` + (p.checkpoints.length ?
+    `<div class="table-wrap"><table data-testid="checkpoints"><thead><tr><th>Snapshot</th><th class="num">Step</th><th class="num">Taken</th></tr></thead><tbody>` +
+    p.checkpoints.slice().reverse().map((c) => `<tr><td><code>${esc(c.snapshot)}</code></td><td class="num">${num(c.step)}</td><td class="num">${clock(c.at)}</td></tr>`).join("") +
+    `</tbody></table></div>` : `<div class="notice">No checkpoint yet.</div>`);
+  return html;
+};
+
+function eventTable(events) {
+  if (!events.length) return `<div class="notice">No events yet.</div>`;
+  return `<div class="table-wrap"><table data-testid="events-table"><thead><tr><th>Time</th><th>Kind</th><th>Silo</th><th>Details</th></tr></thead><tbody>` +
+    events.map((e) => `<tr><td>${clock(e.at)}</td><td>${pill(e.kind)}</td><td>${esc(e.silo)}</td>` +
+      `<td class="muted details">${esc(Object.entries(e.data).map(([k, v]) => `${k}=${brief(v)}`).join("  "))}</td></tr>`).join("") +
+    `</tbody></table></div>`;
+}
+
+pages.events = async () => {
+  const q = state.eventKind ? "&kind=" + enc(state.eventKind) : "";
+  const r = await api("/api/events?count=300" + q);
+  const kinds = ["", "join", "leave", "suspect", "dead", "rebalance", "failover", "drain", "cancel"];
+  return `<h1>Events</h1><div class="sub">The cluster log, newest first</div>` +
+    `<div class="toolbar">Kind <select onchange="state.eventKind=this.value;refresh()">` +
+    kinds.map((k) => `<option value="${k}"${k === state.eventKind ? " selected" : ""}>${k || "all"}</option>`).join("") +
+    `</select></div>` + eventTable(r.events);
+};
+
+// --- admin --------------------------------------------------------------------------
+function token() {
+  let t = sessionStorage.getItem("redgrain-admin-token");
+  if (!t) {
+    t = prompt("Admin token");
+    if (t) sessionStorage.setItem("redgrain-admin-token", t);
+  }
+  return t;
+}
+async function admin(path, what) {
+  const t = token();
+  if (!t || !confirm(what + "?")) return;
+  try {
+    const r = await api(path, { method: "POST", headers: { Authorization: "Bearer " + t } });
+    alert(r.detail);
+  } catch (e) {
+    if (e.status === 403) sessionStorage.removeItem("redgrain-admin-token");
+    alert("Refused: " + e.message);
+  }
+  refresh();
+}
+function drain(address) { admin(`/api/silos/${enc(address)}/drain`, `Drain silo ${address}`); }
+function cancelJob(job) { admin(`/api/jobs/${enc(job)}/cancel`, `Cancel job ${job}`); }
+
+// --- routing and the refresh loop ----------------------------------------------------
+function parseRoute() {
+  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  const [head, ...rest] = parts;
+  if (head === "silos" && rest.length) return { page: "silo", nav: "silos", args: [rest.join("/")] };
+  if (head === "grains" && rest.length > 1) return { page: "grainState", nav: "grains", args: [rest[0], rest.slice(1).join("/")] };
+  if (head === "grains" && rest.length === 1) return { page: "grainType", nav: "grains", args: [rest[0]] };
+  if (head === "training" && rest.length) return { page: "job", nav: "training", args: [rest.join("/")] };
+  if (pages[head]) return { page: head, nav: head, args: [] };
+  return { page: "overview", nav: "overview", args: [] };
+}
+
+const STATIC_PAGES = new Set(["grainType"]);  // a key browser with an input: no live re-render
+
+async function refresh(polled = false) {
+  if (polled && STATIC_PAGES.has(state.route.page)) return;
+  if (state.busy) { state.again = true; return; }
+  state.busy = true;
+  const route = state.route;
+  try {
+    const html = await pages[route.page](...route.args);
+    if (route === state.route) $("#content").innerHTML = html;
+    const o = route.page === "overview" ? state.lastOverview : await api("/api/overview");
+    redisStatus(o);
+  } catch (e) {
+    if (e instanceof HttpError && e.status === 503) {
+      setConn(false, "Redis unreachable");
+      setBanner("Redis unreachable — " + e.message + ". Showing nothing until it is back; retrying every second.");
+      $("#content").innerHTML = `<div class="notice" data-testid="redis-down">Redis unreachable.</div>`;
+    } else if (e instanceof HttpError) {
+      $("#content").innerHTML = `<div class="notice">${esc(e.message)}</div>`;
+      setBanner("");
+    } else {
+      setConn(false, "dashboard offline");
+      setBanner("The dashboard server is unreachable — retrying every second.");
+    }
+  } finally {
+    state.busy = false;
+    if (state.again) { state.again = false; refresh(); }
+  }
+}
+
+function redisStatus(o) {
+  if (o.redis.ok) { setConn(true, "live · Redis OK"); setBanner(""); return; }
+  const err = o.redis.error;
+  setConn(false, "Redis unreachable");
+  setBanner("Redis unreachable" + (err ? " — " + err : "") + ". Retrying every second.");
+}
+
+function route() {
+  state.route = parseRoute();
+  document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.dataset.page === state.route.nav));
+  $("#content").innerHTML = `<p class="muted">Loading…</p>`;
+  refresh();
+}
+
+// Buttons carry their argument in data-arg (escaped as HTML), never inside inline script.
+document.addEventListener("click", (ev) => {
+  const el = ev.target.closest("[data-action]");
+  if (!el) return;
+  const actions = { drain, cancel: cancelJob, "open-key": openKey, sort: sortMethods };
+  actions[el.dataset.action]?.(el.dataset.arg);
+});
+document.addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && ev.target.id === "grain-key") openKey(ev.target.dataset.type);
+});
+
+async function start() {
+  try { state.config = await api("/api/config"); } catch (e) { /* keep defaults; the loop retries */ }
+  $("#cluster-name").textContent = "cluster " + (state.config.cluster || "?");
+  document.title = `redgrain · ${state.config.cluster}`;
+  window.addEventListener("hashchange", route);
+  route();
+  const tick = async () => {
+    await refresh(true);
+    state.timer = setTimeout(tick, state.config.poll_ms || 1000);
+  };
+  state.timer = setTimeout(tick, state.config.poll_ms || 1000);
+}
+start();

@@ -1,0 +1,134 @@
+"""``redgrain train``: submit a job from a TOML file and watch it, or ask about / cancel one.
+
+::
+
+    redgrain train samples/digits.toml            # start, live progress bar, exit 0 when completed
+    redgrain train --status digits               # one status table
+    redgrain train --cancel digits
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+from silo import errors
+
+_TERMINAL = ("completed", "failed", "cancelled")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_file", nargs="?", help="job spec (TOML: TrainingJob fields, plus an optional `job` id)")
+    p.add_argument("--job", default=None, help="job id (default: the file's `job`, else its file name)")
+    p.add_argument("--status", metavar="JOB", default=None, help="print a job's status and exit")
+    p.add_argument("--cancel", metavar="JOB", default=None, help="cancel a running job")
+    p.add_argument("--detach", action="store_true", help="start the job and exit without watching it")
+    p.add_argument("--timeout", type=float, default=None, help="give up watching after this many seconds")
+
+
+def _job_id(args: argparse.Namespace, from_file: str | None) -> str:
+    if args.job:
+        return str(args.job)
+    if from_file:
+        return from_file
+    return os.path.splitext(os.path.basename(args.job_file))[0]
+
+
+async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | None, settings: Any = None) -> int:
+    from grains.training import CoordinatorGrain, load_job_file
+    from silo.client import ClusterClient
+
+    if not (args.job_file or args.status or args.cancel):
+        raise errors.ConfigError("give a job file, --status JOB or --cancel JOB")
+    spec = None
+    job = args.status or args.cancel
+    if args.job_file:
+        file_id, spec = load_job_file(args.job_file)
+        job = _job_id(args, file_id)
+    assert job is not None
+    async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
+        coord = client.get_grain(CoordinatorGrain, job)
+        if args.cancel:
+            _print_table(await coord.cancel())
+            return 0
+        if args.status:
+            st = await coord.status()
+            _print_table(st)
+            return 0 if st.status != "failed" else 1
+        st = await coord.start(spec)
+        if args.detach:
+            _print_table(st)
+            return 0
+        st = await watch(coord, args.timeout)
+        _print_table(st)
+        return 0 if st.status == "completed" else 1
+
+
+async def watch(coord: Any, timeout_s: float | None) -> Any:
+    """A live progress bar until the job ends (Ctrl-C leaves the job running)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, refresh_per_second=4) as bar:
+        task = bar.add_task(coord.key, total=None, info="starting")
+        while True:
+            st = await coord.status()
+            bar.update(task, completed=st.step, total=st.total_steps or None, info=_info(st))
+            if st.status in _TERMINAL:
+                return st
+            if deadline is not None and loop.time() > deadline:
+                raise errors.GrainTimeoutError(coord.key, "train", timeout_s or 0.0)
+            await asyncio.sleep(0.25)
+
+
+def _info(st: Any) -> str:
+    parts = [st.status]
+    if st.loss is not None:
+        parts.append(f"loss {st.loss:.4f}")
+    if st.accuracy is not None:
+        parts.append(f"acc {st.accuracy:.2%}")
+    parts.append(f"{st.samples_per_s:,.0f} samples/s")
+    parts.append(f"{_size(st.bytes_per_step)}/step")
+    if st.rollbacks or st.restarts:
+        parts.append(f"restarts {st.restarts} rollbacks {st.rollbacks}")
+    return "  ".join(parts)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _print_table(st: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"job {st.job}", show_header=False)
+    rows = [
+        ("status", st.status + (f" ({st.error})" if st.error else "")),
+        ("step", f"{st.step} / {st.total_steps}"),
+        ("loss", "-" if st.loss is None else f"{st.loss:.4f}"),
+        ("accuracy", "-" if st.accuracy is None else f"{st.accuracy:.2%}"),
+        ("samples/s", f"{st.samples_per_s:,.0f}"),
+        ("bytes/step", _size(st.bytes_per_step)),
+        ("trainers / shards", f"{st.trainers} / {st.shards}"),
+        ("checkpoints", ", ".join(map(str, st.checkpoints)) or "-"),
+        ("restarts / rollbacks", f"{st.restarts} / {st.rollbacks}"),
+        ("elapsed", f"{st.elapsed_s:.1f} s"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,418 @@
+"""CoordinatorGrain: owns a job (key = job id), drives it, and brings it back after failures.
+
+``start(spec)`` checks the spec (a bad one raises ConfigError before anything
+starts), saves it and starts the driver, a background task of the activation;
+``status()`` and ``cancel()`` are answered while it runs. The driver places
+shards and trainers, then every ``_TICK_S`` asks each shard and trainer how
+it is doing and repairs what it finds:
+
+- a trainer lost, restarted or failed (shards intact): its slot is run again,
+  from the step the shards expect from it; the others go on;
+- a shard lost (its activation changed, or it refuses our generation): a
+  *rollback*: a new generation, every shard restores the last committed
+  checkpoint, every trainer restarts from that step;
+- the coordinator itself re-activated (its silo died): its state says the job
+  is running, so ``on_activate`` starts the driver again, which re-attaches
+  to the shards and trainers, rolling back only if a shard was lost too.
+
+Checkpoint step ``c`` is committed once every shard has saved it; the newest
+``keep_checkpoints`` are kept. Progress goes to the dashboard's job record
+each tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from grains.base import DeactivationReason, Grain
+from grains.placement import hash_placement, keep_alive
+from grains.training import cluster
+from grains.training.datasets import Batches, load_dataset
+from grains.training.job import TrainingJob, check_job, parse_job
+from grains.training.messages import (
+    HistoryPoint,
+    JobStatus,
+    ShardConfig,
+    ShardStatus,
+    TrainerAssignment,
+    TrainerProgress,
+    TrainingStatus,
+)
+from grains.training.models import build_model
+from grains.training.shard import ParamShardGrain
+from grains.training.trainer import TrainerGrain
+from silo import errors
+
+log = logging.getLogger("redgrain.training.coordinator")
+
+_TICK_S = 0.2
+_CALL_TIMEOUT_S = 10.0
+_HISTORY = 2000
+_MAX_SLOT_FAILURES = 5
+_TERMINAL = ("completed", "failed", "cancelled")
+
+
+def split_by_bytes(sizes: dict[str, int], shards: int) -> list[list[str]]:
+    """Tensors to shards, biggest first onto the lightest shard; model order kept within a shard."""
+    order = {n: i for i, n in enumerate(sizes)}
+    loads = [0] * shards
+    parts: list[list[str]] = [[] for _ in range(shards)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], order[n])):
+        i = min(range(shards), key=lambda k: (loads[k], k))
+        parts[i].append(name)
+        loads[i] += sizes[name]
+    return [sorted(p, key=order.__getitem__) for p in parts if p]
+
+
+class _Evaluator:
+    """The model and test split for accuracy checks (built once per activation, used off the loop)."""
+
+    def __init__(self, spec: TrainingJob) -> None:
+        self.model = build_model(spec)
+        self.params = dict(self.model.named_parameters())
+        self.x, self.y = Batches(load_dataset(spec, "test")).all(limit=10_000)
+
+    def accuracy(self, params: dict[str, torch.Tensor]) -> tuple[float, float]:
+        with torch.no_grad():
+            for n, t in params.items():
+                self.params[n].copy_(t)
+            out = self.model(self.x)
+            loss = torch.nn.functional.cross_entropy(out, self.y)
+            return float((out.argmax(1) == self.y).float().mean()), float(loss)
+
+
+@keep_alive
+@hash_placement
+class CoordinatorGrain(Grain):
+    class State(BaseModel):
+        spec: TrainingJob | None = None
+        status: JobStatus = "idle"
+        generation: int = 0
+        slots: int = 0
+        total_steps: int = 0
+        shard_keys: list[str] = Field(default_factory=list)
+        shard_names: list[list[str]] = Field(default_factory=list)
+        shard_activations: list[str] = Field(default_factory=list)
+        trainer_keys: list[str] = Field(default_factory=list)
+        committed: list[int] = Field(default_factory=list)
+        step: int = 0
+        loss: float | None = None
+        accuracy: float | None = None
+        started_at: float = 0.0
+        finished_at: float = 0.0
+        restarts: int = 0
+        rollbacks: int = 0
+        error: str = ""
+        history: list[HistoryPoint] = Field(default_factory=list)
+
+    def __init__(self) -> None:
+        self._driver: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+        self._progress: dict[int, TrainerProgress] = {}
+        self._slot_failures: dict[int, int] = {}
+        self._cursor = 0
+        self._live = TrainingStatus(job="")
+        self._evaluator: _Evaluator | None = None
+        self._last_eval_step = 0
+        self._last_publish_failed = False
+
+    async def on_activate(self) -> None:
+        self._live = self._status_from_state()
+        if self.state.status in ("starting", "running"):
+            log.info("%s: re-activated with the job running; resuming", self.key)
+            self._driver = self.start_task(self._drive(resume=True), name=f"{self.key} driver")
+
+    async def on_deactivate(self, reason: DeactivationReason) -> None:
+        self._driver = None
+
+    # --- the client API -----------------------------------------------------
+    async def start(self, spec: TrainingJob | dict[str, Any]) -> TrainingStatus:
+        """Check the spec and start the job; ConfigError (before anything starts) when it is bad."""
+        job = parse_job(spec)
+        if self.state.status in ("starting", "running"):
+            if job == self.state.spec:
+                return await self.status()
+            raise errors.ConfigError(f"job {self.key} is already running with another spec; cancel it first")
+        if "/" in self.key or ":" in self.key:
+            raise errors.ConfigError(f"job id {self.key!r} may not contain '/' or ':'")
+        await self.run_in_thread(check_job, job)
+        previous = self.state.generation
+        self.state = self.State(spec=job, status="starting", generation=previous + 1, started_at=time.time())
+        await self._write()
+        self._reset_memory()
+        self._live = self._status_from_state()
+        self._driver = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
+        return await self.status()
+
+    async def status(self) -> TrainingStatus:
+        """The job's progress: step, loss, accuracy, samples/s, bytes per step, checkpoints."""
+        return self._live.model_copy(update={"coordinator_silo": str(self.silo)})
+
+    async def cancel(self) -> TrainingStatus:
+        """Stop the job: trainers stop, shards refuse further pushes; the state says cancelled."""
+        if self.state.status in ("starting", "running"):
+            driver, self._driver = self._driver, None
+            if driver is not None and driver is not asyncio.current_task():
+                driver.cancel()
+                await asyncio.gather(driver, return_exceptions=True)
+            await self._finish("cancelled")
+        return await self.status()
+
+    async def history(self) -> list[HistoryPoint]:
+        """Per-tick progress points since the job started."""
+        return list(self.state.history)
+
+    async def parameters(self) -> dict[str, torch.Tensor]:
+        """The current fp32 weights, gathered from every shard (for evaluation and tests)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in await asyncio.gather(*(s.parameters() for s in self._shards())):
+            out.update(part)
+        return out
+
+    # --- the driver ---------------------------------------------------------
+    def _reset_memory(self) -> None:
+        self._progress.clear()
+        self._slot_failures.clear()
+        self._cursor = 0
+        self._last_eval_step = 0
+
+    def _shards(self) -> list[Any]:
+        return [self.get_grain(ParamShardGrain, k).with_timeout(_CALL_TIMEOUT_S) for k in self.state.shard_keys]
+
+    def _trainers(self) -> list[Any]:
+        return [self.get_grain(TrainerGrain, k).with_timeout(_CALL_TIMEOUT_S) for k in self.state.trainer_keys]
+
+    async def _drive(self, *, resume: bool) -> None:
+        try:
+            if not resume or not self.state.shard_keys:
+                await self._place_and_start()
+            while self.state.status in ("starting", "running"):
+                await self._tick()
+                if self.state.status in _TERMINAL:
+                    break
+                await asyncio.sleep(_TICK_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the job fails with the reason; the silo goes on
+            log.exception("%s: job failed", self.key)
+            self.state.error = f"{type(exc).__name__}: {exc}"[:2000]
+            await self._finish("failed")
+
+    async def _place_and_start(self) -> None:
+        spec = self.state.spec
+        assert spec is not None
+        sizes = await self.run_in_thread(check_job, spec)
+        shard_rows = cluster.hosting_silos(self, "ParamShardGrain")
+        trainer_rows = cluster.trainer_silos(cluster.hosting_silos(self, "TrainerGrain"), spec.trainer_role)
+        if not trainer_rows or not shard_rows:
+            raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
+        slots = len(trainer_rows) if spec.trainers == "auto" else int(spec.trainers)
+        names = split_by_bytes(sizes, spec.shards)
+        train_size = len(await self.run_in_thread(load_dataset, spec, "train"))  # type: ignore[arg-type]
+        all_trainer_rows = cluster.hosting_silos(self, "TrainerGrain")
+        # Shards start on the silos after the first trainers', so a 2-silo job spreads both.
+        shard_keys = [
+            cluster.key_on("ParamShardGrain", f"{self.key}/shard-{i}", shard_rows[(i + 1) % len(shard_rows)].silo, shard_rows)
+            for i in range(len(names))
+        ]
+        trainer_keys = [
+            cluster.key_on("TrainerGrain", f"{self.key}/trainer-{j}", trainer_rows[j % len(trainer_rows)].silo, all_trainer_rows)
+            for j in range(slots)
+        ]
+        s = self.state
+        s.slots, s.shard_keys, s.shard_names, s.trainer_keys = slots, shard_keys, names, trainer_keys
+        s.total_steps = spec.total_steps(train_size, slots)
+        await self._configure_shards(None)
+        await asyncio.gather(*(self._run_slot(j, 0) for j in range(slots)))
+        s.status = "running"
+        await self._write()
+
+    async def _configure_shards(self, restore_step: int | None) -> None:
+        s = self.state
+        assert s.spec is not None
+        cfgs = [
+            ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
+                        generation=s.generation, restore_step=restore_step)  # fmt: skip
+            for i, names in enumerate(s.shard_names)
+        ]
+        shards = [self.get_grain(ParamShardGrain, k).with_timeout(120.0) for k in s.shard_keys]
+        statuses: list[ShardStatus] = await asyncio.gather(*(sh.configure(c) for sh, c in zip(shards, cfgs, strict=True)))
+        s.shard_activations = [st.activation_id for st in statuses]
+        self._live.shard_silos = [st.silo for st in statuses]
+
+    async def _run_slot(self, slot: int, start_step: int) -> None:
+        s = self.state
+        assert s.spec is not None
+        a = TrainerAssignment(
+            job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation,
+            start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
+        )  # fmt: skip
+        await self.get_grain(TrainerGrain, s.trainer_keys[slot]).with_timeout(120.0).run(a)
+
+    async def _rollback(self, why: str) -> None:
+        s = self.state
+        s.generation += 1
+        s.rollbacks += 1
+        restore = s.committed[-1] if s.committed else None
+        log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
+                    f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
+        await self._write()
+        await asyncio.gather(*(t.stop() for t in self._trainers()), return_exceptions=True)
+        await self._configure_shards(restore)
+        self._progress.clear()
+        self._cursor = restore or 0
+        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(s.slots)))
+        await self._write()
+
+    async def _tick(self) -> None:
+        s = self.state
+        shard_results = await asyncio.gather(*(sh.status() for sh in self._shards()), return_exceptions=True)
+        lost = [
+            s.shard_keys[i]
+            for i, r in enumerate(shard_results)
+            if isinstance(r, BaseException) or r.generation != s.generation or r.activation_id != s.shard_activations[i]
+        ]
+        if lost:
+            try:
+                await self._rollback(f"shard(s) {', '.join(lost)} lost or behind")
+            except errors.RedgrainError as exc:
+                # A silo is dead but not yet declared so; the next tick tries again.
+                log.warning("%s: rollback incomplete (%s); retrying", self.key, exc)
+            return
+        statuses: list[ShardStatus] = shard_results  # type: ignore[assignment]
+        results = await asyncio.gather(
+            *(t.progress(self._cursor) for t in self._trainers()), return_exceptions=True
+        )
+        done = 0
+        for j, r in enumerate(results):
+            if isinstance(r, TrainerProgress) and r.generation == s.generation and r.status in ("running", "done"):
+                if self._progress.get(j) is None or r.steps_done != self._progress[j].steps_done:
+                    self._slot_failures[j] = 0
+                self._progress[j] = r
+                done += r.status == "done"
+                continue
+            if isinstance(r, BaseException):
+                why = f"unreachable: {r}"  # its silo may be dead, not yet declared: retried next tick
+            else:
+                why = r.error or r.status
+                if r.status == "failed" and r.generation == s.generation:
+                    self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
+                    if self._slot_failures[j] > _MAX_SLOT_FAILURES:
+                        raise RuntimeError(f"trainer slot {j} keeps failing: {why}")
+            start = min(st.next_steps[j] for st in statuses)
+            log.warning("%s: trainer slot %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
+            s.restarts += 1
+            with contextlib.suppress(errors.RedgrainError):
+                await self._run_slot(j, start)
+        await self._commit(statuses)
+        await self._report(statuses)
+        if done == s.slots:
+            await self._finish("completed")
+
+    async def _commit(self, statuses: list[ShardStatus]) -> None:
+        s = self.state
+        assert s.spec is not None
+        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
+        newest = max(common, default=None)
+        if newest is None or (s.committed and newest <= s.committed[-1]):
+            return
+        # The store keeps the newest keep_checkpoints complete snapshots; so do we.
+        s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
+        await self._write()
+
+    async def _report(self, statuses: list[ShardStatus]) -> None:
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        progress = list(self._progress.values())
+        if progress:
+            s.step = min(p.step for p in progress) if len(progress) == s.slots else s.step
+            s.loss = sum(p.loss for p in progress) / len(progress)
+            points = sorted((pt for p in progress for pt in p.points), key=lambda pt: pt.step)
+            if points:
+                self._cursor = points[-1].step + 1
+        rate = sum(p.samples_per_s for p in progress)
+        per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in progress if p.steps_done)
+        if spec.eval_every and s.step - self._last_eval_step >= spec.eval_every:
+            self._last_eval_step = s.step
+            s.accuracy, _ = await self._evaluate()
+        s.history.append(HistoryPoint(step=s.step, loss=s.loss or 0.0, accuracy=s.accuracy, samples_per_s=rate, at=time.time()))
+        del s.history[:-_HISTORY]
+        self._live = self._status_from_state(
+            samples_per_s=rate,
+            bytes_per_step=per_step,
+            max_staleness=max([p.max_staleness for p in progress] + [st.max_staleness for st in statuses] + [0]),
+            max_gap=max([p.max_gap for p in progress] + [st.max_gap for st in statuses] + [0]),
+            trainer_silos=[self._progress[j].silo if j in self._progress else "" for j in range(s.slots)],
+            shard_silos=[st.silo for st in statuses],
+        )
+        if await self._publish():
+            log.info("%s: cancel requested through the dashboard", self.key)
+            await self._finish("cancelled")
+
+    async def _evaluate(self) -> tuple[float, float]:
+        spec = self.state.spec
+        assert spec is not None
+        if self._evaluator is None:
+            self._evaluator = await self.run_in_thread(_Evaluator, spec)
+        params = await self.parameters()
+        return await self.run_in_thread(self._evaluator.accuracy, params)
+
+    async def _finish(self, status: JobStatus) -> None:
+        s = self.state
+        if s.status in _TERMINAL:
+            return
+        if status == "completed":
+            s.accuracy, s.loss = await self._evaluate()
+            s.step = s.total_steps
+        s.status = status
+        s.finished_at = time.time()
+        await asyncio.gather(*(t.stop() for t in self._trainers()), return_exceptions=True)
+        if status != "completed":
+            await asyncio.gather(*(sh.stop(s.generation + 1) for sh in self._shards()), return_exceptions=True)
+        await self._write()
+        self._live = self._status_from_state(
+            samples_per_s=self._live.samples_per_s,
+            bytes_per_step=self._live.bytes_per_step,
+            max_staleness=self._live.max_staleness,
+            max_gap=self._live.max_gap,
+            trainer_silos=self._live.trainer_silos,
+            shard_silos=self._live.shard_silos,
+        )
+        await self._publish()
+        log.info("%s: job %s at step %d (accuracy %s)", self.key, status, s.step, s.accuracy)
+
+    def _status_from_state(self, **live: Any) -> TrainingStatus:
+        s = self.state
+        end = s.finished_at or time.time()
+        return TrainingStatus(
+            job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
+            accuracy=s.accuracy, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation,
+            checkpoints=list(s.committed), restarts=s.restarts, rollbacks=s.rollbacks,
+            elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
+            trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys), **live,
+        )  # fmt: skip
+
+    async def _write(self) -> None:
+        async with self._write_lock:
+            await self.write_state()
+
+    async def _publish(self) -> bool:
+        """Write the dashboard's job record; True when an admin asked to cancel the job."""
+        from grains.training.progress import publish
+
+        try:
+            return await publish(self, self._live, self.state.spec, self.state.trainer_keys, self.state.shard_keys)
+        except errors.RedgrainError as exc:
+            if not self._last_publish_failed:
+                log.warning("%s: publishing progress failed: %s", self.key, exc)
+            self._last_publish_failed = True
+            return False
+

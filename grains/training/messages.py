@@ -1,0 +1,136 @@
+"""What training grains send each other and report (registered wire types)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from grains.training.job import TrainingJob
+
+JobStatus = Literal["idle", "starting", "running", "completed", "failed", "cancelled"]
+
+
+class ShardConfig(BaseModel):
+    """A shard's part of the job; sent on (re)configuration with a new generation."""
+
+    job: str
+    index: int
+    spec: TrainingJob
+    names: list[str]
+    """Parameter names this shard owns, in model order."""
+    shard_keys: list[str]
+    """Keys of every shard of the job (the members of its checkpoints)."""
+    slots: int
+    """Trainer slots pushing to this shard."""
+    generation: int
+    restore_step: int | None = None
+    """Committed checkpoint to restore, or None to start from the seeded initial weights."""
+
+
+class ExchangeReply(BaseModel):
+    """A shard's answer to a push/pull: its version and, if the caller's copy is stale, parameters."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    version: int
+    params: dict[str, torch.Tensor] | None = None
+    staleness: int = 0
+    """Updates applied between the version the pushed gradients were computed on and their apply."""
+    gap: int = 0
+    """ssp: how far ahead of the slowest trainer the caller was released."""
+
+
+class ShardStatus(BaseModel):
+    activation_id: str
+    generation: int
+    version: int
+    next_steps: list[int]
+    """Per trainer slot: the next step the shard expects from it."""
+    saved_steps: list[int]
+    """Checkpoint steps this shard has saved."""
+    pushes: int = 0
+    duplicates: int = 0
+    """Pushes ignored because that (trainer, step) was already applied (retries)."""
+    max_staleness: int = 0
+    max_gap: int = 0
+    silo: str = ""
+
+
+class TrainerAssignment(BaseModel):
+    job: str
+    slot: int
+    slots: int
+    spec: TrainingJob
+    generation: int
+    start_step: int
+    end_step: int
+    shard_keys: list[str]
+    shard_names: list[list[str]]
+
+
+class StepPoint(BaseModel):
+    step: int
+    loss: float
+    accuracy: float
+    """Training-batch accuracy of this step."""
+
+
+class TrainerProgress(BaseModel):
+    activation_id: str
+    silo: str
+    generation: int = -1
+    slot: int = -1
+    status: Literal["idle", "running", "done", "failed"] = "idle"
+    step: int = 0
+    """Next step this trainer will run."""
+    loss: float = 0.0
+    samples_per_s: float = 0.0
+    steps_done: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    max_staleness: int = 0
+    mean_staleness: float = 0.0
+    max_gap: int = 0
+    error: str = ""
+    points: list[StepPoint] = Field(default_factory=list)
+
+
+class HistoryPoint(BaseModel):
+    step: int
+    loss: float
+    accuracy: float | None = None
+    samples_per_s: float = 0.0
+    at: float = 0.0
+
+
+class TrainingStatus(BaseModel):
+    """The job as the coordinator sees it: what `status()` returns and the CLI shows."""
+
+    job: str
+    status: JobStatus = "idle"
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    accuracy: float | None = None
+    samples_per_s: float = 0.0
+    bytes_per_step: float = 0.0
+    """Bytes of tensors on the wire per global step (pushes + pulls of all trainers)."""
+    max_staleness: int = 0
+    max_gap: int = 0
+    trainers: int = 0
+    shards: int = 0
+    generation: int = 0
+    checkpoints: list[int] = Field(default_factory=list)
+    restarts: int = 0
+    """Trainer slots restarted after their trainer was lost."""
+    rollbacks: int = 0
+    """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
+    elapsed_s: float = 0.0
+    error: str = ""
+    coordinator_silo: str = ""
+    trainer_keys: list[str] = Field(default_factory=list)
+    shard_keys: list[str] = Field(default_factory=list)
+    trainer_silos: list[str] = Field(default_factory=list)
+    shard_silos: list[str] = Field(default_factory=list)

@@ -1,0 +1,41 @@
+"""A job's progress as the dashboard's ``JobProgress`` record (silo/stats.py)."""
+
+from __future__ import annotations
+
+import time
+
+from grains.base import Grain
+from grains.training import cluster
+from grains.training.job import TrainingJob
+from grains.training.messages import TrainingStatus
+from silo.stats import CheckpointInfo, JobProgress, Placement, publish_job_progress
+
+
+def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> JobProgress:
+    now = time.time()
+    return JobProgress(
+        job=st.job,
+        status="pending" if st.status in ("idle", "starting") else st.status,
+        step=st.step,
+        total_steps=st.total_steps or None,
+        loss=st.loss,
+        accuracy=st.accuracy,
+        samples_per_s=st.samples_per_s,
+        bytes_per_step=int(st.bytes_per_step),
+        staleness=float(st.max_gap if spec is not None and spec.mode == "ssp" else st.max_staleness),
+        mode=spec.mode if spec is not None else "sync",
+        trainers=[Placement(key=k, silo=s) for k, s in zip(trainer_keys, st.trainer_silos + [""] * len(trainer_keys))],
+        shards=[Placement(key=k, silo=s) for k, s in zip(shard_keys, st.shard_silos + [""] * len(shard_keys))],
+        checkpoints=[CheckpointInfo(snapshot=str(c), step=c, at=now) for c in st.checkpoints],
+        updated_at=now,
+        error=st.error or None,
+    )
+
+
+async def publish(grain: Grain, st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> bool:
+    """Publish through the silo's Redis; True when an admin asked to cancel. No-op without Redis."""
+    found = cluster.silo_redis(grain)
+    if found is None:
+        return False
+    redis, keys = found
+    return await publish_job_progress(redis, keys, job_progress(st, spec, trainer_keys, shard_keys))

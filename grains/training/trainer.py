@@ -1,0 +1,241 @@
+"""TrainerGrain: a model replica and one data slot, stepping against the shards.
+
+Per step: load the parameters the shards last sent, forward/backward on this
+slot's batch (optionally under bf16 autocast), compress the gradients (with
+error feedback) and send one ``exchange`` per shard, all shards at once. The
+compute runs on the silo's executor; the next batch is gathered right after
+backward, so it is ready when the step ends. In async mode the exchange of
+step t overlaps the compute of step t+1 (one step more staleness, no idle
+wait); sync and ssp wait for the reply, since it may hold them back.
+
+The loop is a background task of the activation, so ``progress`` and ``stop``
+are answered while it runs. It never retries on its own: on any error it
+stops and reports, and the coordinator decides (restart this slot, or roll
+everyone back to the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+
+from grains.base import DeactivationReason, Grain
+from grains.placement import hash_placement, immovable, keep_alive
+from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
+from grains.training.datasets import Batches, load_dataset
+from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
+from grains.training.models import build_model
+from grains.training.shard import ParamShardGrain
+
+log = logging.getLogger("redgrain.training.trainer")
+
+_POINTS = 2000
+_RATE_WINDOW = 20
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    correct: int
+    samples: int
+    grads: list[dict[str, Payload]]
+    """Compressed gradients, one dict per shard."""
+
+
+class Replica:
+    """The model, the data and the compressor of one trainer run (used from the executor only)."""
+
+    def __init__(self, a: TrainerAssignment, device: str) -> None:
+        self.a = a
+        self.model = build_model(a.spec).to(device)
+        self.params = dict(self.model.named_parameters())
+        self.batches = Batches(load_dataset(a.spec, "train"), device)
+        self.compressor = Compressor(parse_compression(a.spec.compression))
+        self.autocast = a.spec.autocast_bf16
+        self.device = device
+        self._prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def load(self, params: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, t in params.items():
+                self.params[n].copy_(t)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._prefetched is not None and self._prefetched[0] == step:
+            return self._prefetched[1]
+        a = self.a
+        return self.batches.batch(a.spec.batch_size, a.slots, a.slot, step, a.spec.seed)
+
+    def step(self, payloads: list[dict[str, torch.Tensor]], step: int) -> StepResult:
+        for p in payloads:
+            self.load(p)
+        x, y = self.batch(step)
+        for p in self.params.values():
+            p.grad = None
+        ctx = (
+            torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            out = self.model(x)
+            loss = F.cross_entropy(out.float(), y)
+        loss.backward()
+        grads = [
+            {n: self.compressor.compress(n, self._grad(n)) for n in names} for names in self.a.shard_names
+        ]
+        correct = int((out.detach().argmax(1) == y).sum())
+        if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
+            a = self.a
+            self._prefetched = (step + 1, self.batches.batch(a.spec.batch_size, a.slots, a.slot, step + 1, a.spec.seed))
+        return StepResult(float(loss.detach()), correct, len(y), grads)
+
+    def _grad(self, name: str) -> torch.Tensor:
+        g = self.params[name].grad
+        return g if g is not None else torch.zeros_like(self.params[name])
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStatistics:
+    steps: int
+    """Steps completed by the current run."""
+    bytes_pushed: int
+    """Tensor bytes of gradients sent."""
+    bytes_pulled: int
+    """Tensor bytes of parameters received."""
+    samples_per_s: float
+    """Over the last few steps."""
+
+
+@keep_alive
+@immovable
+@hash_placement
+class TrainerGrain(Grain):
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._p = TrainerProgress(activation_id="", silo="")
+        self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        self._points: deque[StepPoint] = deque(maxlen=_POINTS)
+        self._staleness_sum = self._replies = 0
+
+    async def on_activate(self) -> None:
+        self._p = TrainerProgress(activation_id=self.activation_id, silo=str(self.silo))
+
+    async def on_deactivate(self, reason: DeactivationReason) -> None:
+        await self._cancel()
+
+    async def run(self, assignment: TrainerAssignment) -> None:
+        """Start (or restart) this trainer's loop; returns at once."""
+        await self._cancel()
+        a = assignment
+        self._p = TrainerProgress(
+            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, slot=a.slot,
+            status="running", step=a.start_step,
+        )  # fmt: skip
+        self._times.clear()
+        self._points.clear()
+        self._staleness_sum = self._replies = 0
+        self._task = self.start_task(self._loop(a), name=f"{self.key} loop g{a.generation}")
+
+    async def stop(self) -> None:
+        await self._cancel()
+        if self._p.status == "running":
+            self._p.status = "idle"
+
+    async def progress(self, since_step: int = 0) -> TrainerProgress:
+        """Counters of the current run, and the per-step points from ``since_step`` on."""
+        points = [p for p in self._points if p.step >= since_step]
+        return self._p.model_copy(update={"points": points})
+
+    async def _cancel(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _loop(self, a: TrainerAssignment) -> None:
+        try:
+            await self._train(a)
+            self._p.status = "done"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
+            log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._p.step, exc)
+            self._p.status = "failed"
+            self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
+
+    async def _train(self, a: TrainerAssignment) -> None:
+        rep = await self.run_in_thread(Replica, a, self.device)
+        shards = [
+            self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s) for key in a.shard_keys
+        ]
+        n = len(shards)
+        versions = [-1] * n  # version of the parameters the replica holds (or will load next)
+        base = [-1] * n  # version the next gradients are computed on
+        replies = await asyncio.gather(
+            *(s.exchange(a.generation, a.slot, a.start_step, None, -1, -1) for s in shards)
+        )
+        payloads = self._take(replies, versions)
+        pipelined = a.spec.mode == "async"
+        pending: asyncio.Future[list[ExchangeReply]] | None = None
+        step = a.start_step
+        while step < a.end_step:
+            for i, p in enumerate(payloads):
+                if p:
+                    base[i] = versions[i]
+            r = await self.run_in_thread(rep.step, [p for p in payloads if p], step)
+            payloads = [{} for _ in range(n)]
+            if pending is not None:
+                payloads = self._take(await pending, versions)
+                pending = None
+            self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
+            fut = asyncio.gather(
+                *(s.exchange(a.generation, a.slot, step, r.grads[i], base[i], versions[i]) for i, s in enumerate(shards))
+            )
+            if pipelined and step + 1 < a.end_step:
+                pending = fut
+            else:
+                payloads = self._take(await fut, versions)
+            self._record(step, r)
+            step += 1
+        if pending is not None:
+            self._take(await pending, versions)
+
+    def _take(self, replies: list[ExchangeReply], versions: list[int]) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = []
+        for i, rep in enumerate(replies):
+            self._p.max_staleness = max(self._p.max_staleness, rep.staleness)
+            self._staleness_sum += rep.staleness
+            self._replies += 1
+            self._p.max_gap = max(self._p.max_gap, rep.gap)
+            if rep.params is not None:
+                versions[i] = rep.version
+                self._p.bytes_pulled += sum(t.numel() * t.element_size() for t in rep.params.values())
+                out.append(rep.params)
+            else:
+                out.append({})
+        return out
+
+    def _record(self, step: int, r: StepResult) -> None:
+        now = time.monotonic()
+        self._times.append((now, r.samples))
+        p = self._p
+        p.step = step + 1
+        p.steps_done += 1
+        p.loss = r.loss
+        if len(self._times) > 1:
+            span = self._times[-1][0] - self._times[0][0]
+            p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
+        p.mean_staleness = self._staleness_sum / max(1, self._replies)
+        self._points.append(StepPoint(step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples)))
+
+    def statistics(self) -> TrainerStatistics:
+        p = self._p
+        return TrainerStatistics(p.steps_done, p.bytes_pushed, p.bytes_pulled, p.samples_per_s)

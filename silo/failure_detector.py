@@ -1,0 +1,401 @@
+"""Failure detection: heartbeats from a thread, probes from the loop, death by vote.
+
+Two signals, so a busy silo is never mistaken for a dead one:
+
+* :class:`HeartbeatThread` writes the heartbeat from a dedicated thread with
+  its own *synchronous* Redis connection. A 30 s torch step holding the event
+  loop does not stop it; only a dead or hung (SIGSTOPped) process does. It
+  also fences this silo: while the last heartbeat Redis confirmed was sent
+  longer than ``dead_after_s`` ago, peers may already have declared us dead,
+  so :meth:`HeartbeatThread.fenced` is true and the dispatcher refuses calls.
+  That closes the window in which a resumed SIGSTOPped silo could answer a
+  call before learning it is dead.
+* :class:`FailureDetector` runs on the event loop. It reads the table every
+  ``probe_interval_s`` and pings every peer over TCP. A peer whose heartbeat
+  has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
+  values, never clocks) is suspected; it gets a vote when its heartbeat has
+  been stale ``dead_after_s`` and a probe timed out, or at once when the probe
+  finds its port refusing connections (the process is gone: the fast path).
+  A probe that answers while the heartbeat stays stale means the heartbeat
+  thread lost Redis; that silo fences itself, and we vote after twice
+  ``dead_after_s`` (the longer bound). Death is declared by one Lua script
+  when ``min(2, fresh peers)`` valid votes are in (see
+  ``RedisMembershipTable.vote_dead``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from grains.ids import SiloAddress
+from silo import errors
+from silo.keys import Keys
+from silo.membership import (
+    HEARTBEAT_LUA,
+    ClusterEvents,
+    MemberRow,
+    MembershipTable,
+    SiloLoad,
+    SiloStatus,
+)
+from silo.settings import MembershipSettings
+
+log = logging.getLogger("redgrain.failure")
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for ``event`` or ``timeout_s``, whichever first.
+
+    Not ``asyncio.wait_for``: on Python 3.11 it can swallow a cancellation that
+    arrives as the event is set, and a stopping silo would then wait forever.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+
+
+# --- heartbeats ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatStatistics:
+    beats: int
+    """Heartbeats Redis accepted."""
+    failures: int
+    """Heartbeats that failed (Redis down or slow)."""
+    last_confirmed_age_s: float
+    """Seconds since the send time of the last heartbeat Redis confirmed."""
+    fenced: bool
+    """True while this silo refuses calls because its liveness is unconfirmed."""
+
+
+class HeartbeatThread:
+    """Writes this silo's heartbeat from its own thread and Redis connection."""
+
+    def __init__(
+        self,
+        *,
+        redis_url: str,
+        keys: Keys,
+        address: str,
+        settings: MembershipSettings,
+        load: Callable[[], SiloLoad],
+        on_dead: Callable[[], Any],
+        loop: asyncio.AbstractEventLoop,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._url = redis_url
+        self._keys = keys
+        self._address = address
+        self._settings = settings
+        self._load = load
+        self._on_dead = on_dead
+        self._loop = loop
+        self._clock = clock
+        self._monotonic = monotonic
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_confirmed = monotonic()
+        self.beats = 0
+        self.failures = 0
+        self.dead = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {self._address}", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+            self._thread = None
+
+    def fenced(self) -> bool:
+        """True when peers may already have declared us dead: serve nothing."""
+        return self.dead or self._monotonic() - self.last_confirmed > self._settings.dead_after_s
+
+    def _run(self) -> None:
+        timeout = max(1.0, self._settings.dead_after_s)
+        client = redis.Redis.from_url(self._url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        script = client.register_script(HEARTBEAT_LUA)
+        try:
+            while not self._stop.is_set():
+                sent = self._monotonic()
+                try:
+                    load = self._load()
+                except Exception:  # noqa: BLE001 - read across threads: a dict may change size under us
+                    load = SiloLoad()
+                try:
+                    raw = script(
+                        keys=[self._keys.members],
+                        args=[self._address, repr(self._clock()), load.model_dump_json()],
+                    )
+                except (redis.RedisError, OSError) as exc:
+                    self.failures += 1
+                    log.warning("heartbeat of %s failed: %s", self._address, exc)
+                else:
+                    status = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    if status in ("Dead", "Gone"):
+                        self._declare_dead()
+                        return
+                    self.beats += 1
+                    self.last_confirmed = sent
+                self._stop.wait(self._settings.heartbeat_s)
+        finally:
+            client.close()
+
+    def _declare_dead(self) -> None:
+        self.dead = True
+        log.error("membership says this silo (%s) is dead: stopping at once", self._address)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self._loop.call_soon_threadsafe(self._on_dead)
+
+    def statistics(self) -> HeartbeatStatistics:
+        return HeartbeatStatistics(
+            beats=self.beats,
+            failures=self.failures,
+            last_confirmed_age_s=self._monotonic() - self.last_confirmed,
+            fenced=self.fenced(),
+        )
+
+
+# --- probes and votes ---------------------------------------------------------
+
+
+class ProbeResult(str, enum.Enum):
+    OK = "ok"
+    """The peer's event loop answered a PING."""
+    REFUSED = "refused"
+    """Connection refused or reset: the process is gone."""
+    TIMEOUT = "timeout"
+    """No answer in time: hung, or very busy."""
+
+
+Probe = Callable[[SiloAddress, float], Awaitable[ProbeResult]]
+
+
+def transport_probe(transport: Any) -> Probe:
+    """A probe over the silo's transport: connect (pooled) and PING."""
+
+    async def probe(silo: SiloAddress, timeout_s: float) -> ProbeResult:
+        for _ in range(2):  # a pooled connection that just broke gets one fresh try
+            try:
+                conn = await asyncio.wait_for(asyncio.shield(transport.connect(silo.endpoint)), timeout_s)
+            except TimeoutError:
+                return ProbeResult.TIMEOUT
+            except errors.SiloUnavailableError as exc:
+                gone = isinstance(exc.__cause__, (ConnectionRefusedError, ConnectionResetError))
+                return ProbeResult.REFUSED if gone else ProbeResult.TIMEOUT
+            except errors.RedgrainError:
+                return ProbeResult.TIMEOUT
+            try:
+                await conn.ping(timeout_s)
+                return ProbeResult.OK
+            except errors.GrainTimeoutError:
+                return ProbeResult.TIMEOUT
+            except errors.SiloUnavailableError:
+                continue
+        return ProbeResult.REFUSED
+
+    return probe
+
+
+@dataclass(frozen=True, slots=True)
+class FailureDetectorStatistics:
+    rounds: int
+    """Times the table was read and peers checked."""
+    probes: int
+    """Direct TCP probes sent."""
+    probe_failures: int
+    """Probes refused or timed out."""
+    votes: int
+    """Votes this silo cast against suspected peers."""
+    declared: int
+    """Silos this silo's vote declared Dead."""
+    suspected: tuple[str, ...]
+    """Peers suspected right now."""
+
+
+@dataclass(slots=True)
+class _Peer:
+    heartbeat: float
+    since: float
+    """Our clock when we first saw this heartbeat value."""
+    suspected: bool = False
+    probing: bool = False
+    last_probe: float = float("-inf")
+    refused_at: float | None = None
+
+
+class FailureDetector:
+    """Watches every peer; votes when one is dead or hung; notices when we are declared dead."""
+
+    def __init__(
+        self,
+        *,
+        table: MembershipTable,
+        me: SiloAddress,
+        settings: MembershipSettings,
+        probe: Probe,
+        on_self_dead: Callable[[], Any] = lambda: None,
+        events: ClusterEvents | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._table = table
+        self._me = me
+        self._addr = str(me)
+        self._s = settings
+        self._probe = probe
+        self._on_self_dead = on_self_dead
+        self._events = events or ClusterEvents()
+        self._clock = clock
+        self._peers: dict[str, _Peer] = {}
+        self._rows: dict[str, MemberRow] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.rounds = self.probes = self.probe_failures = self.votes = self.declared = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stopping = True  # see Rebalancer.stop: a cancel may be swallowed by redis-py
+        self._wake.set()
+        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def wait_probes(self) -> None:
+        """Wait for the probes in flight (unit tests drive rounds by hand)."""
+        while self._probes:
+            await asyncio.gather(*list(self._probes), return_exceptions=True)
+
+    def hint_unreachable(self, silo: SiloAddress) -> None:
+        """A caller could not connect to ``silo``: probe it now instead of next round."""
+        peer = self._peers.get(str(silo))
+        if peer is not None and not peer.probing:
+            peer.last_probe = float("-inf")
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                await self.check_once()
+            except errors.StorageError as exc:
+                log.warning("failure detector could not read membership: %s", exc)
+            await wait_event(self._wake, self._s.probe_interval_s)
+            self._wake.clear()
+
+    async def check_once(self) -> None:
+        """One round: read the table, track heartbeats, probe, vote. Tests call this directly."""
+        _, rows = await self._table.read_all()
+        self.rounds += 1
+        self._rows = rows
+        now = self._clock()
+        own = rows.get(self._addr)
+        if own is not None and own.status is SiloStatus.DEAD:
+            self._on_self_dead()
+            return
+        for addr in [a for a in self._peers if a not in rows or rows[a].status is SiloStatus.DEAD]:
+            del self._peers[addr]
+        for addr, row in rows.items():
+            if addr == self._addr or row.status is SiloStatus.DEAD:
+                continue
+            peer = self._peers.get(addr)
+            if peer is None or peer.heartbeat != row.heartbeat:
+                if peer is not None and peer.suspected:
+                    log.info("%s is alive again (heartbeat moved)", addr)
+                peer = self._peers[addr] = _Peer(row.heartbeat, now, last_probe=peer.last_probe if peer else float("-inf"))
+            stale = now - peer.since
+            if stale >= self._s.suspect_after_s and not peer.suspected:
+                peer.suspected = True
+                self._events.emit("suspect", {"silo": addr, "stale_s": round(stale, 3), "by": self._addr})
+            if peer.refused_at is not None:
+                await self._vote(addr, peer, "refused connections")
+            elif stale >= self._s.dead_after_s * 2:
+                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s")
+            if not peer.probing and now - peer.last_probe >= self._s.probe_interval_s:
+                peer.probing = True
+                peer.last_probe = now
+                task = asyncio.get_running_loop().create_task(self._probe_peer(addr, row.silo))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    async def _probe_peer(self, addr: str, silo: SiloAddress) -> None:
+        try:
+            self.probes += 1
+            result = await self._probe(silo, self._s.probe_timeout_s)
+        except Exception:
+            log.exception("probe of %s failed unexpectedly", addr)
+            result = ProbeResult.TIMEOUT
+        peer = self._peers.get(addr)
+        if peer is None:
+            return
+        peer.probing = False
+        if result is ProbeResult.OK:
+            peer.refused_at = None
+            return
+        self.probe_failures += 1
+        stale = self._clock() - peer.since
+        if result is ProbeResult.REFUSED:
+            # Fast path: the process is gone. The vote still only counts while
+            # its heartbeat stays the value we saw.
+            peer.refused_at = self._clock()
+            await self._vote(addr, peer, "refused connections")
+        elif stale >= self._s.dead_after_s:
+            await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
+
+    def _needed(self, suspect: str) -> int:
+        """min(2, peers that look alive to us, ourselves included, the suspect excluded)."""
+        now = self._clock()
+        fresh = 1  # ourselves
+        for addr, row in self._rows.items():
+            if addr in (suspect, self._addr) or row.status is SiloStatus.DEAD:
+                continue
+            p = self._peers.get(addr)
+            if p is not None and now - p.since < self._s.suspect_after_s and p.refused_at is None:
+                fresh += 1
+        return min(2, fresh)
+
+    async def _vote(self, addr: str, peer: _Peer, why: str) -> None:
+        try:
+            outcome = await self._table.vote_dead(addr, self._addr, peer.heartbeat, self._needed(addr))
+        except errors.StorageError as exc:
+            log.warning("vote against %s failed: %s", addr, exc)
+            return
+        self.votes += 1
+        if outcome.result == "declared":
+            self.declared += 1
+            self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
+            self._peers.pop(addr, None)
+        elif outcome.result == "alive":
+            peer.refused_at = None
+        else:
+            log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
+
+    def statistics(self) -> FailureDetectorStatistics:
+        return FailureDetectorStatistics(
+            rounds=self.rounds,
+            probes=self.probes,
+            probe_failures=self.probe_failures,
+            votes=self.votes,
+            declared=self.declared,
+            suspected=tuple(sorted(a for a, p in self._peers.items() if p.suspected)),
+        )

@@ -1,0 +1,315 @@
+"""Durable reminders: a grain asks to be called every ``period_s``, whatever happens to silos.
+
+Reminders live in Redis (``silo/keys.py``): a sorted set of reminder ids
+scored by their next due time (ms, Redis server clock) and a hash of rows.
+Every silo polls: one Lua script claims the due reminders (up to a batch) and
+reschedules each one period later in the same step, so exactly one silo fires
+each due tick. The silo delivers it through its router like any call, so it
+reaches the grain wherever it lives and activates it if needed; the grain's
+``receive_reminder(name)`` runs as a turn. A silo that dies between claim and
+delivery loses that one tick; the next one fires on a survivor.
+
+Timers are the in-memory, per-activation kind (``Grain.register_timer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+
+from grains.ids import GrainId
+from silo import errors
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+from silo.settings import RemindersSettings
+
+if TYPE_CHECKING:
+    from silo.catalog import Activation
+    from silo.dispatcher import Dispatcher
+    from silo.router import Manifests, Router
+    from silo.transport import Transport
+
+log = logging.getLogger("redgrain.reminders")
+
+REMINDER_METHOD = "__reminder__"
+"""Internal method name of a reminder delivery; the dispatcher turns it into ``receive_reminder``."""
+
+_NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: due zset, rows.  ARGV: id, row, due in ms from now
+_REGISTER = (
+    _NOW
+    + """
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+)
+
+# KEYS: due zset, rows.  ARGV: batch.  Pops what is due and reschedules it, atomically.
+_CLAIM = (
+    _NOW
+    + """
+local now = now_ms()
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))
+local out = {}
+for i = 1, #due, 2 do
+  local id = due[i]
+  local row = redis.call('HGET', KEYS[2], id)
+  if row then
+    local period = tonumber(cjson.decode(row)['period_ms'])
+    local nxt = tonumber(due[i + 1]) + period
+    if nxt <= now then nxt = now + period end  -- fell behind (no silo for a while): skip missed ticks
+    redis.call('ZADD', KEYS[1], nxt, id)
+    table.insert(out, row)
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
+end
+return out
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reminder:
+    grain: GrainId
+    name: str
+    period_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReminderStatistics:
+    registered: int
+    """Reminders registered through this silo."""
+    claimed: int
+    """Due ticks this silo claimed."""
+    delivered: int
+    """Ticks whose receive_reminder ran to completion."""
+    failed: int
+    """Ticks whose delivery or receive_reminder failed (the next tick comes anyway)."""
+    polls_failed: int
+    """Polls that could not reach Redis."""
+
+
+def _id(grain: GrainId, name: str) -> str:
+    return json.dumps([grain.type_name, grain.key, name], separators=(",", ":"))
+
+
+class ReminderTable:
+    """Reminder rows in Redis: register, unregister, list, claim."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._register = redis.register_script(_REGISTER)
+        self._claim = redis.register_script(_CLAIM)
+
+    async def register(
+        self, grain: GrainId, name: str, period_s: float, due_s: float | None = None
+    ) -> None:
+        if not period_s > 0:
+            raise errors.ConfigError(f"a reminder period must be > 0 s, got {period_s}")
+        if due_s is not None and due_s < 0:
+            raise errors.ConfigError(f"a reminder's due_s must be >= 0, got {due_s}")
+        period_ms = max(1, round(period_s * 1000))
+        row = json.dumps(
+            {"type": grain.type_name, "key": grain.key, "name": name, "period_ms": period_ms}
+        )
+        due_ms = period_ms if due_s is None else round(due_s * 1000)
+        k = self._keys
+        with redis_errors(f"register reminder {name!r} of {grain}"):
+            await self._register(
+                keys=[k.reminders, k.reminder_rows], args=[_id(grain, name), row, due_ms]
+            )
+
+    async def unregister(self, grain: GrainId, name: str) -> bool:
+        rid = _id(grain, name)
+        with redis_errors(f"unregister reminder {name!r} of {grain}"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.zrem(self._keys.reminders, rid)
+            pipe.hdel(self._keys.reminder_rows, rid)
+            removed = await pipe.execute()
+        return bool(removed[1])
+
+    async def list(self, grain: GrainId | None = None) -> list[Reminder]:
+        """Every reminder of the cluster, or of one grain."""
+        with redis_errors("list reminders"):
+            rows = await self._redis.hvals(self._keys.reminder_rows)
+        found = [_row(r) for r in rows]
+        return sorted(
+            (r for r in found if grain is None or r.grain == grain),
+            key=lambda r: (str(r.grain), r.name),
+        )
+
+    async def claim(self, batch: int) -> builtins.list[Reminder]:
+        """Take the due ticks (each is rescheduled one period on in the same script)."""
+        k = self._keys
+        with redis_errors("claim due reminders"):
+            rows = await self._claim(keys=[k.reminders, k.reminder_rows], args=[batch])
+        return [_row(r) for r in rows]
+
+
+def _row(raw: bytes | str) -> Reminder:
+    m = json.loads(raw)
+    return Reminder(GrainId(m["type"], m["key"]), m["name"], m["period_ms"] / 1000.0)
+
+
+Deliver = Callable[[GrainId, str], Awaitable[Any]]
+
+
+class ReminderService:
+    """One silo's share of reminders: registration for its grains and the poll-and-fire loop."""
+
+    def __init__(self, table: ReminderTable, settings: RemindersSettings, deliver: Deliver) -> None:
+        self.table = table
+        self._settings = settings
+        self._deliver = deliver
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._registered = self._claimed = self._delivered = self._failed = self._polls_failed = 0
+
+    async def register(
+        self, grain: GrainId, name: str, period_s: float, due_s: float | None = None
+    ) -> None:
+        await self.table.register(grain, name, period_s, due_s)
+        self._registered += 1
+
+    async def unregister(self, grain: GrainId, name: str) -> bool:
+        return await self.table.unregister(grain, name)
+
+    async def list(self, grain: GrainId | None = None) -> builtins.list[Reminder]:
+        return await self.table.list(grain)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        # A flag as well as cancel(): redis-py may turn a cancel that lands mid-command
+        # into a ConnectionError, which the loop would otherwise survive.
+        self._closed = True
+        tasks = [t for t in (self._task, *self._inflight) if t is not None]
+        self._task = None
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _poll_forever(self) -> None:
+        while not self._closed:
+            try:
+                await self.poll()
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                self._polls_failed += 1
+                log.warning("reminder poll failed: %s", exc)
+            await asyncio.sleep(self._settings.poll_interval_s)
+
+    async def poll(self) -> int:
+        """Claim what is due and start delivering it; returns how many ticks were claimed."""
+        room = self._settings.batch - len(self._inflight)
+        if room <= 0:
+            return 0  # deliveries are backed up: leave the rest to other silos
+        due = await self.table.claim(room)
+        self._claimed += len(due)
+        loop = asyncio.get_running_loop()
+        for r in due:
+            task = loop.create_task(self._fire(r))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return len(due)
+
+    async def _fire(self, r: Reminder) -> None:
+        try:
+            await self._deliver(r.grain, r.name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed tick must not stop the others
+            self._failed += 1
+            log.warning("reminder %r of %s failed: %r", r.name, r.grain, exc)
+        else:
+            self._delivered += 1
+
+    def statistics(self) -> ReminderStatistics:
+        return ReminderStatistics(
+            registered=self._registered,
+            claimed=self._claimed,
+            delivered=self._delivered,
+            failed=self._failed,
+            polls_failed=self._polls_failed,
+        )
+
+
+class RouterDelivery:
+    """Delivers a tick as a call through the silo's router: locate (activating if needed), send."""
+
+    def __init__(
+        self,
+        *,
+        router: Router,
+        manifests: Manifests,
+        dispatcher: Dispatcher,
+        transport: Transport,
+        timeout_s: float,
+    ) -> None:
+        self._router = router
+        self._manifests = manifests
+        self._dispatcher = dispatcher
+        self._transport = transport
+        self._timeout_s = timeout_s
+
+    async def __call__(self, grain: GrainId, name: str) -> Any:
+        info = await self._manifests.get(grain.type_name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        delay = 0.05
+        # Retried only while surely undelivered (connect refused, turned away), as the router does.
+        while True:
+            target = await self._router.locate(grain, info)
+            try:
+                if target == self._dispatcher.address:
+                    return await self._dispatcher.dispatch(
+                        grain, REMINDER_METHOD, (name,), None, deadline, (), 0
+                    )
+                try:
+                    conn = await self._transport.connect(target.endpoint)
+                except errors.SiloUnavailableError:
+                    if loop.time() + delay > deadline:
+                        raise
+                    self._router.forget_silo(target)
+                else:
+                    remaining = deadline - loop.time()
+                    return await self._router.send(
+                        conn, grain, REMINDER_METHOD, (name,), None, remaining, (), 0
+                    )
+            except errors.SiloNotServingError:
+                if loop.time() + delay > deadline:
+                    raise
+                self._router.forget(grain)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def reminder_turn(act: Activation, args: tuple[Any, ...]) -> Callable[[], Awaitable[None]]:
+    """The turn a ``__reminder__`` call runs: the grain's ``receive_reminder(name)``."""
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise errors.CodecError(f"a reminder delivery carries one name, got {args!r:.100}")
+    name = args[0]
+
+    async def receive_reminder() -> None:
+        await act.instance.receive_reminder(name)
+
+    return receive_reminder

@@ -1,0 +1,1 @@
+"""Chaos tests (issue 9)."""

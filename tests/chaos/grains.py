@@ -1,0 +1,185 @@
+"""Grains of the chaos soak: bank accounts, a saga transfer, an idempotent counter, a probe.
+
+Every activation appends to an activation log (a Redis stream) when it
+activates, after each state write Redis accepted, and when it deactivates.
+Each write entry carries the state's own write sequence number, so the soak
+can order accepted writes by the state itself rather than by when the log
+entry happened to arrive (a silo may be SIGSTOPped between the two).
+
+The silo process finds the log through two environment variables the soak
+sets: ``REDGRAIN_CHAOS_REDIS`` (URL) and ``REDGRAIN_CHAOS_LOG`` (stream key).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field
+
+from grains import Grain
+from silo.keys import Keys
+
+INITIAL_BALANCE = 1_000
+LOG_MAXLEN = 2_000_000
+
+
+def activation_log_key(cluster: str) -> str:
+    """The stream the soak's grains log activations and accepted writes to."""
+    return Keys(cluster).prefix + "test:activation-log"
+
+
+class _Log:
+    """A lazily opened Redis client; a failed append only loses that entry."""
+
+    client: Any = None
+    failures = 0
+
+    @classmethod
+    async def append(cls, grain: Grain, event: str, seq: int = -1) -> None:
+        url, key = os.environ.get("REDGRAIN_CHAOS_REDIS"), os.environ.get("REDGRAIN_CHAOS_LOG")
+        if not url or not key:
+            return
+        if cls.client is None:
+            cls.client = aioredis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        fields = {
+            "grain": str(grain.grain_id),
+            "act": grain.activation_id,
+            "silo": str(grain.silo),
+            "event": event,
+            "seq": seq,
+            "t": time.time(),
+        }
+        try:
+            await cls.client.xadd(key, fields, maxlen=LOG_MAXLEN, approximate=True)
+        except Exception:  # noqa: BLE001 - Redis down or restarting: the entry is lost, the call is not
+            cls.failures += 1
+
+
+class _Logged(Grain):
+    async def on_activate(self) -> None:
+        await _Log.append(self, "activate")
+
+    async def on_deactivate(self, reason: object) -> None:
+        await _Log.append(self, "deactivate")
+
+    async def _write(self) -> None:
+        self.state.seq += 1
+        try:
+            await self.write_state()
+        except BaseException:
+            self.state.seq -= 1
+            raise
+        await _Log.append(self, "write", self.state.seq)
+
+
+class ChaosAccount(_Logged):
+    class State(BaseModel):
+        seq: int = 0
+        balance: int = INITIAL_BALANCE
+        applied: dict[str, int] = Field(default_factory=dict)
+        """Transaction id -> signed amount applied (makes a re-run saga step harmless)."""
+
+    async def withdraw(self, tx: str, amount: int) -> bool:
+        if tx in self.state.applied:
+            return self.state.applied[tx] != 0
+        ok = self.state.balance >= amount
+        self.state.applied[tx] = -amount if ok else 0
+        if ok:
+            self.state.balance -= amount
+        try:
+            await self._write()
+        except BaseException:
+            await self._undo(tx, ok, amount)
+            raise
+        return ok
+
+    async def deposit(self, tx: str, amount: int) -> None:
+        if tx in self.state.applied:
+            return
+        self.state.applied[tx] = amount
+        self.state.balance += amount
+        try:
+            await self._write()
+        except BaseException:
+            del self.state.applied[tx]
+            self.state.balance -= amount
+            raise
+
+    async def _undo(self, tx: str, ok: bool, amount: int) -> None:
+        # The write was refused: memory must match what Redis holds.
+        del self.state.applied[tx]
+        if ok:
+            self.state.balance += amount
+
+    async def balance(self) -> int:
+        return self.state.balance
+
+    async def applied(self) -> dict[str, int]:
+        return dict(self.state.applied)
+
+
+class ChaosTransfer(_Logged):
+    """One transfer saga; ``run`` is safe to call again after any failure."""
+
+    class State(BaseModel):
+        seq: int = 0
+        source: str = ""
+        target: str = ""
+        amount: int = 0
+        stage: str = "new"  # new -> withdrawn | rejected -> done
+
+    async def run(self, source: str, target: str, amount: int) -> str:
+        s = self.state
+        if s.stage == "new":
+            ok = (
+                await self.get_grain(ChaosAccount, source)
+                .with_timeout(3)
+                .withdraw(self.key, amount)
+            )
+            s.source, s.target, s.amount = source, target, amount
+            s.stage = "withdrawn" if ok else "rejected"
+            try:
+                await self._write()
+            except BaseException:
+                s.stage = "new"
+                raise
+        if s.stage == "withdrawn":
+            await self.get_grain(ChaosAccount, s.target).with_timeout(3).deposit(self.key, s.amount)
+            s.stage = "done"
+            try:
+                await self._write()
+            except BaseException:
+                s.stage = "withdrawn"
+                raise
+        return s.stage
+
+
+class OpCounter(_Logged):
+    """A counter whose increments carry an operation id, applied at most once."""
+
+    class State(BaseModel):
+        seq: int = 0
+        ops: list[str] = Field(default_factory=list)
+
+    async def add(self, op: str) -> int:
+        if op not in self.state.ops:
+            self.state.ops.append(op)
+            try:
+                await self._write()
+            except BaseException:
+                self.state.ops.remove(op)
+                raise
+        return len(self.state.ops)
+
+    async def ops(self) -> list[str]:
+        return list(self.state.ops)
+
+
+class ChaosProbe(Grain):
+    """Answers only if its silo still serves (the soak sends it straight to a silo it suspects)."""
+
+    async def ping(self) -> str:
+        return str(self.silo)

@@ -1,0 +1,159 @@
+"""The failure detector's rules, on the in-memory table with a fake clock: nothing sleeps."""
+
+from __future__ import annotations
+
+from grains.ids import SiloAddress
+from silo.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
+from silo.keys import Keys
+from silo.membership import InMemoryMembershipTable, MemberRow, SiloLoad, SiloStatus
+from silo.settings import MembershipSettings
+
+SETTINGS = MembershipSettings(
+    heartbeat_s=1.0, suspect_after_s=3.0, probe_timeout_s=1.0, dead_after_s=4.0, probe_interval_s=0.25
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """n silos in one in-memory table; each has a detector; probes answer from a dict."""
+
+    def __init__(self, n: int) -> None:
+        self.table = InMemoryMembershipTable()
+        self.clock = Clock()
+        self.silos = [SiloAddress("127.0.0.1", 7000 + i, 1) for i in range(n)]
+        self.answers: dict[SiloAddress, ProbeResult] = {s: ProbeResult.OK for s in self.silos}
+        self.self_dead: list[SiloAddress] = []
+        self.detectors: dict[SiloAddress, FailureDetector] = {}
+        for s in self.silos:
+            self.table.rows[str(s)] = MemberRow(
+                address=str(s), host=s.host, port=s.port, generation=1,
+                status=SiloStatus.ACTIVE, heartbeat=self.clock.now,
+            )  # fmt: skip
+            self.detectors[s] = FailureDetector(
+                table=self.table,
+                me=s,
+                settings=SETTINGS,
+                probe=self._probe,
+                on_self_dead=lambda s=s: self.self_dead.append(s),
+                clock=self.clock,
+            )
+
+    async def _probe(self, silo: SiloAddress, timeout_s: float) -> ProbeResult:
+        return self.answers[silo]
+
+    async def beat(self, *silos: SiloAddress) -> None:
+        for s in silos:
+            await self.table.heartbeat(str(s), self.clock.now, SiloLoad())
+
+    async def round(self, *, advance: float = 0.5, beating: tuple[SiloAddress, ...] = ()) -> None:
+        """Advance the clock, let the ``beating`` silos heartbeat, run every live detector once."""
+        self.clock.now += advance
+        await self.beat(*beating)
+        for s, d in self.detectors.items():
+            if self.status(s) is not SiloStatus.DEAD:
+                await d.check_once()
+                await d.wait_probes()
+
+    def status(self, s: SiloAddress) -> SiloStatus:
+        return self.table.rows[str(s)].status
+
+
+async def test_hung_silo_is_declared_dead_after_dead_after_s_not_before() -> None:
+    w = World(3)
+    a, b, hung = w.silos
+    w.answers[hung] = ProbeResult.TIMEOUT
+    await w.round(advance=0.0)  # detectors first see every heartbeat
+    elapsed = 0.0
+    while w.status(hung) is SiloStatus.ACTIVE:
+        await w.round(beating=(a, b))
+        elapsed += 0.5
+        assert elapsed <= SETTINGS.dead_after_s + 1.0, "hung silo not declared dead in time"
+    assert elapsed >= SETTINGS.dead_after_s
+    assert w.status(a) is w.status(b) is SiloStatus.ACTIVE
+    assert sum(d.declared for d in w.detectors.values()) == 1
+
+
+async def test_busy_silo_whose_loop_does_not_answer_but_heartbeats_is_never_suspected() -> None:
+    w = World(3)
+    busy = w.silos[2]
+    w.answers[busy] = ProbeResult.TIMEOUT  # a 30 s step holds its event loop
+    for _ in range(40):  # 20 s
+        await w.round(beating=tuple(w.silos))
+    assert w.status(busy) is SiloStatus.ACTIVE
+    assert all(not d.statistics().suspected for d in w.detectors.values())
+
+
+async def test_refused_connection_votes_at_once_and_two_peers_declare_death() -> None:
+    w = World(3)
+    a, b, killed = w.silos
+    await w.round(advance=0.0)
+    w.answers[killed] = ProbeResult.REFUSED
+    w.clock.now += 0.25
+    await w.detectors[a].check_once()
+    await w.detectors[a].wait_probes()
+    assert w.status(killed) is SiloStatus.ACTIVE, "one vote of three silos is not enough"
+    w.clock.now += 0.25
+    await w.detectors[b].check_once()
+    await w.detectors[b].wait_probes()
+    assert w.status(killed) is SiloStatus.DEAD
+    assert w.clock.now - 1000.0 < 1.0
+
+
+async def test_last_survivor_of_two_declares_alone() -> None:
+    w = World(2)
+    a, killed = w.silos
+    await w.round(advance=0.0)
+    w.answers[killed] = ProbeResult.REFUSED
+    await w.round(advance=0.25, beating=(a,))
+    assert w.status(killed) is SiloStatus.DEAD
+
+
+async def test_vote_is_void_once_the_heartbeat_moves() -> None:
+    w = World(3)
+    a, b, flaky = w.silos
+    await w.round(advance=0.0)
+    w.answers[flaky] = ProbeResult.REFUSED
+    w.clock.now += 0.25
+    await w.detectors[a].check_once()
+    await w.detectors[a].wait_probes()
+    # It was alive after all: it heartbeats before the second vote.
+    w.answers[flaky] = ProbeResult.OK
+    w.clock.now += 1.0
+    await w.beat(flaky)
+    await w.detectors[b].check_once()
+    await w.detectors[b].wait_probes()
+    outcome = await w.table.vote_dead(str(flaky), str(b), w.table.rows[str(flaky)].heartbeat, 2)
+    assert outcome.result == "voted" and outcome.votes == 1  # a's old vote no longer counts
+    assert w.status(flaky) is SiloStatus.ACTIVE
+
+
+async def test_silo_that_reads_itself_dead_stops() -> None:
+    w = World(2)
+    a, _ = w.silos
+    await w.table.set_status(str(a), SiloStatus.DEAD)
+    await w.detectors[a].check_once()
+    assert w.self_dead == [a]
+
+
+async def test_heartbeat_thread_fences_when_liveness_is_unconfirmed() -> None:
+    import asyncio
+
+    mono = Clock()
+    hb = HeartbeatThread(
+        redis_url="redis://unused", keys=Keys("t"), address="x", settings=SETTINGS,
+        load=SiloLoad, on_dead=lambda: None, loop=asyncio.get_running_loop(), monotonic=mono,
+    )  # fmt: skip
+    assert not hb.fenced()
+    mono.now += SETTINGS.dead_after_s - 0.1
+    assert not hb.fenced()
+    mono.now += 0.2  # e.g. resumed after SIGSTOP: peers may have declared us dead
+    assert hb.fenced()
+    hb.last_confirmed = mono.now
+    assert not hb.fenced()

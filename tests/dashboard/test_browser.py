@@ -1,0 +1,173 @@
+"""The dashboard page in a real headless Chromium (Debian's package, driven by Playwright).
+
+The training job here is synthetic: the training grains are written in
+parallel, so the test publishes a JobProgress record and per-step history
+with ``publish_job_progress``, exactly as the coordinator will.
+Screenshots land in test-artifacts/ for a person to look at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from dashboard.server import DashboardThread
+from silo.client import ClusterClient
+from silo.embedded import RedisServer
+from silo.stats import CheckpointInfo, JobPoint, JobProgress, Placement, publish_job_progress
+from tests.helpers import REPO, free_port
+from tests.sample_grains import Counter, Echo
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) -> None:
+    addresses = [str(s.address) for s in silos]
+    base = JobProgress(
+        job=job,
+        mode="ssp",
+        total_steps=200,
+        trainers=[Placement(key=f"{job}/trainer-{i}", silo=addresses[i % 2]) for i in range(4)],
+        shards=[Placement(key=f"{job}/shard-{i}", silo=addresses[(i + 1) % 2]) for i in range(2)],
+    )
+    now = time.time() - steps
+    for step in range(1, steps + 1):
+        progress = base.model_copy(
+            update={
+                "step": step,
+                "epoch": step // 20,
+                "loss": 2.3 * math.exp(-step / 25) + 0.08,
+                "accuracy": 1 - 0.9 * math.exp(-step / 20),
+                "samples_per_s": 5000 + 300 * math.sin(step / 5),
+                "bytes_per_step": 1_200_000,
+                "staleness": 0.8,
+                "checkpoints": [
+                    CheckpointInfo(snapshot=f"snap-{s}", step=s, at=now + s)
+                    for s in range(25, step + 1, 25)
+                ],
+                "updated_at": now + step,
+            }
+        )
+        await publish_job_progress(redis, keys, progress)
+    # One more point published with an explicit JobPoint, as a coordinator may.
+    await publish_job_progress(
+        redis, keys, progress, point=JobPoint(step=steps + 1, loss=0.1, at=now + steps + 1)
+    )
+
+
+async def test_pages_render_live_figures_and_curves(
+    cluster, client: ClusterClient, redis_url: str, cluster_name: str
+) -> None:
+    from playwright.async_api import async_playwright
+
+    if not CHROMIUM.exists():
+        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
+    silos = await cluster(2, stats_interval_s=0.2)
+    await asyncio.gather(*(client.get_grain(Echo, f"e{i % 20}").echo(i) for i in range(300)))
+    await asyncio.gather(*(client.get_grain(Counter, f"c{i % 5}").add(1) for i in range(50)))
+    await publish_synthetic_job(silos, silos[0].redis, silos[0].keys, "digits-1", steps=60)
+    for silo in silos:
+        await silo.stats_publisher.publish()  # the figures below are in Redis now
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = await browser.new_page(viewport={"width": 1360, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+            await page.goto(board.url + "/#/overview")
+            await page.wait_for_function(
+                "document.querySelector('[data-testid=calls-total]')?.textContent === '350'"
+            )
+            assert await page.text_content("[data-testid=silos-live]") == "2"
+            assert "Redis OK" in (await page.text_content("#conn-text") or "")
+            await page.wait_for_selector(
+                "[data-testid=overview-chart][data-points]:not([data-points='0'])"
+            )
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-overview.png"), full_page=True)
+
+            await page.goto(board.url + "/#/silos")
+            await page.wait_for_selector("[data-testid=silo-table]")
+            rows = await page.locator("[data-testid=silo-table] tbody tr").evaluate_all(
+                "rows => rows.map(r => r.dataset.silo)"
+            )
+            assert sorted(rows) == sorted(str(s.address) for s in silos)
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-silos.png"), full_page=True)
+
+            await page.goto(board.url + f"/#/silos/{silos[0].address}")
+            await page.wait_for_selector("[data-testid=cpu-chart]:not([data-points='0'])")
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-silo.png"), full_page=True)
+
+            await page.goto(board.url + "/#/methods")
+            await page.wait_for_selector("[data-method='Echo.echo']")
+            assert await page.text_content("[data-method='Echo.echo'] [data-col=calls]") == "300"
+            assert await page.text_content("[data-method='Counter.add'] [data-col=calls]") == "50"
+            await page.click("th[data-sort=method]")  # sorts by name: add before echo
+            await page.wait_for_function(
+                "document.querySelector('[data-testid=methods-table] tbody tr')?.dataset.method === 'Counter.add'"
+            )
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-methods.png"), full_page=True)
+
+            await page.goto(board.url + "/#/grains")
+            await page.wait_for_selector("[data-testid=grains-by-type]")
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-grains.png"), full_page=True)
+            await page.goto(board.url + "/#/grains/Counter/c1")
+            await page.wait_for_selector("[data-testid=grain-state]")
+            assert "10" in (await page.text_content("[data-testid=grain-state]") or "")
+
+            await page.goto(board.url + "/#/training/digits-1")
+            loss = page.locator("[data-testid=loss-curve] path.series")
+            await loss.wait_for()
+            assert int(await loss.get_attribute("data-points") or 0) == 61
+            assert await page.text_content("[data-testid=job-step]") == "60 / 200"
+            assert await page.locator("[data-testid=trainers] tbody tr").count() == 4
+            assert await page.locator("[data-testid=checkpoints] tbody tr").count() == 2
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-training.png"), full_page=True)
+
+            await page.goto(board.url + "/#/events")
+            await page.wait_for_selector("[data-testid=events-table] .pill.join")
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-events.png"), full_page=True)
+            await browser.close()
+            assert errors == []
+    finally:
+        board.stop()
+
+
+async def test_page_says_no_silos_then_redis_unreachable_then_recovers(fresh_redis: RedisServer) -> None:
+    from playwright.async_api import async_playwright
+
+    board = DashboardThread(fresh_redis.url, "empty", port=free_port()).start()
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = await browser.new_page(viewport={"width": 1360, "height": 700})
+            await page.goto(board.url + "/#/overview")
+            notice = page.locator("[data-testid=overview-message]")
+            await notice.wait_for()
+            assert "No silos have joined" in (await notice.text_content() or "")
+            banner = page.locator("#banner")
+            assert await banner.is_hidden()
+
+            fresh_redis.kill()
+            await banner.wait_for(state="visible")
+            assert "Redis unreachable" in (await banner.text_content() or "")
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-redis-down.png"))
+
+            fresh_redis.start()
+            await banner.wait_for(state="hidden")
+            assert "Redis OK" in (await page.text_content("#conn-text") or "")
+            await browser.close()
+    finally:
+        board.stop()

@@ -1,0 +1,1 @@
+"""Fuzz tests (issue 9)."""

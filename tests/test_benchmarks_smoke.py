@@ -1,0 +1,46 @@
+"""Every ``benchmarks/bench_*.py`` runs in its tiny ``--quick`` mode and writes its JSON.
+
+Numbers from --quick runs mean nothing; this only proves the suite still runs.
+Ray columns run when ``ray`` is installed and are skipped, saying so, when not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.stem.removeprefix("bench_") for p in (REPO / "benchmarks").glob("bench_*.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", BENCHES)
+def test_benchmark_runs_in_quick_mode_and_writes_its_json(name: str) -> None:
+    result = REPO / "benchmarks" / "results" / f"{name}.json"
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", name, "--quick"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert result.exists() and result.stat().st_mtime >= started - 1, f"{name} did not write {result}"
+    data = json.loads(result.read_text())
+    assert data.get("quick") is True or "quick" not in data
+    if name == "calls":
+        ray_installed = importlib.util.find_spec("ray") is not None
+        if ray_installed:
+            assert data["ray"], data.get("ray_note")
+        else:
+            assert "Ray columns skipped" in proc.stdout and data["ray"] is None

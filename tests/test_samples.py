@@ -1,0 +1,49 @@
+"""Every sample runs end to end as a user would run it (own Redis, own silo processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_sample(name: str, *args: str, timeout: float = 120) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "samples" / name), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_hello_sample_greets_from_a_silo() -> None:
+    out = run_sample("hello.py")
+    assert "Hello world, from greeter 'alice'" in out
+    assert "Hello again, from greeter 'alice'" in out and "(greeting #2)" in out
+
+
+def test_chat_room_sample_fans_out_to_every_member() -> None:
+    out = run_sample("chat_room.py")
+    assert "each message went to 3 members" in out
+    assert "[lobby] ada: hello everyone" in out and "[lobby] grace: hi ada" in out
+
+
+@pytest.mark.slow
+def test_counter_sample_state_comes_back_after_its_silo_is_killed() -> None:
+    out = run_sample("counter.py")
+    assert "counter = 5" in out
+    assert "counter = 6" in out and "state came back with the grain" in out
+
+
+@pytest.mark.slow
+def test_bank_sample_total_balance_unchanged_under_silo_kills() -> None:
+    out = run_sample("bank.py", "--accounts", "8", "--transfers", "120", "--kills", "2", timeout=240)
+    assert "SIGKILL silo" in out
+    assert "total balance 8000 (expected 8000)" in out

@@ -1,0 +1,29 @@
+"""Helpers for training tests: run a job to its end on a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
+
+GRAINS = ("grains.training",)
+
+
+async def run_job(client: Any, job_id: str, spec: TrainingJob, timeout_s: float = 60.0) -> TrainingStatus:
+    """Start a job and wait for a terminal status (polls: the job runs in other tasks/processes)."""
+    coord = client.get_grain(CoordinatorGrain, job_id)
+    await coord.start(spec)
+    return await wait_done(coord, timeout_s)
+
+
+async def wait_done(coord: Any, timeout_s: float = 60.0) -> TrainingStatus:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        st: TrainingStatus = await coord.status()
+        if st.status in ("completed", "failed", "cancelled"):
+            return st
+        if loop.time() > deadline:
+            raise TimeoutError(f"job not done after {timeout_s}s: {st}")
+        await asyncio.sleep(0.1)

@@ -1,0 +1,107 @@
+"""SIGKILL a trainer's, a shard's or the coordinator's silo mid-run: the job still finishes, as well.
+
+Real silo processes (3), fast failure detection. Sync mode is deterministic
+given its batches, so the undisturbed result is a plain torch loop; a run that
+restarts a trainer slot or rolls back to a checkpoint must land within a
+point of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
+from grains.training.cluster import key_on
+from grains.training.datasets import load_dataset
+from grains.training.models import build_model
+from silo import errors
+from tests.training.test_sync import reference_parameters
+
+pytestmark = pytest.mark.slow
+
+SPEC = dict(mode="sync", steps=600, batch_size=32, optimizer="momentum", lr=0.05, checkpoint_every=50)
+
+
+def reference_accuracy(spec: TrainingJob, trainers: int) -> float:
+    params = reference_parameters(spec, trainers=trainers, steps=spec.steps or 0)
+    model = build_model(spec)
+    model.load_state_dict(params)
+    x, y = load_dataset(spec, "test").tensors  # type: ignore[attr-defined]
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+async def status_when(coord: Any, pred: Any, timeout_s: float = 90.0) -> TrainingStatus:
+    """Poll the coordinator (another process) until ``pred(status)``; its silo may be down a while."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            st: TrainingStatus = await coord.with_timeout(5.0).status()
+            if pred(st):
+                return st
+            assert st.status not in ("failed", "cancelled"), st
+        except errors.RedgrainError:
+            pass  # the coordinator's silo is being declared dead; it comes back elsewhere
+        if loop.time() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.1)
+
+
+def process_of(procs: list[Any], silo: str) -> Any:
+    return next(p for p in procs if str(p.address) == silo)
+
+
+async def run_and_kill(
+    client: Any, procs: list[Any], victim: str, *, trainers: int, shards: int, coordinator_on: int
+) -> None:
+    """Start a job with the coordinator on the ``coordinator_on``-th live silo, kill the silo that
+    hosts only the ``victim`` mid-run, and check the job completes as well as undisturbed."""
+    alive = {str(p.address) for p in procs if p.alive()}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:  # the previous victim must be out of the membership view before we place
+        await client.refresh()
+        rows = sorted((r for r in client.view.hosting("CoordinatorGrain")), key=lambda r: r.address)
+        if {r.address for r in rows} == alive:
+            break
+        assert loop.time() < deadline, (rows, alive)
+        await asyncio.sleep(0.1)
+    job = key_on("CoordinatorGrain", f"kill-{victim}", rows[coordinator_on].silo, rows)
+    spec = TrainingJob(**SPEC, trainers=trainers, shards=shards)
+    coord = client.get_grain(CoordinatorGrain, job)
+    await coord.start(spec)
+    st = await status_when(coord, lambda s: s.status == "running" and s.checkpoints and s.step >= 120)
+    assert st.step < 500, "the job ran too fast to be killed mid-run"
+    busy = {"trainer": set(st.trainer_silos), "shard": set(st.shard_silos), "coordinator": {st.coordinator_silo}}
+    alone = busy[victim] - set().union(*(v for k, v in busy.items() if k != victim))
+    assert alone, f"no silo hosts only a {victim}: {busy}"
+    process_of(procs, sorted(alone)[0]).kill()
+
+    final = await status_when(coord, lambda s: s.status == "completed")
+    want = reference_accuracy(spec, trainers)
+    assert final.step == spec.steps
+    assert final.accuracy is not None and abs(final.accuracy - want) <= 0.01, (victim, final.accuracy, want)
+    if victim == "trainer":
+        assert final.restarts >= 1 and final.rollbacks == 0, final
+    elif victim == "shard":
+        assert final.rollbacks >= 1, final
+
+
+async def test_jobs_survive_sigkill_of_a_coordinator_a_trainer_and_a_shard_silo(silo_processes, client):
+    # One cluster of four silos, one job per victim, one silo fewer each time. Trainers go to
+    # the first silos by address, shard i to silo i+1, and the coordinator where we steer it,
+    # so each victim's silo hosts nothing else.
+    print("T", time.monotonic(), flush=True)
+    procs = silo_processes(4, grains="grains.training")
+    print("T", time.monotonic(), flush=True)
+    await run_and_kill(client, procs, "coordinator", trainers=2, shards=1, coordinator_on=3)
+    print("T", time.monotonic(), flush=True)
+    await run_and_kill(client, procs, "trainer", trainers=2, shards=2, coordinator_on=2)
+    print("T", time.monotonic(), flush=True)
+    await run_and_kill(client, procs, "shard", trainers=1, shards=1, coordinator_on=0)
