@@ -101,6 +101,7 @@ pages.overview = async () => {
   }
   const statuses = Object.entries(o.silos).filter(([, n]) => n).map(([s, n]) => `${n} ${s}`).join(", ");
   let html = `<h1>Overview</h1><div class="sub">Cluster <b>${esc(o.cluster)}</b> · updated ${clock(o.at)}</div>`;
+  if (!o.redis.ok) return html + `<div class="notice" data-testid="redis-down">Nothing to show while Redis is unreachable.</div>`;
   if (o.message) html += `<div class="notice" data-testid="overview-message">${esc(o.message)}</div>`;
   html += `<div class="cards">` +
     card("Silos live", num(o.silos_live), esc(statuses || "none"), "silos-live") +

@@ -27,7 +27,7 @@ from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
 from silo.stats import JobProgress, Placement, publish_job_progress
 from silo.storage import RedisStateStore
-from tests.dashboard.conftest import ADMIN_TOKEN
+from tests.dashboard.conftest import ADMIN_TOKEN, CALM
 from tests.sample_grains import Counter, Echo
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -49,7 +49,7 @@ async def until(
 async def test_after_1000_calls_the_dashboard_reports_1000(
     cluster, client: ClusterClient, api: TestClient
 ) -> None:
-    await cluster(2, stats_interval_s=0.1)
+    await cluster(2, stats_interval_s=0.1, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, f"k{i % 40}").echo(i) for i in range(1000)))
     # No forced publish: the publishers' own once-an-interval records must carry it.
     body = await until(api, "/api/methods", lambda b: any(r["calls"] == 1000 for r in b["rows"]))
@@ -66,7 +66,7 @@ async def test_after_1000_calls_the_dashboard_reports_1000(
 async def test_every_endpoint_returns_its_documented_model(
     cluster, client: ClusterClient, api: TestClient, redis_url: str, cluster_name: str
 ) -> None:
-    silos = await cluster(2, stats_interval_s=0.2)
+    silos = await cluster(2, stats_interval_s=0.2, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, f"e{i % 10}").echo(i) for i in range(200)))
     await asyncio.gather(*(client.get_grain(Counter, f"c{i % 4}").add(2) for i in range(40)))
     for i in range(10):
@@ -148,7 +148,7 @@ async def test_every_endpoint_returns_its_documented_model(
 async def test_methods_sort_by_each_columns_own_value(
     cluster, client: ClusterClient, api: TestClient
 ) -> None:
-    silos = await cluster(1)
+    silos = await cluster(1, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, "a").echo(i) for i in range(30)))  # many, fast
     for _ in range(3):
         await client.get_grain(Echo, "a").sleep(0.03)  # few, slow
@@ -195,7 +195,7 @@ async def test_redis_down_is_reported_and_recovers(fresh_redis: RedisServer) -> 
 async def test_admin_actions_need_the_token_on_every_request(
     cluster, api: TestClient, redis_url: str, cluster_name: str
 ) -> None:
-    (silo,) = await cluster(1)
+    (silo,) = await cluster(1, membership=CALM)
     keys = Keys(cluster_name)
     await publish_job_progress(silo.redis, keys, JobProgress(job="j2", step=1))
     drain = f"/api/silos/{silo.address}/drain"
@@ -232,7 +232,7 @@ async def test_admin_actions_need_the_token_on_every_request(
 async def test_metrics_parse_as_prometheus_text(
     cluster, client: ClusterClient, api: TestClient
 ) -> None:
-    silos = await cluster(2)
+    silos = await cluster(2, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, f"m{i % 8}").echo(i) for i in range(120)))
     for silo in silos:
         await silo.stats_publisher.publish()

@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
+@pytest.mark.slow
 def test_dashboard_benchmark_quick_mode_prints_the_ratio() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks", "dashboard", "--quick"],

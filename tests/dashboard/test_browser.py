@@ -19,6 +19,7 @@ from dashboard.server import DashboardThread
 from silo.client import ClusterClient
 from silo.embedded import RedisServer
 from silo.stats import CheckpointInfo, JobPoint, JobProgress, Placement, publish_job_progress
+from tests.dashboard.conftest import CALM
 from tests.helpers import REPO, free_port
 from tests.sample_grains import Counter, Echo
 
@@ -71,7 +72,7 @@ async def test_pages_render_live_figures_and_curves(
 
     if not CHROMIUM.exists():
         pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
-    silos = await cluster(2, stats_interval_s=0.2)
+    silos = await cluster(2, stats_interval_s=0.2, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, f"e{i % 20}").echo(i) for i in range(300)))
     await asyncio.gather(*(client.get_grain(Counter, f"c{i % 5}").add(1) for i in range(50)))
     await publish_synthetic_job(silos, silos[0].redis, silos[0].keys, "digits-1", steps=60)
@@ -145,7 +146,9 @@ async def test_pages_render_live_figures_and_curves(
         board.stop()
 
 
-async def test_page_says_no_silos_then_redis_unreachable_then_recovers(fresh_redis: RedisServer) -> None:
+async def test_page_says_no_silos_then_redis_unreachable_then_recovers(
+    fresh_redis: RedisServer,
+) -> None:
     from playwright.async_api import async_playwright
 
     board = DashboardThread(fresh_redis.url, "empty", port=free_port()).start()
