@@ -127,6 +127,20 @@ class HeartbeatThread:
         """True when peers may already have declared us dead: serve nothing."""
         return self.dead or self._monotonic() - self.last_confirmed > self._settings.dead_after_s
 
+    async def confirm(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) for a heartbeat Redis accepts; False if none or we are dead.
+
+        An overloaded silo's heartbeat thread may be late; a zombie's never
+        comes back (Redis answers Dead). Polled: the thread has no loop to signal.
+        """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, timeout_s)
+        while self.fenced():
+            if self.dead or loop.time() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     def _run(self) -> None:
         timeout = max(1.0, self._settings.dead_after_s)
         client = redis.Redis.from_url(self._url, socket_timeout=timeout, socket_connect_timeout=timeout)

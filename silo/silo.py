@@ -215,6 +215,7 @@ class Silo:
             clock=self._clock,
         )
         self.dispatcher.fenced = self.heartbeat.fenced
+        self.dispatcher.confirm_alive = self.heartbeat.confirm
         self.detector = FailureDetector(
             table=self.table,
             me=self.address,
@@ -347,15 +348,19 @@ class Silo:
         loop.call_later(5.0, self.stopped.set)
 
     async def _finish_dead(self) -> None:
-        await self.reminders.stop()
-        await self._stop_cluster_services()
-        await self.catalog.stop()
-        await self.watchdog.stop()
-        await self.dispatcher.close()
-        await self.view.stop()
-        self.runtime.shutdown()
-        await self.redis.aclose()
-        self.stopped.set()
+        try:
+            await self.reminders.stop()
+            await self._stop_cluster_services()
+            await self.catalog.stop()
+            await self.watchdog.stop()
+            await self.dispatcher.close()
+            await self.view.stop()
+            self.runtime.shutdown()
+            await self.redis.aclose()
+        except Exception:
+            log.exception("cleanup after being declared dead failed")
+        finally:
+            self.stopped.set()
 
     async def __aenter__(self) -> Silo:
         return await self.start()

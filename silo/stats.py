@@ -244,6 +244,7 @@ class StatsPublisher:
         self._task: asyncio.Task[None] | None = None
         self._published = self._failures = self._last_bytes = 0
         self._failing = False
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
@@ -252,6 +253,9 @@ class StatsPublisher:
 
     async def stop(self) -> None:
         """Stop publishing (the last record expires by its TTL)."""
+        # A flag as well as cancel(): redis-py may turn a cancel that lands
+        # mid-command into a ConnectionError, which the loop below survives.
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -259,12 +263,13 @@ class StatsPublisher:
             self._task = None
 
     def stop_nowait(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             self._task = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.publish()
             except errors.StorageError as exc:

@@ -74,20 +74,20 @@ class DoubleActivationChecker:
         while not stop.is_set():
             started = time.monotonic()
             cats = {s: await _activations(self.client, s) for s in self.silos}
-            if started <= self.kill_at <= time.monotonic():
-                continue  # catalogs read on both sides of the kill: not one snapshot
+            found: list[str] = []
             where: dict[str, list[SiloAddress]] = defaultdict(list)
             for s, cat in cats.items():
                 for g in cat or {}:
                     where[g].append(s)
-            for g, ss in where.items():
-                if len(ss) > 1:
-                    self.problems.append(f"{g} active on {ss}")
+            found += [f"{g} active on {ss}" for g, ss in where.items() if len(ss) > 1]
             for s, cat in cats.items():
                 for g, act in (cat or {}).items():
                     entry = await self.client.directory.lookup(GrainId.parse(g))
                     if entry is None or entry.silo != s or entry.activation_id != act:
-                        self.problems.append(f"{g} on {s} ({act}) but directory says {entry}")
+                        found.append(f"{g} on {s} ({act}) but directory says {entry}")
+            if started <= self.kill_at <= time.monotonic():
+                continue  # reads on both sides of the kill are not one snapshot
+            self.problems += found
             self.rounds += 1
             await asyncio.sleep(0.05)
 
@@ -149,8 +149,8 @@ async def test_kill_9_one_of_three_silos_under_load_fails_over_without_double_ac
         f"({sorted({f[3] for f in rec.failed})}), slowest call {rec.slowest_s:.3f}s, "
         f"{checker.rounds} consistency rounds"
     )
-    assert not checker.problems, checker.problems[:5]
-    assert checker.rounds >= 4
+    assert not checker.problems, (str(victim.address), checker.problems[:5])
+    assert checker.rounds >= 3
     # Only calls in flight on the killed silo may fail, with the documented error, promptly.
     for t0, t1, key, err in rec.failed:
         assert err == "SiloUnavailableError", (key, err)
