@@ -80,6 +80,8 @@ async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
         shards=2,
         steps=args.steps,
         batch_size=64,
+        optimizer="adam",
+        lr=0.01,
         mode="sync",
         checkpoint_every=max(10, args.steps // 10),
         eval_every=max(10, args.steps // 10),
@@ -91,7 +93,7 @@ async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
         coord = client.get_grain(CoordinatorGrain, job_id)
         console.print(
             f"training job [bold]{job_id}[/bold]: MLP on 8×8 digits, {spec.trainers} trainers, "
-            f"{spec.shards} parameter shards, {spec.mode} mode, {spec.steps} steps"
+            f"{spec.shards} parameter shards, {spec.mode} mode, Adam, {spec.steps} steps"
         )
         status = await coord.start(spec)
         killed: str | None = None
