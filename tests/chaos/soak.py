@@ -116,6 +116,11 @@ class Soak:
             TransportSettings(connect_timeout_s=1.0), Codec(TypeRegistry())
         )
 
+    def note(self, text: str) -> None:
+        """A progress line in workdir/soak.log (what a hung or failed run was doing)."""
+        with open(self.workdir / "soak.log", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
     # --- setup ---------------------------------------------------------------
     def _new_proc(self) -> SiloProcess:
         env = {
@@ -140,13 +145,18 @@ class Soak:
                 asyncio.create_task(self._increments(w)) for w in range(self.cfg.counter_workers)
             ]
             chaos_start = time.monotonic()
+            self.note("chaos")
             await self._chaos(chaos_start + self.cfg.chaos_s)
+            self.note("stopping workers")
             self.stop.set()
             await asyncio.gather(*workers)
             self.report.chaos_s = round(time.monotonic() - chaos_start, 1)
+            self.note("healing")
             await self._heal()
             await self._finish_transfers()
+            self.note("checking invariants")
             await self.check_invariants()
+            self.note("done")
         finally:
             await self.client.close()
             await self.probe_transport.close()
@@ -162,9 +172,15 @@ class Soak:
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T | BaseException:
         self.report.calls += 1
         t0 = time.monotonic()
+        hung_after = self.cfg.call_timeout_s + self.cfg.slack_s + 10.0
         try:
-            result: T | BaseException = await fn()
+            # Our own bound: a call the runtime never answers is a violation, not a hung soak.
+            result: T | BaseException = await asyncio.wait_for(fn(), hung_after)
             self.report.calls_ok += 1
+        except TimeoutError as exc:
+            self.errors["never answered"] += 1
+            self.report.violations.append(f"{what}: no answer at all within {hung_after:.0f}s")
+            result = exc
         except DOCUMENTED as exc:
             self.errors[type(exc).__name__] += 1
             result = exc
@@ -250,11 +266,13 @@ class Soak:
             kind = plan.pop()
             if kind == "redis":
                 if redis_busy:
+                    plan.insert(0, kind)  # later, not never
                     continue
                 redis_busy = True
                 task = asyncio.create_task(on_redis())
             else:
                 if len(free) <= 2:
+                    plan.insert(0, kind)
                     continue
                 i = self.rng.choice(free)
                 busy.add(i)
@@ -264,6 +282,7 @@ class Soak:
                     "pause-long": self._pause_long,
                 }[kind]
                 task = asyncio.create_task(on_silo(fault, i))
+            self.note(f"fault {kind} (silos under a fault: {sorted(busy)})")
             faults.add(task)
             task.add_done_callback(faults.discard)
         await asyncio.gather(*faults)
@@ -275,9 +294,9 @@ class Soak:
         await self._start(victim)
 
     async def _start(self, proc: SiloProcess) -> None:
-        for _ in range(20):
+        for _ in range(4):
             try:
-                await asyncio.to_thread(proc.start, 60.0)
+                await asyncio.to_thread(proc.start, 45.0)
                 self.report.silo_restarts += 1
                 return
             except (RuntimeError, TimeoutError):
@@ -360,8 +379,10 @@ class Soak:
         deadline = time.monotonic() + budget_s
         while True:
             try:
-                return await fn()
-            except DOCUMENTED:
+                return await asyncio.wait_for(
+                    fn(), self.cfg.call_timeout_s + self.cfg.slack_s + 10.0
+                )
+            except (*DOCUMENTED, TimeoutError):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
@@ -369,16 +390,22 @@ class Soak:
     async def _finish_transfers(self) -> None:
         assert self.client is not None
         client = self.client
-        for tx, args in list(self.pending_transfers.items()):
+        self.note(f"finishing {len(self.pending_transfers)} transfers")
+        limit = asyncio.Semaphore(8)
+
+        async def finish(tx: str, args: tuple[str, str, int]) -> None:
             ref = client.get_grain(ChaosTransfer, tx).with_timeout(self.cfg.call_timeout_s)
-            try:
-                self.transfer_outcome[tx] = await self._retry(
-                    f"finish {tx}", lambda ref=ref, args=args: ref.run(*args)
-                )
-            except DOCUMENTED as exc:
-                self.report.violations.append(
-                    f"transfer {tx} could not be completed after the chaos: {exc!r:.200}"
-                )
+            async with limit:
+                try:
+                    self.transfer_outcome[tx] = await self._retry(
+                        f"finish {tx}", lambda: ref.run(*args)
+                    )
+                except (*DOCUMENTED, TimeoutError) as exc:
+                    self.report.violations.append(
+                        f"transfer {tx} could not be completed after the chaos: {exc!r:.200}"
+                    )
+
+        await asyncio.gather(*(finish(tx, a) for tx, a in list(self.pending_transfers.items())))
         outcomes = Tally(self.transfer_outcome.values())
         self.report.transfers_done = outcomes["done"]
         self.report.transfers_rejected = outcomes["rejected"]

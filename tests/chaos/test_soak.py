@@ -33,8 +33,10 @@ async def _soak(cfg: SoakConfig, cluster_name: str, tmp_path: Path) -> None:
     assert report.violations == [], "\n".join(report.violations[:30])
 
 
+# Three processes start and restart: slow on a loaded 2-core CI box.
+@pytest.mark.timeout(240)
 async def test_short_soak_keeps_every_invariant(cluster_name: str, tmp_path: Path) -> None:
-    await _soak(SoakConfig(silos=3, chaos_s=18.0, seed=11), cluster_name, tmp_path)
+    await _soak(SoakConfig(silos=3, chaos_s=15.0, seed=11), cluster_name, tmp_path)
 
 
 @pytest.mark.soak

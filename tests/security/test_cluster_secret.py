@@ -103,11 +103,6 @@ async def test_silo_without_the_secret_cannot_call_into_a_cluster_that_has_one(
         await c.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transport.Connection._on_handshake accepts a HELLO without a nonce even when this side has a "
-    "secret (a peer without the secret is trusted); remove this marker once it fails with AuthenticationError",
-)
 async def test_silos_with_the_secret_refuse_to_call_a_silo_without_it(
     cluster: ClusterFactory, redis_url: str, cluster_name: str
 ) -> None:
