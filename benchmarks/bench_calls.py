@@ -56,6 +56,47 @@ def _seq_result(lat: list[float], runs: dict[str, Any]) -> dict[str, Any]:
     return {"per_s": runs, "p50_ms": common.percentile(lat, 0.5) * 1e3, "p99_ms": common.percentile(lat, 0.99) * 1e3}
 
 
+async def _shapes(
+    echo: Any, driver: Any, same: str, other: str, label: str, payload: bytes, n_seq: int, n_pipe: int, repeats: int
+) -> dict[str, Any]:
+    """Client→grain and grain→grain (one silo, across silos), sequential and pipelined."""
+    out: dict[str, Any] = {}
+    lat: list[float] = []
+
+    async def sequential() -> float:
+        lat.clear()
+        t0 = time.perf_counter()
+        for _ in range(n_seq):
+            t = time.perf_counter()
+            await echo.echo(payload)
+            lat.append(time.perf_counter() - t)
+        return n_seq / (time.perf_counter() - t0)
+
+    async def pipelined() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(echo.echo(payload) for _ in range(n_pipe)))
+        return n_pipe / (time.perf_counter() - t0)
+
+    runs = await common.repeat(sequential, repeats)
+    out[f"client_grain_seq_{label}"] = _seq_result(lat, runs)
+    out[f"client_grain_pipe_{label}"] = {"per_s": await common.repeat(pipelined, repeats)}
+    for where, target in (("one_silo", same), ("across", other)):
+        glat: list[float] = []
+
+        async def g_sequential(target: str = target, glat: list[float] = glat) -> float:
+            got = await driver.sequential(target, n_seq, payload)
+            glat[:] = got
+            return len(got) / sum(got)
+
+        async def g_pipelined(target: str = target) -> float:
+            return n_pipe / await driver.pipelined(target, n_pipe, payload)
+
+        runs = await common.repeat(g_sequential, repeats)
+        out[f"grain_grain_{where}_seq_{label}"] = _seq_result(glat, runs)
+        out[f"grain_grain_{where}_pipe_{label}"] = {"per_s": await common.repeat(g_pipelined, repeats)}
+    return out
+
+
 async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str, Any]:
     import torch
 
@@ -76,40 +117,7 @@ async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str,
             ("100B", SMALL, sz.seq, sz.pipe),
             ("1MB", b"y" * MB, sz.seq_1mb, sz.pipe_1mb),
         ):
-            lat: list[float] = []
-
-            async def sequential() -> float:
-                lat.clear()
-                t0 = time.perf_counter()
-                for _ in range(n_seq):
-                    t = time.perf_counter()
-                    await echo.echo(payload)
-                    lat.append(time.perf_counter() - t)
-                return n_seq / (time.perf_counter() - t0)
-
-            async def pipelined() -> float:
-                t0 = time.perf_counter()
-                await asyncio.gather(*(echo.echo(payload) for _ in range(n_pipe)))
-                return n_pipe / (time.perf_counter() - t0)
-
-            runs = await common.repeat(sequential, sz.repeats)
-            out[f"client_grain_seq_{label}"] = _seq_result(lat, runs)
-            out[f"client_grain_pipe_{label}"] = {"per_s": await common.repeat(pipelined, sz.repeats)}
-
-            for where, target in (("one_silo", same), ("across", other)):
-                glat: list[float] = []
-
-                async def g_sequential() -> float:
-                    got = await driver.sequential(target, n_seq, payload)
-                    glat[:] = got
-                    return len(got) / sum(got)
-
-                async def g_pipelined() -> float:
-                    return n_pipe / await driver.pipelined(target, n_pipe, payload)
-
-                runs = await common.repeat(g_sequential, sz.repeats)
-                out[f"grain_grain_{where}_seq_{label}"] = _seq_result(glat, runs)
-                out[f"grain_grain_{where}_pipe_{label}"] = {"per_s": await common.repeat(g_pipelined, sz.repeats)}
+            out.update(await _shapes(echo, driver, same, other, label, payload, n_seq, n_pipe, sz.repeats))
 
         for nbytes in sz.tensor_sizes:
             times = await driver.tensor_to(other, nbytes, sz.tensor_repeats + 1)

@@ -27,15 +27,15 @@ from benchmarks.common import (
 )
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "small": dict(model="grains.training.models:mlp", dataset="grains.training.datasets:digits", batch_size=64),
-    "medium": dict(
-        model="grains.training.models:medium_mlp",
-        dataset="grains.training.datasets:synthetic",
-        dataset_args={"samples": 16384, "test_samples": 2048, "features": 784, "spread": 1.5},
-        batch_size=256,
-    ),
+    "small": {"model": "grains.training.models:mlp", "dataset": "grains.training.datasets:digits", "batch_size": 64},
+    "medium": {
+        "model": "grains.training.models:medium_mlp",
+        "dataset": "grains.training.datasets:synthetic",
+        "dataset_args": {"samples": 16384, "test_samples": 2048, "features": 784, "spread": 1.5},
+        "batch_size": 256,
+    },
 }
-COMMON = dict(optimizer="momentum", lr=0.05, checkpoint_every=0, eval_every=0)
+COMMON: dict[str, Any] = {"optimizer": "momentum", "lr": 0.05, "checkpoint_every": 0, "eval_every": 0}
 
 
 def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -96,24 +96,19 @@ async def run_job(client: Any, name: str, cfg: dict[str, Any], steps: int, **kw:
 async def measure(quick: bool) -> dict[str, Any]:
     from silo.client import ClusterClient
 
-    steps = {"small": 60 if quick else 600, "medium": 12 if quick else 200}
+    steps = {"small": 30 if quick else 600, "medium": 5 if quick else 200}
+    configs = {n: _quick(c) if quick else c for n, c in CONFIGS.items()}
     out: dict[str, Any] = {}
-    for name, cfg in CONFIGS.items():
-        if quick and name == "medium":
-            cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+    for name, cfg in configs.items():
         out[name] = {"plain": await asyncio.to_thread(plain_loop, cfg, steps[name])}
     with BenchCluster(1, grains="grains.training") as bc:
         async with await ClusterClient.connect(bc.redis_url, cluster=bc.cluster) as client:
-            for name, cfg in CONFIGS.items():
-                if quick and name == "medium":
-                    cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+            for name, cfg in configs.items():
                 n = steps[name]
                 out[name]["1 trainer, 1 silo"] = await run_job(client, f"{name}-1", cfg, n, trainers=1, shards=1)
             bc.add_silo()
             await client.refresh()
-            for name, cfg in CONFIGS.items():
-                if quick and name == "medium":
-                    cfg = {**cfg, "dataset_args": {**cfg["dataset_args"], "samples": 2048, "test_samples": 256}}
+            for name, cfg in configs.items():
                 n = steps[name]
                 for mode in ("sync", "async"):
                     out[name][f"2 trainers, 2 silos, {mode}"] = await run_job(
@@ -124,6 +119,12 @@ async def measure(quick: bool) -> dict[str, Any]:
                         client, f"{name}-2-{comp.replace(':', '')}", cfg, n, trainers=2, shards=2, compression=comp
                     )
     return out
+
+
+def _quick(cfg: dict[str, Any]) -> dict[str, Any]:
+    if "dataset_args" not in cfg:
+        return cfg
+    return {**cfg, "batch_size": 32, "dataset_args": {**cfg["dataset_args"], "samples": 512, "test_samples": 128}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 label, f"{r['samples_per_s']:,.0f}", ratio(r["samples_per_s"], plain),
                 ratio(r["samples_per_s"], one) if label.startswith("2") else "",
                 f"{r['step_ms']:.2f}", f"{r['bytes_per_step'] / 1024:,.1f}",
-                ratio(none_bytes, r["bytes_per_step"]) if r["bytes_per_step"] else "",
+                ratio(none_bytes, r["bytes_per_step"]) if label.startswith("2") else "",
                 f"{(r['accuracy'] or 0):.2%}",
             ])  # fmt: skip
         print_table(["run", "samples/s", "vs plain", "vs 1 trainer", "ms/step", "KB/step", "bytes cut", "accuracy"], table)

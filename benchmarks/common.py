@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,7 +61,7 @@ def redis_server_version() -> str:
     from silo.embedded import find_redis_server
 
     try:
-        out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"unknown ({exc})"
     for word in out.stdout.split():
@@ -204,7 +204,7 @@ class BenchCluster(AbstractContextManager["BenchCluster"]):
     """Between ``python`` and ``-m silo.cli``, e.g. ``["-m", "cProfile", "-o", "silo.prof"]``."""
     silos: list[SiloProc] = field(default_factory=list)
 
-    def __enter__(self) -> BenchCluster:
+    def __enter__(self) -> Self:
         from silo.embedded import RedisServer
 
         self._tmp = Path(tempfile.mkdtemp(prefix="redgrain-bench-"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from benchmarks.bench_calls import MB, SMALL, Sizes
 def measure(sz: Sizes) -> dict[str, Any]:
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
 
     @ray.remote
     class SyncEcho:
@@ -83,12 +84,12 @@ def measure(sz: Sizes) -> dict[str, Any]:
     sync_a, async_a = SyncEcho.remote(), AsyncEcho.remote()  # type: ignore[attr-defined]
     driver = Driver.remote(SyncEcho.remote())  # type: ignore[attr-defined]
     ray.get([sync_a.echo.remote(1), async_a.echo.remote(1), driver.pipelined.remote(1, SMALL)])
-    for label, payload, n_seq, n_pipe in (("100B", SMALL, sz.seq, sz.pipe), ("1MB", b"y" * MB, sz.seq_1mb, sz.pipe_1mb)):
+    def shapes(label: str, payload: bytes, n_seq: int, n_pipe: int) -> None:
         for kind, actor in (("sync", sync_a), ("async", async_a)):
             lat: list[float] = []
 
-            def seq() -> float:
-                rate, got = sync_loop(lambda: ray.get(actor.echo.remote(payload)), n_seq)  # noqa: B023
+            def seq(actor: Any = actor, lat: list[float] = lat) -> float:
+                rate, got = sync_loop(lambda: ray.get(actor.echo.remote(payload)), n_seq)
                 lat[:] = got
                 return rate
 
@@ -96,25 +97,26 @@ def measure(sz: Sizes) -> dict[str, Any]:
             out[f"{kind}_seq_{label}"] = {"per_s": runs, "p50_ms": common.percentile(lat, 0.5) * 1e3,
                                           "p99_ms": common.percentile(lat, 0.99) * 1e3}  # fmt: skip
 
-            def pipe() -> float:
+            def pipe(actor: Any = actor) -> float:
                 t0 = time.perf_counter()
-                ray.get([actor.echo.remote(payload) for _ in range(n_pipe)])  # noqa: B023
+                ray.get([actor.echo.remote(payload) for _ in range(n_pipe)])
                 return n_pipe / (time.perf_counter() - t0)
 
             out[f"{kind}_pipe_{label}"] = {"per_s": rep(pipe)}
         glat: list[float] = []
 
         def a_seq() -> float:
-            got = ray.get(driver.sequential.remote(n_seq, payload))  # noqa: B023
+            got = ray.get(driver.sequential.remote(n_seq, payload))
             glat[:] = got
             return len(got) / sum(got)
 
         runs = rep(a_seq)
         out[f"actor_actor_seq_{label}"] = {"per_s": runs, "p50_ms": common.percentile(glat, 0.5) * 1e3,
                                            "p99_ms": common.percentile(glat, 0.99) * 1e3}  # fmt: skip
-        out[f"actor_actor_pipe_{label}"] = {
-            "per_s": rep(lambda: n_pipe / ray.get(driver.pipelined.remote(n_pipe, payload)))  # noqa: B023
-        }
+        out[f"actor_actor_pipe_{label}"] = {"per_s": rep(lambda: n_pipe / ray.get(driver.pipelined.remote(n_pipe, payload)))}
+
+    shapes("100B", SMALL, sz.seq, sz.pipe)
+    shapes("1MB", b"y" * MB, sz.seq_1mb, sz.pipe_1mb)
     for nbytes in sz.tensor_sizes:
         times = ray.get(driver.tensor_to.remote(nbytes, sz.tensor_repeats + 1))
         out[f"tensor_{nbytes // MB}MB"] = {"gb_per_s": common.summarize([nbytes / t / 1e9 for t in times[1:]])}

@@ -39,7 +39,6 @@ import types
 import typing
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Any, NamedTuple, cast
 

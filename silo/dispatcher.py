@@ -36,6 +36,10 @@ SYSTEM_TYPE = "$silo"
 SystemHandler = Callable[..., Awaitable[Any]]
 
 
+async def _always_alive(timeout_s: float) -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class DispatcherStatistics:
     requests: int
@@ -65,6 +69,8 @@ class Dispatcher:
         """Set when the silo is ShuttingDown: serve existing activations, create none."""
         self.fenced: Callable[[], bool] = lambda: False
         """True while liveness is unconfirmed (peers may have declared us dead): serve nothing."""
+        self.confirm_alive: Callable[[float], Awaitable[bool]] = _always_alive
+        """Wait up to the given seconds for liveness to be confirmed again (heartbeat thread)."""
         self.moving: dict[GrainId, asyncio.Future[SiloAddress | None]] = {}
         """Grains being moved to another silo: their calls wait, then follow (rebalancer)."""
         self.system: dict[str, SystemHandler] = {
@@ -78,6 +84,8 @@ class Dispatcher:
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         header = frame.header
         kind = header[0]
+        if len(header) < 2 or not isinstance(header[1], int):
+            raise errors.CodecError(f"frame header without a request id: {header!r:.100}")
         if kind == CANCEL:
             inv = self._in_flight.get((id(conn), header[1]))
             if inv is not None and not inv.future.done():
@@ -100,12 +108,12 @@ class Dispatcher:
             else:
                 raise errors.CodecError(f"request body must be an argument tuple, got {type(body).__name__}")
             deadline = asyncio.get_running_loop().time() + float(timeout_ms) / 1000.0
+            method, chain, hops = str(method), tuple(str(c) for c in chain or ()), int(hops)
         except (errors.CodecError, ValueError, TypeError) as exc:
             self._errors += 1
             err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
             conn.send_error(req_id, err)
             return
-        method, chain, hops = str(method), tuple(chain or ()), int(hops)
         if not self._serve_nowait(conn, req_id, grain, method, args, kwargs, deadline, chain, hops):
             self._spawn_serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
 
@@ -204,10 +212,27 @@ class Dispatcher:
             self._errors += 1
             conn.send_error(req_id, exc)
         elif self.fenced():
-            self._errors += 1
-            conn.send_error(req_id, errors.SiloUnavailableError(str(self.address), "silo fenced"))
+            self._answer_when_alive(conn, req_id, fut.result(), deadline)
         else:
             conn.send_response(req_id, fut.result())
+
+    def _answer_when_alive(self, conn: Connection, req_id: int, result: Any, deadline: float) -> None:
+        """The method ran while liveness was unconfirmed: answer only once the heartbeat confirms it.
+
+        An overloaded silo's heartbeat is just late; a zombie's never comes, and it
+        must not answer (nor may the caller retry: the method ran).
+        """
+
+        async def answer() -> None:
+            if await self.confirm_alive(deadline - asyncio.get_running_loop().time()):
+                conn.send_response(req_id, result)
+            else:
+                self._errors += 1
+                conn.send_error(req_id, errors.SiloUnavailableError(str(self.address), "silo fenced"))
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _serve(
         self,
@@ -228,10 +253,7 @@ class Dispatcher:
             conn.send_error(req_id, exc)
         else:
             if self.fenced():
-                # The method ran, but we may have been declared dead meanwhile: no
-                # answer from a zombie (and not retryable, since it ran).
-                self._errors += 1
-                conn.send_error(req_id, errors.SiloUnavailableError(str(self.address), "silo fenced"))
+                self._answer_when_alive(conn, req_id, result, deadline)
                 return
             conn.send_response(req_id, result)
 

@@ -141,6 +141,8 @@ class Router:
         self._local = local
         self._where: OrderedDict[GrainId, SiloAddress] = OrderedDict()
         self._locating: dict[GrainId, asyncio.Future[SiloAddress]] = {}
+        self._refused: dict[SiloAddress, errors.AuthenticationError] = {}
+        """Silos that failed the cluster-secret handshake: never placed on."""
         self._cache_size = cache_size
         self._calls = self._local_calls = self._retries = self._placements = 0
         view.on_change(self._on_membership_change)
@@ -210,11 +212,13 @@ class Router:
     async def _place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
         self._placements += 1
         local = self._local.address if self._local is not None else None
-        candidates = self._view.hosting(info.name)
+        candidates = [c for c in self._view.hosting(info.name) if c.silo not in self._refused]
         if not candidates:
             # Our view may predate the silos that host this type: read it again once.
             await self._view.refresh()
-            candidates = self._view.hosting(info.name)
+            candidates = [c for c in self._view.hosting(info.name) if c.silo not in self._refused]
+        if not candidates and self._refused:
+            raise next(iter(self._refused.values()))
         return self._placer.place(grain, info.placement, candidates, local)
 
     # --- the Caller protocol used by GrainRef ------------------------------
@@ -264,6 +268,15 @@ class Router:
                     last = exc
                     self.forget_silo(target)
                     self._view.hint_unreachable(target)
+                    continue
+                except errors.AuthenticationError as exc:
+                    # A silo outside our secret: never place there again; if the
+                    # grain already lives there we cannot reach it, say so.
+                    self._refused[target] = exc
+                    self.forget_silo(target)
+                    entry = await self._directory.lookup(grain_id)
+                    if entry is not None and entry.silo == target:
+                        raise
                     continue
                 return await self.send(conn, grain_id, method, args, kwargs, remaining, chain, 0)
             except errors.SiloNotServingError as exc:

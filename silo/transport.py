@@ -52,6 +52,7 @@ _STAGING = 256 * 1024
 _DIRECT = 64 * 1024
 _PRE_AUTH_MAX = 4096
 _SLICE = 1 << 20
+_ALIGN = 64
 _packb = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
 
@@ -318,7 +319,7 @@ class Connection(asyncio.BufferedProtocol):
                 if size >= _DIRECT or size > avail:
                     # np.empty: no zero-fill, and with retain_freed_memory() no
                     # fresh page faults either; the codec wraps it as a tensor.
-                    target = memoryview(np.empty(size, np.uint8)) if size else memoryview(bytearray())
+                    target = _aligned(size)
                     take = min(avail, size)
                     target[:take] = self._view[self._start : self._start + take]
                     self._start += take
@@ -328,7 +329,9 @@ class Connection(asyncio.BufferedProtocol):
                         self._direct_pos = take
                         return
                 else:
-                    self._bufs.append(bytearray(self._view[self._start : self._start + size]))
+                    small = _aligned(size)
+                    small[:] = self._view[self._start : self._start + size]
+                    self._bufs.append(small)
                     self._start += size
             self._deliver()
         if self._start == self._end:
@@ -409,6 +412,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         if kind == HELLO:
             nonce = frame.header[1] if len(frame.header) > 1 else b""
+            if not nonce and self._secret is not None:
+                # A peer that asks for no secret cannot prove it is part of our
+                # cluster: talking to it would hand our calls to a stranger.
+                self._fail_ready(errors.AuthenticationError(self.peer, "silo does not use the cluster secret"))
+                return
             if not nonce:
                 self._authenticated = True
                 if not self.ready.done():
@@ -641,6 +649,19 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+def _aligned(size: int) -> memoryview:
+    """A writable buffer starting on a 64-byte boundary.
+
+    The codec wraps received buffers as tensors in place; a float buffer at an
+    odd offset makes vectorised kernels take other code paths, which can change
+    a matmul's last bits. np.empty does not zero-fill (and with
+    retain_freed_memory() the pages are already mapped).
+    """
+    raw = np.empty(size + _ALIGN, np.uint8)
+    off = -raw.__array_interface__["data"][0] % _ALIGN
+    return memoryview(raw[off : off + size])  # type: ignore[arg-type]
 
 
 def retain_freed_memory() -> bool:
