@@ -93,6 +93,10 @@ class Grain:
         """A reference to another grain (or this one); calls carry this call chain."""
         return self._rg_activation.runtime.get_grain(grain, key)  # type: ignore[return-value]
 
+    def cluster_members(self, type_name: str | None = None) -> list[Any]:
+        """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""
+        return self._rg_activation.runtime.cluster_members(type_name)  # type: ignore[no-any-return]
+
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         """Run CPU-heavy ``fn`` on the silo's bounded executor, keeping the loop free."""
         return await self._rg_activation.runtime.run_in_thread(fn, *args, **kwargs)

@@ -22,8 +22,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from grains.training import CoordinatorGrain, TrainingStatus, load_job_file  # noqa: E402
-from grains.training.console import watch  # noqa: E402
+from grains.training import CoordinatorGrain, TrainingStatus, load_job_file
+from grains.training.console import watch
 
 JOB_FILE = os.path.join(ROOT, "samples", "digits.toml")
 TARGET = 0.95

@@ -62,7 +62,16 @@ class SiloRuntime:
         store: StateStore,
         codec: Codec,
         threads: int,
+        view: Any = None,
+        redis: Any = None,
+        keys: Any = None,
     ) -> None:
+        self.view = view
+        """The silo's MembershipView (who is in the cluster)."""
+        self.redis = redis
+        """The silo's asyncio Redis client, for built-in grains that publish (training progress)."""
+        self.keys = keys
+        """The cluster's key builder (silo/keys.py)."""
         self.device = device
         self._refs = refs
         self._store = store
@@ -72,6 +81,12 @@ class SiloRuntime:
 
     def get_grain(self, grain: Any, key: Any) -> Any:
         return self._refs.get_grain(grain, key)
+
+    def cluster_members(self, type_name: str | None = None) -> list[Any]:
+        """Active silos' membership rows (those hosting ``type_name``, when given)."""
+        if self.view is None:
+            return []
+        return list(self.view.hosting(type_name) if type_name else self.view.active())
 
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         loop = asyncio.get_running_loop()

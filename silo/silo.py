@@ -116,7 +116,14 @@ class Silo:
         self.refs = RefFactory(self.router, self.manifests, self.codec)
         self.store = RedisStateStore(self.redis, self.keys, s.storage)
         self.runtime = SiloRuntime(
-            device=self.device, refs=self.refs, store=self.store, codec=self.codec, threads=s.catalog.thread_pool_size
+            device=self.device,
+            refs=self.refs,
+            store=self.store,
+            codec=self.codec,
+            threads=s.catalog.thread_pool_size,
+            view=self.view,
+            redis=self.redis,
+            keys=self.keys,
         )
         self.call_stats = CallStats()
         self.catalog = Catalog(

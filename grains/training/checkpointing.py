@@ -1,6 +1,6 @@
 """Checkpoint storage for parameter shards, on the silo's snapshot API (silo/checkpoint.py).
 
-Every shard of a job saves its part of snapshot ``(training.{job}, step)``
+Every shard of a job saves its part of snapshot ``(training.{job}.r{run}, step)``
 with the same member list, so the snapshot becomes complete (and listed)
 only when all shards have saved that step; the store keeps the newest
 ``keep_checkpoints`` complete ones. The coordinator tracks the same thing
@@ -37,28 +37,30 @@ class SnapshotState(BaseModel):
     snapshot: ShardSnapshot | None = None
 
 
-def group(job: str) -> str:
-    return f"training.{job}"
+def group(job: str, run: int) -> str:
+    return f"training.{job}.r{run}"
 
 
 def member(shard_key: str) -> str:
     return f"ParamShardGrain/{shard_key}"
 
 
-async def save(shard: Grain, job: str, snapshot: ShardSnapshot, shard_keys: list[str], keep: int) -> bool:
+async def save(
+    shard: Grain, job: str, run: int, snapshot: ShardSnapshot, shard_keys: list[str], keep: int
+) -> bool:
     """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it."""
     shard.state.snapshot = snapshot
     try:
         # save_snapshot encodes the state before its first await, so saves of
         # two steps may overlap safely.
-        return await shard.save_snapshot(group(job), snapshot.step, [member(k) for k in shard_keys], keep=keep)
+        return await shard.save_snapshot(group(job, run), snapshot.step, [member(k) for k in shard_keys], keep=keep)
     finally:
         shard.state.snapshot = None
 
 
-async def load(shard: Grain, job: str, step: int) -> ShardSnapshot:
-    await shard.load_snapshot(group(job), step, write=False)
+async def load(shard: Grain, job: str, run: int, step: int) -> ShardSnapshot:
+    await shard.load_snapshot(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:
-        raise errors.StorageError(f"snapshot {group(job)}/{step} holds no shard data for {shard.key}")
+        raise errors.StorageError(f"snapshot {group(job, run)}/{step} holds no shard data for {shard.key}")
     return snap  # type: ignore[no-any-return]

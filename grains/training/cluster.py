@@ -22,14 +22,8 @@ _MAX_SALT = 10_000
 
 
 def hosting_silos(grain: Grain, type_name: str) -> list[MemberRow]:
-    """Active silos hosting ``type_name``, as this grain's silo sees them.
-
-    Stopgap: reads the silo's membership view through the runtime, since the
-    Grain API has no public accessor for cluster membership yet.
-    """
-    runtime: Any = grain._rg_activation.runtime
-    view = runtime._refs._caller._view
-    return list(view.hosting(type_name))
+    """Active silos hosting ``type_name``, as this grain's silo sees them."""
+    return grain.cluster_members(type_name)
 
 
 def trainer_silos(rows: Sequence[MemberRow], role: str) -> list[MemberRow]:
@@ -52,9 +46,8 @@ def key_on(type_name: str, base: str, target: SiloAddress, rows: Sequence[Member
 def silo_redis(grain: Grain) -> tuple[Any, Any] | None:
     """The silo's Redis client and key builder, for publishing job progress.
 
-    Stopgap like :func:`hosting_silos`: the Grain API has no accessor for them yet.
-    Returns None when the silo's state store is not Redis (in-memory tests).
+    Returns None where the runtime has no Redis (in-memory unit tests).
     """
-    store = getattr(grain._rg_activation.runtime, "_store", None)
-    redis, keys = getattr(store, "_redis", None), getattr(store, "_keys", None)
+    runtime: Any = grain._rg_activation.runtime
+    redis, keys = getattr(runtime, "redis", None), getattr(runtime, "keys", None)
     return (redis, keys) if redis is not None and keys is not None else None

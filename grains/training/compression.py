@@ -15,13 +15,13 @@ and pulls halve, so top-k 1% moves about a quarter of the bytes of ``none``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
 from silo.errors import ConfigError
 
-Payload = Union[torch.Tensor, list[torch.Tensor]]
+Payload = torch.Tensor | list[torch.Tensor]
 """One tensor's gradient on the wire: a dense tensor, or ``[values, indices]`` for top-k."""
 
 

@@ -57,6 +57,7 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
             st = await coord.status()
             _print_table(st)
             return 0 if st.status != "failed" else 1
+        assert spec is not None
         st = await coord.start(spec)
         if args.detach:
             _print_table(st)

@@ -95,6 +95,7 @@ class CoordinatorGrain(Grain):
         spec: TrainingJob | None = None
         status: JobStatus = "idle"
         generation: int = 0
+        run: int = 0
         slots: int = 0
         total_steps: int = 0
         shard_keys: list[str] = Field(default_factory=list)
@@ -144,7 +145,9 @@ class CoordinatorGrain(Grain):
             raise errors.ConfigError(f"job id {self.key!r} may not contain '/' or ':'")
         await self.run_in_thread(check_job, job)
         previous = self.state.generation
-        self.state = self.State(spec=job, status="starting", generation=previous + 1, started_at=time.time())
+        self.state = self.State(
+            spec=job, status="starting", generation=previous + 1, run=previous + 1, started_at=time.time()
+        )
         await self._write()
         self._reset_memory()
         self._live = self._status_from_state()
@@ -183,24 +186,34 @@ class CoordinatorGrain(Grain):
         self._cursor = 0
         self._last_eval_step = 0
 
+    def _ref(self, cls: type[Grain], key: str, timeout_s: float = _CALL_TIMEOUT_S) -> Any:
+        ref: Any = self.get_grain(cls, key)
+        return ref.with_timeout(timeout_s)
+
     def _shards(self) -> list[Any]:
-        return [self.get_grain(ParamShardGrain, k).with_timeout(_CALL_TIMEOUT_S) for k in self.state.shard_keys]
+        return [self._ref(ParamShardGrain, k) for k in self.state.shard_keys]
 
     def _trainers(self) -> list[Any]:
-        return [self.get_grain(TrainerGrain, k).with_timeout(_CALL_TIMEOUT_S) for k in self.state.trainer_keys]
+        return [self._ref(TrainerGrain, k) for k in self.state.trainer_keys]
 
     async def _drive(self, *, resume: bool) -> None:
         try:
             if not resume or not self.state.shard_keys:
                 await self._place_and_start()
             while self.state.status in ("starting", "running"):
-                await self._tick()
+                try:
+                    await self._tick()
+                except errors.StateConflictError:
+                    raise  # another activation owns the job now; this one is going away
+                except errors.RedgrainError as exc:
+                    # A call or Redis failed this tick (a silo dying, a slow peer): try again.
+                    log.warning("%s: tick failed: %s", self.key, exc)
                 if self.state.status in _TERMINAL:
                     break
                 await asyncio.sleep(_TICK_S)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the job fails with the reason; the silo goes on
+        except Exception as exc:
             log.exception("%s: job failed", self.key)
             self.state.error = f"{type(exc).__name__}: {exc}"[:2000]
             await self._finish("failed")
@@ -239,10 +252,10 @@ class CoordinatorGrain(Grain):
         assert s.spec is not None
         cfgs = [
             ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
-                        generation=s.generation, restore_step=restore_step)  # fmt: skip
+                        generation=s.generation, run=s.run, restore_step=restore_step)
             for i, names in enumerate(s.shard_names)
         ]
-        shards = [self.get_grain(ParamShardGrain, k).with_timeout(120.0) for k in s.shard_keys]
+        shards = [self._ref(ParamShardGrain, k, 120.0) for k in s.shard_keys]
         statuses: list[ShardStatus] = await asyncio.gather(*(sh.configure(c) for sh, c in zip(shards, cfgs, strict=True)))
         s.shard_activations = [st.activation_id for st in statuses]
         self._live.shard_silos = [st.silo for st in statuses]
@@ -254,7 +267,7 @@ class CoordinatorGrain(Grain):
             job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation,
             start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
         )  # fmt: skip
-        await self.get_grain(TrainerGrain, s.trainer_keys[slot]).with_timeout(120.0).run(a)
+        await self._ref(TrainerGrain, s.trainer_keys[slot], 120.0).run(a)
 
     async def _rollback(self, why: str) -> None:
         s = self.state
@@ -274,10 +287,14 @@ class CoordinatorGrain(Grain):
     async def _tick(self) -> None:
         s = self.state
         shard_results = await asyncio.gather(*(sh.status() for sh in self._shards()), return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in shard_results):
+            # Unreachable is not lost: a busy silo answers later, and a dead one's shard is
+            # re-activated elsewhere by a later call, which then reports the wrong generation.
+            return
         lost = [
             s.shard_keys[i]
             for i, r in enumerate(shard_results)
-            if isinstance(r, BaseException) or r.generation != s.generation or r.activation_id != s.shard_activations[i]
+            if r.generation != s.generation or r.activation_id != s.shard_activations[i]  # type: ignore[union-attr]
         ]
         if lost:
             try:
@@ -299,13 +316,12 @@ class CoordinatorGrain(Grain):
                 done += r.status == "done"
                 continue
             if isinstance(r, BaseException):
-                why = f"unreachable: {r}"  # its silo may be dead, not yet declared: retried next tick
-            else:
-                why = r.error or r.status
-                if r.status == "failed" and r.generation == s.generation:
-                    self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
-                    if self._slot_failures[j] > _MAX_SLOT_FAILURES:
-                        raise RuntimeError(f"trainer slot {j} keeps failing: {why}")
+                continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
+            why = r.error or r.status
+            if r.status == "failed" and r.generation == s.generation:
+                self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
+                if self._slot_failures[j] > _MAX_SLOT_FAILURES:
+                    raise RuntimeError(f"trainer slot {j} keeps failing: {why}")
             start = min(st.next_steps[j] for st in statuses)
             log.warning("%s: trainer slot %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
             s.restarts += 1
@@ -394,7 +410,7 @@ class CoordinatorGrain(Grain):
         end = s.finished_at or time.time()
         return TrainingStatus(
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
-            accuracy=s.accuracy, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation,
+            accuracy=s.accuracy, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), restarts=s.restarts, rollbacks=s.rollbacks,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys), **live,

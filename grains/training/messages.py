@@ -25,6 +25,8 @@ class ShardConfig(BaseModel):
     slots: int
     """Trainer slots pushing to this shard."""
     generation: int
+    run: int = 0
+    """Which start of the job this is; checkpoints of different runs never mix."""
     restore_step: int | None = None
     """Committed checkpoint to restore, or None to start from the seeded initial weights."""
 
@@ -122,6 +124,8 @@ class TrainingStatus(BaseModel):
     trainers: int = 0
     shards: int = 0
     generation: int = 0
+    run: int = 0
+    """Which start of this job id it is (a finished job may be started again)."""
     checkpoints: list[int] = Field(default_factory=list)
     restarts: int = 0
     """Trainer slots restarted after their trainer was lost."""

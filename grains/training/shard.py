@@ -102,6 +102,15 @@ class _Core:
                 self.acc[n] = torch.zeros_like(self.params[n])
             decompress_into(self.acc[n], grads[n], add=not first)
 
+    def push_sync(self, grads: dict[str, Payload], first: bool, scale: float | None) -> None:
+        """Add one slot's gradients to the step's sum; with ``scale``, apply the averaged sum."""
+        if first and scale == 1.0:  # a single slot: nothing to sum
+            self.apply(grads, 1.0)
+            return
+        self.accumulate(grads, first)
+        if scale is not None:
+            self.apply(None, scale)
+
     def apply(self, grads: dict[str, Payload] | None, scale: float) -> dict[str, torch.Tensor]:
         """One optimizer step with ``grads`` (or the accumulated sum times ``scale``)."""
         for n, p in self.params.items():
@@ -165,7 +174,7 @@ class ParamShardGrain(Grain):
             self._changed.notify_all()
         snapshot = None
         if cfg.restore_step is not None:
-            snapshot = await checkpointing.load(self, cfg.job, cfg.restore_step)
+            snapshot = await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step)
         async with self._lock:
             core = await self.run_in_thread(_Core, cfg, self.device, snapshot)
             start = cfg.restore_step or 0
@@ -200,7 +209,9 @@ class ParamShardGrain(Grain):
         self._check(generation)
         staleness = 0
         if grads is not None:
-            staleness = await self._push(generation, slot, step, grads, base_version)
+            # Shielded: a push the shard has taken is applied whole even if the caller gives up
+            # (a restarted trainer's retry is then a duplicate, never half a step).
+            staleness = await asyncio.shield(self._push(generation, slot, step, grads, base_version))
         gap = await self._wait_turn(generation, slot, step + (grads is not None))
         core = self._core
         assert core is not None
@@ -233,11 +244,12 @@ class ParamShardGrain(Grain):
                 first = self._acc_step != step
                 if first:
                     self._acc_step, self._acc_slots = step, set()
-                await self.run_in_thread(core.accumulate, grads, first)
+                last = len(self._acc_slots | {slot}) == len(self._next)
+                # One thread hop: the push that completes the step also applies it.
+                await self.run_in_thread(core.push_sync, grads, first, 1.0 / len(self._next) if last else None)
                 self._acc_slots.add(slot)
                 self._applied[slot] = step + 1
-                if len(self._acc_slots) == len(self._next):
-                    await self.run_in_thread(core.apply, None, 1.0 / len(self._next))
+                if last:
                     await self._maybe_snapshot(core)
             staleness = 0
         else:
@@ -273,12 +285,12 @@ class ParamShardGrain(Grain):
         cfg = self._cfg
         assert cfg is not None
         try:
-            await checkpointing.save(self, cfg.job, snap, cfg.shard_keys, cfg.spec.keep_checkpoints)
+            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, cfg.spec.keep_checkpoints)
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return
         if generation == self._generation:
-            self._saved.append(snap.step)
+            self._saved = [*self._saved, snap.step][-10:]
 
     async def _wait_for_checkpoint(self, generation: int, step: int) -> None:
         """async/ssp: a push of step >= the next checkpoint waits until that checkpoint is taken."""

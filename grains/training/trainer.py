@@ -22,6 +22,8 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -73,8 +75,8 @@ class Replica:
         return self.batches.batch(a.spec.batch_size, a.slots, a.slot, step, a.spec.seed)
 
     def step(self, payloads: list[dict[str, torch.Tensor]], step: int) -> StepResult:
-        for p in payloads:
-            self.load(p)
+        for payload in payloads:
+            self.load(payload)
         x, y = self.batch(step)
         for p in self.params.values():
             p.grad = None
@@ -173,8 +175,9 @@ class TrainerGrain(Grain):
 
     async def _train(self, a: TrainerAssignment) -> None:
         rep = await self.run_in_thread(Replica, a, self.device)
-        shards = [
-            self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s) for key in a.shard_keys
+        shards: list[Any] = [
+            self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s)  # type: ignore[attr-defined]
+            for key in a.shard_keys
         ]
         n = len(shards)
         versions = [-1] * n  # version of the parameters the replica holds (or will load next)

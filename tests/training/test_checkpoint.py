@@ -35,7 +35,7 @@ async def test_checkpoint_restores_parameters_and_adam_state_bit_exactly(cluster
         shard = client.get_grain(ParamShardGrain, key)
         live = await shard.export_state()  # the job ended on a checkpoint step: this is checkpoint 30
         cfg = ShardConfig(job="ckpt", index=i, spec=spec, names=list(live.params), shard_keys=st.shard_keys,
-                          slots=2, generation=st.generation + 1, restore_step=15)  # fmt: skip
+                          slots=2, generation=st.generation + 1, run=st.run, restore_step=15)  # fmt: skip
         await shard.configure(cfg)
         at_15 = await shard.export_state()
         assert at_15.version < live.version

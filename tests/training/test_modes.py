@@ -8,11 +8,11 @@ from grains.training import CoordinatorGrain, TrainingJob
 from silo import errors
 from tests.training.conftest import GRAINS, run_job
 
-SYNTHETIC = dict(
-    model_args={"in_features": 32, "hidden": [64]},
-    dataset="grains.training.datasets:synthetic",
-    dataset_args={"samples": 2048, "test_samples": 512, "features": 32, "spread": 2.0},
-)
+SYNTHETIC = {
+    "model_args": {"in_features": 32, "hidden": [64]},
+    "dataset": "grains.training.datasets:synthetic",
+    "dataset_args": {"samples": 2048, "test_samples": 512, "features": 32, "spread": 2.0},
+}
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
@@ -56,3 +56,13 @@ async def test_bad_job_spec_is_rejected_with_a_clear_message(cluster, client, ch
         await coord.start({**TrainingJob().model_dump(), **change})
     st = await coord.status()
     assert st.status == "idle" and st.step == 0
+
+
+async def test_a_custom_model_and_a_plain_dataset_train_by_import_path(cluster, client):
+    from samples.custom_model import JOB
+
+    await cluster(2, grains=GRAINS)
+    spec = TrainingJob.model_validate({**JOB, "epochs": None, "steps": 300, "dataset_args": {"samples": 2000}})
+    st = await run_job(client, "spirals", spec)
+    assert st.status == "completed", st
+    assert st.accuracy is not None and st.accuracy >= 0.85, st
