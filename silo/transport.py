@@ -76,6 +76,7 @@ class _Counters:
     bytes_out: int = 0
     bad_frames: int = 0
     refused: int = 0
+    overloaded: int = 0
     connections_opened: int = 0
 
 
@@ -95,6 +96,8 @@ class TransportStatistics:
     """Frames refused as malformed or oversized."""
     refused: int
     """Connections refused by the cluster-secret check."""
+    overloaded: int
+    """Requests refused because their connection already had max_in_flight being served."""
     pending_calls: int
     """Requests sent and not yet answered."""
 
@@ -159,6 +162,8 @@ class Connection(asyncio.BufferedProtocol):
         self._ids = itertools.count(1)
         # label: "grain.method", or (grain, method) so a call need not format it.
         self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
+        self._serving = 0
+        """Requests from the peer being served now (bounded by max_in_flight)."""
         # One timer for the earliest deadline instead of one per request:
         # a libuv/asyncio timer per call costs more than the call itself.
         self._deadlines: list[tuple[float, int]] = []
@@ -385,6 +390,17 @@ class Connection(asyncio.BufferedProtocol):
             if self._handler is None:
                 self._n.bad_frames += 1
                 return
+            if kind == REQUEST:
+                # The serving side's own bound: a peer that ignores its
+                # max_in_flight still cannot make us hold unbounded calls.
+                if self._serving >= self._settings.max_in_flight:
+                    self._n.overloaded += 1
+                    req_id = frame.header[1] if len(frame.header) > 1 else 0
+                    self._send_error_frame(
+                        req_id, errors.OverloadedError(f"connection from {self.peer}", self._settings.max_in_flight)
+                    )
+                    return
+                self._serving += 1
             self._handler(self, frame)
         elif kind == PING:
             self._send_frame([PONG, frame.header[1] if len(frame.header) > 1 else 0])
@@ -619,16 +635,25 @@ class Connection(asyncio.BufferedProtocol):
             pass
 
     def send_response(self, req_id: int, value: Any) -> None:
+        """Answer a request (exactly once per request received)."""
+        if self._serving:
+            self._serving -= 1
         if self.closed:
             return
         try:
             encoded = self.codec.encode(value)
         except errors.CodecError as exc:
-            self.send_error(req_id, exc)
+            self._send_error_frame(req_id, exc)
             return
         self._send_frame([RESPONSE, req_id], encoded)
 
     def send_error(self, req_id: int, exc: BaseException) -> None:
+        """Answer a request with an error (exactly once per request received)."""
+        if self._serving:
+            self._serving -= 1
+        self._send_error_frame(req_id, exc)
+
+    def _send_error_frame(self, req_id: int, exc: BaseException) -> None:
         if self.closed:
             return
         try:
@@ -808,5 +833,6 @@ class Transport:
             bytes_out=n.bytes_out,
             bad_frames=n.bad_frames,
             refused=n.refused,
+            overloaded=n.overloaded,
             pending_calls=sum(c.pending for c in conns),
         )

@@ -35,6 +35,24 @@ async def test_calls_over_the_connection_in_flight_limit_get_overloaded_error(
         assert c.transport.statistics().pending_calls == 0
 
 
+async def test_silo_bounds_calls_it_serves_per_connection_even_if_the_caller_does_not(
+    cluster: ClusterFactory, redis_url: str, cluster_name: str
+) -> None:
+    (silo,) = await cluster(1, transport=TransportSettings(max_in_flight=4))
+    greedy = ClientSettings(transport=TransportSettings(max_in_flight=1000))
+    async with await ClusterClient.connect(redis_url, cluster=cluster_name, settings=greedy) as c:
+        refs = [c.get_grain(Echo, f"s{i}") for i in range(10)]
+        for r in refs:
+            await r.echo(0)
+        results = await asyncio.gather(*(r.sleep(0.3) for r in refs), return_exceptions=True)
+        overloaded = [r for r in results if isinstance(r, errors.OverloadedError)]
+        assert results.count("slept") == 4 and len(overloaded) == 6, results
+        assert "connection from" in str(overloaded[0]) and "over its limit of 4" in str(overloaded[0])
+        assert silo.transport.statistics().overloaded == 6
+        # The slots free up as answers go out.
+        assert await asyncio.gather(*(r.echo(1) for r in refs[:4])) == [1] * 4
+
+
 async def test_calls_over_an_activation_queue_limit_get_overloaded_error(
     cluster: ClusterFactory, client: ClusterClient
 ) -> None:
