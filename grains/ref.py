@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from grains.ids import GrainId
 
@@ -70,7 +70,7 @@ class GrainRef:
     def key(self) -> str:
         return self._grain_id.key
 
-    def with_timeout(self: G, timeout_s: float) -> G:
+    def with_timeout(self, timeout_s: float) -> Self:
         """The same reference with another call deadline."""
         ref = type(self)(self._caller, self._grain_id, timeout_s)  # type: ignore[attr-defined]
         return ref

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from silo import errors
@@ -223,9 +224,10 @@ async def cmd_silo(args: argparse.Namespace) -> int:
         gc.freeze()
         print(f"silo {silo.address} active; grains: {', '.join(silo.types.names())}", flush=True)
         if args.ready_file:
-            with open(args.ready_file + ".tmp", "w") as f:
-                f.write(str(silo.address))
-            os.replace(args.ready_file + ".tmp", args.ready_file)
+            # Written once at start-up, before any call is served: blocking is harmless.
+            tmp = Path(args.ready_file + ".tmp")
+            tmp.write_text(str(silo.address))
+            os.replace(tmp, args.ready_file)
         if args.dashboard is not None:
             from dashboard.server import make_server, serve
 

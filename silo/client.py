@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
-from grains.base import Grain
 from silo import errors
 from silo.codec import Codec, TypeRegistry
 from silo.directory import RedisGrainDirectory
@@ -124,7 +123,7 @@ class ClusterClient:
         if self._embedded is not None:
             await self._embedded.__aexit__(None, None, None)
 
-    async def __aenter__(self) -> ClusterClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

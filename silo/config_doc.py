@@ -53,7 +53,7 @@ def settings_table() -> str:
 def refresh(path: Path) -> bool:
     """Rewrite the table between the markers; True when it changed."""
     text = path.read_text()
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.DOTALL)
     new = pattern.sub(START + "\n" + settings_table() + "\n" + END, text)
     if new != text:
         path.write_text(new)

@@ -248,7 +248,7 @@ class Dispatcher:
     ) -> None:
         try:
             result = await self.dispatch(grain, method, args, kwargs, deadline, chain, hops, (id(conn), req_id))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             self._errors += 1
             conn.send_error(req_id, exc)
         else:

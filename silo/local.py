@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from grains.ids import SiloAddress
 from silo import errors
@@ -188,7 +189,7 @@ class LocalCluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(

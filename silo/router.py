@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-
 from dataclasses import dataclass
 from typing import Any, Protocol
 

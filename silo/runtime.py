@@ -19,7 +19,7 @@ from silo.storage import StateStore
 
 if TYPE_CHECKING:
     from silo.catalog import Activation
-    from silo.router import Manifests, Router
+    from silo.router import Manifests
 
 R = TypeVar("R")
 

@@ -16,33 +16,39 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
 from grains.base import DeactivationReason, Grain
 from grains.ids import SiloAddress
-from grains.placement import grain_options
 from silo import errors
 from silo.catalog import CallFilter, Catalog
+from silo.checkpoint import Checkpoints
 from silo.codec import Codec, TypeRegistry
 from silo.directory import RedisGrainDirectory
 from silo.dispatcher import Dispatcher
+from silo.events import EventLog
 from silo.failure_detector import FailureDetector, HeartbeatThread, transport_probe
 from silo.grain_types import GrainTypes
 from silo.keys import Keys
-from silo.membership import ClusterEvents, MemberRow, MembershipView, RedisMembershipTable, SiloLoad, SiloStatus
+from silo.membership import (
+    ClusterEvents,
+    MemberRow,
+    MembershipView,
+    RedisMembershipTable,
+    SiloLoad,
+    SiloStatus,
+)
 from silo.placement import Placer
 from silo.rebalancer import ControlInbox, Migrator, Rebalancer
 from silo.redis_util import connect_redis, redis_errors
+from silo.reminders import ReminderService, ReminderTable, RouterDelivery
 from silo.router import Manifests, Router, TypeInfo
 from silo.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.settings import SiloSettings
-from silo.events import EventLog
 from silo.stats import CallStats, StatsPublisher
 from silo.storage import RedisStateStore
-from silo.checkpoint import Checkpoints
-from silo.reminders import ReminderService, ReminderTable, RouterDelivery
 from silo.transport import Transport
 from silo.watchdog import LoopWatchdog
 
@@ -369,7 +375,7 @@ class Silo:
         finally:
             self.stopped.set()
 
-    async def __aenter__(self) -> Silo:
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
