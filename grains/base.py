@@ -95,7 +95,7 @@ class Grain:
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""
-        return self._rg_activation.runtime.cluster_members(type_name)  # type: ignore[no-any-return]
+        return self._rg_activation.runtime.cluster_members(type_name)
 
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         """Run CPU-heavy ``fn`` on the silo's bounded executor, keeping the loop free."""

@@ -48,6 +48,10 @@ class Runtime(Protocol):
 
     def reminders(self) -> Any: ...
 
+    def checkpoints(self) -> Any: ...
+
+    def cluster_members(self, type_name: str | None = None) -> list[Any]: ...
+
     def state_handle(self, activation: Activation) -> StateHandle: ...
 
 
@@ -508,7 +512,8 @@ class Catalog:
 
     async def _run_activation_hooks(self, act: Activation) -> None:
         try:
-            act.instance.__init__()  # after binding, so __init__ may read self.key
+            # Bound before __init__ runs, so a grain's __init__ may read self.key.
+            type(act.instance).__init__(act.instance)
             if act.cls.State is not None:
                 await act.state_handle().load()
             await act.instance.on_activate()

@@ -190,7 +190,8 @@ class LocalCluster:
             self._tmp = None
 
     def __enter__(self) -> Self:
-        return self.start()
+        self.start()
+        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -200,7 +200,7 @@ class Silo:
         return self
 
     async def _publish_types(self) -> None:
-        mapping = {name: json.dumps(self.types.manifest(name)) for name in self.types.names()}
+        mapping: dict[Any, Any] = {name: json.dumps(self.types.manifest(name)) for name in self.types.names()}
         with redis_errors("publish grain types"):
             await self.redis.hset(self.keys.grain_types, mapping=mapping)
 
@@ -376,7 +376,8 @@ class Silo:
             self.stopped.set()
 
     async def __aenter__(self) -> Self:
-        return await self.start()
+        await self.start()
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
