@@ -27,6 +27,10 @@ examples:
   redgrain silo --embedded-redis --grains samples.hello --port 11111
   redgrain call --redis redis://127.0.0.1:6379 --cluster dev Greeter alice hello '"bob"'
   redgrain status --redis redis://127.0.0.1:6379 --cluster dev
+  redgrain drain --redis redis://127.0.0.1:6379 --cluster dev 127.0.0.1:11111@3
+  redgrain train samples/digits.toml --redis redis://127.0.0.1:6379 --cluster dev
+  redgrain train --status digits --redis redis://127.0.0.1:6379 --cluster dev
+  redgrain dashboard --redis redis://127.0.0.1:6379 --cluster dev --port 8080
   redgrain demo --steps 200 --exit
 """
 
@@ -95,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
 
-    p = sub.add_parser("status", help="print members, their status, load and activations")
+    p = sub.add_parser(
+        "status", help="print members, their status, load and activations (redgrain status --cluster dev)"
+    )
     _common(p)
 
     p = sub.add_parser(
