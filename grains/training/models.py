@@ -7,6 +7,7 @@ trainer and reference loop builds the same initial weights.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -46,10 +47,16 @@ def cnn(channels: int = 1, size: int = 8, classes: int = 10, width: int = 16) ->
     )
 
 
+_SEEDED_BUILD = threading.Lock()
+
+
 def build_model(spec: TrainingJob) -> nn.Module:
     """The job's model with its seeded initial weights (same on every process)."""
     factory = resolve_path(spec.model, "model")
-    with torch.random.fork_rng(devices=[]):
+    # The seed lives in torch's one global generator: two grains building
+    # models at once in the silo's thread pool would interleave its draws and
+    # get different "seeded" weights. One build at a time per process.
+    with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         try:
             model = factory(**spec.model_args)

