@@ -47,3 +47,9 @@ def test_bank_sample_total_balance_unchanged_under_silo_kills() -> None:
     out = run_sample("bank.py", "--accounts", "8", "--transfers", "120", "--kills", "2", timeout=240)
     assert "SIGKILL silo" in out
     assert "total balance 8000 (expected 8000)" in out
+
+
+@pytest.mark.slow
+def test_custom_model_sample_trains_a_user_module_and_dataset() -> None:
+    out = run_sample("custom_model.py", timeout=240)
+    assert "spirals: test accuracy" in out
