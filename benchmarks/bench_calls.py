@@ -63,19 +63,7 @@ async def _shapes(
     out: dict[str, Any] = {}
     lat: list[float] = []
 
-    async def sequential() -> float:
-        lat.clear()
-        t0 = time.perf_counter()
-        for _ in range(n_seq):
-            t = time.perf_counter()
-            await echo.echo(payload)
-            lat.append(time.perf_counter() - t)
-        return n_seq / (time.perf_counter() - t0)
-
-    async def pipelined() -> float:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(echo.echo(payload) for _ in range(n_pipe)))
-        return n_pipe / (time.perf_counter() - t0)
+    sequential, pipelined = common.call_rates(lambda: echo.echo(payload), n_seq, n_pipe, lat)
 
     runs = await common.repeat(sequential, repeats)
     out[f"client_grain_seq_{label}"] = _seq_result(lat, runs)

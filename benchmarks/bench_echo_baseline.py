@@ -95,19 +95,7 @@ async def measure(port: int, quick: bool) -> dict[str, Any]:
     repeats = 2 if quick else 5
     lat: list[float] = []
 
-    async def sequential() -> float:
-        lat.clear()
-        t0 = time.perf_counter()
-        for _ in range(n_seq):
-            t = time.perf_counter()
-            await client.echo(payload)
-            lat.append(time.perf_counter() - t)
-        return n_seq / (time.perf_counter() - t0)
-
-    async def pipelined() -> float:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client.echo(payload) for _ in range(n_pipe)))
-        return n_pipe / (time.perf_counter() - t0)
+    sequential, pipelined = common.call_rates(lambda: client.echo(payload), n_seq, n_pipe, lat)
 
     async def pipelined_futures() -> float:
         # No task per call: the most a pipelined asyncio client can do.

@@ -138,6 +138,29 @@ async def repeat(measure: Callable[[], Awaitable[float]], repeats: int, warmup: 
     return summarize([await measure() for _ in range(repeats)])
 
 
+def call_rates(
+    call: Callable[[], Awaitable[Any]], n_seq: int, n_pipe: int, lat: list[float]
+) -> tuple[Callable[[], Awaitable[float]], Callable[[], Awaitable[float]]]:
+    """The two measures every call benchmark takes: sequential calls/s (latencies into
+    ``lat``) and pipelined calls/s (``n_pipe`` calls in flight through asyncio.gather)."""
+
+    async def sequential() -> float:
+        lat.clear()
+        t0 = time.perf_counter()
+        for _ in range(n_seq):
+            t = time.perf_counter()
+            await call()
+            lat.append(time.perf_counter() - t)
+        return n_seq / (time.perf_counter() - t0)
+
+    async def pipelined() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(call() for _ in range(n_pipe)))
+        return n_pipe / (time.perf_counter() - t0)
+
+    return sequential, pipelined
+
+
 def fmt_rate(x: float) -> str:
     return f"{x:,.0f}"
 
