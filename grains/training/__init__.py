@@ -7,9 +7,11 @@ Run silos with ``redgrain silo --grains grains.training`` and submit a job::
 
 The grain classes live in their own modules; their ``__module__`` is set to
 this package (as trio does for its public names), so a silo started with
-``--grains grains.training`` hosts all three.
+``--grains grains.training`` hosts all four (``AllreduceTrainerGrain``: the
+trainers of mode ``allreduce``).
 """
 
+from grains.training.allreduce import AllreduceTrainerGrain
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.coordinator import CoordinatorGrain
 from grains.training.job import TrainingJob, load_job_file, parse_job
@@ -17,11 +19,12 @@ from grains.training.messages import TrainingStatus
 from grains.training.shard import ParamShardGrain
 from grains.training.trainer import TrainerGrain
 
-for _cls in (CoordinatorGrain, ParamShardGrain, TrainerGrain):
+for _cls in (AllreduceTrainerGrain, CoordinatorGrain, ParamShardGrain, TrainerGrain):
     _cls.__module__ = __name__
 del _cls
 
 __all__ = [
+    "AllreduceTrainerGrain",
     "CoordinatorGrain",
     "ParamShardGrain",
     "ShardSnapshot",

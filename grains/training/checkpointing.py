@@ -58,6 +58,77 @@ async def save(
         shard.state.snapshot = None
 
 
+async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, keep: int) -> bool:
+    """Save the whole model as the only member of the job's snapshot (all-reduce mode's rank 0)."""
+    grain.state.snapshot = snapshot
+    try:
+        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep)
+    finally:
+        grain.state.snapshot = None
+
+
+async def load_model(grain: Grain, job: str, run: int, step: int, order: list[str]) -> ShardSnapshot:
+    """The whole model at ``step``, merged from every member of the snapshot, whichever mode saved it.
+
+    ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
+    """
+    act: Any = grain._rg_activation  # the runtime's checkpoint service and this grain's codec
+    cps = act.runtime.checkpoints()
+    info = await cps.info(group(job, run), step)
+    if info is None or not info.complete:
+        raise errors.StorageError(f"snapshot {group(job, run)}/{step} is missing or incomplete")
+    parts = []
+    for m in info.members:
+        stored, _ = await cps.load(group(job, run), step, m)
+        decoded = act.state_handle().decode(stored)
+        if decoded.snapshot is None:
+            raise errors.StorageError(f"snapshot {group(job, run)}/{step} member {m} holds no model data")
+        parts.append(decoded.snapshot)
+    return merge(parts, order)
+
+
+def merge(parts: list[ShardSnapshot], order: list[str]) -> ShardSnapshot:
+    """One snapshot of the whole model (``order``: its parameter names) from snapshots of its parts."""
+    pos = {n: i for i, n in enumerate(order)}
+    params: dict[str, torch.Tensor] = {}
+    state: dict[int, Any] = {}
+    for part in parts:
+        own = part.optimizer.get("state", {})
+        for i, name in enumerate(part.params):
+            params[name] = part.params[name]
+            st = own.get(i, own.get(str(i)))
+            if st is not None:
+                state[pos[name]] = st
+    missing = [n for n in order if n not in params]
+    if missing:
+        raise errors.StorageError(f"checkpoint lacks parameters {missing[:5]}")
+    groups = [{**g, "params": list(range(len(order)))} for g in parts[0].optimizer["param_groups"][:1]]
+    return ShardSnapshot(
+        step=parts[0].step,
+        version=max(p.version for p in parts),
+        params={n: params[n] for n in order},
+        optimizer={"state": state, "param_groups": groups},
+    )
+
+
+def split(whole: ShardSnapshot, names: list[str]) -> ShardSnapshot:
+    """The part of a whole-model snapshot that a shard owning ``names`` (model order) restores."""
+    pos = {n: i for i, n in enumerate(whole.params)}
+    own = whole.optimizer.get("state", {})
+    state = {}
+    for i, name in enumerate(names):
+        st = own.get(pos[name], own.get(str(pos[name])))
+        if st is not None:
+            state[i] = st
+    groups = [{**g, "params": list(range(len(names)))} for g in whole.optimizer["param_groups"][:1]]
+    return ShardSnapshot(
+        step=whole.step,
+        version=whole.version,
+        params={n: whole.params[n] for n in names},
+        optimizer={"state": state, "param_groups": groups},
+    )
+
+
 async def load(shard: Grain, job: str, run: int, step: int) -> ShardSnapshot:
     await shard.load_snapshot(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None

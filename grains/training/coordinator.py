@@ -18,6 +18,18 @@ it is doing and repairs what it finds:
 Checkpoint step ``c`` is committed once every shard has saved it; the newest
 ``keep_checkpoints`` are kept. Progress goes to the dashboard's job record
 each tick.
+
+Elastic growth (both modes, :mod:`grains.training.elastic` answers which
+silos may host trainers): with ``trainers = "auto"`` a trainer silo that joins
+gets a trainer. In parameter-server mode that happens at the next committed
+checkpoint (a new generation restores it with one more slot, so nothing is
+lost); in ``allreduce`` mode at the next group generation.
+
+Mode ``allreduce`` has no shards: the driver forms a torch.distributed group
+of :class:`AllreduceTrainerGrain`s, one per trainer silo (at most
+``trainers``), and re-forms it with a new generation whenever a member's silo
+leaves, a member fails, or a trainer silo joins; the new group starts from the
+newest step a survivor holds (see :mod:`grains.training.allreduce`).
 """
 
 from __future__ import annotations
@@ -34,9 +46,13 @@ from pydantic import BaseModel, Field
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training import cluster
+from grains.training.allreduce import AllreduceTrainerGrain
 from grains.training.datasets import Batches, load_dataset
+from grains.training.elastic import SiloLook, TrainerSilos
 from grains.training.job import TrainingJob, check_job, parse_job
 from grains.training.messages import (
+    GroupAssignment,
+    GroupChange,
     HistoryPoint,
     JobStatus,
     ShardConfig,
@@ -57,6 +73,8 @@ _CALL_TIMEOUT_S = 10.0
 _HISTORY = 2000
 _MAX_SLOT_FAILURES = 5
 _TERMINAL = ("completed", "failed", "cancelled")
+_STOP_TIMEOUT_S = 3.0
+_CHANGES = 20
 
 
 def split_by_bytes(sizes: dict[str, int], shards: int) -> list[list[str]]:
@@ -102,6 +120,11 @@ class CoordinatorGrain(Grain):
         shard_names: list[list[str]] = Field(default_factory=list)
         shard_activations: list[str] = Field(default_factory=list)
         trainer_keys: list[str] = Field(default_factory=list)
+        trainer_silos: list[str] = Field(default_factory=list)
+        """Silo each trainer key was placed on (allreduce: by rank)."""
+        next_trainer: int = 0
+        """Number for the next new trainer key (keys are never reused within a run)."""
+        changes: list[GroupChange] = Field(default_factory=list)
         committed: list[int] = Field(default_factory=list)
         step: int = 0
         loss: float | None = None
@@ -123,6 +146,7 @@ class CoordinatorGrain(Grain):
         self._evaluator: _Evaluator | None = None
         self._last_eval_step = 0
         self._last_publish_failed = False
+        self._silos: TrainerSilos | None = None
 
     async def on_activate(self) -> None:
         self._live = self._status_from_state()
@@ -174,6 +198,8 @@ class CoordinatorGrain(Grain):
 
     async def parameters(self) -> dict[str, torch.Tensor]:
         """The current fp32 weights, gathered from every shard (for evaluation and tests)."""
+        if self.state.spec is not None and self.state.spec.mode == "allreduce":
+            return await self._group_parameters()
         out: dict[str, torch.Tensor] = {}
         for part in await asyncio.gather(*(s.parameters() for s in self._shards())):
             out.update(part)
@@ -194,7 +220,19 @@ class CoordinatorGrain(Grain):
         return [self._ref(ParamShardGrain, k) for k in self.state.shard_keys]
 
     def _trainers(self) -> list[Any]:
-        return [self._ref(TrainerGrain, k) for k in self.state.trainer_keys]
+        return [self._ref(self._trainer_cls(), k) for k in self.state.trainer_keys]
+
+    def _trainer_cls(self) -> type[Grain]:
+        spec = self.state.spec
+        return AllreduceTrainerGrain if spec is not None and spec.mode == "allreduce" else TrainerGrain
+
+    def _watch(self) -> TrainerSilos:
+        spec = self.state.spec
+        assert spec is not None
+        name = self._trainer_cls().__name__
+        if self._silos is None or self._silos.type_name != name or self._silos.role != spec.trainer_role:
+            self._silos = TrainerSilos(name, spec.trainer_role)
+        return self._silos
 
     async def _drive(self, *, resume: bool) -> None:
         try:
@@ -221,6 +259,9 @@ class CoordinatorGrain(Grain):
     async def _place_and_start(self) -> None:
         spec = self.state.spec
         assert spec is not None
+        if spec.mode == "allreduce":
+            await self._start_group()
+            return
         sizes = await self.run_in_thread(check_job, spec)
         shard_rows = cluster.hosting_silos(self, "ParamShardGrain")
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(self, "TrainerGrain"), spec.trainer_role)
@@ -241,6 +282,8 @@ class CoordinatorGrain(Grain):
         ]
         s = self.state
         s.slots, s.shard_keys, s.shard_names, s.trainer_keys = slots, shard_keys, names, trainer_keys
+        s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
+        s.next_trainer = slots
         s.total_steps = spec.total_steps(train_size, slots)
         await self._configure_shards(None)
         await asyncio.gather(*(self._run_slot(j, 0) for j in range(slots)))
@@ -286,6 +329,10 @@ class CoordinatorGrain(Grain):
 
     async def _tick(self) -> None:
         s = self.state
+        assert s.spec is not None
+        if s.spec.mode == "allreduce":
+            await self._tick_group()
+            return
         shard_results = await asyncio.gather(*(sh.status() for sh in self._shards()), return_exceptions=True)
         if any(isinstance(r, BaseException) for r in shard_results):
             # Unreachable is not lost: a busy silo answers later, and a dead one's shard is
@@ -327,21 +374,218 @@ class CoordinatorGrain(Grain):
             s.restarts += 1
             with contextlib.suppress(errors.RedgrainError):
                 await self._run_slot(j, start)
-        await self._commit(statuses)
+        committed = await self._commit(statuses)
         await self._report(statuses)
         if done == s.slots:
             await self._finish("completed")
+        elif committed and s.spec.trainers == "auto":
+            await self._grow_at_checkpoint()
 
-    async def _commit(self, statuses: list[ShardStatus]) -> None:
+    async def _commit(self, statuses: list[ShardStatus]) -> bool:
+        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
+        return await self._commit_step(max(common, default=None))
+
+    async def _commit_step(self, newest: int | None) -> bool:
+        """Record checkpoint ``newest`` as committed; True when it is new."""
         s = self.state
         assert s.spec is not None
-        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
-        newest = max(common, default=None)
         if newest is None or (s.committed and newest <= s.committed[-1]):
-            return
+            return False
         # The store keeps the newest keep_checkpoints complete snapshots; so do we.
         s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
         await self._write()
+        return True
+
+    async def _grow_at_checkpoint(self) -> None:
+        """Parameter-server mode, trainers 'auto': give each trainer silo that has none a trainer.
+
+        Done right after a checkpoint is committed: a new generation restores it with the
+        extra slots (the data re-split over them), so almost no work is lost.
+        """
+        s = self.state
+        if len(s.trainer_silos) != len(s.trainer_keys):
+            return  # placed by an older version: where the trainers are is not known
+        look = self._watch().look(self)
+        joined = look.without_trainer(s.trainer_silos)
+        if not joined:
+            return
+        for row in joined:
+            key = cluster.key_on("TrainerGrain", f"{self.key}/trainer-{s.next_trainer}", row.silo, look.hosting)
+            s.next_trainer += 1
+            s.trainer_keys.append(key)
+            s.trainer_silos.append(row.address)
+        s.slots = len(s.trainer_keys)
+        why = f"trainer silo(s) {', '.join(r.address for r in joined)} joined"
+        self._note_change(s.generation + 1, why, s.slots, s.committed[-1] if s.committed else 0)
+        try:
+            await self._rollback(why)
+        except errors.RedgrainError as exc:
+            log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
+
+    def _note_change(self, generation: int, reason: str, world: int, start_step: int) -> None:
+        s = self.state
+        change = GroupChange(generation=generation, reason=reason, at=time.time(), world=world, start_step=start_step)
+        s.changes = [*s.changes, change][-_CHANGES:]
+
+    # --- allreduce mode -------------------------------------------------------
+    async def _start_group(self) -> None:
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        await self.run_in_thread(check_job, spec)
+        look = self._watch().look(self)
+        if not look.eligible:
+            raise errors.ConfigError(
+                "no active silo hosts the training grains (start silos with --grains grains.training)"
+            )
+        world = len(look.eligible) if spec.trainers == "auto" else min(int(spec.trainers), len(look.eligible))
+        train_size = len(await self.run_in_thread(load_dataset, spec, "train"))  # type: ignore[arg-type]
+        s.total_steps = spec.total_steps(train_size, world)
+        s.trainer_keys, s.trainer_silos, s.slots = [], [], 0
+        await self._reform("job started")
+        s.status = "running"
+        await self._write()
+
+    def _wanted(self, look: SiloLook) -> int:
+        spec = self.state.spec
+        assert spec is not None
+        return len(look.eligible) if spec.trainers == "auto" else min(int(spec.trainers), len(look.eligible))
+
+    async def _tick_group(self) -> None:
+        s = self.state
+        look = self._watch().look(self)
+        alive = look.alive
+        lost = [k for k, silo in zip(s.trainer_keys, s.trainer_silos, strict=True) if silo not in alive]
+        refs = [self._ref(AllreduceTrainerGrain, k) for k in s.trainer_keys]
+        results = await asyncio.gather(*(r.progress(self._cursor) for r in refs), return_exceptions=True)
+        broken: list[str] = []
+        done = 0
+        for rank, r in enumerate(results):
+            if isinstance(r, BaseException):
+                continue  # busy or dying: membership (or the next tick) tells
+            if r.generation != s.generation or r.status in ("idle", "failed"):
+                broken.append(f"{s.trainer_keys[rank]} {r.status}{': ' + r.error[:200] if r.error else ''}")
+                continue
+            self._progress[rank] = r
+            done += r.status == "done"
+        placed = [silo for silo in s.trainer_silos if silo in alive]
+        joined = look.without_trainer(placed)[: max(0, self._wanted(look) - len(placed))]
+        if lost or broken or joined or not s.trainer_keys:
+            why = "; ".join(
+                [f"lost {', '.join(lost)}"] * bool(lost)
+                + [f"broken {', '.join(broken)}"] * bool(broken)
+                + [f"silo(s) {', '.join(r.address for r in joined)} joined"] * bool(joined)
+            ) or "no trainers"
+            try:
+                await self._reform(why)
+            except errors.RedgrainError as exc:
+                log.warning("%s: re-forming the group failed (%s); retrying", self.key, exc)
+            return
+        self._note_first_step()
+        saved = [set(p.saved_steps) for p in self._progress.values() if p.rank == 0]
+        await self._commit_step(max(saved[0], default=None) if saved else None)
+        await self._report([])
+        if done == len(s.trainer_keys):
+            await self._finish("completed")
+
+    async def _reform(self, why: str) -> None:
+        """Replace the group: stop the members, pick the new ones, start them from the newest state."""
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        watch = self._watch()
+        look = watch.look(self)
+        s.generation += 1
+        await self._write()
+        # Stop the old members first (never calling one whose silo is gone: that would
+        # activate it again elsewhere); one that does not answer is left out.
+        olds = [(k, silo) for k, silo in zip(s.trainer_keys, s.trainer_silos, strict=True) if silo in look.alive]
+        stopped = await asyncio.gather(
+            *(self._ref(AllreduceTrainerGrain, k, _STOP_TIMEOUT_S).stop() for k, _ in olds), return_exceptions=True
+        )
+        survivors: list[tuple[str, str, TrainerProgress]] = []
+        for (key, silo), r in zip(olds, stopped, strict=True):
+            if isinstance(r, TrainerProgress):
+                survivors.append((key, silo, r))
+            else:
+                log.warning("%s: trainer %s on %s did not answer (%s); leaving it out", self.key, key, silo, r)
+                watch.quarantine(silo)
+        look = watch.look(self)
+        eligible = {r.address for r in look.eligible}
+        want = self._wanted(look)
+        members: list[tuple[str, str]] = []
+        for key, silo, _ in survivors:
+            if silo in eligible and silo not in {m[1] for m in members} and len(members) < want:
+                members.append((key, silo))
+        for row in look.without_trainer([m[1] for m in members])[: max(0, want - len(members))]:
+            key = cluster.key_on("AllreduceTrainerGrain", f"{self.key}/trainer-{s.next_trainer}", row.silo, look.hosting)
+            s.next_trainer += 1
+            members.append((key, row.address))
+        # The newest state a survivor holds (members or not: any can serve a copy).
+        held = [(p.held_step, key) for key, _, p in survivors if p.held_run == s.run and p.held_step >= 0]
+        best_step, best_key = max(held, default=(-1, None))
+        floor = s.committed[-1] if s.committed else 0
+        if best_key is not None and best_step >= floor:
+            start, source, restore = best_step, best_key, None
+        elif s.committed:
+            start, source, restore = floor, None, floor
+        else:
+            start, source, restore = 0, None, None
+        s.trainer_keys = [k for k, _ in members]
+        s.trainer_silos = [silo for _, silo in members]
+        s.slots = len(members)
+        self._progress.clear()
+        self._cursor = start
+        self._note_change(s.generation, why, len(members), start)
+        await self._write()
+        if not members:
+            log.warning("%s: no trainer silo available; waiting for one", self.key)
+            return
+        log.info("%s: group generation %d: %d trainer(s) from step %d (%s)", self.key, s.generation,
+                 len(members), start, why)  # fmt: skip
+        backend = "nccl" if look.all_gpu(s.trainer_silos) else "gloo"
+        await asyncio.gather(
+            *(
+                self._ref(AllreduceTrainerGrain, key, 60.0).join(
+                    self._assignment(rank, backend, start, None if source == key else source, restore)
+                )
+                for rank, key in enumerate(s.trainer_keys)
+            )
+        )
+
+    def _assignment(self, rank: int, backend: str, start: int, source: str | None, restore: int | None) -> GroupAssignment:
+        s = self.state
+        assert s.spec is not None
+        found = cluster.silo_redis(self)
+        # Generations only grow (across runs of a job id too), so each prefix is used by one group.
+        rendezvous = found[1].rendezvous(self.key, s.generation) if found is not None else f"rdzv:{self.key}:{s.generation}:"
+        return GroupAssignment(
+            job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, world=len(s.trainer_keys),
+            members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]
+            start_step=start, end_step=s.total_steps, source=source, restore_step=restore,
+        )  # fmt: skip
+
+    def _note_first_step(self) -> None:
+        """Fill in when the current generation committed its first step (recovery time)."""
+        s = self.state
+        if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
+            return
+        change = s.changes[-1]
+        times = [pt.at for p in self._progress.values() for pt in p.points if pt.step == change.start_step]
+        if len(times) == len(s.trainer_keys) and times:
+            change.first_step_at = max(times)
+
+    async def _group_parameters(self) -> dict[str, torch.Tensor]:
+        """The weights from a group member holding the newest step."""
+        s = self.state
+        refs = [self._ref(AllreduceTrainerGrain, k) for k in s.trainer_keys]
+        results = await asyncio.gather(*(r.progress(1 << 62) for r in refs), return_exceptions=True)
+        held = [(r.held_step, i) for i, r in enumerate(results) if isinstance(r, TrainerProgress) and r.held_run == s.run]
+        if not held:
+            raise errors.ConfigError(f"job {self.key}: no trainer holds the parameters")
+        step, i = max(held)
+        snap = await refs[i].replica(s.run, step)
+        return dict(snap.params)
 
     async def _report(self, statuses: list[ShardStatus]) -> None:
         s = self.state
@@ -413,7 +657,8 @@ class CoordinatorGrain(Grain):
             accuracy=s.accuracy, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), restarts=s.restarts, rollbacks=s.rollbacks,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
-            trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys), **live,
+            trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
+            mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,
         )  # fmt: skip
 
     async def _write(self) -> None:

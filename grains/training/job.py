@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grains.training.compression import parse_compression
 from silo.errors import ConfigError
 
-Mode = Literal["sync", "async", "ssp"]
+Mode = Literal["sync", "async", "ssp", "allreduce"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 
 
@@ -44,9 +44,14 @@ class TrainingJob(BaseModel):
     epochs: float | None = Field(None, gt=0, description="Alternative to steps: passes over the training set.")
     trainers: int | Literal["auto"] = Field(2, description="Trainer count, or 'auto': one per trainer silo.")
     shards: int = Field(1, gt=0, description="Parameter shards (parameters split by tensor, balanced by bytes).")
-    mode: Mode = "sync"
+    mode: Mode = Field(
+        "sync",
+        description="sync | async | ssp (parameter server) | allreduce (torch.distributed group of trainers, no shards).",
+    )
     staleness: int = Field(2, ge=0, description="ssp: how many steps a trainer may run ahead of the slowest.")
-    compression: str = Field("none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio>.")
+    compression: str = Field(
+        "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio> (allreduce: none | fp16 | bf16)."
+    )
     autocast_bf16: bool = Field(False, description="Run trainers' forward/backward under bf16 autocast.")
     checkpoint_every: int = Field(50, ge=0, description="Consistent checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, gt=0, description="Committed checkpoints to retain.")
@@ -80,6 +85,10 @@ class TrainingJob(BaseModel):
     def _length(self) -> TrainingJob:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
+        if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):
+            raise ValueError(
+                f"compression {self.compression!r} needs a parameter server; allreduce takes none, fp16 or bf16"
+            )
         return self
 
     def total_steps(self, train_size: int, trainers: int) -> int:

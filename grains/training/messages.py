@@ -72,11 +72,36 @@ class TrainerAssignment(BaseModel):
     shard_names: list[list[str]]
 
 
+class GroupAssignment(BaseModel):
+    """An all-reduce trainer's part in one group generation (mode ``allreduce``)."""
+
+    job: str
+    run: int
+    spec: TrainingJob
+    generation: int
+    """The group generation: a new one each time the coordinator re-forms the group."""
+    rank: int
+    world: int
+    members: list[str]
+    """Trainer keys by rank."""
+    rendezvous: str
+    """Redis key prefix of this generation's torch.distributed store."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    start_step: int
+    end_step: int
+    source: str | None = None
+    """Trainer key holding the parameters and optimizer state of ``start_step`` (None: this one)."""
+    restore_step: int | None = None
+    """Committed checkpoint to load when no trainer holds ``start_step`` (None: seeded weights)."""
+
+
 class StepPoint(BaseModel):
     step: int
     loss: float
     accuracy: float
     """Training-batch accuracy of this step."""
+    at: float = 0.0
+    """Wall-clock time the step was committed (all-reduce mode)."""
 
 
 class TrainerProgress(BaseModel):
@@ -97,6 +122,27 @@ class TrainerProgress(BaseModel):
     max_gap: int = 0
     error: str = ""
     points: list[StepPoint] = Field(default_factory=list)
+    held_run: int = -1
+    """All-reduce: the run whose state this trainer holds (-1: none)."""
+    held_step: int = -1
+    """All-reduce: the step whose parameters and optimizer state this trainer holds (-1: none)."""
+    saved_steps: list[int] = Field(default_factory=list)
+    """All-reduce: checkpoint steps this trainer saved (complete snapshots)."""
+    rank: int = -1
+    world: int = 0
+
+
+class GroupChange(BaseModel):
+    """One re-forming of an all-reduce group (or a trainer added in parameter-server mode)."""
+
+    generation: int
+    reason: str
+    at: float
+    """When the coordinator decided it."""
+    world: int
+    start_step: int
+    first_step_at: float | None = None
+    """When the new group committed its first step (None: not yet)."""
 
 
 class HistoryPoint(BaseModel):
@@ -133,6 +179,9 @@ class TrainingStatus(BaseModel):
     """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
     elapsed_s: float = 0.0
     error: str = ""
+    mode: str = ""
+    changes: list[GroupChange] = Field(default_factory=list)
+    """All-reduce group re-formings and elastic trainer additions, oldest first (last 20)."""
     coordinator_silo: str = ""
     trainer_keys: list[str] = Field(default_factory=list)
     shard_keys: list[str] = Field(default_factory=list)

@@ -1,0 +1,390 @@
+"""All-reduce training: trainer grains in a torch.distributed group, formed by the coordinator.
+
+Mode ``allreduce`` has no parameter shards. Every trainer holds the whole
+model and its optimizer; per step it computes the gradients of its slice of
+the global batch, flattens them into one tensor, averages it over the group
+with one collective (torch's own DDP comm hooks: ``allreduce_hook``, or
+``fp16_compress_hook`` / ``bf16_compress_hook`` for ``compression``), and
+applies the same optimizer step as every other rank. The math is that of one
+process on the global batch, as in sync parameter-server mode.
+
+The coordinator hands each trainer a :class:`GroupAssignment`: rank, world
+size, group generation, a rendezvous prefix in Redis
+(:mod:`grains.training.rendezvous`) and the state to start from. The group is
+a ``ProcessGroupGloo`` (``ProcessGroupNCCL`` when every member has a GPU) built
+directly on that store, never torch's global default group, so any number of
+trainers can live in one process.
+
+A step is *committed* on a trainer once its collective returned and its
+optimizer step ran; that is the only moment the held state changes, so a
+trainer always holds a consistent (parameters, optimizer state, step). When
+the group must change (a member's silo died, a trainer silo joined), the
+coordinator calls :meth:`AllreduceTrainerGrain.stop` on the survivors: the
+blocked collective is abandoned at once (the wait polls an abandon flag; the
+group's gloo timeout is only a backstop), and the group is released on a
+thread of its own, since destroying a gloo group with a collective in flight
+blocks until that times out. Survivors then report the step they hold, and
+the next generation starts from the newest one: members behind copy it from a
+member that holds it (:meth:`AllreduceTrainerGrain.replica`), new members
+too, and the last committed checkpoint is the fallback when none does.
+
+Rank 0 saves checkpoints with the same snapshot API and format as the shards
+(:mod:`grains.training.checkpointing`: one member holding the whole model), so
+either mode can restore the other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from grains.base import DeactivationReason, Grain
+from grains.placement import hash_placement, immovable, reentrant
+from grains.training import checkpointing, cluster
+from grains.training.checkpointing import ShardSnapshot, SnapshotState
+from grains.training.datasets import Batches, load_dataset
+from grains.training.job import TrainingJob
+from grains.training.messages import GroupAssignment, StepPoint, TrainerProgress
+from grains.training.models import build_model
+from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
+from grains.training.shard import make_optimizer
+from silo import errors
+
+log = logging.getLogger("redgrain.training.allreduce")
+
+_POINTS = 2000
+_RATE_WINDOW = 20
+_ABANDON_POLL_S = 0.05
+
+_HOOKS = {
+    "none": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+
+class _Bucket:
+    """The one gradient bucket of a step, as torch's comm hooks see it (they only read ``buffer()``)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self._flat = flat
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+
+class Group:
+    """One generation's process group; ``release()`` hands it to a thread that can wait for gloo."""
+
+    def __init__(self, pg: Any, hook: Any) -> None:
+        self.pg: Any = pg
+        self._hook = hook
+
+    def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event) -> torch.Tensor:
+        """The mean of ``flat`` over the group; GroupAbandonedError as soon as ``abandon`` is set."""
+        fut = self._hook(self.pg, _Bucket(flat))
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())
+        while not done.wait(_ABANDON_POLL_S):
+            if abandon.is_set():
+                raise GroupAbandonedError("collective abandoned: the coordinator replaced the group")
+        out: torch.Tensor = fut.value()  # raises when a peer broke the collective
+        return out
+
+    def release(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            # Dropping a gloo group whose collective is still pending blocks until its
+            # timeout; never on the event loop or the silo's executor.
+            threading.Thread(target=_drop, args=([pg],), name="redgrain-group-release", daemon=True).start()
+
+
+def _drop(holder: list[Any]) -> None:
+    holder.clear()
+
+
+def form_group(
+    client: Any, a: GroupAssignment, host: str, device: str, abandon: threading.Event, timeout_s: float
+) -> Group:
+    """Rendezvous on Redis and build the group (blocks until every rank arrives; run on a thread)."""
+    store = RedisStore(client, a.rendezvous, timeout_s, abandon)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if a.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg: Any = dist.ProcessGroupNCCL(store, a.rank, a.world, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        pg = dist.ProcessGroupGloo(store, a.rank, a.world, opts)
+    return Group(pg, _HOOKS[a.spec.compression])
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    correct: int
+    samples: int
+
+
+class GroupReplica:
+    """The model, optimizer and data of one trainer; every method runs on the executor.
+
+    ``held`` is ``(run, step)``: the state is that after ``step`` committed steps of
+    ``run``. A lock makes a step, a load and a snapshot exclusive.
+    """
+
+    def __init__(self, spec: TrainingJob, device: str) -> None:
+        self.spec = spec
+        self.device = device
+        self.model = build_model(spec).to(device)
+        self.params = list(self.model.parameters())
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.opt = make_optimizer(self.params, spec)
+        self.batches = Batches(load_dataset(spec, "train"), device)
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), device=device)
+        self.held = (-1, -1)
+        self._lock = threading.Lock()
+
+    def fresh(self, run: int) -> None:
+        """Start from the seeded weights: the constructor's; only valid before any step."""
+        self.held = (run, 0)
+
+    def load(self, snap: ShardSnapshot, run: int) -> None:
+        with self._lock, torch.no_grad():
+            for n, p in zip(self.names, self.params, strict=True):
+                p.copy_(snap.params[n])
+            self.opt.load_state_dict(snap.optimizer)
+            self.held = (run, snap.step)
+
+    def snapshot(self) -> ShardSnapshot:
+        """Parameters and optimizer state of the held step, in the checkpoint format."""
+        with self._lock:
+            sd = self.opt.state_dict()
+            state = {
+                k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
+                for k, s in sd["state"].items()
+            }
+            return ShardSnapshot(
+                step=self.held[1],
+                version=self.held[1],
+                params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
+                optimizer={"state": state, "param_groups": sd["param_groups"]},
+            )
+
+    def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
+        """Forward/backward on this rank's slice of global step ``step``, average, apply."""
+        with self._lock:
+            if self.held[1] != step:
+                raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
+            x, y = self.batches.batch(self.spec.batch_size, world, rank, step, self.spec.seed)
+            for p in self.params:
+                p.grad = None
+            ctx = (
+                torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
+                if self.spec.autocast_bf16
+                else contextlib.nullcontext()
+            )
+            with ctx:
+                out = self.model(x)
+                loss = F.cross_entropy(out.float(), y)
+            loss.backward()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+            mean = group.allreduce_mean(self.flat, abandon)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
+                offset += n
+            self.opt.step()
+            self.held = (self.held[0], step + 1)
+            correct = int((out.detach().argmax(1) == y).sum())
+            return StepResult(float(loss.detach()), correct, len(y))
+
+
+@immovable
+@reentrant
+@hash_placement
+class AllreduceTrainerGrain(Grain):
+    """A member of a job's all-reduce group (key = job/trainer-n); driven by the coordinator."""
+
+    State = SnapshotState
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._abandon = threading.Event()
+        self._rep: GroupReplica | None = None
+        self._redis: Any = None
+        self._p = TrainerProgress(activation_id="", silo="")
+        self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        self._points: deque[StepPoint] = deque(maxlen=_POINTS)
+        self._saved: list[int] = []
+        self._saves: set[asyncio.Task[None]] = set()
+
+    async def on_activate(self) -> None:
+        self._p = TrainerProgress(activation_id=self.activation_id, silo=str(self.silo))
+
+    async def on_deactivate(self, reason: DeactivationReason) -> None:
+        await self._abandon_loop()
+        if self._redis is not None:
+            self._redis.close()
+
+    # --- the coordinator's API ---------------------------------------------
+    async def join(self, assignment: GroupAssignment) -> None:
+        """Leave any older group and start training as ``assignment`` says; returns at once."""
+        await self._abandon_loop()
+        a = assignment
+        held_run, held_step = self._rep.held if self._rep is not None else (-1, -1)
+        self._p = TrainerProgress(
+            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, slot=a.rank,
+            status="running", step=a.start_step, held_run=held_run, held_step=held_step, rank=a.rank, world=a.world,
+            saved_steps=list(self._saved),
+        )  # fmt: skip
+        self._times.clear()
+        self._points.clear()
+        self._abandon = threading.Event()
+        self._task = self.start_task(self._loop(a, self._abandon), name=f"{self.key} group g{a.generation}")
+
+    async def stop(self) -> TrainerProgress:
+        """Abandon the current group (a blocked collective returns at once); report the held state."""
+        await self._abandon_loop()
+        if self._p.status == "running":
+            self._p.status = "idle"
+        return await self.progress(1 << 62)
+
+    async def progress(self, since_step: int = 0) -> TrainerProgress:
+        """Counters of the current generation, and the per-step points from ``since_step`` on."""
+        points = [p for p in self._points if p.step >= since_step]
+        run, step = self._rep.held if self._rep is not None else (-1, -1)
+        return self._p.model_copy(update={"points": points, "held_run": run, "held_step": step,
+                                          "saved_steps": list(self._saved)})  # fmt: skip
+
+    async def replica(self, run: int, step: int) -> ShardSnapshot:
+        """The parameters and optimizer state after ``step`` steps of ``run`` (a peer restores from it)."""
+        rep = self._rep
+        if rep is None or rep.held != (run, step):
+            held = rep.held if rep is not None else None
+            raise errors.ConfigError(f"{self.key} holds {held}, not step {step} of run {run}")
+        snap = await self.run_in_thread(rep.snapshot)
+        if snap.step != step:  # a step ran meanwhile: the caller's generation is stale anyway
+            raise errors.ConfigError(f"{self.key} moved past step {step}")
+        return snap
+
+    # --- the loop -------------------------------------------------------------
+    async def _abandon_loop(self) -> None:
+        task, self._task = self._task, None
+        self._abandon.set()
+        if task is not None and not task.done():
+            # Not cancelled: the loop's thread sees the flag within _ABANDON_POLL_S (or when its
+            # compute ends), and the loop must not touch the replica again after we return.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.shield(task)
+
+    async def _loop(self, a: GroupAssignment, abandon: threading.Event) -> None:
+        group: Group | None = None
+        try:
+            await self._prepare(a)
+            if abandon.is_set():
+                raise GroupAbandonedError("replaced before the group formed")
+            if self._redis is None:
+                found = cluster.silo_redis(self)
+                if found is None:
+                    raise errors.ConfigError("all-reduce training needs the cluster's Redis for its rendezvous")
+                self._redis = sync_client_like(found[0])
+            group = await self.run_in_thread(
+                form_group, self._redis, a, self.silo.host, self.device, abandon, a.spec.step_timeout_s
+            )
+            rep = self._rep
+            assert rep is not None
+            every = a.spec.checkpoint_every
+            for step in range(a.start_step, a.end_step):
+                r = await self.run_in_thread(rep.step, step, a.rank, a.world, group, abandon)
+                self._record(step, r)
+                if a.rank == 0 and every and (step + 1) % every == 0:
+                    await self._checkpoint(a, rep)
+            self._p.status = "done"
+        except GroupAbandonedError:
+            self._p.status = "idle"
+        except asyncio.CancelledError:
+            abandon.set()
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which re-forms the group
+            log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._p.step, exc)
+            self._p.status = "failed"
+            self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
+        finally:
+            if group is not None:
+                group.release()
+
+    async def _prepare(self, a: GroupAssignment) -> None:
+        """Bring the replica to ``(a.run, a.start_step)``: keep it, copy it from a peer, or load it."""
+        want = (a.run, a.start_step)
+        if self._rep is not None and self._rep.spec != a.spec:
+            self._rep = None
+        if self._rep is not None and self._rep.held == want:
+            return
+        if self._rep is None:
+            self._rep = await self.run_in_thread(GroupReplica, a.spec, self.device)
+        rep = self._rep
+        if a.source is not None and a.source != self.key:
+            peer: Any = self.get_grain(AllreduceTrainerGrain, a.source)
+            snap = await peer.with_timeout(a.spec.step_timeout_s).replica(a.run, a.start_step)
+            await self.run_in_thread(rep.load, snap, a.run)
+        elif a.restore_step is not None:
+            snap = await checkpointing.load_model(self, a.job, a.run, a.restore_step, rep.names)
+            await self.run_in_thread(rep.load, snap, a.run)
+        elif a.start_step == 0:
+            if rep.held[1] > 0:  # trained in an earlier run: rebuild from the seed
+                self._rep = rep = await self.run_in_thread(GroupReplica, a.spec, self.device)
+            rep.fresh(a.run)
+        else:
+            raise errors.ConfigError(f"{self.key}: no source for step {a.start_step} of run {a.run}")
+        self._p.held_run, self._p.held_step = rep.held
+
+    async def _checkpoint(self, a: GroupAssignment, rep: GroupReplica) -> None:
+        snap = await self.run_in_thread(rep.snapshot)
+        task = self.start_task(self._save(a, snap), name=f"{self.key} checkpoint {snap.step}")
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def _save(self, a: GroupAssignment, snap: ShardSnapshot) -> None:
+        try:
+            await checkpointing.save_whole(self, a.job, a.run, snap, a.spec.keep_checkpoints)
+        except Exception:
+            log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
+            return
+        self._saved = [*self._saved, snap.step][-10:]
+
+    def _record(self, step: int, r: StepResult) -> None:
+        now = time.monotonic()
+        self._times.append((now, r.samples))
+        p = self._p
+        p.step = step + 1
+        p.steps_done += 1
+        p.loss = r.loss
+        if len(self._times) > 1:
+            span = self._times[-1][0] - self._times[0][0]
+            p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
+        if self._rep is not None and p.world > 1:
+            # A ring all-reduce sends and receives 2(w-1)/w of the buffer per rank.
+            size = self._rep.flat.numel() * (4 if self._rep.spec.compression == "none" else 2)
+            nbytes = int(2 * (p.world - 1) / p.world * size)
+            p.bytes_pushed += nbytes
+            p.bytes_pulled += nbytes
+        self._points.append(
+            StepPoint(step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples), at=time.time())
+        )
