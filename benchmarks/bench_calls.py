@@ -8,6 +8,8 @@ In one run, each measurement warmed up and repeated (median and spread):
 * grain → grain on one silo and across two silos (measured inside a silo);
 * 16 MB and 64 MB float32 tensor arguments grain → grain across silos (GB/s),
   and a 64 MB tensor echo client → grain (both directions counted);
+* client→grain 100 B calls with the dashboard open and polling vs without
+  (bench_dashboard.py's alternating phases), with the silos' CPU per call;
 * the same shapes on Ray (sync actor, async actor, actor → actor ObjectRef)
   when ``ray`` is installed (``pip install ".[bench]"``), in a subprocess.
 
@@ -24,6 +26,9 @@ import time
 from typing import Any
 
 from benchmarks import common
+from benchmarks.bench_dashboard import run_phases as dashboard_phases
+from benchmarks.bench_dashboard import table as dashboard_table
+from benchmarks.bench_dashboard import verdict as dashboard_verdict
 from benchmarks.bench_echo_baseline import measure_in_subprocess as measure_echo
 
 SMALL = b"x" * 100
@@ -168,9 +173,14 @@ def report(echo: dict[str, Any], rg: dict[str, Any], ray: dict[str, Any] | None)
             common.ratio(value, ray_value) + (f" ({ray_name})" if ray_name and ray_value else ""),
         ])  # fmt: skip
 
-    e_seq, e_pipe = _med(echo, "sequential_per_s"), _med(echo, "pipelined_futures_per_s")
+    # Like for like: redgrain's pipelined calls are coroutines gathered (a task each), as are the
+    # echo's "coroutine per call" ones; the bare-futures echo, which no coroutine API can match,
+    # gets its own ratio row.
+    e_seq, e_pipe = _med(echo, "sequential_per_s"), _med(echo, "pipelined_per_s")
+    e_fut = _med(echo, "pipelined_futures_per_s")
     row("bare asyncio+msgpack echo, sequential", e_seq, echo["sequential_per_s"], "/s", e_seq, None)
-    row("bare asyncio+msgpack echo, pipelined", e_pipe, echo["pipelined_futures_per_s"], "/s", e_pipe, None)
+    row("bare echo, pipelined, a coroutine per call", e_pipe, echo["pipelined_per_s"], "/s", e_pipe, None)
+    row("bare echo, pipelined, bare futures", e_fut, echo["pipelined_futures_per_s"], "/s", e_fut, None)
     for label in ("100B", "1MB"):
         seq = rg[f"client_grain_seq_{label}"]
         pipe = rg[f"client_grain_pipe_{label}"]
@@ -180,6 +190,8 @@ def report(echo: dict[str, Any], rg: dict[str, Any], ray: dict[str, Any] | None)
                      f"{ray[f'sync_seq_{label}']['p50_ms']:.3f} / {ray[f'sync_seq_{label}']['p99_ms']:.3f}" if ray else "-", ""])  # fmt: skip
         row(f"client→grain pipelined {label}", _med(pipe, "per_s"), pipe["per_s"], "/s", e_pipe if label == "100B" else None,
             _med(ray, f"async_pipe_{label}", "per_s"), "async actor")  # fmt: skip
+        if label == "100B":
+            rows.append(["  vs bare futures echo", "", "", common.ratio(_med(pipe, "per_s"), e_fut), "", ""])
         for where in ("one_silo", "across"):
             seq = rg[f"grain_grain_{where}_seq_{label}"]
             pipe = rg[f"grain_grain_{where}_pipe_{label}"]
@@ -217,6 +229,9 @@ def main(argv: list[str]) -> int:
     echo = measure_echo(args.quick)
     with common.BenchCluster(2) as cluster:
         rg = common.run(measure_redgrain(cluster, sz))
+        # Issue 6's row: the same calls with the dashboard open and polling, phases alternating.
+        rounds, seconds = (1, 0.3) if args.quick else (4, 2.0)
+        board, board_cpu = common.run(dashboard_phases(cluster, rounds, seconds))
     ray: dict[str, Any] | None = None
     ray_note = "skipped (--no-ray)"
     if not args.no_ray:
@@ -227,8 +242,16 @@ def main(argv: list[str]) -> int:
             ray, ray_note = got, f"ray {facts['ray']}"
     print(f"# Ray: {ray_note}")
     common.print_table(["measure", "redgrain", "spread", "/bare echo", "Ray", "redgrain/Ray"], report(echo, rg, ray))
+    print()
+    board_rows, board_out = dashboard_table(board)
+    common.print_table(["with the dashboard", "no dashboard", "spread", "dashboard open", "spread", "open/none",
+                        "diff"], board_rows)  # fmt: skip
+    print(dashboard_verdict(board, board_out))
+    print(f"# dashboard + poller processes used {board_cpu:.1f}% of one core while open;"
+          f" median of {rounds} alternating {seconds:g} s phases per side")  # fmt: skip
     common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
-                                  "ray": ray, "ray_note": ray_note})  # fmt: skip
+                                  "ray": ray, "ray_note": ray_note, "dashboard": board_out,
+                                  "dashboard_cpu_percent": board_cpu})  # fmt: skip
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _key_str(key: str | int | uuid.UUID) -> str:
@@ -43,10 +43,17 @@ class SiloAddress:
     host: str
     port: int
     generation: int = 0
+    # Every outgoing call looks its target up by address and by endpoint:
+    # both are computed once here instead of on each call.
+    endpoint: str = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoint", f"{self.host}:{self.port}")
+        object.__setattr__(self, "_hash", hash((self.host, self.port, self.generation)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}@{self.generation}"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
-from silo.catalog import Activation, Catalog, Invocation, Reroute
+from silo.catalog import Activation, Catalog, Invocation, Reply, Reroute
 from silo.grain_types import GrainTypes
 from silo.reminders import REMINDER_METHOD, reminder_turn
 from silo.transport import CANCEL, ONEWAY, REQUEST, Connection, Frame
@@ -108,7 +108,7 @@ class Dispatcher:
             else:
                 raise errors.CodecError(f"request body must be an argument tuple, got {type(body).__name__}")
             deadline = asyncio.get_running_loop().time() + float(timeout_ms) / 1000.0
-            method, chain, hops = str(method), tuple(str(c) for c in chain or ()), int(hops)
+            method, chain, hops = str(method), tuple(map(str, chain)) if chain else (), int(hops)
         except (errors.CodecError, ValueError, TypeError) as exc:
             self._errors += 1
             err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
@@ -162,34 +162,40 @@ class Dispatcher:
             or self.draining
             or method == REMINDER_METHOD
             or method not in self._types.methods(grain.type_name)
-            or grain in self.moving
+            or (self.moving and grain in self.moving)
             or self.fenced()
         ):
             return False
         options = act.options
+        track = (id(conn), req_id)
+
+        def answer(result: Any, exc: BaseException | None) -> None:
+            # Runs inside the activation's turn: a failure to answer must not break its mailbox.
+            try:
+                self._answer(result, exc, conn, req_id, track, grain, method, args, kwargs, deadline, chain, hops)
+            except Exception:
+                log.exception("could not answer %s.%s to %s", grain, method, conn.peer)
+
         inv = Invocation(
             method=method,
             args=args,
             kwargs=kwargs,
             chain=chain,
             deadline=deadline,
-            future=asyncio.get_running_loop().create_future(),
+            future=Reply(answer),
             interleave=method in options.interleave,
             read_only=method in options.read_only,
         )
         inv.activation = act
-        track = (id(conn), req_id)
         self._in_flight[track] = inv
         self._queued_nowait += 1
-        inv.future.add_done_callback(
-            lambda fut: self._answer(fut, conn, req_id, track, grain, method, args, kwargs, deadline, chain, hops)
-        )
         act.enqueue(inv)
         return True
 
     def _answer(
         self,
-        fut: asyncio.Future[Any],
+        result: Any,
+        exc: BaseException | None,
         conn: Connection,
         req_id: int,
         track: tuple[int, int],
@@ -203,7 +209,6 @@ class Dispatcher:
     ) -> None:
         self._queued_nowait -= 1
         self._in_flight.pop(track, None)
-        exc = fut.exception() if not fut.cancelled() else errors.SiloNotServingError(str(self.address), "cancelled")
         if isinstance(exc, Reroute):
             # The activation went away before the call started: the full path looks again.
             self._rerouted += 1
@@ -212,9 +217,9 @@ class Dispatcher:
             self._errors += 1
             conn.send_error(req_id, exc)
         elif self.fenced():
-            self._answer_when_alive(conn, req_id, fut.result(), deadline)
+            self._answer_when_alive(conn, req_id, result, deadline)
         else:
-            conn.send_response(req_id, fut.result())
+            conn.send_response(req_id, result)
 
     def _answer_when_alive(self, conn: Connection, req_id: int, result: Any, deadline: float) -> None:
         """The method ran while liveness was unconfirmed: answer only once the heartbeat confirms it.
@@ -301,13 +306,14 @@ class Dispatcher:
                     self._forwarded += 1
                     return await self._router.forward(found, grain, method, args, kwargs, deadline, chain, hops + 1)
                 act = found
+            fut: asyncio.Future[Any] = loop.create_future()
             inv = Invocation(
                 method=method,
                 args=args,
                 kwargs=kwargs,
                 chain=chain,
                 deadline=deadline,
-                future=loop.create_future(),
+                future=fut,
                 interleave=method in options.interleave,
                 read_only=method in options.read_only,
                 callback=reminder_turn(act, args) if method == REMINDER_METHOD else None,
@@ -317,7 +323,7 @@ class Dispatcher:
                 inv.activation = act
             try:
                 act.enqueue(inv)
-                return await inv.future
+                return await fut
             except Reroute:
                 self._rerouted += 1
                 continue

@@ -277,7 +277,12 @@ class Router:
                     if entry is not None and entry.silo == target:
                         raise
                     continue
-                return await self.send(conn, grain_id, method, args, kwargs, remaining, chain, 0)
+                # send() inlined: one coroutine frame fewer on every call.
+                header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), 0]
+                try:
+                    return await conn.request(header, (args, kwargs) if kwargs else args, remaining, (grain_id, method))
+                except errors.GrainTimeoutError as exc:
+                    raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
             except errors.SiloNotServingError as exc:
                 # Turned away before any grain code ran (draining or fenced): retry.
                 last = exc
