@@ -383,7 +383,12 @@ class CoordinatorGrain(Grain):
 
     async def _commit(self, statuses: list[ShardStatus]) -> bool:
         common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
-        return await self._commit_step(max(common, default=None))
+        # Every complete snapshot counts, not just the newest: a slow tick may find two at once.
+        last = self.state.committed[-1] if self.state.committed else -1
+        committed = False
+        for step in sorted(c for c in common if c > last):
+            committed = await self._commit_step(step) or committed
+        return committed
 
     async def _commit_step(self, newest: int | None) -> bool:
         """Record checkpoint ``newest`` as committed; True when it is new."""
