@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
+from grains.training.cluster import key_on
 from silo.settings import MembershipSettings
 from tests.training.conftest import GRAINS, run_job, wait_done
+from tests.training.test_faults import reference_accuracy
 from tests.training.test_sync import reference_parameters
 
 
@@ -70,3 +72,42 @@ async def test_a_trainer_silo_that_joins_is_taken_into_the_next_group_generation
     assert st.status == "completed", st
     assert str(joiner.address) in st.trainer_silos
     assert st.accuracy is not None and st.accuracy > 0.9, st
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_trainer_silo_reforms_the_group_and_the_job_finishes_as_well(silo_processes, client):
+    # One OpenMP thread per silo: two silos' spinning OpenMP pools on 2 cores slow every step 5x.
+    procs = silo_processes(2, grains="grains.training", env={"OMP_NUM_THREADS": "1"})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:  # both silos in the client's view before the job places anything
+        await client.refresh()
+        rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
+        if len(rows) == 2:
+            break
+        assert loop.time() < deadline, rows
+        await asyncio.sleep(0.05)
+    keeper, victim = procs if str(procs[0].address) == rows[0].address else procs[::-1]
+    job = key_on("CoordinatorGrain", "ar-kill", keeper.address, rows)
+    spec = TrainingJob(mode="allreduce", trainers="auto", steps=800, batch_size=32, optimizer="momentum",
+                       lr=0.05, checkpoint_every=100)  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, job)
+    await coord.start(spec)
+    before = await status_when(coord, lambda s: s.status == "running" and s.step >= 150)
+
+    assert before.trainers == 2 and before.step < 600, before
+    assert sorted(before.trainer_silos) == sorted(str(p.address) for p in procs)
+    victim.kill()
+
+    after = await status_when(coord, lambda s: s.status == "completed", timeout_s=60)
+    change = after.changes[-1]
+    assert change.world == 1 and after.trainer_silos == [str(keeper.address)], after
+    assert change.start_step >= before.step  # restored from the survivor's replica, not a checkpoint
+    assert change.first_step_at is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this process is idle now; more threads only contend on 2 cores
+    try:
+        want = reference_accuracy(spec, trainers=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert after.accuracy is not None and abs(after.accuracy - want) <= 0.01, (after.accuracy, want)
