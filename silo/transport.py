@@ -489,7 +489,9 @@ class Connection(asyncio.BufferedProtocol):
             self._out.append(frame)
             self._n.frames_out += 1
             self._n.bytes_out += len(frame)
-            if len(frame) >= _DIRECT:
+            # A lone call (nothing else in flight on this connection either way) goes out now:
+            # deferring it to batch with others would only cost the sequential caller a loop turn.
+            if len(frame) >= _DIRECT or len(self._pending) + self._serving <= 1:
                 self._flush()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
