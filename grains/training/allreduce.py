@@ -345,7 +345,7 @@ class AllreduceTrainerGrain(Grain):
             snap = await peer.with_timeout(a.spec.step_timeout_s).replica(a.run, a.start_step)
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.restore_step is not None:
-            snap = await checkpointing.load_model(self, a.job, a.run, a.restore_step, rep.names)
+            snap = await checkpointing.load_model(self, a.job, a.run, a.restore_step, rep.names)  # any mode's
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.start_step == 0:
             if rep.held[1] > 0:  # trained in an earlier run: rebuild from the seed

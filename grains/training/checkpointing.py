@@ -67,8 +67,9 @@ async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, 
         grain.state.snapshot = None
 
 
-async def load_model(grain: Grain, job: str, run: int, step: int, order: list[str]) -> ShardSnapshot:
-    """The whole model at ``step``, merged from every member of the snapshot, whichever mode saved it.
+async def load_model(grain: Grain, job: str, run: int, step: int, names: list[str]) -> ShardSnapshot:
+    """Parameters ``names`` (model order) and their optimizer state at ``step``, from every member
+    of the snapshot, whichever mode saved it (shards of any layout, or one all-reduce trainer).
 
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
@@ -84,52 +85,45 @@ async def load_model(grain: Grain, job: str, run: int, step: int, order: list[st
         if decoded.snapshot is None:
             raise errors.StorageError(f"snapshot {group(job, run)}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
-    return merge(parts, order)
+    return extract(parts, names)
 
 
-def merge(parts: list[ShardSnapshot], order: list[str]) -> ShardSnapshot:
-    """One snapshot of the whole model (``order``: its parameter names) from snapshots of its parts."""
-    pos = {n: i for i, n in enumerate(order)}
-    params: dict[str, torch.Tensor] = {}
-    state: dict[int, Any] = {}
+def extract(parts: list[ShardSnapshot], names: list[str]) -> ShardSnapshot:
+    """The snapshot an owner of ``names`` (model order) restores, cut from snapshots of any parts.
+
+    A part's optimizer state is indexed by the order of its own ``params``; the result's by ``names``.
+    """
+    where: dict[str, tuple[ShardSnapshot, int]] = {}
     for part in parts:
-        own = part.optimizer.get("state", {})
         for i, name in enumerate(part.params):
-            params[name] = part.params[name]
-            st = own.get(i, own.get(str(i)))
-            if st is not None:
-                state[pos[name]] = st
-    missing = [n for n in order if n not in params]
+            where[name] = (part, i)
+    missing = [n for n in names if n not in where]
     if missing:
         raise errors.StorageError(f"checkpoint lacks parameters {missing[:5]}")
-    groups = [{**g, "params": list(range(len(order)))} for g in parts[0].optimizer["param_groups"][:1]]
+    state: dict[int, Any] = {}
+    for i, name in enumerate(names):
+        part, j = where[name]
+        own = part.optimizer.get("state", {})
+        st = own.get(j, own.get(str(j)))
+        if st is not None:
+            state[i] = st
+    groups = [{**g, "params": list(range(len(names)))} for g in parts[0].optimizer["param_groups"][:1]]
     return ShardSnapshot(
         step=parts[0].step,
         version=max(p.version for p in parts),
-        params={n: params[n] for n in order},
+        params={n: where[n][0].params[n] for n in names},
         optimizer={"state": state, "param_groups": groups},
     )
 
 
-def split(whole: ShardSnapshot, names: list[str]) -> ShardSnapshot:
-    """The part of a whole-model snapshot that a shard owning ``names`` (model order) restores."""
-    pos = {n: i for i, n in enumerate(whole.params)}
-    own = whole.optimizer.get("state", {})
-    state = {}
-    for i, name in enumerate(names):
-        st = own.get(pos[name], own.get(str(pos[name])))
-        if st is not None:
-            state[i] = st
-    groups = [{**g, "params": list(range(len(names)))} for g in whole.optimizer["param_groups"][:1]]
-    return ShardSnapshot(
-        step=whole.step,
-        version=whole.version,
-        params={n: whole.params[n] for n in names},
-        optimizer={"state": state, "param_groups": groups},
-    )
-
-
-async def load(shard: Grain, job: str, run: int, step: int) -> ShardSnapshot:
+async def load(shard: Grain, job: str, run: int, step: int, names: list[str] | None = None) -> ShardSnapshot:
+    """This shard's part of snapshot ``step``; with ``names``, also from a snapshot saved in
+    another layout (other shards, or all-reduce mode's whole model): a job may switch modes."""
+    if names is not None:
+        act: Any = shard._rg_activation
+        info = await act.runtime.checkpoints().info(group(job, run), step)
+        if info is not None and member(shard.key) not in info.members:
+            return await load_model(shard, job, run, step, names)
     await shard.load_snapshot(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:

@@ -168,10 +168,17 @@ class CoordinatorGrain(Grain):
         if "/" in self.key or ":" in self.key:
             raise errors.ConfigError(f"job id {self.key!r} may not contain '/' or ':'")
         await self.run_in_thread(check_job, job)
-        previous = self.state.generation
+        old = self.state
+        if job.resume and not old.committed:
+            raise errors.ConfigError(f"job {self.key} has no committed checkpoint to resume from")
         self.state = self.State(
-            spec=job, status="starting", generation=previous + 1, run=previous + 1, started_at=time.time()
+            spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time()
         )
+        if job.resume:
+            # Same run, so the same checkpoint group: the new start (in any mode) restores
+            # the newest committed step and keeps checkpointing next to it.
+            s = self.state
+            s.run, s.committed, s.next_trainer, s.changes = old.run, list(old.committed), old.next_trainer, old.changes
         await self._write()
         self._reset_memory()
         self._live = self._status_from_state()
@@ -285,8 +292,9 @@ class CoordinatorGrain(Grain):
         s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
         s.next_trainer = slots
         s.total_steps = spec.total_steps(train_size, slots)
-        await self._configure_shards(None)
-        await asyncio.gather(*(self._run_slot(j, 0) for j in range(slots)))
+        restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
+        await self._configure_shards(restore)
+        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
         s.status = "running"
         await self._write()
 

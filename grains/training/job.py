@@ -59,6 +59,10 @@ class TrainingJob(BaseModel):
     seed: int = 0
     step_timeout_s: float = Field(120.0, gt=0, description="Longest a trainer waits on one shard exchange.")
     trainer_role: str = Field("trainer", description="Role whose silos host trainers, when any silo has it.")
+    resume: bool = Field(
+        False,
+        description="Continue this job id's last run from its newest committed checkpoint (saved in any mode).",
+    )
 
     @field_validator("trainers")
     @classmethod

@@ -174,7 +174,7 @@ class ParamShardGrain(Grain):
             self._changed.notify_all()
         snapshot = None
         if cfg.restore_step is not None:
-            snapshot = await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step)
+            snapshot = await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, cfg.names)
         async with self._lock:
             core = await self.run_in_thread(_Core, cfg, self.device, snapshot)
             start = cfg.restore_step or 0
