@@ -280,7 +280,7 @@ class Router:
                 # send() inlined: one coroutine frame fewer on every call.
                 header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), 0]
                 try:
-                    return await conn.request(header, (args, kwargs) if kwargs else args, remaining, (grain_id, method))
+                    return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
                 except errors.GrainTimeoutError as exc:
                     raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
             except errors.SiloNotServingError as exc:
@@ -323,7 +323,8 @@ class Router:
         hops: int,
     ) -> Any:
         header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(chain), hops]
-        body = (args, kwargs) if kwargs else args
+        # Positional arguments travel as a list: msgpack packs it natively, where a tuple needs an ext.
+        body = (args, kwargs) if kwargs else list(args)
         fut = conn.request(header, body, timeout_s, label=(grain, method))  # formatted only on timeout
         try:
             return await fut
