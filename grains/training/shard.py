@@ -83,14 +83,21 @@ class _Core:
         self.opt = make_optimizer(list(self.params.values()), spec)
         self.pull_dtype = parse_compression(spec.compression).pull_dtype
         self.acc: dict[str, torch.Tensor] = {}
-        self.version = 0
+        version = 0
         if snapshot is not None:
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(snapshot.params[n])
             self.opt.load_state_dict(snapshot.optimizer)
-            self.version = snapshot.version
-        self.published = self.publish()
+            version = snapshot.version
+        self.current: tuple[int, dict[str, torch.Tensor]] = (version, self.publish())
+        """The version and its parameters in the pull dtype, replaced in one assignment: updates
+        run on the executor while the event loop answers pulls, which must never pair a new
+        version with the old tensors (a sync trainer would then compute on stale weights)."""
+
+    @property
+    def version(self) -> int:
+        return self.current[0]
 
     def publish(self) -> dict[str, torch.Tensor]:
         """A fresh copy of the parameters in the pull dtype (callers may hold it by reference)."""
@@ -111,7 +118,7 @@ class _Core:
         if scale is not None:
             self.apply(None, scale)
 
-    def apply(self, grads: dict[str, Payload] | None, scale: float) -> dict[str, torch.Tensor]:
+    def apply(self, grads: dict[str, Payload] | None, scale: float) -> None:
         """One optimizer step with ``grads`` (or the accumulated sum times ``scale``)."""
         for n, p in self.params.items():
             if grads is None:
@@ -126,9 +133,7 @@ class _Core:
         self.opt.step()
         for p in self.params.values():
             p.grad = None
-        self.version += 1
-        self.published = self.publish()
-        return self.published
+        self.current = (self.current[0] + 1, self.publish())
 
     def snapshot(self, step: int) -> ShardSnapshot:
         sd = self.opt.state_dict()
@@ -215,11 +220,12 @@ class ParamShardGrain(Grain):
         gap = await self._wait_turn(generation, slot, step + (grads is not None))
         core = self._core
         assert core is not None
+        version, published = core.current
         params = None
-        if core.version != have_version:
-            params = core.published
+        if version != have_version:
+            params = published
             self._bytes_out += sum(t.numel() * t.element_size() for t in params.values())
-        return ExchangeReply(version=core.version, params=params, staleness=staleness, gap=gap)
+        return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
     def _check(self, generation: int) -> None:
         if generation != self._generation or self._core is None:
