@@ -99,7 +99,9 @@ class Group:
         fut.add_done_callback(lambda _f: done.set())
         while not done.wait(_ABANDON_POLL_S):
             if abandon.is_set():
-                raise GroupAbandonedError("collective abandoned: the coordinator replaced the group")
+                raise GroupAbandonedError(
+                    "collective abandoned: the coordinator replaced the group"
+                )
         out: torch.Tensor = fut.value()  # raises when a peer broke the collective
         return out
 
@@ -108,7 +110,9 @@ class Group:
         if pg is not None:
             # Dropping a gloo group whose collective is still pending blocks until its
             # timeout; never on the event loop or the silo's executor.
-            threading.Thread(target=_drop, args=([pg],), name="redgrain-group-release", daemon=True).start()
+            threading.Thread(
+                target=_drop, args=([pg],), name="redgrain-group-release", daemon=True
+            ).start()
 
 
 def _drop(holder: list[Any]) -> None:
@@ -116,7 +120,12 @@ def _drop(holder: list[Any]) -> None:
 
 
 def form_group(
-    client: Any, a: GroupAssignment, host: str, device: str, abandon: threading.Event, timeout_s: float
+    client: Any,
+    a: GroupAssignment,
+    host: str,
+    device: str,
+    abandon: threading.Event,
+    timeout_s: float,
 ) -> Group:
     """Rendezvous on Redis and build the group (blocks until every rank arrives; run on a thread)."""
     store = RedisStore(client, a.rendezvous, timeout_s, abandon)
@@ -175,17 +184,25 @@ class GroupReplica:
         with self._lock:
             sd = self.opt.state_dict()
             state = {
-                k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
+                k: {
+                    n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                    for n, v in s.items()
+                }
                 for k, s in sd["state"].items()
             }
             return ShardSnapshot(
                 step=self.held[1],
                 version=self.held[1],
-                params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
+                params={
+                    n: p.detach().to("cpu", copy=True)
+                    for n, p in zip(self.names, self.params, strict=True)
+                },
                 optimizer={"state": state, "param_groups": sd["param_groups"]},
             )
 
-    def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
+    def step(
+        self, step: int, rank: int, world: int, group: Group, abandon: threading.Event
+    ) -> StepResult:
         """Forward/backward on this rank's slice of global step ``step``, average, apply."""
         with self._lock:
             if self.held[1] != step:
@@ -257,7 +274,9 @@ class AllreduceTrainerGrain(Grain):
         self._times.clear()
         self._points.clear()
         self._abandon = threading.Event()
-        self._task = self.start_task(self._loop(a, self._abandon), name=f"{self.key} group g{a.generation}")
+        self._task = self.start_task(
+            self._loop(a, self._abandon), name=f"{self.key} group g{a.generation}"
+        )
 
     async def stop(self) -> TrainerProgress:
         """Abandon the current group (a blocked collective returns at once); report the held state."""
@@ -303,10 +322,18 @@ class AllreduceTrainerGrain(Grain):
             if self._redis is None:
                 found = cluster.silo_redis(self)
                 if found is None:
-                    raise errors.ConfigError("all-reduce training needs the cluster's Redis for its rendezvous")
+                    raise errors.ConfigError(
+                        "all-reduce training needs the cluster's Redis for its rendezvous"
+                    )
                 self._redis = sync_client_like(found[0])
             group = await self.run_in_thread(
-                form_group, self._redis, a, self.silo.host, self.device, abandon, a.spec.step_timeout_s
+                form_group,
+                self._redis,
+                a,
+                self.silo.host,
+                self.device,
+                abandon,
+                a.spec.step_timeout_s,
             )
             rep = self._rep
             assert rep is not None
@@ -323,7 +350,13 @@ class AllreduceTrainerGrain(Grain):
             abandon.set()
             raise
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which re-forms the group
-            log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._p.step, exc)
+            log.info(
+                "%s: generation %d stopped at step %d: %s",
+                self.key,
+                a.generation,
+                self._p.step,
+                exc,
+            )
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
         finally:
@@ -345,14 +378,18 @@ class AllreduceTrainerGrain(Grain):
             snap = await peer.with_timeout(a.spec.step_timeout_s).replica(a.run, a.start_step)
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.restore_step is not None:
-            snap = await checkpointing.load_model(self, a.job, a.run, a.restore_step, rep.names)  # any mode's
+            snap = await checkpointing.load_model(
+                self, a.job, a.run, a.restore_step, rep.names
+            )  # any mode's
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.start_step == 0:
             if rep.held[1] > 0:  # trained in an earlier run: rebuild from the seed
                 self._rep = rep = await self.run_in_thread(GroupReplica, a.spec, self.device)
             rep.fresh(a.run)
         else:
-            raise errors.ConfigError(f"{self.key}: no source for step {a.start_step} of run {a.run}")
+            raise errors.ConfigError(
+                f"{self.key}: no source for step {a.start_step} of run {a.run}"
+            )
         self._p.held_run, self._p.held_step = rep.held
 
     async def _checkpoint(self, a: GroupAssignment, rep: GroupReplica) -> None:
@@ -380,11 +417,12 @@ class AllreduceTrainerGrain(Grain):
             span = self._times[-1][0] - self._times[0][0]
             p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
         if self._rep is not None and p.world > 1:
-            # A ring all-reduce sends and receives 2(w-1)/w of the buffer per rank.
+            # A ring all-reduce sends 2(w-1)/w of the buffer per rank (and receives as much:
+            # counted once, as sent, so the job's bytes per step are the bytes on the wire).
             size = self._rep.flat.numel() * (4 if self._rep.spec.compression == "none" else 2)
-            nbytes = int(2 * (p.world - 1) / p.world * size)
-            p.bytes_pushed += nbytes
-            p.bytes_pulled += nbytes
+            p.bytes_pushed += int(2 * (p.world - 1) / p.world * size)
         self._points.append(
-            StepPoint(step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples), at=time.time())
+            StepPoint(
+                step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples), at=time.time()
+            )
         )

@@ -48,7 +48,9 @@ class SiloLook:
 class TrainerSilos:
     """Membership as the coordinator of one job sees it (in memory; rebuilt on re-activation)."""
 
-    def __init__(self, type_name: str, role: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, type_name: str, role: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.type_name = type_name
         self.role = role
         self._clock = clock
@@ -58,7 +60,11 @@ class TrainerSilos:
         now = self._clock()
         self._quarantine = {s: t for s, t in self._quarantine.items() if t > now}
         hosting = cluster.hosting_silos(grain, self.type_name)
-        eligible = [r for r in cluster.trainer_silos(hosting, self.role) if r.address not in self._quarantine]
+        eligible = [
+            r
+            for r in cluster.trainer_silos(hosting, self.role)
+            if r.address not in self._quarantine
+        ]
         return SiloLook(eligible=eligible, hosting=hosting)
 
     def quarantine(self, silo: str, seconds: float = QUARANTINE_S) -> None:

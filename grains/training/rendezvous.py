@@ -64,13 +64,21 @@ def sync_client_like(client: Any, *, timeout_s: float = 5.0) -> redis.Redis:
     if conn is not redis.UnixDomainSocketConnection:
         kept["socket_connect_timeout"] = timeout_s
     kept["socket_timeout"] = timeout_s
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn, max_connections=8, **kept))
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=conn, max_connections=8, **kept)
+    )
 
 
 class RedisStore(dist.Store):
     """torch's Store interface over Redis strings under ``prefix`` (one group generation)."""
 
-    def __init__(self, client: redis.Redis, prefix: str, timeout_s: float, abandon: threading.Event | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        timeout_s: float,
+        abandon: threading.Event | None = None,
+    ):
         super().__init__()
         self._r = client
         self._prefix = prefix
@@ -98,7 +106,9 @@ class RedisStore(dist.Store):
         return int(pipe.execute()[0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        out = self._compare_set(keys=[self._k(key)], args=[_bytes(expected), _bytes(desired), _KEY_TTL_S])
+        out = self._compare_set(
+            keys=[self._k(key)], args=[_bytes(expected), _bytes(desired), _KEY_TTL_S]
+        )
         return out if isinstance(out, bytes) else str(out).encode()
 
     def check(self, keys: list[str]) -> bool:
@@ -114,9 +124,13 @@ class RedisStore(dist.Store):
         # primitive would need a second key per value and could not see `abandon`.
         while not self.check(keys):
             if self._abandon.is_set():
-                raise GroupAbandonedError(f"rendezvous under {self._prefix} abandoned: the group was replaced")
+                raise GroupAbandonedError(
+                    f"rendezvous under {self._prefix} abandoned: the group was replaced"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rendezvous under {self._prefix}: keys {keys} not set after {limit:.1f}s")
+                raise TimeoutError(
+                    f"rendezvous under {self._prefix}: keys {keys} not set after {limit:.1f}s"
+                )
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
 
