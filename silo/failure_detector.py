@@ -21,6 +21,15 @@ Two signals, so a busy silo is never mistaken for a dead one:
   ``dead_after_s`` (the longer bound). Death is declared by one Lua script
   when ``min(2, fresh peers)`` valid votes are in (see
   ``RedisMembershipTable.vote_dead``).
+* The reverse partition: a heartbeat that moves while the peer cannot be
+  reached at all. A probe that gets no answer tries a bare TCP handshake; a
+  busy or stopped process still completes one (its kernel answers), a host
+  cut off from us does not (``UNREACHABLE``). A peer unreachable for twice
+  ``dead_after_s`` without a break gets an *unreachable* vote
+  (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh
+  peers)`` votes like the others: so a silo cut from all its peers is voted
+  out (it hears so on its next heartbeat and stops), while a link cut between
+  two silos of three removes neither.
 """
 
 from __future__ import annotations
@@ -195,31 +204,49 @@ class ProbeResult(str, enum.Enum):
     REFUSED = "refused"
     """Connection refused or reset: the process is gone."""
     TIMEOUT = "timeout"
-    """No answer in time: hung, or very busy."""
+    """No answer in time, though its host completes a TCP handshake: hung, or very busy."""
+    UNREACHABLE = "unreachable"
+    """Not even a TCP handshake (timed out, no route): the network between us is cut."""
 
 
 Probe = Callable[[SiloAddress, float], Awaitable[ProbeResult]]
 
 
+async def handshake(endpoint: str, timeout_s: float) -> ProbeResult:
+    """A bare TCP handshake with ``endpoint``: TIMEOUT if it completes (the host is there,
+    its process may be busy), REFUSED if the port is closed, UNREACHABLE otherwise."""
+    host, _, port = endpoint.rpartition(":")
+    loop = asyncio.get_running_loop()
+    try:
+        sock, _ = await asyncio.wait_for(loop.create_connection(asyncio.Protocol, host, int(port)), timeout_s)
+    except (ConnectionRefusedError, ConnectionResetError):
+        return ProbeResult.REFUSED
+    except (OSError, TimeoutError):
+        return ProbeResult.UNREACHABLE
+    sock.close()
+    return ProbeResult.TIMEOUT
+
+
 def transport_probe(transport: Any) -> Probe:
-    """A probe over the silo's transport: connect (pooled) and PING."""
+    """A probe over the silo's transport: connect (pooled) and PING; without an answer, a handshake."""
 
     async def probe(silo: SiloAddress, timeout_s: float) -> ProbeResult:
         for _ in range(2):  # a pooled connection that just broke gets one fresh try
             try:
                 conn = await asyncio.wait_for(asyncio.shield(transport.connect(silo.endpoint)), timeout_s)
             except TimeoutError:
-                return ProbeResult.TIMEOUT
+                return await handshake(silo.endpoint, timeout_s)
             except errors.SiloUnavailableError as exc:
-                gone = isinstance(exc.__cause__, (ConnectionRefusedError, ConnectionResetError))
-                return ProbeResult.REFUSED if gone else ProbeResult.TIMEOUT
+                if isinstance(exc.__cause__, (ConnectionRefusedError, ConnectionResetError)):
+                    return ProbeResult.REFUSED
+                return await handshake(silo.endpoint, timeout_s)
             except errors.RedgrainError:
                 return ProbeResult.TIMEOUT
             try:
                 await conn.ping(timeout_s)
                 return ProbeResult.OK
             except errors.GrainTimeoutError:
-                return ProbeResult.TIMEOUT
+                return await handshake(silo.endpoint, timeout_s)
             except errors.SiloUnavailableError:
                 continue
         return ProbeResult.REFUSED
@@ -241,6 +268,8 @@ class FailureDetectorStatistics:
     """Silos this silo's vote declared Dead."""
     suspected: tuple[str, ...]
     """Peers suspected right now."""
+    unreachable: tuple[str, ...] = ()
+    """Peers the last probe could not reach over the network (not even a TCP handshake)."""
 
 
 @dataclass(slots=True)
@@ -252,6 +281,8 @@ class _Peer:
     probing: bool = False
     last_probe: float = float("-inf")
     refused_at: float | None = None
+    unreachable_since: float | None = None
+    """Our clock at the first of an unbroken run of UNREACHABLE probes."""
 
 
 class FailureDetector:
@@ -309,7 +340,15 @@ class FailureDetector:
             self._wake.set()
 
     async def _run(self) -> None:
+        last = self._clock()
         while not self._stopping:
+            now = self._clock()
+            if now - last > self._s.probe_interval_s + self._s.probe_timeout_s:
+                # Our own loop stalled: probes that timed out meanwhile say nothing about peers.
+                for peer in self._peers.values():
+                    if peer.unreachable_since is not None:
+                        peer.unreachable_since = now
+            last = now
             try:
                 await self.check_once()
             except errors.StorageError as exc:
@@ -336,7 +375,12 @@ class FailureDetector:
             if peer is None or peer.heartbeat != row.heartbeat:
                 if peer is not None and peer.suspected:
                     log.info("%s is alive again (heartbeat moved)", addr)
-                peer = self._peers[addr] = _Peer(row.heartbeat, now, last_probe=peer.last_probe if peer else float("-inf"))
+                peer = self._peers[addr] = _Peer(
+                    row.heartbeat,
+                    now,
+                    last_probe=peer.last_probe if peer else float("-inf"),
+                    unreachable_since=peer.unreachable_since if peer else None,
+                )
             stale = now - peer.since
             if stale >= self._s.suspect_after_s and not peer.suspected:
                 peer.suspected = True
@@ -345,6 +389,8 @@ class FailureDetector:
                 await self._vote(addr, peer, "refused connections")
             elif stale >= self._s.dead_after_s * 2:
                 await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s")
+            elif peer.unreachable_since is not None and now - peer.unreachable_since >= self._s.dead_after_s * 2:
+                await self._vote_unreachable(addr, now - peer.unreachable_since)
             if not peer.probing and now - peer.last_probe >= self._s.probe_interval_s:
                 peer.probing = True
                 peer.last_probe = now
@@ -363,6 +409,11 @@ class FailureDetector:
         if peer is None:
             return
         peer.probing = False
+        if result is ProbeResult.UNREACHABLE:
+            if peer.unreachable_since is None:
+                peer.unreachable_since = self._clock()
+        else:
+            peer.unreachable_since = None
         if result is ProbeResult.OK:
             peer.refused_at = None
             return
@@ -404,6 +455,25 @@ class FailureDetector:
         else:
             log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
 
+    async def _vote_unreachable(self, addr: str, for_s: float) -> None:
+        why = f"unreachable over the network for {for_s:.1f}s"
+        try:
+            outcome = await self._table.vote_unreachable(addr, self._addr, self._needed(addr), self._s.dead_after_s)
+        except errors.StorageError as exc:
+            log.warning("vote against %s failed: %s", addr, exc)
+            return
+        self.votes += 1
+        if outcome.result == "declared":
+            self.declared += 1
+            self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
+            self._peers.pop(addr, None)
+        else:
+            log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
+
+    def unreachable(self) -> set[str]:
+        """Peers the last probe could not reach over the network (the rebalancer moves nothing there)."""
+        return {a for a, p in self._peers.items() if p.unreachable_since is not None}
+
     def statistics(self) -> FailureDetectorStatistics:
         return FailureDetectorStatistics(
             rounds=self.rounds,
@@ -412,4 +482,5 @@ class FailureDetector:
             votes=self.votes,
             declared=self.declared,
             suspected=tuple(sorted(a for a, p in self._peers.items() if p.suspected)),
+            unreachable=tuple(sorted(self.unreachable())),
         )

@@ -42,6 +42,10 @@ class Keys:
         """Hash: voter silo -> time it voted the silo dead."""
         return self.prefix + f"suspect:{silo}"
 
+    def unreachable_votes(self, silo: str) -> str:
+        """Hash: voter silo -> Redis time (ms) it last found the silo unreachable over the network."""
+        return self.prefix + f"unreach:{silo}"
+
     @property
     def generation(self) -> str:
         """Counter handing each silo process start a new generation."""

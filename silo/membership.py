@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -82,6 +83,8 @@ class MembershipTable(Protocol):
 
     async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome: ...
 
+    async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome: ...
+
 
 @dataclass(frozen=True, slots=True)
 class VoteOutcome:
@@ -89,7 +92,8 @@ class VoteOutcome:
 
     result: str
     """``declared`` (this vote made it Dead), ``voted`` (counted, not enough yet), ``alive``
-    (its heartbeat moved since the voter looked: vote void), ``dead`` (already Dead) or ``gone``."""
+    (its heartbeat moved since the voter looked: vote void), ``dead`` (already Dead), ``gone``,
+    or ``refused`` (the voter itself is Dead: a silo the cluster has dropped votes for nobody)."""
     votes: int
     """Valid votes counted, this one included."""
 
@@ -154,6 +158,44 @@ redis.call('PUBLISH', KEYS[4], v)
 return {'declared', n}
 """
 
+# A silo whose heartbeat moves but that no peer can reach over the network (a
+# partition between silos, Redis still reachable) serves nobody but the
+# clients on its side. Peers that cannot even complete a TCP handshake with it
+# vote here; votes are stamped with Redis' clock (one clock for every voter),
+# count for ``window`` ms, and only while their voter is not Dead itself, so
+# silos cut from each other cannot vote each other out in turn: the first to
+# gather enough votes goes, and its own votes stop counting.
+_VOTE_UNREACHABLE = """
+local function live(addr)
+  local raw = redis.call('HGET', KEYS[1], addr)
+  if not raw then return false end
+  local ok, r = pcall(cjson.decode, raw)
+  return ok and r['status'] ~= 'Dead'
+end
+local row = redis.call('HGET', KEYS[1], ARGV[1])
+if not row then return {'gone', 0} end
+local m = cjson.decode(row)
+if m['status'] == 'Dead' then return {'dead', 0} end
+if not live(ARGV[2]) then return {'refused', 0} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = tonumber(ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[2], now)
+redis.call('PEXPIRE', KEYS[2], 2 * window)
+local votes = redis.call('HGETALL', KEYS[2])
+local n = 0
+for i = 1, #votes, 2 do
+  if now - (tonumber(votes[i + 1]) or 0) <= window and live(votes[i]) then n = n + 1 end
+end
+if n < tonumber(ARGV[3]) then return {'voted', n} end
+m['status'] = 'Dead'
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+redis.call('DEL', KEYS[2])
+local v = redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', KEYS[4], v)
+return {'declared', n}
+"""
+
 HEARTBEAT_LUA = _HEARTBEAT
 """The heartbeat script, for the heartbeat thread's own synchronous connection."""
 
@@ -166,6 +208,7 @@ class RedisMembershipTable:
         self._join = redis.register_script(_JOIN)
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._vote = redis.register_script(_VOTE_DEAD)
+        self._vote_unreachable = redis.register_script(_VOTE_UNREACHABLE)
 
     @property
     def _status_keys(self) -> list[str]:
@@ -223,6 +266,16 @@ class RedisMembershipTable:
         result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
         return VoteOutcome(result, int(raw[1]))
 
+    async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome:
+        k = self._keys
+        with redis_errors("membership vote"):
+            raw = await self._vote_unreachable(
+                keys=[k.members, k.unreachable_votes(suspect), k.members_version, k.members_channel],
+                args=[suspect, voter, max(1, needed), max(1, int(window_s * 1000))],
+            )
+        result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
+        return VoteOutcome(result, int(raw[1]))
+
     async def remove(self, address: str) -> None:
         """Forget a dead row (housekeeping; dead rows are kept a while for the dashboard)."""
         with redis_errors("membership remove"):
@@ -232,11 +285,13 @@ class RedisMembershipTable:
 class InMemoryMembershipTable:
     """The same table in a dict, for unit tests."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.rows: dict[str, MemberRow] = {}
         self.version = 0
         self._gen = 0
         self.votes: dict[str, dict[str, float]] = {}
+        self.unreachable: dict[str, dict[str, float]] = {}
+        self.clock = clock
 
     async def new_generation(self) -> int:
         self._gen += 1
@@ -280,6 +335,30 @@ class InMemoryMembershipTable:
             return VoteOutcome("alive", 0)
         votes[voter] = seen_heartbeat
         n = sum(1 for v in votes.values() if abs(v - row.heartbeat) <= 1e-4)
+        if n < max(1, needed):
+            return VoteOutcome("voted", n)
+        self.rows[suspect] = row.model_copy(update={"status": SiloStatus.DEAD})
+        votes.clear()
+        self.version += 1
+        return VoteOutcome("declared", n)
+
+    async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome:
+        row = self.rows.get(suspect)
+        if row is None:
+            return VoteOutcome("gone", 0)
+        if row.status is SiloStatus.DEAD:
+            return VoteOutcome("dead", 0)
+
+        def live(addr: str) -> bool:
+            r = self.rows.get(addr)
+            return r is not None and r.status is not SiloStatus.DEAD
+
+        if not live(voter):
+            return VoteOutcome("refused", 0)
+        now = self.clock()
+        votes = self.unreachable.setdefault(suspect, {})
+        votes[voter] = now
+        n = sum(1 for v, at in votes.items() if now - at <= window_s and live(v))
         if n < max(1, needed):
             return VoteOutcome("voted", n)
         self.rows[suspect] = row.model_copy(update={"status": SiloStatus.DEAD})

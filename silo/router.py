@@ -259,9 +259,7 @@ class Router:
                     self._local_calls += 1
                     return await self._local.dispatch(grain_id, method, args, kwargs, deadline, chain, 0)
                 try:
-                    conn = self._transport.connection_nowait(target.endpoint) or await self._transport.connect(
-                        target.endpoint
-                    )
+                    conn = self._transport.connection_nowait(target.endpoint) or await self._connect(target, remaining)
                 except errors.SiloUnavailableError as exc:
                     # Not delivered: safe to retry elsewhere.
                     last = exc
@@ -301,7 +299,7 @@ class Router:
         if self._local is not None and silo == self._local.address:
             deadline = asyncio.get_running_loop().time() + timeout
             return await self._local.dispatch(grain, method, args, None, deadline, (), 0)
-        conn = await self._transport.connect(silo.endpoint)
+        conn = await self._connect(silo, timeout)
         return await self.send(conn, grain, method, args, None, timeout, (), 0)
 
     async def activate(self, grain: GrainId, target: SiloAddress | None = None, timeout_s: float = 10.0) -> str:
@@ -347,8 +345,20 @@ class Router:
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise errors.GrainTimeoutError(str(grain), method, 0.0)
-        conn = await self._transport.connect(target.endpoint)
+        conn = await self._connect(target, remaining)
         return await self.send(conn, grain, method, args, kwargs, remaining, chain, hops)
+
+    async def _connect(self, silo: SiloAddress, timeout_s: float) -> Any:
+        """The connection to ``silo``, waited for no longer than the call's time left.
+
+        Opening one to a host behind a partition hangs until connect_timeout_s,
+        which may be past the call's deadline; the attempt goes on (shielded) for
+        whoever asks next.
+        """
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._transport.connect(silo.endpoint)), max(timeout_s, 0.0))
+        except TimeoutError as exc:
+            raise errors.SiloUnavailableError(str(silo), f"cannot connect within the call's deadline ({timeout_s:.2f}s)") from exc
 
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(

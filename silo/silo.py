@@ -280,7 +280,10 @@ class Silo:
             events.emit(kind, **data)
 
     async def _system_move(self, count: int, targets: list[str]) -> int:
-        return self.migrator.move_out_nowait(int(count), [str(t) for t in targets])
+        # The leader may not know we cannot reach a target (a partition): a move there
+        # would hold the grain's calls until the activation request times out.
+        unreachable = self.detector.unreachable()
+        return self.migrator.move_out_nowait(int(count), [str(t) for t in targets if str(t) not in unreachable])
 
     async def _system_drain(self) -> str:
         self._drain_command({"by": "system call"})

@@ -25,10 +25,12 @@ class World:
     """n silos in one in-memory table; each has a detector; probes answer from a dict."""
 
     def __init__(self, n: int) -> None:
-        self.table = InMemoryMembershipTable()
         self.clock = Clock()
+        self.table = InMemoryMembershipTable(clock=self.clock)
         self.silos = [SiloAddress("127.0.0.1", 7000 + i, 1) for i in range(n)]
         self.answers: dict[SiloAddress, ProbeResult] = {s: ProbeResult.OK for s in self.silos}
+        self.cuts: set[frozenset[SiloAddress]] = set()
+        """Pairs of silos that cannot reach each other over the network."""
         self.self_dead: list[SiloAddress] = []
         self.detectors: dict[SiloAddress, FailureDetector] = {}
         for s in self.silos:
@@ -40,12 +42,14 @@ class World:
                 table=self.table,
                 me=s,
                 settings=SETTINGS,
-                probe=self._probe,
+                probe=lambda silo, timeout_s, me=s: self._probe(me, silo),
                 on_self_dead=lambda s=s: self.self_dead.append(s),
                 clock=self.clock,
             )
 
-    async def _probe(self, silo: SiloAddress, timeout_s: float) -> ProbeResult:
+    async def _probe(self, prober: SiloAddress, silo: SiloAddress) -> ProbeResult:
+        if frozenset((prober, silo)) in self.cuts:
+            return ProbeResult.UNREACHABLE
         return self.answers[silo]
 
     async def beat(self, *silos: SiloAddress) -> None:
@@ -157,3 +161,46 @@ async def test_heartbeat_thread_fences_when_liveness_is_unconfirmed() -> None:
     assert hb.fenced()
     hb.last_confirmed = mono.now
     assert not hb.fenced()
+
+
+async def test_silo_no_peer_can_reach_is_voted_out_though_it_heartbeats() -> None:
+    w = World(3)
+    a, b, cut = w.silos
+    w.cuts |= {frozenset((a, cut)), frozenset((b, cut))}  # it still reaches Redis: it heartbeats
+    elapsed = 0.0
+    while w.status(cut) is SiloStatus.ACTIVE:
+        await w.round(beating=tuple(w.silos))
+        elapsed += 0.5
+        assert elapsed <= 2 * SETTINGS.dead_after_s + 1.0, "a silo nobody can reach was never voted out"
+    assert elapsed >= 2 * SETTINGS.dead_after_s, "voted out before the longer bound"
+    assert w.status(a) is w.status(b) is SiloStatus.ACTIVE
+    await w.round(beating=(a, b))  # the dead silo leaves every detector's view
+    assert w.detectors[a].statistics().unreachable == w.detectors[b].statistics().unreachable == ()
+
+
+async def test_one_cut_link_between_two_of_three_silos_removes_neither() -> None:
+    w = World(3)
+    a, b, _ = w.silos
+    w.cuts.add(frozenset((a, b)))
+    for _ in range(40):  # 20 s
+        await w.round(beating=tuple(w.silos))
+    assert all(w.status(s) is SiloStatus.ACTIVE for s in w.silos)
+    assert w.detectors[a].statistics().unreachable == (str(b),)
+
+
+async def test_two_silos_cut_from_each_other_leave_exactly_one() -> None:
+    w = World(2)
+    w.cuts.add(frozenset(w.silos))
+    for _ in range(40):
+        await w.round(beating=tuple(w.silos))
+    assert sorted(w.status(s).value for s in w.silos) == ["Active", "Dead"]
+
+
+async def test_unreachable_probes_reset_by_one_that_gets_through() -> None:
+    w = World(3)
+    a, b, flaky = w.silos
+    for i in range(40):  # 20 s, reachable again for one probe every 3 s
+        cut = {frozenset((a, flaky)), frozenset((b, flaky))}
+        w.cuts = set() if i % 6 == 5 else cut
+        await w.round(beating=tuple(w.silos))
+    assert w.status(flaky) is SiloStatus.ACTIVE
