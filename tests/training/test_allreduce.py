@@ -29,7 +29,7 @@ async def status_when(coord: Any, pred: Any, timeout_s: float = 60.0) -> Trainin
         st: TrainingStatus = await coord.status()
         if pred(st):
             return st
-        assert st.status not in ("failed", "cancelled"), st
+        assert st.status not in ("completed", "failed", "cancelled"), st
         assert loop.time() < deadline, f"condition not reached: {st}"
         await asyncio.sleep(0.05)
 
@@ -57,7 +57,7 @@ async def test_allreduce_with_two_trainers_on_two_silos_matches_single_process_t
 
 async def test_a_trainer_silo_that_joins_is_taken_into_the_next_group_generation(cluster, client):
     await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode="allreduce", trainers="auto", steps=400, batch_size=32, optimizer="momentum",
+    spec = TrainingJob(mode="allreduce", trainers="auto", steps=1500, batch_size=32, optimizer="momentum",
                        lr=0.05, checkpoint_every=0)  # fmt: skip
     coord = client.get_grain(CoordinatorGrain, "ar-join")
     await coord.start(spec)

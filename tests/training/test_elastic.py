@@ -9,8 +9,8 @@ from tests.training.test_allreduce import status_when
 
 async def test_ps_job_with_auto_trainers_gains_a_trainer_when_a_silo_joins(cluster, client):
     await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode="sync", trainers="auto", shards=1, steps=300, batch_size=32, optimizer="momentum",
-                       lr=0.05, checkpoint_every=20)  # fmt: skip
+    spec = TrainingJob(mode="sync", trainers="auto", shards=1, steps=1500, batch_size=32, optimizer="momentum",
+                       lr=0.05, checkpoint_every=20, keep_checkpoints=20)  # fmt: skip
     coord = client.get_grain(CoordinatorGrain, "ps-grow")
     await coord.start(spec)
     first = await status_when(coord, lambda s: s.status == "running" and s.step >= 10)
