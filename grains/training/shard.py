@@ -83,6 +83,7 @@ class _Core:
         self.opt = make_optimizer(list(self.params.values()), spec)
         self.pull_dtype = parse_compression(spec.compression).pull_dtype
         self.acc: dict[str, torch.Tensor] = {}
+        self._held: dict[str, Payload] | None = None  # the step's first push, not yet summed
         version = 0
         if snapshot is not None:
             with torch.no_grad():
@@ -104,10 +105,25 @@ class _Core:
         return {n: p.detach().to(self.pull_dtype, copy=True) for n, p in self.params.items()}
 
     def accumulate(self, grads: dict[str, Payload], first: bool) -> None:
+        # The first push is only held (in sync mode its sender waits for the step, so
+        # nobody writes to it meanwhile); the second is summed with it in one pass.
+        if first:
+            self._held = grads
+            return
+        held, self._held = self._held, None
         for n in self.names:
-            if first and n not in self.acc:
+            if n not in self.acc:
                 self.acc[n] = torch.zeros_like(self.params[n])
-            decompress_into(self.acc[n], grads[n], add=not first)
+            acc = self.acc[n]
+            if held is None:
+                decompress_into(acc, grads[n], add=True)
+                continue
+            a, b = held[n], grads[n]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype == acc.dtype:
+                torch.add(a, b, out=acc)
+            else:
+                decompress_into(acc, a, add=False)
+                decompress_into(acc, b, add=True)
 
     def push_sync(self, grads: dict[str, Payload], first: bool, scale: float | None) -> None:
         """Add one slot's gradients to the step's sum; with ``scale``, apply the averaged sum."""
@@ -127,9 +143,7 @@ class _Core:
                     g.mul_(scale)
                 p.grad = g
             else:
-                g = torch.empty_like(p)
-                decompress_into(g, grads[n], add=False)
-                p.grad = g
+                p.grad = _as_grad(p, grads[n])
         self.opt.step()
         for p in self.params.values():
             p.grad = None
@@ -144,6 +158,16 @@ class _Core:
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
             optimizer={"state": state, "param_groups": sd["param_groups"]},
         )
+
+
+def _as_grad(p: torch.Tensor, payload: Payload) -> torch.Tensor:
+    """A dense payload of the parameter's dtype and device is used as it is (torch's
+    optimizers only read gradients); anything else is decompressed into a new tensor."""
+    if isinstance(payload, torch.Tensor) and payload.dtype == p.dtype and payload.device == p.device and payload.is_contiguous():
+        return payload.view_as(p)
+    g = torch.empty_like(p)
+    decompress_into(g, payload, add=False)
+    return g
 
 
 @keep_alive

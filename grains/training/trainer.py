@@ -64,9 +64,12 @@ class Replica:
         self._prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def load(self, params: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for n, t in params.items():
-                self.params[n].copy_(t)
+        # The pulled tensors become the weights, with no copy: the shard publishes fresh
+        # tensors for each version and never writes to them again, and nothing here writes
+        # to weights (the optimizer lives on the shards). fp16/bf16 pulls are converted.
+        for n, t in params.items():
+            p = self.params[n]
+            p.data = t.to(p.device, p.dtype).view_as(p)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._prefetched is not None and self._prefetched[0] == step:
