@@ -9,12 +9,17 @@ step for none / fp16 / topk:0.01; final accuracy of each; recovery from SIGKILL
 of a trainer (allreduce re-forming its group vs torchrun restarting from a
 checkpoint, benchmarks/training_allreduce.py).
 Samples/s are measured between 20% of the steps and the end (startup excluded).
+Ray's parameter-server pattern (one PS actor, 1 or 2 worker actors, sync) runs
+the same models and batches when ray is installed (benchmarks/ray_training.py).
+"plain loop, 2 processes at once" is the ceiling for every 2-trainer row: two
+independent loops with no communication, on the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -26,8 +31,10 @@ from benchmarks.common import (
     print_table,
     ratio,
     run,
+    start_subprocess,
     write_result,
 )
+from benchmarks.ray_training import ray_parameter_server
 from benchmarks.training_allreduce import redgrain_recovery, torchrun_ddp
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -73,6 +80,43 @@ def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
             "accuracy": acc, "bytes_per_step": 0}  # fmt: skip
 
 
+PAIR = "plain loop, 2 processes at once"
+_PAIR_CHILD = """
+import json, sys
+from benchmarks.common import fix_torch_threads
+fix_torch_threads()
+from benchmarks.bench_training import plain_loop
+args = json.loads(sys.stdin.readline())
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps(plain_loop(args["cfg"], args["steps"])), flush=True)
+"""
+
+
+def plain_pair(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Two plain loops in two processes, started together: what this machine gives two
+    independent trainers with no communication at all (the ceiling for 2-trainer rows)."""
+    procs = [start_subprocess(["-c", _PAIR_CHILD]) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write(json.dumps({"cfg": cfg, "steps": steps}) + "\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.close()
+        outs = [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in procs if p.stdout is not None]
+    finally:
+        for p in procs:
+            if p.wait(600) != 0:
+                raise RuntimeError(f"plain loop process exited {p.returncode}")
+    return {"samples_per_s": sum(o["samples_per_s"] for o in outs), "step_ms": max(o["step_ms"] for o in outs),
+            "accuracy": outs[0]["accuracy"], "bytes_per_step": 0}  # fmt: skip
+
+
 async def run_job(client: Any, name: str, cfg: dict[str, Any], steps: int, **kw: Any) -> dict[str, Any]:
     from grains.training import CoordinatorGrain, TrainingJob
 
@@ -105,6 +149,7 @@ async def measure(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, cfg in configs.items():
         out[name] = {"plain": await asyncio.to_thread(plain_loop, cfg, steps[name])}
+        out[name][PAIR] = await asyncio.to_thread(plain_pair, cfg, steps[name])
     with BenchCluster(1, grains="grains.training") as bc:
         async with await ClusterClient.connect(bc.redis_url, cluster=bc.cluster) as client:
             for name, cfg in configs.items():
@@ -135,6 +180,16 @@ async def measure(quick: bool) -> dict[str, Any]:
     theirs = await asyncio.to_thread(torchrun_ddp, rec_spec, kill_at_step=kill_at, ckpt_every=rec_spec["checkpoint_every"])
     out["recovery"] = {"steps": rec_spec["steps"], "checkpoint_every": rec_spec["checkpoint_every"],
                        "redgrain allreduce": ours, "torchrun DDP": theirs}  # fmt: skip
+    ray = ray_parameter_server([
+        {"config": name, "spec": {**cfg, **COMMON, "steps": steps[name], "trainers": n}}
+        for name, cfg in configs.items() for n in (1, 2)
+    ])  # fmt: skip
+    for name in configs:
+        if isinstance(ray, str):
+            out[name]["ray_note"] = ray
+            continue
+        out[name]["Ray PS, 1 worker"] = {**ray[name]["1"], "bytes_per_step": 0}
+        out[name]["Ray PS, 2 workers, sync"] = {**ray[name]["2"], "bytes_per_step": 0}
     return out
 
 
@@ -159,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         none_bytes = rows["2 trainers, 2 silos, sync"]["bytes_per_step"]
         print(f"\n## {name}")
         table = []
+        ray_note = rows.pop("ray_note", None)
         for label, r in rows.items():
             table.append([
                 label, f"{r['samples_per_s']:,.0f}", ratio(r["samples_per_s"], plain),
@@ -168,6 +224,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{(r['accuracy'] or 0):.2%}",
             ])  # fmt: skip
         print_table(["run", "samples/s", "vs plain", "vs 1 trainer", "ms/step", "KB/step", "bytes cut", "accuracy"], table)
+        if ray_note is not None:
+            print(f"Ray parameter-server rows: {ray_note}")
+            rows["ray_note"] = ray_note
+        else:
+            print("redgrain / Ray parameter server, samples/s:"
+                  f" 1 trainer {ratio(one, rows['Ray PS, 1 worker']['samples_per_s'])},"
+                  f" 2 trainers sync {ratio(rows['2 trainers, 2 silos, sync']['samples_per_s'], rows['Ray PS, 2 workers, sync']['samples_per_s'])}"
+                  " (goal on medium: at least 1.00x)")  # fmt: skip
+        pair = rows[PAIR]["samples_per_s"]
+        print(f"2 independent plain loops reach {ratio(pair, plain)} of one on this machine now; 2 trainers reach"
+              f" {ratio(rows['2 trainers, 2 silos, sync']['samples_per_s'], pair)} (sync) and"
+              f" {ratio(rows['2 trainers, 2 silos, async']['samples_per_s'], pair)} (async) of that")  # fmt: skip
         overhead = rows["1 trainer, 1 silo"]["step_ms"] - rows["plain"]["step_ms"]
         print(f"per-step overhead of 1 trainer vs the plain loop: {overhead:.2f} ms")
         rows["overhead_ms"] = overhead  # type: ignore[assignment]
