@@ -96,6 +96,8 @@ class Group:
 
     def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event) -> torch.Tensor:
         """The mean of ``flat`` over the group; GroupAbandonedError as soon as ``abandon`` is set."""
+        if abandon.is_set():  # never start a collective once stopped: the held step must not move
+            raise GroupAbandonedError("collective abandoned: the coordinator replaced the group")
         if self._hook is None:
             # Uncompressed: the collective itself, waited on in C++ (a torch future's callback
             # would wake this thread through the GIL: ~0.6 ms a step on a small model).

@@ -73,7 +73,6 @@ _CALL_TIMEOUT_S = 10.0
 _HISTORY = 2000
 _MAX_SLOT_FAILURES = 5
 _TERMINAL = ("completed", "failed", "cancelled")
-_STOP_TIMEOUT_S = 3.0
 _CHANGES = 20
 
 
@@ -243,7 +242,11 @@ class CoordinatorGrain(Grain):
 
     async def _drive(self, *, resume: bool) -> None:
         try:
-            if not resume or not self.state.shard_keys:
+            s = self.state
+            placed = s.trainer_keys if s.spec is not None and s.spec.mode == "allreduce" else s.shard_keys
+            if not resume or not placed:
+                # Re-activated with a group in place: re-attach; the first tick re-forms it if a
+                # member was lost with this silo.
                 await self._place_and_start()
             while self.state.status in ("starting", "running"):
                 try:
@@ -513,8 +516,11 @@ class CoordinatorGrain(Grain):
         # Stop the old members first (never calling one whose silo is gone: that would
         # activate it again elsewhere); one that does not answer is left out.
         olds = [(k, silo) for k, silo in zip(s.trainer_keys, s.trainer_silos, strict=True) if silo in look.alive]
+        # stop() returns once the member's step thread has left (its compute may take a while);
+        # a hung member's silo is declared dead meanwhile, which fails the call.
         stopped = await asyncio.gather(
-            *(self._ref(AllreduceTrainerGrain, k, _STOP_TIMEOUT_S).stop() for k, _ in olds), return_exceptions=True
+            *(self._ref(AllreduceTrainerGrain, k, spec.step_timeout_s).stop() for k, _ in olds),
+            return_exceptions=True,
         )
         survivors: list[tuple[str, str, TrainerProgress]] = []
         for (key, silo), r in zip(olds, stopped, strict=True):

@@ -15,6 +15,7 @@ import torch
 
 from grains.training import CoordinatorGrain, TrainerGrain, TrainingJob, TrainingStatus
 from grains.training.cluster import key_on
+from silo import errors
 from silo.settings import MembershipSettings
 from tests.training.conftest import GRAINS, run_job, wait_done
 from tests.training.test_faults import reference_accuracy
@@ -135,4 +136,52 @@ async def test_a_job_resumes_from_its_checkpoint_in_the_other_mode_and_back(clus
     for name in want:
         # Concurrent kernels drift by up to ~1e-4 over 60 steps (see the first test); momentum
         # lost at a switch would be off by ~5e-2.
+        assert torch.allclose(got[name], want[name], rtol=1e-3, atol=1e-3), name
+
+
+@pytest.mark.slow
+async def test_the_group_trains_on_undisturbed_while_its_coordinator_silo_is_killed(silo_processes, client):
+    # Trainers on the two silos with the trainer role; the coordinator alone on a third.
+    env = {"OMP_NUM_THREADS": "1"}
+    trainer_procs = silo_processes(2, grains="grains.training", roles=("trainer",), env=env)
+    (coord_proc,) = silo_processes(1, grains="grains.training", env=env)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        await client.refresh()
+        rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
+        if len(rows) == 3:
+            break
+        assert loop.time() < deadline, rows
+        await asyncio.sleep(0.05)
+    job = key_on("CoordinatorGrain", "ar-coord", coord_proc.address, rows)
+    spec = TrainingJob(mode="allreduce", trainers="auto", steps=800, batch_size=32, optimizer="momentum",
+                       lr=0.05, checkpoint_every=100, seed=2)  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, job)
+    await coord.start(spec)
+    before = await status_when(coord, lambda s: s.status == "running" and s.step >= 150)
+    assert before.coordinator_silo == str(coord_proc.address) and before.step < 600, before
+    assert sorted(before.trainer_silos) == sorted(str(p.address) for p in trainer_procs)
+    coord_proc.kill()
+
+    loop_deadline = loop.time() + 60
+    while True:  # the coordinator re-activates elsewhere; calls fail until its silo is declared dead
+        try:
+            after = await coord.with_timeout(5.0).status()
+            if after.status == "completed":
+                break
+        except errors.RedgrainError:
+            pass
+        assert loop.time() < loop_deadline, "job did not complete"
+        await asyncio.sleep(0.1)
+    assert after.coordinator_silo != str(coord_proc.address)
+    assert len(after.changes) == 1, after.changes  # re-attached to the running group, never re-formed
+    got = await coord.parameters()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = reference_parameters(spec, trainers=2, steps=800)
+    finally:
+        torch.set_num_threads(threads)
+    for name in want:
         assert torch.allclose(got[name], want[name], rtol=1e-3, atol=1e-3), name
