@@ -32,6 +32,11 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)
 
+# Long forms of the partition scenarios (silos on separate network namespaces; needs root).
+# The short forms run in `make test`. Figures: REDGRAIN_PARTITION_REPORT=path.jsonl.
+partition-test: $(STAMP)
+	$(PY) -m pytest -q -s -m "netns and soak" tests/netns $(ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grains silo dashboard
 
