@@ -271,6 +271,7 @@ class AllreduceTrainerGrain(Grain):
         self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
         self._points: deque[StepPoint] = deque(maxlen=_POINTS)
         self._saved: list[int] = []
+        self._saved_run = -1
         self._saves: set[asyncio.Task[None]] = set()
 
     async def on_activate(self) -> None:
@@ -286,6 +287,8 @@ class AllreduceTrainerGrain(Grain):
         """Leave any older group and start training as ``assignment`` says; returns at once."""
         await self._abandon_loop()
         a = assignment
+        if a.run != self._saved_run:  # checkpoints of an earlier run of the job id are not this run's
+            self._saved, self._saved_run = [], a.run
         held_run, held_step = self._rep.held if self._rep is not None else (-1, -1)
         self._p = TrainerProgress(
             activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, slot=a.rank,
@@ -425,7 +428,8 @@ class AllreduceTrainerGrain(Grain):
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return
-        self._saved = [*self._saved, snap.step][-10:]
+        if a.run == self._saved_run:
+            self._saved = [*self._saved, snap.step][-10:]
 
     def _record(self, step: int, r: StepResult) -> None:
         now = time.monotonic()
