@@ -367,6 +367,8 @@ class AllreduceTrainerGrain(Grain):
                 self._record(step, r)
                 if a.rank == 0 and every and (step + 1) % every == 0:
                     await self._checkpoint(a, rep)
+            # Done means saved too: the coordinator commits what the final report lists.
+            await asyncio.gather(*self._saves, return_exceptions=True)
             self._p.status = "done"
         except GroupAbandonedError:
             self._p.status = "idle"

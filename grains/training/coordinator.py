@@ -498,8 +498,8 @@ class CoordinatorGrain(Grain):
                 log.warning("%s: re-forming the group failed (%s); retrying", self.key, exc)
             return
         self._note_first_step()
-        saved = [set(p.saved_steps) for p in self._progress.values() if p.rank == 0]
-        await self._commit_step(max(saved[0], default=None) if saved else None)
+        for step in sorted({c for p in self._progress.values() if p.rank == 0 for c in p.saved_steps}):
+            await self._commit_step(step)  # every checkpoint rank 0 completed, oldest first
         await self._report([])
         if done == len(s.trainer_keys):
             await self._finish("completed")
