@@ -218,12 +218,12 @@ async def handshake(endpoint: str, timeout_s: float) -> ProbeResult:
     host, _, port = endpoint.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
-        sock, _ = await asyncio.wait_for(loop.create_connection(asyncio.Protocol, host, int(port)), timeout_s)
+        transport, _ = await asyncio.wait_for(loop.create_connection(asyncio.Protocol, host, int(port)), timeout_s)
     except (ConnectionRefusedError, ConnectionResetError):
         return ProbeResult.REFUSED
     except (OSError, TimeoutError):
         return ProbeResult.UNREACHABLE
-    sock.close()
+    transport.close()
     return ProbeResult.TIMEOUT
 
 
@@ -313,6 +313,8 @@ class FailureDetector:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        self._unreachable_logged: set[str] = set()
+        """Peers whose unreachable votes were logged (a lasting partition re-votes every round)."""
         self.rounds = self.probes = self.probe_failures = self.votes = self.declared = 0
 
     def start(self) -> None:
@@ -414,6 +416,7 @@ class FailureDetector:
                 peer.unreachable_since = self._clock()
         else:
             peer.unreachable_since = None
+            self._unreachable_logged.discard(addr)
         if result is ProbeResult.OK:
             peer.refused_at = None
             return
@@ -467,7 +470,8 @@ class FailureDetector:
             self.declared += 1
             self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
             self._peers.pop(addr, None)
-        else:
+        elif addr not in self._unreachable_logged:
+            self._unreachable_logged.add(addr)
             log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
 
     def unreachable(self) -> set[str]:
