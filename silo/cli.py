@@ -114,9 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a training job with a live progress bar (redgrain train job.toml)")
     _common(p)
     _secret(p)
-    from grains.training.console import add_arguments as add_train_arguments
-
-    add_train_arguments(p)
+    # Defined here rather than next to grains.training.console's run(): importing that
+    # package imports torch, which would add seconds to every `redgrain silo` start.
+    p.add_argument("job_file", nargs="?", help="job spec (TOML: TrainingJob fields, plus an optional `job` id)")
+    p.add_argument("--job", default=None, help="job id (default: the file's `job`, else its file name)")
+    p.add_argument("--status", metavar="JOB", default=None, help="print a job's status and exit")
+    p.add_argument("--cancel", metavar="JOB", default=None, help="cancel a running job")
+    p.add_argument("--detach", action="store_true", help="start the job and exit without watching it")
+    p.add_argument("--timeout", type=float, default=None, help="give up watching after this many seconds")
 
     p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")
     _common(p)

@@ -19,15 +19,6 @@ from silo import errors
 _TERMINAL = ("completed", "failed", "cancelled")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_file", nargs="?", help="job spec (TOML: TrainingJob fields, plus an optional `job` id)")
-    p.add_argument("--job", default=None, help="job id (default: the file's `job`, else its file name)")
-    p.add_argument("--status", metavar="JOB", default=None, help="print a job's status and exit")
-    p.add_argument("--cancel", metavar="JOB", default=None, help="cancel a running job")
-    p.add_argument("--detach", action="store_true", help="start the job and exit without watching it")
-    p.add_argument("--timeout", type=float, default=None, help="give up watching after this many seconds")
-
-
 def _job_id(args: argparse.Namespace, from_file: str | None) -> str:
     if args.job:
         return str(args.job)
