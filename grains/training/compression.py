@@ -7,10 +7,9 @@ not send (the residual) and adds it to the next step's gradient, so nothing is
 lost, only delayed: error feedback, which is what keeps top-k within a point of
 uncompressed accuracy.
 
-Trainers flush the residual (push it whole, dense fp32) on the last step
-before each checkpoint, so a checkpoint holds all of the job's state and a
-run rolled back to it replays exactly as it first ran; this costs one dense
-push per checkpoint interval.
+A trainer saves its residual at every checkpoint step and a trainer restarted
+from that checkpoint resumes with it, so a run rolled back to a checkpoint
+replays exactly as it first ran (see trainer.py).
 
 Pulls follow the push kind: with any compression the shard sends parameters as
 fp16 (bf16 for ``bf16``) instead of fp32. Pushes shrink with the compression
@@ -73,16 +72,24 @@ class Compressor:
         self.spec = spec
         self._residual: dict[str, torch.Tensor] = {}
 
-    def compress(self, name: str, grad: torch.Tensor, *, flush: bool = False) -> Payload:
-        """The payload to push for ``grad``; with ``flush``, the gradient plus the whole
-        residual, dense fp32, leaving no residual behind."""
+    @property
+    def lossy(self) -> bool:
+        return self.spec.kind != "none"
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        """What has not been sent yet, per tensor. Entries are replaced, never written to,
+        by later steps, so the tensors may be read (saved) while training goes on."""
+        return dict(self._residual)
+
+    def restore(self, residual: dict[str, torch.Tensor]) -> None:
+        self._residual = dict(residual)
+
+    def compress(self, name: str, grad: torch.Tensor) -> Payload:
         kind = self.spec.kind
         if kind == "none":
             return grad
-        res = self._residual.pop(name, None) if flush else self._residual.get(name)
+        res = self._residual.get(name)
         g = grad if res is None else grad.add_(res)
-        if flush:
-            return g
         if kind in ("fp16", "bf16"):
             sent = g.to(torch.float16 if kind == "fp16" else torch.bfloat16)
             self._residual[name] = g.sub_(sent.float())

@@ -318,7 +318,7 @@ class CoordinatorGrain(Grain):
         s = self.state
         assert s.spec is not None
         a = TrainerAssignment(
-            job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation,
+            job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation, run=s.run,
             start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
         )  # fmt: skip
         await self._ref(TrainerGrain, s.trainer_keys[slot], 120.0).run(a)

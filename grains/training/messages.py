@@ -66,6 +66,8 @@ class TrainerAssignment(BaseModel):
     slots: int
     spec: TrainingJob
     generation: int
+    run: int = 0
+    """Which start of the job this is (scopes the trainer's saved error-feedback residuals)."""
     start_step: int
     end_step: int
     shard_keys: list[str]

@@ -8,6 +8,13 @@ backward, so it is ready when the step ends. In async mode the exchange of
 step t overlaps the compute of step t+1 (one step more staleness, no idle
 wait); sync and ssp wait for the reply, since it may hold them back.
 
+With lossy compression a trainer saves its error-feedback residual (what it
+has not sent yet) at every checkpoint step ``c``, before it pushes step
+``c - 1``; so when the shards' checkpoint ``c`` is complete the residuals are
+saved too, and trainers restarted from ``c`` resume with them. With that, no
+state of a sync job lives outside its checkpoint, and a rollback replays
+exactly.
+
 The loop is a background task of the activation, so ``progress`` and ``stop``
 are answered while it runs. It never retries on its own: on any error it
 stops and reports, and the coordinator decides (restart this slot, or roll
@@ -26,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
@@ -34,6 +42,7 @@ from grains.training.datasets import Batches, load_dataset
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
 from grains.training.shard import ParamShardGrain
+from silo import errors
 
 log = logging.getLogger("redgrain.training.trainer")
 
@@ -92,13 +101,8 @@ class Replica:
             out = self.model(x)
             loss = F.cross_entropy(out.float(), y)
         loss.backward()
-        # The last push before a checkpoint carries the whole error-feedback residual, so no
-        # state is left outside the checkpoint (a rollback to it then replays exactly).
-        every = self.a.spec.checkpoint_every
-        flush = bool(every) and (step + 1) % every == 0
         grads = [
-            {n: self.compressor.compress(n, self._grad(n), flush=flush) for n in names}
-            for names in self.a.shard_names
+            {n: self.compressor.compress(n, self._grad(n)) for n in names} for names in self.a.shard_names
         ]
         correct = int((out.detach().argmax(1) == y).sum())
         if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
@@ -109,6 +113,27 @@ class Replica:
     def _grad(self, name: str) -> torch.Tensor:
         g = self.params[name].grad
         return g if g is not None else torch.zeros_like(self.params[name])
+
+
+class ResidualSnapshot(BaseModel):
+    """A trainer's error-feedback residual at checkpoint step ``step``."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    step: int
+    slots: int
+    """Trainer count of the job when saved (a residual is only reused with the same split)."""
+    residual: dict[str, torch.Tensor]
+
+
+class TrainerState(BaseModel):
+    """Empty, except while a residual snapshot is being saved or loaded."""
+
+    snapshot: ResidualSnapshot | None = None
+
+
+def residual_group(a: TrainerAssignment) -> str:
+    return f"training.{a.job}.r{a.run}.residual.{a.slot}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +152,8 @@ class TrainerStatistics:
 @immovable
 @hash_placement
 class TrainerGrain(Grain):
+    State = TrainerState
+
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._p = TrainerProgress(activation_id="", silo="")
@@ -194,6 +221,9 @@ class TrainerGrain(Grain):
             *(s.exchange(a.generation, a.slot, a.start_step, None, -1, -1) for s in shards)
         )
         payloads = self._take(replies, versions)
+        every = a.spec.checkpoint_every if rep.compressor.lossy else 0
+        if every and a.start_step and a.start_step % every == 0:
+            await self._restore_residual(a, rep)
         pipelined = a.spec.mode == "async"
         pending: asyncio.Future[list[ExchangeReply]] | None = None
         step = a.start_step
@@ -207,6 +237,9 @@ class TrainerGrain(Grain):
                 payloads = self._take(await pending, versions)
                 pending = None
             self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
+            if every and (step + 1) % every == 0:
+                # Before this push: checkpoint step+1 cannot complete until it is applied.
+                await self._save_residual(a, rep, step + 1)
             fut = asyncio.gather(
                 *(s.exchange(a.generation, a.slot, step, r.grads[i], base[i], versions[i]) for i, s in enumerate(shards))
             )
@@ -218,6 +251,31 @@ class TrainerGrain(Grain):
             step += 1
         if pending is not None:
             self._take(await pending, versions)
+
+    async def _save_residual(self, a: TrainerAssignment, rep: Replica, step: int) -> None:
+        residual = {n: t.to("cpu") for n, t in rep.compressor.residual().items()}
+        self.state = TrainerState(snapshot=ResidualSnapshot(step=step, slots=a.slots, residual=residual))
+        try:
+            await self.save_snapshot(residual_group(a), step, keep=a.spec.keep_checkpoints + 1)
+        except errors.StateConflictError:
+            raise
+        except errors.StorageError as exc:
+            # Training goes on; a restart from this checkpoint then begins with an empty
+            # residual. A replay after a rollback finds this step already saved (the same
+            # residual, in sync mode) and lands here too.
+            log.debug("%s: residual of step %d not saved: %s", self.key, step, exc)
+        finally:
+            self.state = TrainerState()
+
+    async def _restore_residual(self, a: TrainerAssignment, rep: Replica) -> None:
+        try:
+            await self.load_snapshot(residual_group(a), a.start_step, write=False)
+        except errors.StorageError as exc:
+            log.info("%s: no residual saved at step %d (%s); starting with none", self.key, a.start_step, exc)
+            return
+        snap, self.state = self.state.snapshot, TrainerState()
+        if snap is not None and snap.step == a.start_step and snap.slots == a.slots:
+            rep.compressor.restore({n: t.to(rep.device) for n, t in snap.residual.items()})
 
     def _take(self, replies: list[ExchangeReply], versions: list[int]) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []
