@@ -52,6 +52,9 @@ _STAGING = 256 * 1024
 _DIRECT = 64 * 1024
 _PRE_AUTH_MAX = 4096
 _SLICE = 1 << 20
+# Small frames queued for one write are flushed once this many are waiting, so that a
+# burst of calls reaches the peer while the rest of it is still being produced.
+_BATCH_FRAMES = 256
 _ALIGN = 64
 _packb = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
@@ -491,7 +494,7 @@ class Connection(asyncio.BufferedProtocol):
             self._n.bytes_out += len(frame)
             # A lone call (nothing else in flight on this connection either way) goes out now:
             # deferring it to batch with others would only cost the sequential caller a loop turn.
-            if len(frame) >= _DIRECT or len(self._pending) + self._serving <= 1:
+            if len(frame) >= _DIRECT or len(self._pending) + self._serving <= 1 or len(self._out) >= _BATCH_FRAMES:
                 self._flush()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
