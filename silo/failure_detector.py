@@ -56,6 +56,7 @@ from silo.membership import (
     MembershipTable,
     SiloLoad,
     SiloStatus,
+    VoteOutcome,
 )
 from silo.settings import MembershipSettings
 
@@ -443,36 +444,36 @@ class FailureDetector:
         return min(2, fresh)
 
     async def _vote(self, addr: str, peer: _Peer, why: str) -> None:
-        try:
-            outcome = await self._table.vote_dead(addr, self._addr, peer.heartbeat, self._needed(addr))
-        except errors.StorageError as exc:
-            log.warning("vote against %s failed: %s", addr, exc)
+        outcome = await self._cast(addr, why, self._table.vote_dead(addr, self._addr, peer.heartbeat, self._needed(addr)))
+        if outcome is None:
             return
-        self.votes += 1
-        if outcome.result == "declared":
-            self.declared += 1
-            self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
-            self._peers.pop(addr, None)
-        elif outcome.result == "alive":
+        if outcome.result == "alive":
             peer.refused_at = None
         else:
             log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
 
     async def _vote_unreachable(self, addr: str, for_s: float) -> None:
         why = f"unreachable over the network for {for_s:.1f}s"
+        vote = self._table.vote_unreachable(addr, self._addr, self._needed(addr), self._s.dead_after_s)
+        outcome = await self._cast(addr, why, vote)
+        if outcome is not None and addr not in self._unreachable_logged:
+            self._unreachable_logged.add(addr)  # once per partition: this vote repeats every round
+            log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
+
+    async def _cast(self, addr: str, why: str, vote: Awaitable[VoteOutcome]) -> VoteOutcome | None:
+        """Count a vote; a declaration emits the event and forgets the peer. None: failed or declared."""
         try:
-            outcome = await self._table.vote_unreachable(addr, self._addr, self._needed(addr), self._s.dead_after_s)
+            outcome = await vote
         except errors.StorageError as exc:
             log.warning("vote against %s failed: %s", addr, exc)
-            return
+            return None
         self.votes += 1
-        if outcome.result == "declared":
-            self.declared += 1
-            self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
-            self._peers.pop(addr, None)
-        elif addr not in self._unreachable_logged:
-            self._unreachable_logged.add(addr)
-            log.info("voted %s dead (%s): %s, %d vote(s)", addr, why, outcome.result, outcome.votes)
+        if outcome.result != "declared":
+            return outcome
+        self.declared += 1
+        self._events.emit("dead", {"silo": addr, "by": self._addr, "votes": outcome.votes, "why": why})
+        self._peers.pop(addr, None)
+        return None
 
     def unreachable(self) -> set[str]:
         """Peers the last probe could not reach over the network (the rebalancer moves nothing there)."""
