@@ -20,7 +20,8 @@
     ├── StorageError                 state could not be read or written (Redis down, slow)
     │   └── StateConflictError       etag or fencing check failed
     ├── CodecError                   bad frame / unknown type / oversized message
-    └── ConfigError                  bad settings, bad job spec, bad import path
+    ├── ConfigError                  bad settings, bad job spec, bad import path
+    └── GroupAbandonedError          an all-reduce group's generation was replaced: its waits stop
 
 Errors are named for who is at fault: ``SiloClosedError`` means *we* closed
 it, ``SiloUnavailableError`` means the *peer* broke. Leaf classes build their
@@ -189,6 +190,13 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
 }
 CODE_OF: dict[type[RedgrainError], str] = {cls: code for code, cls in WIRE_CODES.items()}
 
+# --- training ----------------------------------------------------------------
+
+
+class GroupAbandonedError(RedgrainError):
+    """The coordinator replaced this all-reduce group generation; whatever waited on it stops."""
+
+
 __all__ = [
     "AuthenticationError",
     "CodecError",
@@ -197,6 +205,7 @@ __all__ = [
     "GrainCallError",
     "GrainDeactivatedError",
     "GrainTimeoutError",
+    "GroupAbandonedError",
     "MembershipError",
     "OverloadedError",
     "RedgrainError",

@@ -25,7 +25,9 @@ from typing import Any
 import redis
 import torch.distributed as dist
 
-from silo import errors
+from silo.errors import GroupAbandonedError
+
+__all__ = ["GroupAbandonedError", "RedisStore", "sync_client_like"]
 
 # Rendezvous keys outlive a group only as garbage; Redis drops them after this.
 _KEY_TTL_S = 3600
@@ -42,10 +44,6 @@ end
 if not cur then return ARGV[1] end
 return cur
 """
-
-
-class GroupAbandonedError(errors.RedgrainError):
-    """The coordinator replaced this group generation; whatever waited on it stops."""
 
 
 def sync_client_like(client: Any, *, timeout_s: float = 5.0) -> redis.Redis:
