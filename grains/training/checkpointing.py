@@ -129,3 +129,39 @@ async def load(shard: Grain, job: str, run: int, step: int, names: list[str] | N
     if snap is None:
         raise errors.StorageError(f"snapshot {group(job, run)}/{step} holds no shard data for {shard.key}")
     return snap  # type: ignore[no-any-return]
+
+
+async def exists(grain: Grain, job: str, run: int, step: int) -> bool:
+    """Whether checkpoint ``step`` of a run is complete in the store."""
+    act: Any = grain._rg_activation
+    info = await act.runtime.checkpoints().info(group(job, run), step)
+    return info is not None and info.complete
+
+
+async def newest_step(grain: Grain, job: str, run: int) -> int | None:
+    """The newest complete checkpoint of a run, as the store knows it (None: none yet).
+
+    The store is the truth: a coordinator's own list may lag behind it (shards can
+    complete several checkpoints between two of its ticks, and retention may already
+    have dropped the one it knows as newest).
+    """
+    act: Any = grain._rg_activation
+    latest = await act.runtime.checkpoints().latest_complete(group(job, run))
+    return int(latest.snapshot_id) if latest is not None else None
+
+
+async def drop_after(grain: Grain, job: str, run: int, step: int | None) -> int:
+    """Delete a run's checkpoints newer than ``step`` (complete or not); how many.
+
+    A rollback to ``step`` abandons everything trained after it: shards will save
+    those step numbers again, and an old complete snapshot under the same id must not
+    be mistaken for (or mixed with) the new one.
+    """
+    act: Any = grain._rg_activation
+    store = act.runtime.checkpoints()
+    g = group(job, run)
+    dropped = 0
+    for info in [*await store.list(g), *await store.list(g, pending=True)]:
+        if step is None or int(info.snapshot_id) > step:
+            dropped += bool(await store.delete(g, info.snapshot_id))
+    return dropped

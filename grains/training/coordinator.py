@@ -45,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
-from grains.training import cluster
+from grains.training import checkpointing, cluster
 from grains.training.allreduce import AllreduceTrainerGrain
 from grains.training.datasets import Batches, load_dataset
 from grains.training.elastic import SiloLook, TrainerSilos
@@ -325,9 +325,10 @@ class CoordinatorGrain(Grain):
 
     async def _rollback(self, why: str) -> None:
         s = self.state
+        assert s.spec is not None
         s.generation += 1
         s.rollbacks += 1
-        restore = s.committed[-1] if s.committed else None
+        restore = await self._restore_point()
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         await self._write()
@@ -337,6 +338,26 @@ class CoordinatorGrain(Grain):
         self._cursor = restore or 0
         await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(s.slots)))
         await self._write()
+
+    async def _restore_point(self) -> int | None:
+        """The checkpoint a rollback restores, and the later ones it abandons (deleted).
+
+        Ours is ``committed[-1]``; but shards can complete several checkpoints between
+        two of our ticks, so retention may already have dropped it while newer ones,
+        which our list never saw (their shard's last status did not reach us), are
+        complete in the store: then the store's newest is the one.
+        """
+        s = self.state
+        restore = s.committed[-1] if s.committed else None
+        if restore is None or not await checkpointing.exists(self, self.key, s.run, restore):
+            newest = await checkpointing.newest_step(self, self.key, s.run)
+            if newest is not None and (restore is None or newest > restore):
+                log.info("%s: checkpoint %s is gone; the store's newest complete one is %d", self.key, restore, newest)
+                await self._commit_step(newest)
+                restore = newest
+        if await checkpointing.drop_after(self, self.key, s.run, restore):
+            log.info("%s: dropped checkpoints after %s (abandoned by the rollback)", self.key, restore)
+        return restore
 
     async def _tick(self) -> None:
         s = self.state
