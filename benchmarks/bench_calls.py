@@ -250,7 +250,7 @@ def main(argv: list[str]) -> int:
     print(f"# dashboard + poller processes used {board_cpu:.1f}% of one core while open;"
           f" median of {rounds} alternating {seconds:g} s phases per side")  # fmt: skip
     common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
-                                  "ray": ray, "ray_note": ray_note, "dashboard": board_out,
+                                  "ray": ray, "ray_note": ray_note, "dashboard": board_out, "dashboard_added_cpu": board["added_cpu"],
                                   "dashboard_cpu_percent": board_cpu})  # fmt: skip
     return 0
 

@@ -241,6 +241,10 @@ class BenchCluster(AbstractContextManager["BenchCluster"]):
             raise
         return self
 
+    @property
+    def redis_pid(self) -> int | None:
+        return self._redis.pid  # type: ignore[no-any-return]
+
     def add_silo(self, timeout_s: float = 60.0) -> SiloProc:
         n = len(self.silos)
         ready = self._tmp / f"silo-{n}.ready"
