@@ -72,6 +72,10 @@ async def _silos(url: str, cluster: str, n: int) -> AsyncIterator[list[Silo]]:
                 membership=FAST_MEMBERSHIP,
             )
             silos.append(await Silo(settings).start())
+        # Each silo places new activations over the members it knows: make every view
+        # current, or an early silo may not know the later one yet and place everything on itself.
+        for s in silos:
+            await s.view.refresh()
         yield silos
     finally:
         for s in reversed(silos):
