@@ -81,6 +81,10 @@ async def cluster(
             silo = await Silo(SiloSettings(**kw)).start()
             silos.append(silo)
             new.append(silo)
+        # A silo learns of later joins from a pub/sub message it may not be subscribed for
+        # yet, else from its next periodic refresh: make every view current before the test.
+        for s in silos:
+            await s.view.refresh()
         return new
 
     yield start
