@@ -138,15 +138,21 @@ REDIS = "2 silo cut from Redis, not from its peers or clients"
 async def test_silo_cut_from_redis_but_not_from_its_peers_or_clients(cluster_of: Lab, form: Form) -> None:
     """It cannot renew its lease: it fences itself (refuses every call) before the peers
     may declare it dead, is declared dead, and stops as soon as it hears so after the heal."""
-    run = Run(cluster_of, "redis", env=ENV)
+    await _rounds_of_direct_calls(cluster_of, "redis", form, _cut_from_redis, REDIS)
+
+
+async def _rounds_of_direct_calls(lab: Lab, name: str, form: Form, one_round: Any, scenario: str) -> None:
+    """``form.silos`` silos and a client calling each key directly; ``form.rounds`` rounds of
+    ``one_round`` (which returns the silos alive after it); then the invariants."""
+    run = Run(lab, name, env=ENV)
     try:
-        silos = await run.start(cluster_of.silos[: form.silos])
+        silos = await run.start(lab.silos[: form.silos])
         keys = _keys(form)
         direct = await run.workload("direct", "--keys", ",".join(keys), "--workers", "4", "--timeout", str(DEADLINE_S))
         for rnd in range(form.rounds):
-            silos = await _cut_from_redis(run, form, rnd, silos, keys, direct)
+            silos = await one_round(run, form, rnd, silos, keys, direct)
         counts = await run.check_invariants(DEADLINE_S)
-        report(REDIS, "invariants", form=form.name, **counts)
+        report(scenario, "invariants", form=form.name, **counts)
     finally:
         await run.close()
 
@@ -271,17 +277,7 @@ HEALED = "5 partition healed after the cut silo was declared dead"
 async def test_partition_healed_after_the_cut_silo_was_declared_dead(cluster_of: Lab, form: Form) -> None:
     """A silo isolated long enough to be declared dead stops when the partition heals (it answers
     nothing, writes nothing) and comes back only as a new generation."""
-    run = Run(cluster_of, "healed", env=ENV)
-    try:
-        silos = await run.start(cluster_of.silos[: form.silos])
-        keys = _keys(form)
-        direct = await run.workload("direct", "--keys", ",".join(keys), "--workers", "4", "--timeout", str(DEADLINE_S))
-        for rnd in range(form.rounds):
-            silos = await _isolate_and_heal(run, form, rnd, silos, keys, direct)
-        counts = await run.check_invariants(DEADLINE_S)
-        report(HEALED, "invariants", form=form.name, **counts)
-    finally:
-        await run.close()
+    await _rounds_of_direct_calls(cluster_of, "healed", form, _isolate_and_heal, HEALED)
 
 
 async def _isolate_and_heal(
