@@ -129,6 +129,18 @@ return m['status']
 """
 
 
+# The end of both vote scripts once enough votes are in: mark the row Dead, drop the
+# votes, bump the membership version and tell every view (KEYS: table, votes,
+# version, channel; ARGV[1]: the suspect; m: its decoded row; n: the votes).
+_DECLARE_DEAD = """
+m['status'] = 'Dead'
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+redis.call('DEL', KEYS[2])
+local v = redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', KEYS[4], v)
+return {'declared', n}
+"""
+
 # A vote counts only while the suspect's heartbeat is the one the voter saw
 # unchanged: comparing heartbeat values instead of clocks keeps the rule
 # immune to clock skew between silos. Enough valid votes -> Dead, in one step.
@@ -150,13 +162,7 @@ for i = 2, #votes, 2 do
   if math.abs((tonumber(votes[i]) or -1) - hb) <= 1e-4 then n = n + 1 end
 end
 if n < tonumber(ARGV[4]) then return {'voted', n} end
-m['status'] = 'Dead'
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
-redis.call('DEL', KEYS[2])
-local v = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', KEYS[4], v)
-return {'declared', n}
-"""
+""" + _DECLARE_DEAD
 
 # A silo whose heartbeat moves but that no peer can reach over the network (a
 # partition between silos, Redis still reachable) serves nobody but the
@@ -188,13 +194,7 @@ for i = 1, #votes, 2 do
   if now - (tonumber(votes[i + 1]) or 0) <= window and live(votes[i]) then n = n + 1 end
 end
 if n < tonumber(ARGV[3]) then return {'voted', n} end
-m['status'] = 'Dead'
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
-redis.call('DEL', KEYS[2])
-local v = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', KEYS[4], v)
-return {'declared', n}
-"""
+""" + _DECLARE_DEAD
 
 HEARTBEAT_LUA = _HEARTBEAT
 """The heartbeat script, for the heartbeat thread's own synchronous connection."""
