@@ -12,15 +12,11 @@ sets: ``REDGRAIN_CHAOS_REDIS`` (URL) and ``REDGRAIN_CHAOS_LOG`` (stream key).
 
 from __future__ import annotations
 
-import os
-import time
-from typing import Any
-
-import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from grains import Grain
 from silo.keys import Keys
+from tests.activation_log import ActivationLog
 
 INITIAL_BALANCE = 1_000
 LOG_MAXLEN = 2_000_000
@@ -31,31 +27,7 @@ def activation_log_key(cluster: str) -> str:
     return Keys(cluster).prefix + "test:activation-log"
 
 
-class _Log:
-    """A lazily opened Redis client; a failed append only loses that entry."""
-
-    client: Any = None
-    failures = 0
-
-    @classmethod
-    async def append(cls, grain: Grain, event: str, seq: int = -1) -> None:
-        url, key = os.environ.get("REDGRAIN_CHAOS_REDIS"), os.environ.get("REDGRAIN_CHAOS_LOG")
-        if not url or not key:
-            return
-        if cls.client is None:
-            cls.client = aioredis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-        fields = {
-            "grain": str(grain.grain_id),
-            "act": grain.activation_id,
-            "silo": str(grain.silo),
-            "event": event,
-            "seq": seq,
-            "t": time.time(),
-        }
-        try:
-            await cls.client.xadd(key, fields, maxlen=LOG_MAXLEN, approximate=True)
-        except Exception:  # noqa: BLE001 - Redis down or restarting: the entry is lost, the call is not
-            cls.failures += 1
+_Log = ActivationLog("REDGRAIN_CHAOS_REDIS", "REDGRAIN_CHAOS_LOG", timeout_s=2, maxlen=LOG_MAXLEN)
 
 
 class _Logged(Grain):

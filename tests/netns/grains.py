@@ -12,17 +12,14 @@ lost acknowledged operations). The silo finds the log through
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from grains import Grain, random_placement
 from silo import errors
 from silo.keys import Keys
+from tests.activation_log import ActivationLog
 
 
 def log_key(cluster: str) -> str:
@@ -30,27 +27,8 @@ def log_key(cluster: str) -> str:
     return Keys(cluster).prefix + "test:netns-log"
 
 
-class _Log:
-    client: Any = None
-
-    @classmethod
-    async def append(cls, grain: Grain, event: str, seq: int) -> None:
-        url, key = os.environ.get("REDGRAIN_NETNS_LOG_REDIS"), os.environ.get("REDGRAIN_NETNS_LOG_KEY")
-        if not url or not key:
-            return
-        if cls.client is None:
-            cls.client = aioredis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-        entry = {
-            "grain": str(grain.grain_id),
-            "act": grain.activation_id,
-            "silo": str(grain.silo),
-            "event": event,
-            "seq": seq,
-            "t": time.time(),
-        }
-        # Cut from Redis: the entry is lost, the call is not.
-        with contextlib.suppress(Exception):
-            await cls.client.xadd(key, entry)
+# Cut from Redis: the entry is lost, the call is not.
+_Log = ActivationLog("REDGRAIN_NETNS_LOG_REDIS", "REDGRAIN_NETNS_LOG_KEY", timeout_s=1)
 
 
 @random_placement
