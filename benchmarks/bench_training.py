@@ -36,6 +36,7 @@ from benchmarks.common import (
 )
 from benchmarks.ray_training import ray_parameter_server
 from benchmarks.training_allreduce import redgrain_recovery, torchrun_ddp
+from benchmarks.training_recovery import ps_recovery
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "small": {"model": "grains.training.models:mlp", "dataset": "grains.training.datasets:digits", "batch_size": 64},
@@ -47,6 +48,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 COMMON: dict[str, Any] = {"optimizer": "momentum", "lr": 0.05, "checkpoint_every": 0, "eval_every": 0}
+CKPT = "2 trainers, 2 silos, sync, checkpoints"
+
+
+def default_checkpoint_every() -> int:
+    """The job spec's default checkpoint interval, the one the checkpoint-cost goal is read at."""
+    from grains.training.job import TrainingJob
+
+    return int(TrainingJob.model_fields["checkpoint_every"].default)
 
 
 def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -120,7 +129,7 @@ def plain_pair(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
 async def run_job(client: Any, name: str, cfg: dict[str, Any], steps: int, **kw: Any) -> dict[str, Any]:
     from grains.training import CoordinatorGrain, TrainingJob
 
-    spec = TrainingJob(**cfg, **COMMON, steps=steps, **kw)
+    spec = TrainingJob(**{**cfg, **COMMON, "steps": steps, **kw})
     coord = client.get_grain(CoordinatorGrain, name)
     await coord.start(spec)
     trainers = int(kw.get("trainers", 1))
@@ -163,6 +172,10 @@ async def measure(quick: bool) -> dict[str, Any]:
                     out[name][f"2 trainers, 2 silos, {mode}"] = await run_job(
                         client, f"{name}-2-{mode}", cfg, n, trainers=2, shards=2, mode=mode
                     )
+                # The same sync job with consistent checkpoints at the default interval.
+                out[name][CKPT] = await run_job(
+                    client, f"{name}-2-ckpt", cfg, n, trainers=2, shards=2, checkpoint_every=default_checkpoint_every()
+                )
                 for comp in ("fp16", "topk:0.01"):
                     out[name][f"2 trainers, 2 silos, sync, {comp}"] = await run_job(
                         client, f"{name}-2-{comp.replace(':', '')}", cfg, n, trainers=2, shards=2, compression=comp
@@ -171,7 +184,13 @@ async def measure(quick: bool) -> dict[str, Any]:
                     client, f"{name}-2-ar", cfg, n, trainers=2, mode="allreduce"
                 )
             rec_spec, kill_at = recovery_spec(quick)
-            # Kills one of the two silos: the last thing done on this cluster.
+            # Parameter-server recovery on 3 silos, one killed each time (and replaced after
+            # the first); then the all-reduce one on the 2 left, the last thing done here.
+            ps_spec = {**rec_spec, "checkpoint_every": default_checkpoint_every()}
+            ps_rows: dict[str, Any] = {}
+            for victim in ("trainer", "shard"):
+                bc.add_silo()
+                ps_rows[victim] = await ps_recovery(client, bc, ps_spec, victim, kill_at)
             ours = await redgrain_recovery(client, bc, {**rec_spec, "mode": "allreduce"}, kill_at)
     for name, cfg in configs.items():
         out[name]["torchrun DDP, 2 workers"] = await asyncio.to_thread(
@@ -179,7 +198,8 @@ async def measure(quick: bool) -> dict[str, Any]:
         )
     theirs = await asyncio.to_thread(torchrun_ddp, rec_spec, kill_at_step=kill_at, ckpt_every=rec_spec["checkpoint_every"])
     out["recovery"] = {"steps": rec_spec["steps"], "checkpoint_every": rec_spec["checkpoint_every"],
-                       "redgrain allreduce": ours, "torchrun DDP": theirs}  # fmt: skip
+                       "redgrain allreduce": ours, "torchrun DDP": theirs,
+                       "ps_checkpoint_every": ps_spec["checkpoint_every"], "redgrain PS": ps_rows}  # fmt: skip
     ray = ray_parameter_server([
         {"config": name, "spec": {**cfg, **COMMON, "steps": steps[name], "trainers": n}}
         for name, cfg in configs.items() for n in (1, 2)
@@ -239,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         overhead = rows["1 trainer, 1 silo"]["step_ms"] - rows["plain"]["step_ms"]
         print(f"per-step overhead of 1 trainer vs the plain loop: {overhead:.2f} ms")
         rows["overhead_ms"] = overhead  # type: ignore[assignment]
+        base = rows["2 trainers, 2 silos, sync"]["samples_per_s"]
+        cost = 1 - rows[CKPT]["samples_per_s"] / base if base > 0 else None
+        print(f"consistent checkpoints every {default_checkpoint_every()} steps (the default) cost"
+              f" {f'{cost:.1%}' if cost is not None else '-'} of"
+              " step time (the sync row with checkpoints vs without; goal: at most 5%)")  # fmt: skip
+        rows["checkpoint_cost"] = cost  # type: ignore[assignment]
         ar, ddp = rows["2 trainers, 2 silos, allreduce"]["samples_per_s"], rows["torchrun DDP, 2 workers"]["samples_per_s"]
         print(f"allreduce samples/s vs torchrun DDP: {ratio(ar, ddp)} (goal: at least 0.90x)")
     print_recovery(recovery)
@@ -268,6 +294,17 @@ def print_recovery(rec: dict[str, Any]) -> None:
     print_table(["run", "kill -> next committed step", "steps redone", "accuracy"], table)
     print(f"torchrun recovery / redgrain recovery: {ratio(theirs.get('recovery_s'), ours.get('recovery_s'))}"
           " (goal: above 1.00x; torchrun took 2.3-3.3 s here before)")  # fmt: skip
+    ps, every = rec["redgrain PS"], rec["ps_checkpoint_every"]
+    print(f"\n## parameter-server mode: SIGKILL of a trainer's or a shard's silo (small, sync, 2 trainers, 2 shards,"
+          f" 3 silos, checkpoint every {every})")  # fmt: skip
+    print_table(
+        ["silo killed", "kill -> next committed step", "detected after", "steps redone", "accuracy"],
+        [[f"{victim}'s", _s(r["recovery_s"]), _s(r["detected_s"]), str(r["lost_steps"]), f"{(r['accuracy'] or 0):.2%}"]
+         for victim, r in ps.items()],
+    )  # fmt: skip
+    worst = max(r["recovery_s"] for r in ps.values())
+    print(f"slowest parameter-server recovery {worst:.2f} s (goal: at most 3 s), steps redone at most"
+          f" {max(r['lost_steps'] for r in ps.values())} (goal: at most one checkpoint interval, {every})")  # fmt: skip
 
 
 def _s(x: float | None) -> str:

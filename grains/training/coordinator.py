@@ -331,6 +331,7 @@ class CoordinatorGrain(Grain):
         restore = await self._restore_point()
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
+        self._note_change(s.generation, why, s.slots, restore or 0)
         await self._write()
         await asyncio.gather(*(t.stop() for t in self._trainers()), return_exceptions=True)
         await self._configure_shards(restore)
@@ -387,6 +388,7 @@ class CoordinatorGrain(Grain):
             *(t.progress(self._cursor) for t in self._trainers()), return_exceptions=True
         )
         done = 0
+        restarted: list[tuple[int, int, str]] = []
         for j, r in enumerate(results):
             if isinstance(r, TrainerProgress) and r.generation == s.generation and r.status in ("running", "done"):
                 if self._progress.get(j) is None or r.steps_done != self._progress[j].steps_done:
@@ -404,8 +406,14 @@ class CoordinatorGrain(Grain):
             start = min(st.next_steps[j] for st in statuses)
             log.warning("%s: trainer slot %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
             s.restarts += 1
+            self._progress.pop(j, None)  # the lost run's counters; the restarted run reports anew
+            restarted.append((j, start, why[:200]))
             with contextlib.suppress(errors.RedgrainError):
                 await self._run_slot(j, start)
+        if restarted:
+            why = "; ".join(f"trainer slot {j} restarted at step {start} ({w})" for j, start, w in restarted)
+            self._note_change(s.generation, why, s.slots, min(st for _, st, _ in restarted), [j for j, _, _ in restarted])
+        self._note_first_step()
         committed = await self._commit(statuses)
         await self._report(statuses)
         if done == s.slots:
@@ -453,15 +461,18 @@ class CoordinatorGrain(Grain):
             s.trainer_silos.append(row.address)
         s.slots = len(s.trainer_keys)
         why = f"trainer silo(s) {', '.join(r.address for r in joined)} joined"
-        self._note_change(s.generation + 1, why, s.slots, s.committed[-1] if s.committed else 0)
         try:
             await self._rollback(why)
         except errors.RedgrainError as exc:
             log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
 
-    def _note_change(self, generation: int, reason: str, world: int, start_step: int) -> None:
+    def _note_change(
+        self, generation: int, reason: str, world: int, start_step: int, slots: list[int] | None = None
+    ) -> None:
         s = self.state
-        change = GroupChange(generation=generation, reason=reason, at=time.time(), world=world, start_step=start_step)
+        change = GroupChange(
+            generation=generation, reason=reason, at=time.time(), world=world, start_step=start_step, slots=slots or []
+        )
         s.changes = [*s.changes, change][-_CHANGES:]
 
     # --- allreduce mode -------------------------------------------------------
@@ -611,6 +622,13 @@ class CoordinatorGrain(Grain):
         if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
             return
         change = s.changes[-1]
+        if s.spec is not None and s.spec.mode != "allreduce":
+            # Parameter-server mode: every restarted slot's new run has committed a step.
+            slots = change.slots or list(range(s.slots))
+            firsts = [self._progress[j].first_step_at if j in self._progress else None for j in slots]
+            if all(t is not None for t in firsts):
+                change.first_step_at = max(t for t in firsts if t is not None)
+            return
         times = [pt.at for p in self._progress.values() for pt in p.points if pt.step == change.start_step]
         if len(times) == len(s.trainer_keys) and times:
             change.first_step_at = max(times)

@@ -123,6 +123,8 @@ class TrainerProgress(BaseModel):
     mean_staleness: float = 0.0
     max_gap: int = 0
     error: str = ""
+    first_step_at: float | None = None
+    """Wall-clock time this run's first step was committed (parameter-server mode)."""
     points: list[StepPoint] = Field(default_factory=list)
     held_run: int = -1
     """All-reduce: the run whose state this trainer holds (-1: none)."""
@@ -135,7 +137,8 @@ class TrainerProgress(BaseModel):
 
 
 class GroupChange(BaseModel):
-    """One re-forming of an all-reduce group (or a trainer added in parameter-server mode)."""
+    """One recovery or resize: an all-reduce group re-formed; in parameter-server mode a
+    rollback to a checkpoint (a shard lost, a trainer added) or trainer slots restarted."""
 
     generation: int
     reason: str
@@ -144,7 +147,9 @@ class GroupChange(BaseModel):
     world: int
     start_step: int
     first_step_at: float | None = None
-    """When the new group committed its first step (None: not yet)."""
+    """When the new group (or the restarted slots) committed its first step (None: not yet)."""
+    slots: list[int] = Field(default_factory=list)
+    """Parameter-server mode: the trainer slots restarted (empty: every slot)."""
 
 
 class HistoryPoint(BaseModel):

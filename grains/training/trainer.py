@@ -298,6 +298,8 @@ class TrainerGrain(Grain):
         p = self._p
         p.step = step + 1
         p.steps_done += 1
+        if p.first_step_at is None:
+            p.first_step_at = time.time()
         p.loss = r.loss
         if len(self._times) > 1:
             span = self._times[-1][0] - self._times[0][0]

@@ -26,6 +26,9 @@ def test_training_benchmark_quick_mode_runs_and_writes_its_results():
     data = json.loads((REPO / "benchmarks" / "results" / "training_quick.json").read_text())
     rows = data["results"]["medium"]
     assert rows["2 trainers, 2 silos, sync, topk:0.01"]["bytes_per_step"] * 3 < rows["2 trainers, 2 silos, sync"]["bytes_per_step"]
+    ps = data["recovery"]["redgrain PS"]  # both kills recovered, with the times on record
+    assert set(ps) == {"trainer", "shard"} and all(r["recovery_s"] > 0 for r in ps.values()), ps
+    assert "slowest parameter-server recovery" in out.stdout
     if importlib.util.find_spec("ray") is not None:
         assert rows["Ray PS, 2 workers, sync"]["samples_per_s"] > 0, rows.get("ray_note")
         assert "redgrain / Ray parameter server, samples/s" in out.stdout

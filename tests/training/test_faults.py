@@ -9,6 +9,7 @@ point of it.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -82,15 +83,25 @@ async def run_and_kill(
     alone = busy[victim] - set().union(*(v for k, v in busy.items() if k != victim))
     assert alone, f"no silo hosts only a {victim}: {busy}"
     process_of(procs, min(alone)).kill()
+    killed_at, killed_step = time.time(), st.step
 
     final = await status_when(coord, lambda s: s.status == "completed")
     want = reference_accuracy(spec, trainers)
     assert final.step == spec.steps
     assert final.accuracy is not None and abs(final.accuracy - want) <= 0.01, (victim, final.accuracy, want)
+    if victim == "coordinator":
+        return
+    # The recovery is on record, with when its first step was committed (the benchmark's
+    # kill -> next committed step); a trainer's slot alone resumed where it stopped, a lost
+    # shard rolled everyone back, losing at most what a checkpoint not yet saved adds.
+    change = next(c for c in final.changes if c.at >= killed_at)
+    assert change.first_step_at is not None and change.first_step_at > change.at, change
     if victim == "trainer":
         assert final.restarts >= 1 and final.rollbacks == 0, final
-    elif victim == "shard":
+        assert change.slots and change.start_step >= killed_step, change
+    else:
         assert final.rollbacks >= 1, final
+        assert change.slots == [] and killed_step - change.start_step <= 2 * spec.checkpoint_every, change
 
 
 # The shard case keeps one checkpoint, taken every 10 steps: shards then complete (and the
