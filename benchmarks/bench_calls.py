@@ -90,20 +90,68 @@ async def _shapes(
     return out
 
 
+async def _pick(client: Any) -> tuple[Any, str, str]:
+    """A driver grain, an echo key on the driver's silo and one on the other silo."""
+    from benchmarks.grains import BenchDriver, BenchEcho
+
+    echoes = await _place(client, BenchEcho, 24)
+    drivers = await _place(client, BenchDriver, 24)
+    silo_a = next(s for s in drivers if s in echoes and len(echoes) > 1)
+    silo_b = next(s for s in echoes if s != silo_a)
+    return client.get_grain(BenchDriver, drivers[silo_a][0]), echoes[silo_a][0], echoes[silo_b][0]
+
+
+async def _tensors_across(driver: Any, other: str, sz: Sizes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for nbytes in sz.tensor_sizes:
+        times = await driver.tensor_to(other, nbytes, sz.tensor_repeats + 1)
+        out[f"tensor_across_{nbytes // MB}MB"] = {
+            "gb_per_s": common.summarize([nbytes / t / 1e9 for t in times[1:]]), "bytes": nbytes
+        }
+    return out
+
+
+async def measure_tcp(cluster: common.BenchCluster, sz: Sizes) -> dict[str, Any]:
+    """The cross-silo rows again on silos with same-host Unix sockets turned off (loopback TCP)."""
+    from silo.client import ClusterClient
+    from silo.settings import ClientSettings, TransportSettings
+
+    settings = ClientSettings(transport=TransportSettings(local_sockets=False))
+    async with await ClusterClient.connect(cluster.redis_url, cluster=cluster.cluster, settings=settings) as client:
+        driver, _, other = await _pick(client)
+        out = await _tensors_across(driver, other, sz)
+        lat: list[float] = []
+
+        async def sequential() -> float:
+            got = await driver.sequential(other, sz.seq, SMALL)
+            lat[:] = got
+            return len(got) / sum(got)
+
+        out["grain_grain_across_seq_100B"] = _seq_result(lat, await common.repeat(sequential, sz.repeats))
+    return out
+
+
+def local_socket_table(rg: dict[str, Any], tcp: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for key, unit in [*((k, "GB/s") for k in tcp if k.startswith("tensor_across_")), ("grain_grain_across_seq_100B", "/s")]:
+        field = "gb_per_s" if unit == "GB/s" else "per_s"
+        ours, theirs = _med(rg, key, field), _med(tcp, key, field)
+        name = key.replace("tensor_across_", "tensor ").replace("grain_grain_across_seq_100B", "100 B sequential")
+        fmt = (lambda v: f"{v:.2f} GB/s") if unit == "GB/s" else (lambda v: f"{v:,.0f} /s")
+        rows.append([f"{name} grain→grain across silos", fmt(ours) if ours else "-", fmt(theirs) if theirs else "-",
+                     common.ratio(ours, theirs)])  # fmt: skip
+    return rows
+
+
 async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str, Any]:
     import torch
 
-    from benchmarks.grains import BenchDriver, BenchEcho
+    from benchmarks.grains import BenchEcho
     from silo.client import ClusterClient
 
     out: dict[str, Any] = {}
     async with await ClusterClient.connect(cluster.redis_url, cluster=cluster.cluster) as client:
-        echoes = await _place(client, BenchEcho, 24)
-        drivers = await _place(client, BenchDriver, 24)
-        silo_a = next(s for s in drivers if s in echoes and len(echoes) > 1)
-        silo_b = next(s for s in echoes if s != silo_a)
-        driver = client.get_grain(BenchDriver, drivers[silo_a][0])
-        same, other = echoes[silo_a][0], echoes[silo_b][0]
+        driver, same, other = await _pick(client)
         echo = client.get_grain(BenchEcho, other)
 
         for label, payload, n_seq, n_pipe in (
@@ -112,11 +160,7 @@ async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str,
         ):
             out.update(await _shapes(echo, driver, same, other, label, payload, n_seq, n_pipe, sz.repeats))
 
-        for nbytes in sz.tensor_sizes:
-            times = await driver.tensor_to(other, nbytes, sz.tensor_repeats + 1)
-            out[f"tensor_across_{nbytes // MB}MB"] = {
-                "gb_per_s": common.summarize([nbytes / t / 1e9 for t in times[1:]]), "bytes": nbytes
-            }
+        out.update(await _tensors_across(driver, other, sz))
         nbytes = sz.tensor_sizes[-1]
         t = torch.randn(nbytes // 4)
 
@@ -232,6 +276,9 @@ def main(argv: list[str]) -> int:
         # Issue 6's row: the same calls with the dashboard open and polling, phases alternating.
         rounds, seconds = (1, 0.3) if args.quick else (4, 2.0)
         board, board_cpu = common.run(dashboard_phases(cluster, rounds, seconds))
+    # The same machine's loopback TCP, for the same-host Unix socket rows.
+    with common.BenchCluster(2, env={"REDGRAIN_TRANSPORT__LOCAL_SOCKETS": "false"}) as cluster:
+        tcp = common.run(measure_tcp(cluster, sz))
     ray: dict[str, Any] | None = None
     ray_note = "skipped (--no-ray)"
     if not args.no_ray:
@@ -249,9 +296,12 @@ def main(argv: list[str]) -> int:
     print(dashboard_verdict(board, board_out))
     print(f"# dashboard + poller processes used {board_cpu:.1f}% of one core while open;"
           f" median of {rounds} alternating {seconds:g} s phases per side")  # fmt: skip
+    print()
+    common.print_table(["same host, two silos", "Unix socket (default)", "loopback TCP", "socket/TCP"],
+                       local_socket_table(rg, tcp))  # fmt: skip
     common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
                                   "ray": ray, "ray_note": ray_note, "dashboard": board_out, "dashboard_added_cpu": board["added_cpu"],
-                                  "dashboard_cpu_percent": board_cpu})  # fmt: skip
+                                  "dashboard_cpu_percent": board_cpu, "tcp": tcp})  # fmt: skip
     return 0
 
 

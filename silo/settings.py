@@ -31,6 +31,11 @@ class TransportSettings(_Section):
     cluster_secret: SecretStr | None = Field(
         None, description="Shared secret; when set every connection starts with an HMAC challenge."
     )
+    local_sockets: bool = Field(
+        True,
+        description="Peers on the same host (and network namespace) connect over a Unix socket instead of"
+        " loopback TCP: about half the CPU and latency for big tensors.",
+    )
 
 
 class MembershipSettings(_Section):

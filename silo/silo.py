@@ -100,6 +100,7 @@ class Silo:
         self.table = RedisMembershipTable(self.redis, self.keys)
         generation = await self.table.new_generation()
         self.address = SiloAddress(s.advertise_host or _advertised(s.host), port, generation)
+        await self.transport.listen_local(self.address.endpoint)
         # Cluster events (join, suspect, dead, rebalance, ...): components call self.events.emit(kind, **data).
         self.events = EventLog(self.redis, self.keys, str(self.address), clock=self._clock)
 

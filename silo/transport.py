@@ -19,6 +19,7 @@ other frame is accepted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import hashlib
 import heapq
@@ -26,16 +27,18 @@ import hmac
 import itertools
 import logging
 import os
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
 import numpy as np
 
-from silo import errors
+from silo import errors, local_socket
 from silo.codec import Codec, Encoded
 from silo.settings import TransportSettings
 
@@ -52,6 +55,8 @@ _STAGING = 256 * 1024
 _DIRECT = 64 * 1024
 _PRE_AUTH_MAX = 4096
 _SLICE = 1 << 20
+# Same-host sockets: room for a few MB in flight (the kernel caps it at net.core.wmem_max).
+_UNIX_BUFFER = 4 << 20
 # Small frames queued for one write are flushed once this many are waiting, so that a
 # burst of calls reaches the peer while the rest of it is still being produced.
 _BATCH_FRAMES = 256
@@ -200,7 +205,13 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
         peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else (str(peer) or "same-host socket")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            # The default 200 KB buffers make a multi-MB tensor take many wake-ups.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _UNIX_BUFFER)
         self._n.connections_opened += 1
         if self._server_side:
             self._nonce = os.urandom(16) if self._secret else b""
@@ -720,6 +731,8 @@ class Transport:
         self._handler = handler
         self._n = _Counters()
         self._server: asyncio.base_events.Server | None = None
+        self._local_server: asyncio.base_events.Server | None = None
+        self._local_path: Path | None = None
         self._out: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
         self._inbound: set[Connection] = set()
@@ -756,6 +769,28 @@ class Transport:
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 
+    async def listen_local(self, endpoint: str) -> Path | None:
+        """Also accept same-host peers on a Unix socket found by ``endpoint`` (the advertised
+        ``host:port``); None when turned off or not possible here (TCP serves them then)."""
+        path = local_socket.socket_path(endpoint) if self.settings.local_sockets else None
+        if path is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def factory() -> Connection:
+            conn = self._connection(server_side=True)
+            self._inbound.add(conn)
+            return conn
+
+        try:
+            local_socket.prepare(path)
+            self._local_server = await loop.create_unix_server(factory, str(path), backlog=1024)
+        except OSError as exc:
+            log.info("no same-host socket at %s (%s); peers use TCP", path, exc)
+            return None
+        self._local_path = path
+        return path
+
     def connection_nowait(self, endpoint: str) -> Connection | None:
         """The open pooled connection to ``host:port``, or None (then ``await connect()``)."""
         conn = self._out.get(endpoint)
@@ -788,6 +823,21 @@ class Transport:
     async def _open(self, endpoint: str) -> Connection:
         host, _, port = endpoint.rpartition(":")
         loop = asyncio.get_running_loop()
+        path = local_socket.socket_path(endpoint) if self.settings.local_sockets else None
+        if path is not None and path.exists():
+            try:
+                _, conn = await asyncio.wait_for(
+                    loop.create_unix_connection(lambda: self._connection(server_side=False), str(path)),
+                    self.settings.connect_timeout_s,
+                )
+            except (OSError, TimeoutError):
+                pass  # stale (its silo is gone) or not ours to use: TCP decides
+            else:
+                try:
+                    await asyncio.wait_for(conn.ready, self.settings.connect_timeout_s)
+                except (OSError, TimeoutError) as exc:
+                    raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
+                return conn
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: self._connection(server_side=False), host, int(port)),
@@ -803,8 +853,17 @@ class Transport:
         if conn is not None:
             conn.abort()
 
+    def _close_local(self) -> None:
+        if self._local_server is not None:
+            self._local_server.close()
+        if self._local_path is not None:
+            with contextlib.suppress(OSError):
+                self._local_path.unlink()
+            self._local_path = None
+
     async def close(self) -> None:
         self.closed = True
+        self._close_local()
         if self._server is not None:
             self._server.close()
         for conn in [*self._out.values(), *self._inbound]:
@@ -821,6 +880,7 @@ class Transport:
     def abort_all(self) -> None:
         """Drop every connection at once (a silo declared dead must stop serving)."""
         self.closed = True
+        self._close_local()
         if self._server is not None:
             self._server.close()
         for conn in [*self._out.values(), *self._inbound]:
