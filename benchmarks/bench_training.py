@@ -299,6 +299,8 @@ def print_recovery(rec: dict[str, Any]) -> None:
     print_table(["run", "kill -> next committed step", "steps redone", "accuracy"], table)
     print(f"torchrun recovery / redgrain recovery: {ratio(theirs.get('recovery_s'), ours.get('recovery_s'))}"
           " (goal: above 1.00x; torchrun took 2.3-3.3 s here before)")  # fmt: skip
+    if theirs.get("error"):
+        print(f"torchrun did not finish the job after the kill: {theirs['error']}")
     ps, every = rec["redgrain PS"], rec["ps_checkpoint_every"]
     print(f"\n## parameter-server mode: SIGKILL of a trainer's or a shard's silo (small, sync, 2 trainers, 2 shards,"
           f" 3 silos, checkpoint every {every})")  # fmt: skip

@@ -217,6 +217,19 @@ def _torch_names() -> dict[Any, str]:
     return {d: n for n, d in _torch_dtypes().items()}
 
 
+class _BufferHook:
+    """msgpack's ext hook for one message with out-of-band buffers (no reference cycle:
+    it passes itself down for nested values instead of keeping a reference to itself)."""
+
+    __slots__ = ("buffers", "codec")
+
+    def __init__(self, codec: Codec, buffers: Sequence[bytearray | memoryview | bytes]) -> None:
+        self.codec, self.buffers = codec, buffers
+
+    def __call__(self, code: int, data: bytes) -> Any:
+        return self.codec._decode_ext(code, data, self.buffers, self)
+
+
 class Codec:
     def __init__(self, registry: TypeRegistry | None = None, *, oob_threshold: int = 65536) -> None:
         self.registry = registry if registry is not None else TypeRegistry()
@@ -378,13 +391,11 @@ class Codec:
         meta: bytes | bytearray | memoryview,
         buffers: Sequence[bytearray | memoryview | bytes] = (),
     ) -> Any:
-        if buffers:
-
-            def hook(code: int, data: bytes) -> Any:
-                return self._decode_ext(code, data, buffers, hook)
-
-        else:
-            hook = self._hook0  # most messages: no closure to build per call
+        # Most messages have no buffers and share one hook. A closure calling itself
+        # would be a reference cycle holding the received buffers until the garbage
+        # collector's next pass: hundreds of MB of tensors kept alive, and every new one
+        # landing on fresh (zero-filled) pages.
+        hook: Any = _BufferHook(self, buffers) if buffers else self._hook0
         try:
             return _unpackb(meta, ext_hook=hook, raw=False, strict_map_key=False)
         except CodecError:

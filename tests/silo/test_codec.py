@@ -738,3 +738,25 @@ def test_fuzz_random_blobs_only_raise_codec_error(blob: bytes) -> None:
 def test_encoded_reports_its_size() -> None:
     enc = Encoded(b"abc", [memoryview(b"12345")])
     assert enc.nbytes == 8
+
+
+def test_a_received_tensor_frees_its_buffer_when_dropped_without_the_garbage_collector() -> None:
+    # A reference cycle in decoding would keep every received buffer alive until the
+    # collector's next pass (hundreds of MB in a silo receiving tensors, each new one on
+    # fresh pages): decoding must leave the buffer owned by the tensor alone.
+    import gc
+    import weakref
+
+    enc = Codec().encode({"t": torch.arange(1 << 16, dtype=torch.float32), "n": [torch.ones(3)]})
+    received = [np.frombuffer(bytes(b), np.uint8).copy() for b in enc.buffers]  # as the transport gets them
+    alive = [weakref.ref(a) for a in received]
+    gc.disable()
+    try:
+        value = Codec().decode(enc.meta, [memoryview(a) for a in received])
+        assert torch.equal(value["t"], torch.arange(1 << 16, dtype=torch.float32))
+        del received
+        assert any(r() is not None for r in alive)  # the tensors hold them
+        del value
+        assert all(r() is None for r in alive)
+    finally:
+        gc.enable()
