@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import FIXED_THREADS, REPO, BenchCluster
+from benchmarks.training_recovery import kill_and_measure
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 
@@ -141,20 +142,4 @@ async def redgrain_recovery(
         if st.status not in ("running", "starting") or loop.time() > deadline:
             raise RuntimeError(f"job did not reach step {kill_at_step} with 2 trainers: {st}")
         await asyncio.sleep(0.01)
-    victim.proc.send_signal(signal.SIGKILL)
-    killed_at, killed_step = time.time(), st.step
-    while st.status not in ("completed", "failed", "cancelled"):
-        if loop.time() > deadline:
-            raise RuntimeError(f"job did not finish: {st}")
-        await asyncio.sleep(0.05)
-        st = await coord.status()
-    if st.status != "completed":
-        raise RuntimeError(f"job {st.status}: {st.error}")
-    change = st.changes[-1]
-    return {
-        "recovery_s": (change.first_step_at - killed_at) if change.first_step_at else None,
-        "detected_s": change.at - killed_at,
-        "lost_steps": max(0, killed_step - change.start_step),
-        "accuracy": st.accuracy,
-        "reason": change.reason[:200],
-    }
+    return await kill_and_measure(coord, victim, st, deadline)

@@ -67,7 +67,14 @@ async def ps_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], victi
     target = next((s for s in bc.silos if s.address in alone and s.proc.poll() is None), None)
     if target is None:
         raise RuntimeError(f"no silo hosts only a {victim}: {busy}")
-    target.proc.send_signal(signal.SIGKILL)
+    return await kill_and_measure(coord, target, st, deadline)
+
+
+async def kill_and_measure(coord: Any, victim: Any, st: Any, deadline: float) -> dict[str, Any]:
+    """SIGKILL ``victim`` (a BenchCluster silo) while the job runs at status ``st``, wait until
+    the job ends (by ``deadline``, loop time), and read its record of the recovery."""
+    loop = asyncio.get_running_loop()
+    victim.proc.send_signal(signal.SIGKILL)
     killed_at, killed_step = time.time(), st.step
     while st.status not in ("completed", "failed", "cancelled"):
         if loop.time() > deadline:

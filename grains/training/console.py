@@ -121,6 +121,10 @@ def _print_table(st: Any) -> None:
         ("restarts / rollbacks", f"{st.restarts} / {st.rollbacks}"),
         ("elapsed", f"{st.elapsed_s:.1f} s"),
     ]
+    if st.changes:
+        c = st.changes[-1]
+        after = f"; first step {c.first_step_at - c.at:.2f} s after" if c.first_step_at else "; no step since"
+        rows.append(("last recovery", f"from step {c.start_step}: {c.reason[:160]}{after}"))
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

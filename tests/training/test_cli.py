@@ -1,4 +1,4 @@
-"""`redgrain train`: a bad job file is refused with a clear message before anything starts."""
+"""`redgrain train`: a bad job file is refused with a clear message before anything starts; `--status` shows the last recovery."""
 
 from __future__ import annotations
 
@@ -17,3 +17,14 @@ def test_train_command_rejects_a_bad_job_file_with_a_clear_message(tmp_path, red
     )  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
     assert "bad training job spec: trainers: a job needs at least one trainer" in out.stderr
+
+
+def test_status_table_shows_the_last_recovery(capsys):
+    from grains.training.console import _print_table
+    from grains.training.messages import GroupChange, TrainingStatus
+
+    change = GroupChange(generation=2, reason="shard(s) job/shard-1 lost or behind", at=100.0, world=2,
+                         start_step=150, first_step_at=100.4)  # fmt: skip
+    _print_table(TrainingStatus(job="j", status="running", step=170, total_steps=400, rollbacks=1, changes=[change]))
+    out = capsys.readouterr().out
+    assert "last recovery" in out and "from step 150" in out and "0.40 s after" in out, out
