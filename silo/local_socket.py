@@ -15,6 +15,7 @@ other's sockets, so a cut link stays cut.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -43,7 +44,29 @@ def socket_path(endpoint: str) -> Path | None:
 
 
 def prepare(path: Path) -> None:
-    """Create the private directory and remove a stale socket a dead silo left behind."""
+    """Create the private directory and remove a stale socket a dead silo left behind
+    at this path (:func:`sweep` removes the others)."""
     for d in (path.parent.parent, path.parent):
         d.mkdir(mode=0o700, exist_ok=True)
     path.unlink(missing_ok=True)
+
+
+def sweep(directory: Path) -> int:
+    """Remove the sockets no process holds any more (their silos were killed); how many.
+
+    A socket bound by a live process, listening or not yet, is listed in
+    ``/proc/net/unix`` by its path; a SIGKILLed silo's file stays behind unlisted.
+    Does nothing where that table is not readable.
+    """
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return 0
+    held = {fields[-1] for fields in (line.split() for line in lines) if len(fields) >= 8}
+    removed = 0
+    for path in directory.glob("*.sock"):
+        if str(path) not in held:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    return removed

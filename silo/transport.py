@@ -784,6 +784,7 @@ class Transport:
 
         try:
             local_socket.prepare(path)
+            local_socket.sweep(path.parent)
             self._local_server = await loop.create_unix_server(factory, str(path), backlog=1024)
         except OSError as exc:
             log.info("no same-host socket at %s (%s); peers use TCP", path, exc)

@@ -93,3 +93,15 @@ def test_the_socket_directory_is_private_and_per_network_namespace() -> None:
     local_socket.prepare(path)
     assert path.parent.stat().st_mode & 0o077 == 0
     assert local_socket.socket_path(f"{'h' * 200}:7000") is None  # too long for a socket address
+
+
+async def test_a_starting_silo_removes_sockets_that_killed_silos_left_behind(cluster: ClusterFactory) -> None:
+    left = local_socket.socket_path("127.0.0.1:1")  # no silo can have advertised port 1 here
+    assert left is not None
+    stale_socket(left)
+    (live,) = await cluster(1)
+    assert live.address is not None
+    (_,) = await cluster(1)  # its sweep must keep the live silo's socket
+    assert not left.exists()
+    live_path = local_socket.socket_path(live.address.endpoint)
+    assert live_path is not None and live_path.exists()
