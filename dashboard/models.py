@@ -13,7 +13,15 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from silo.events import ClusterEvent
-from silo.stats import CheckpointInfo, JobPoint, JobProgress, LoadPoint, Placement, SiloStatsRecord
+from silo.stats import (
+    CheckpointInfo,
+    JobPoint,
+    JobProgress,
+    LoadPoint,
+    Placement,
+    RecoveryInfo,
+    SiloStatsRecord,
+)
 
 __all__ = [
     "AdminResult",
@@ -35,6 +43,7 @@ __all__ = [
     "Methods",
     "Overview",
     "Placement",
+    "RecoveryInfo",
     "RedisStatus",
     "SiloDetail",
     "SiloList",

@@ -406,6 +406,19 @@ class CheckpointInfo(BaseModel):
     at: float
 
 
+class RecoveryInfo(BaseModel):
+    """One recovery or resize of a training job (a trainer slot restarted, a rollback to a
+    checkpoint, an all-reduce group re-formed, a trainer added)."""
+
+    reason: str
+    start_step: int = Field(description="The step training restarted from.")
+    at: float = Field(description="When the coordinator decided it (unix seconds).")
+    back_after_s: float | None = Field(
+        default=None, description="From the decision to the first step committed after it; None: not yet."
+    )
+    trainers: int = Field(default=0, description="Trainers restarted (0: every trainer).")
+
+
 class JobProgress(BaseModel):
     """A training job's latest progress, JSON under ``keys.job_progress(job)``."""
 
@@ -429,6 +442,7 @@ class JobProgress(BaseModel):
     trainers: list[Placement] = Field(default_factory=list)
     shards: list[Placement] = Field(default_factory=list)
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
+    recoveries: list[RecoveryInfo] = Field(default_factory=list)
     updated_at: float = 0.0
     error: str | None = None
 

@@ -362,6 +362,12 @@ pages.job = async (job) => {
     `<div class="table-wrap"><table data-testid="checkpoints"><thead><tr><th>Snapshot</th><th class="num">Step</th><th class="num">Taken</th></tr></thead><tbody>` +
     p.checkpoints.slice().reverse().map((c) => `<tr><td><code>${esc(c.snapshot)}</code></td><td class="num">${num(c.step)}</td><td class="num">${clock(c.at)}</td></tr>`).join("") +
     `</tbody></table></div>` : `<div class="notice">No checkpoint yet.</div>`);
+  const recoveries = p.recoveries || [];
+  html += `<h2>Recoveries (${recoveries.length})</h2>` + (recoveries.length ?
+    `<div class="table-wrap"><table data-testid="recoveries"><thead><tr><th>When</th><th class="num">From step</th><th class="num">Training again after</th><th>Trainers</th><th>Why</th></tr></thead><tbody>` +
+    recoveries.slice().reverse().map((c) => `<tr><td class="num">${clock(c.at)}</td><td class="num">${num(c.start_step)}</td>` +
+      `<td class="num">${c.back_after_s == null ? "–" : num(c.back_after_s, 2) + " s"}</td><td>${c.trainers ? num(c.trainers) : "all"}</td><td>${esc(c.reason)}</td></tr>`).join("") +
+    `</tbody></table></div>` : `<div class="notice">None: no silo was lost and no trainer joined.</div>`);
   return html;
 };
 

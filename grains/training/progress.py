@@ -8,7 +8,7 @@ from grains.base import Grain
 from grains.training import cluster
 from grains.training.job import TrainingJob
 from grains.training.messages import TrainingStatus
-from silo.stats import CheckpointInfo, JobProgress, Placement, publish_job_progress
+from silo.stats import CheckpointInfo, JobProgress, Placement, RecoveryInfo, publish_job_progress
 
 
 def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> JobProgress:
@@ -27,6 +27,16 @@ def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: lis
         trainers=[Placement(key=k, silo=s) for k, s in zip(trainer_keys, st.trainer_silos + [""] * len(trainer_keys))],
         shards=[Placement(key=k, silo=s) for k, s in zip(shard_keys, st.shard_silos + [""] * len(shard_keys))],
         checkpoints=[CheckpointInfo(snapshot=str(c), step=c, at=now) for c in st.checkpoints],
+        recoveries=[
+            RecoveryInfo(
+                reason=c.reason,
+                start_step=c.start_step,
+                at=c.at,
+                trainers=len(c.slots),
+                back_after_s=(c.first_step_at - c.at) if c.first_step_at is not None else None,
+            )
+            for c in st.changes
+        ],
         updated_at=now,
         error=st.error or None,
     )

@@ -18,7 +18,14 @@ import pytest
 from dashboard.server import DashboardThread
 from silo.client import ClusterClient
 from silo.embedded import RedisServer
-from silo.stats import CheckpointInfo, JobPoint, JobProgress, Placement, publish_job_progress
+from silo.stats import (
+    CheckpointInfo,
+    JobPoint,
+    JobProgress,
+    Placement,
+    RecoveryInfo,
+    publish_job_progress,
+)
 from tests.dashboard.conftest import CALM
 from tests.helpers import REPO, free_port
 from tests.sample_grains import Counter, Echo
@@ -55,6 +62,11 @@ async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) 
                     CheckpointInfo(snapshot=f"snap-{s}", step=s, at=now + s)
                     for s in range(25, step + 1, 25)
                 ],
+                "recoveries": [
+                    RecoveryInfo(reason="shard(s) lost", start_step=25, at=now + 31, back_after_s=0.42)
+                ]
+                if step > 30
+                else [],
                 "updated_at": now + step,
             }
         )
@@ -135,6 +147,7 @@ async def test_pages_render_live_figures_and_curves(
             assert await page.text_content("[data-testid=job-step]") == "60 / 200"
             assert await page.locator("[data-testid=trainers] tbody tr").count() == 4
             assert await page.locator("[data-testid=checkpoints] tbody tr").count() == 2
+            assert "0.42 s" in (await page.text_content("[data-testid=recoveries]") or "")
             await page.screenshot(path=str(ARTIFACTS / "dashboard-training.png"), full_page=True)
 
             await page.goto(board.url + "/#/events")

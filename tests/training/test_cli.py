@@ -1,9 +1,12 @@
-"""`redgrain train`: a bad job file is refused with a clear message before anything starts; `--status` shows the last recovery."""
+"""`redgrain train`: a bad job file is refused with a clear message before anything starts; `--status`
+and the dashboard's job record show the job's recoveries."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -28,3 +31,16 @@ def test_status_table_shows_the_last_recovery(capsys):
     _print_table(TrainingStatus(job="j", status="running", step=170, total_steps=400, rollbacks=1, changes=[change]))
     out = capsys.readouterr().out
     assert "last recovery" in out and "from step 150" in out and "0.40 s after" in out, out
+
+
+def test_the_dashboard_record_lists_the_jobs_recoveries():
+    from grains.training.messages import GroupChange, TrainingStatus
+    from grains.training.progress import job_progress
+
+    changes = [
+        GroupChange(generation=1, reason="trainer slot 1 restarted", at=10.0, world=2, start_step=40, first_step_at=10.3,
+                    slots=[1]),
+        GroupChange(generation=2, reason="shard lost", at=20.0, world=2, start_step=50),
+    ]  # fmt: skip
+    rec = job_progress(TrainingStatus(job="j", status="running", changes=changes), None, [], []).recoveries
+    assert [(r.start_step, r.trainers, r.back_after_s) for r in rec] == [(40, 1, pytest.approx(0.3)), (50, 0, None)]
