@@ -335,12 +335,7 @@ class InMemoryMembershipTable:
             return VoteOutcome("alive", 0)
         votes[voter] = seen_heartbeat
         n = sum(1 for v in votes.values() if abs(v - row.heartbeat) <= 1e-4)
-        if n < max(1, needed):
-            return VoteOutcome("voted", n)
-        self.rows[suspect] = row.model_copy(update={"status": SiloStatus.DEAD})
-        votes.clear()
-        self.version += 1
-        return VoteOutcome("declared", n)
+        return self._count(suspect, votes, n, needed)
 
     async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome:
         row = self.rows.get(suspect)
@@ -359,9 +354,14 @@ class InMemoryMembershipTable:
         votes = self.unreachable.setdefault(suspect, {})
         votes[voter] = now
         n = sum(1 for v, at in votes.items() if now - at <= window_s and live(v))
+        return self._count(suspect, votes, n, needed)
+
+    def _count(self, suspect: str, votes: dict[str, float], n: int, needed: int) -> VoteOutcome:
+        """``n`` valid votes against ``suspect``: declare it dead once they are enough (as the
+        Lua scripts' shared ending does)."""
         if n < max(1, needed):
             return VoteOutcome("voted", n)
-        self.rows[suspect] = row.model_copy(update={"status": SiloStatus.DEAD})
+        self.rows[suspect] = self.rows[suspect].model_copy(update={"status": SiloStatus.DEAD})
         votes.clear()
         self.version += 1
         return VoteOutcome("declared", n)

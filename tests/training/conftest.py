@@ -27,3 +27,17 @@ async def wait_done(coord: Any, timeout_s: float = 60.0) -> TrainingStatus:
         if loop.time() > deadline:
             raise TimeoutError(f"job not done after {timeout_s}s: {st}")
         await asyncio.sleep(0.1)
+
+
+async def training_silos(client: Any, count: int, timeout_s: float = 30.0) -> list[Any]:
+    """The client's view of the silos hosting training grains, sorted by address (as the
+    coordinator sorts them), once it holds ``count`` of them (new silos joined, dead ones gone)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        await client.refresh()
+        rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
+        if len(rows) == count:
+            return rows
+        assert loop.time() < deadline, rows
+        await asyncio.sleep(0.05)

@@ -17,7 +17,7 @@ from grains.training import CoordinatorGrain, TrainerGrain, TrainingJob, Trainin
 from grains.training.cluster import key_on
 from silo import errors
 from silo.settings import MembershipSettings
-from tests.training.conftest import GRAINS, run_job, wait_done
+from tests.training.conftest import GRAINS, run_job, training_silos, wait_done
 from tests.training.test_faults import reference_accuracy
 from tests.training.test_sync import reference_parameters
 
@@ -79,15 +79,7 @@ async def test_a_trainer_silo_that_joins_is_taken_into_the_next_group_generation
 async def test_sigkill_of_a_trainer_silo_reforms_the_group_and_the_job_finishes_as_well(silo_processes, client):
     # One OpenMP thread per silo: two silos' spinning OpenMP pools on 2 cores slow every step 5x.
     procs = silo_processes(2, grains="grains.training", env={"OMP_NUM_THREADS": "1"})
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while True:  # both silos in the client's view before the job places anything
-        await client.refresh()
-        rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
-        if len(rows) == 2:
-            break
-        assert loop.time() < deadline, rows
-        await asyncio.sleep(0.05)
+    rows = await training_silos(client, 2)  # both in the client's view before the job places anything
     keeper, victim = procs if str(procs[0].address) == rows[0].address else procs[::-1]
     job = key_on("CoordinatorGrain", "ar-kill", keeper.address, rows)
     spec = TrainingJob(mode="allreduce", trainers="auto", steps=800, batch_size=32, optimizer="momentum",
@@ -145,15 +137,7 @@ async def test_the_group_trains_on_undisturbed_while_its_coordinator_silo_is_kil
     env = {"OMP_NUM_THREADS": "1"}
     trainer_procs = silo_processes(2, grains="grains.training", roles=("trainer",), env=env)
     (coord_proc,) = silo_processes(1, grains="grains.training", env=env)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while True:
-        await client.refresh()
-        rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
-        if len(rows) == 3:
-            break
-        assert loop.time() < deadline, rows
-        await asyncio.sleep(0.05)
+    rows = await training_silos(client, 3)
     job = key_on("CoordinatorGrain", "ar-coord", coord_proc.address, rows)
     spec = TrainingJob(mode="allreduce", trainers="auto", steps=800, batch_size=32, optimizer="momentum",
                        lr=0.05, checkpoint_every=100, seed=2)  # fmt: skip
@@ -164,6 +148,7 @@ async def test_the_group_trains_on_undisturbed_while_its_coordinator_silo_is_kil
     assert sorted(before.trainer_silos) == sorted(str(p.address) for p in trainer_procs)
     coord_proc.kill()
 
+    loop = asyncio.get_running_loop()
     loop_deadline = loop.time() + 60
     while True:  # the coordinator re-activates elsewhere; calls fail until its silo is declared dead
         try:

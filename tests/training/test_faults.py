@@ -20,6 +20,7 @@ from grains.training.cluster import key_on
 from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from silo import errors
+from tests.training.conftest import training_silos
 from tests.training.test_sync import reference_parameters
 
 pytestmark = pytest.mark.slow
@@ -64,15 +65,8 @@ async def run_and_kill(
     """Start a job with the coordinator on the ``coordinator_on``-th live silo, kill the silo that
     hosts only the ``victim`` mid-run, and check the job completes as well as undisturbed."""
     alive = {str(p.address) for p in procs if p.alive()}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while True:  # the previous victim must be out of the membership view before we place
-        await client.refresh()
-        rows = sorted((r for r in client.view.hosting("CoordinatorGrain")), key=lambda r: r.address)
-        if {r.address for r in rows} == alive:
-            break
-        assert loop.time() < deadline, (rows, alive)
-        await asyncio.sleep(0.1)
+    rows = await training_silos(client, len(alive))  # the previous victim out of the view before we place
+    assert {r.address for r in rows} == alive, (rows, alive)
     job = key_on("CoordinatorGrain", f"kill-{victim}", rows[coordinator_on].silo, rows)
     spec = TrainingJob(**{**SPEC, **spec_overrides}, trainers=trainers, shards=shards)
     coord = client.get_grain(CoordinatorGrain, job)
