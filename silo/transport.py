@@ -757,15 +757,14 @@ class Transport:
             if c is conn:
                 del self._out[ep]
 
+    def _accepted(self) -> Connection:
+        conn = self._connection(server_side=True)
+        self._inbound.add(conn)
+        return conn
+
     async def listen(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-
-        def factory() -> Connection:
-            conn = self._connection(server_side=True)
-            self._inbound.add(conn)
-            return conn
-
-        self._server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+        self._server = await loop.create_server(self._accepted, host, port, reuse_address=True, backlog=1024)
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 
@@ -776,16 +775,10 @@ class Transport:
         if path is None:
             return None
         loop = asyncio.get_running_loop()
-
-        def factory() -> Connection:
-            conn = self._connection(server_side=True)
-            self._inbound.add(conn)
-            return conn
-
         try:
             local_socket.prepare(path)
             local_socket.sweep(path.parent)
-            self._local_server = await loop.create_unix_server(factory, str(path), backlog=1024)
+            self._local_server = await loop.create_unix_server(self._accepted, str(path), backlog=1024)
         except OSError as exc:
             log.info("no same-host socket at %s (%s); peers use TCP", path, exc)
             return None
@@ -824,27 +817,22 @@ class Transport:
     async def _open(self, endpoint: str) -> Connection:
         host, _, port = endpoint.rpartition(":")
         loop = asyncio.get_running_loop()
+        timeout = self.settings.connect_timeout_s
+
+        def factory() -> Connection:
+            return self._connection(server_side=False)
+
         path = local_socket.socket_path(endpoint) if self.settings.local_sockets else None
-        if path is not None and path.exists():
-            try:
-                _, conn = await asyncio.wait_for(
-                    loop.create_unix_connection(lambda: self._connection(server_side=False), str(path)),
-                    self.settings.connect_timeout_s,
-                )
-            except (OSError, TimeoutError):
-                pass  # stale (its silo is gone) or not ours to use: TCP decides
-            else:
-                try:
-                    await asyncio.wait_for(conn.ready, self.settings.connect_timeout_s)
-                except (OSError, TimeoutError) as exc:
-                    raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
-                return conn
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: self._connection(server_side=False), host, int(port)),
-                self.settings.connect_timeout_s,
-            )
-            await asyncio.wait_for(conn.ready, self.settings.connect_timeout_s)
+            conn = None
+            if path is not None and path.exists():
+                try:
+                    conn = (await asyncio.wait_for(loop.create_unix_connection(factory, str(path)), timeout))[1]
+                except (OSError, TimeoutError):
+                    pass  # stale (its silo is gone) or not ours to use: TCP decides
+            if conn is None:
+                conn = (await asyncio.wait_for(loop.create_connection(factory, host, int(port)), timeout))[1]
+            await asyncio.wait_for(conn.ready, timeout)
         except (OSError, TimeoutError) as exc:
             raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
         return conn
