@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -45,3 +46,16 @@ class ActivationLog:
             await self._client.xadd(key, fields, maxlen=self._maxlen, approximate=self._maxlen is not None)
         except Exception:  # noqa: BLE001 - the entry is lost, the call is not
             self.failures += 1
+
+
+async def add_once(ops: list[str], op: str, write: Callable[[], Awaitable[None]]) -> None:
+    """Apply operation ``op`` at most once: record it and write; a failed write forgets it
+    again, so the caller's retry applies it (an acknowledged op is in the state exactly once)."""
+    if op in ops:
+        return
+    ops.append(op)
+    try:
+        await write()
+    except BaseException:
+        ops.remove(op)
+        raise

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from grains import Grain
 from silo.keys import Keys
-from tests.activation_log import ActivationLog
+from tests.activation_log import ActivationLog, add_once
 
 INITIAL_BALANCE = 1_000
 LOG_MAXLEN = 2_000_000
@@ -137,13 +137,7 @@ class OpCounter(_Logged):
         ops: list[str] = Field(default_factory=list)
 
     async def add(self, op: str) -> int:
-        if op not in self.state.ops:
-            self.state.ops.append(op)
-            try:
-                await self._write()
-            except BaseException:
-                self.state.ops.remove(op)
-                raise
+        await add_once(self.state.ops, op, self._write)
         return len(self.state.ops)
 
     async def ops(self) -> list[str]:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from grains import Grain, random_placement
 from silo import errors
 from silo.keys import Keys
-from tests.activation_log import ActivationLog
+from tests.activation_log import ActivationLog, add_once
 
 
 def log_key(cluster: str) -> str:
@@ -42,13 +42,7 @@ class NetCounter(Grain):
         """Activation ids in the order they first wrote (a new entry per change of writer)."""
 
     async def add(self, op: str) -> list[Any]:
-        if op not in self.state.ops:
-            self.state.ops.append(op)
-            try:
-                await self._write()
-            except BaseException:
-                self.state.ops.remove(op)
-                raise
+        await add_once(self.state.ops, op, self._write)
         return [str(self.silo), self.activation_id, len(self.state.ops)]
 
     async def slow_add(self, op: str, seconds: float) -> list[Any]:

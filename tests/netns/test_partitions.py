@@ -67,8 +67,12 @@ def _keys(form: Form, prefix: str = "k") -> list[str]:
     return [f"{prefix}{i}" for i in range(form.keys)]
 
 
-def _victim(silos: list[NetSilo], where: dict[str, str]) -> NetSilo:
-    return max(silos, key=lambda s: sum(v == str(s.address) for v in where.values()))
+async def _victim(run: Run, silos: list[NetSilo], keys: list[str], via: Workload) -> tuple[NetSilo, str, list[str]]:
+    """The silo hosting most of ``keys`` (as ``via`` finds them), its address and its keys."""
+    where = await run.placements(via, keys)
+    victim = max(silos, key=lambda s: sum(v == str(s.address) for v in where.values()))
+    addr = str(victim.address)
+    return victim, addr, [k for k, s in where.items() if s == addr]
 
 
 async def _exit_code(silo: NetSilo, timeout_s: float) -> int:
@@ -102,10 +106,7 @@ async def _cut_from_peers(
     run: Run, form: Form, rnd: int, silos: list[NetSilo], keys: list[str], direct: Workload, via: Workload
 ) -> list[NetSilo]:
     net = run.lab.net
-    where = await run.placements(direct, keys)
-    victim = _victim(silos, where)
-    addr = str(victim.address)
-    moved = [k for k, s in where.items() if s == addr]
+    victim, addr, moved = await _victim(run, silos, keys, direct)
     peers = [s for s in silos if s is not victim]
     for p in peers:
         net.cut(victim.host, p.host)
@@ -161,10 +162,7 @@ async def _cut_from_redis(
     run: Run, form: Form, rnd: int, silos: list[NetSilo], keys: list[str], direct: Workload
 ) -> list[NetSilo]:
     net, redis_host = run.lab.net, run.lab.redis
-    where = await run.placements(direct, keys)
-    victim = _victim(silos, where)
-    addr = str(victim.address)
-    moved = [k for k, s in where.items() if s == addr]
+    victim, addr, moved = await _victim(run, silos, keys, direct)
     probe = f"probe-{rnd}"  # activated on the victim by a call sent straight there
     first = await run.raw_call(victim.address, probe)
     assert isinstance(first, list) and first[0] == addr, first
@@ -227,10 +225,8 @@ async def test_client_cut_from_the_silo_hosting_its_grain_mid_call(cluster_of: L
 
 async def _cut_client(run: Run, form: Form, rnd: int, silos: list[NetSilo], keys: list[str], slow: Workload) -> None:
     net, client = run.lab.net, run.lab.client
-    where = await run.placements(slow, keys)
-    victim = _victim(silos, where)
-    addr = str(victim.address)
-    key = next(k for k, s in where.items() if s == addr)
+    victim, addr, hosted = await _victim(run, silos, keys, slow)
+    key = hosted[0]
     seen = len(slow.read())
 
     def started() -> dict[str, Any] | None:
@@ -284,10 +280,7 @@ async def _isolate_and_heal(
     run: Run, form: Form, rnd: int, silos: list[NetSilo], keys: list[str], direct: Workload
 ) -> list[NetSilo]:
     net = run.lab.net
-    where = await run.placements(direct, keys)
-    victim = _victim(silos, where)
-    addr = str(victim.address)
-    moved = [k for k, s in where.items() if s == addr]
+    victim, addr, moved = await _victim(run, silos, keys, direct)
     net.isolate(victim.host)
     t_cut = time.monotonic()
     await run.wait(lambda: addr in run.dead_at, 20, "the isolated silo to be declared dead")
