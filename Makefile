@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # elsewhere pip's own index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 ARGS ?=
+# The dashboard's browser test drives Debian's chromium (never a downloaded browser);
+# `make test` installs it where it is missing (apt-get, as root), so a fresh machine needs nothing by hand.
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: install test demo bench soak lint typecheck clean partition-test
 
@@ -20,7 +23,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+$(CHROMIUM):
+	@if [ "$$(id -u)" != 0 ]; then echo "the browser test needs Debian's chromium: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -m "not soak" $(ARGS)
 
 demo: $(STAMP)
