@@ -44,7 +44,7 @@ class Dashboard:
     """A ``redgrain dashboard`` process and a page-like poller, for the "on" phases."""
 
     def __init__(self, cluster: common.BenchCluster) -> None:
-        from silo.embedded import free_port
+        from silo.testing.embedded import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,7 +54,7 @@ class Dashboard:
         self.open_s = 0.0
 
     def start(self) -> None:
-        board = common.start_subprocess(["-m", "silo.cli", "dashboard", "--redis", self._cluster.redis_url,
+        board = common.start_subprocess(["-m", "grains.cli", "dashboard", "--redis", self._cluster.redis_url,
                                          "--cluster", self._cluster.cluster, "--port", str(self.port)])  # fmt: skip
         self._procs.append(board)
         deadline = time.monotonic() + 30

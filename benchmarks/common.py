@@ -58,7 +58,7 @@ def _version(dist: str) -> str | None:
 
 
 def redis_server_version() -> str:
-    from silo.embedded import find_redis_server
+    from silo.testing.embedded import find_redis_server
 
     try:
         out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10, check=False)
@@ -224,11 +224,11 @@ class BenchCluster(AbstractContextManager["BenchCluster"]):
     env: dict[str, str] = field(default_factory=dict)
     cluster: str = "bench"
     python_args: list[str] = field(default_factory=list)
-    """Between ``python`` and ``-m silo.cli``, e.g. ``["-m", "cProfile", "-o", "silo.prof"]``."""
+    """Between ``python`` and ``-m grains.cli``, e.g. ``["-m", "cProfile", "-o", "silo.prof"]``."""
     silos: list[SiloProc] = field(default_factory=list)
 
     def __enter__(self) -> Self:
-        from silo.embedded import RedisServer
+        from silo.testing.embedded import RedisServer
 
         self._tmp = Path(tempfile.mkdtemp(prefix="redgrain-bench-"))
         self._redis = RedisServer().start()
@@ -250,7 +250,7 @@ class BenchCluster(AbstractContextManager["BenchCluster"]):
         ready = self._tmp / f"silo-{n}.ready"
         log = self._tmp / f"silo-{n}.log"
         cmd = [
-            sys.executable, *self.python_args, "-m", "silo.cli", "silo", "--redis", self.redis_url,
+            sys.executable, *self.python_args, "-m", "silo", "--redis", self.redis_url,
             "--cluster", self.cluster, "--grains", self.grains, "--ready-file", str(ready),
         ]  # fmt: skip
         env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO), **self.env}

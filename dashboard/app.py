@@ -30,13 +30,13 @@ from dashboard.metrics import ClusterCollector
 from dashboard.state_view import decoder, to_json
 from grains.ids import GrainId
 from silo import errors
-from silo.events import EventLog, read_events
+from silo.cluster.events import EventLog, read_events
+from silo.cluster.membership import LIVE
 from silo.keys import Keys
-from silo.membership import LIVE
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import StorageSettings
 from silo.stats import JobPoint, JobProgress, request_job_cancel
-from silo.storage import RedisStateStore
+from silo.storage.store import RedisStateStore
 
 STATIC = resources.files("dashboard") / "static"
 MAX_STATE_BYTES = 64 << 20

@@ -17,7 +17,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dashboard.reader import Snapshot
-from silo.membership import SiloStatus
+from silo.cluster.membership import SiloStatus
 from silo.stats import BUCKETS_MS, JobProgress, dense
 
 

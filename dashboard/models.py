@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from silo.events import ClusterEvent
+from silo.cluster.events import ClusterEvent
 from silo.stats import (
     CheckpointInfo,
     JobPoint,

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from grains.ids import GrainId, SiloAddress
 
 if TYPE_CHECKING:
-    from silo.catalog import Activation, Timer
+    from silo.catalog.catalog import Activation, Timer
 
 G = TypeVar("G")
 R = TypeVar("R")

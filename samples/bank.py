@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis:
         total = asyncio.run(run_transfers(args.redis, args.cluster, args.accounts, args.transfers))
         return 0 if total == args.accounts * INITIAL_BALANCE else 1
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     with LocalCluster(grains="samples.bank", silos=3, cluster=args.cluster) as lc:
         kill_at = {round(args.transfers * (k + 1) / (args.kills + 1)) // 20 * 20 for k in range(args.kills)}

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis:
         asyncio.run(chat(args.redis, args.cluster))
         return 0
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     with LocalCluster(grains="samples.chat_room", silos=2, cluster=args.cluster) as lc:
         inbox = asyncio.run(chat(lc.redis_url, lc.cluster))

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis:
         asyncio.run(count(args.redis, args.cluster))
         return 0
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     with LocalCluster(grains="samples.counter", silos=2, cluster=args.cluster) as lc:
 

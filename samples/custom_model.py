@@ -79,7 +79,7 @@ async def train(redis_url: str, cluster: str) -> float:
 
 
 def main() -> int:
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     os.chdir(ROOT)
     with LocalCluster("grains.training", silos=2, cluster="spirals-sample") as lc:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis:
         asyncio.run(greet(args.redis, args.cluster))
         return 0
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     print("starting a private Redis and 2 silos ...", flush=True)
     with LocalCluster(grains="samples.hello", silos=2, cluster=args.cluster) as lc:

@@ -47,7 +47,7 @@ def main() -> int:
     if args.redis:
         st = asyncio.run(train(args.redis, args.cluster))
     else:
-        from silo.local import LocalCluster
+        from silo.testing.local import LocalCluster
 
         os.chdir(ROOT)  # the silos import grains.training from here
         with LocalCluster("grains.training", silos=2, cluster="digits-sample") as lc:

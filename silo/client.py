@@ -19,16 +19,16 @@ from collections.abc import Iterable
 from typing import Any, Self, TypeVar
 
 from silo import errors
+from silo.catalog.runtime import RefFactory
+from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.membership import MembershipView, RedisMembershipTable
+from silo.cluster.placement import Placer
 from silo.codec import Codec, TypeRegistry
-from silo.directory import RedisGrainDirectory
 from silo.keys import Keys
-from silo.membership import MembershipView, RedisMembershipTable
-from silo.placement import Placer
+from silo.messaging.router import Manifests, Router
+from silo.messaging.transport import Transport
 from silo.redis_util import connect_redis, redis_errors
-from silo.router import Manifests, Router
-from silo.runtime import RefFactory
 from silo.settings import ClientSettings
-from silo.transport import Transport
 
 log = logging.getLogger("redgrain.client")
 
@@ -67,7 +67,7 @@ class ClusterClient:
         s = self.settings
         url = s.redis_url
         if url == "embedded":
-            from silo.embedded import RedisServer
+            from silo.testing.embedded import RedisServer
 
             self._embedded = RedisServer(data_dir=".redgrain", appendonly=True)
             await self._embedded.__aenter__()

@@ -23,16 +23,14 @@ import psutil
 from grains.base import DeactivationReason, Grain
 from grains.ids import SiloAddress
 from silo import errors
-from silo.catalog import CallFilter, Catalog
-from silo.checkpoint import Checkpoints
-from silo.codec import Codec, TypeRegistry
-from silo.directory import RedisGrainDirectory
-from silo.dispatcher import Dispatcher
-from silo.events import EventLog
-from silo.failure_detector import FailureDetector, HeartbeatThread, transport_probe
-from silo.grain_types import GrainTypes
-from silo.keys import Keys
-from silo.membership import (
+from silo.catalog.catalog import CallFilter, Catalog
+from silo.catalog.grain_types import GrainTypes
+from silo.catalog.runtime import RefFactory, SiloRuntime, resolve_device
+from silo.catalog.watchdog import LoopWatchdog
+from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.events import EventLog
+from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, transport_probe
+from silo.cluster.membership import (
     ClusterEvents,
     MemberRow,
     MembershipView,
@@ -40,17 +38,19 @@ from silo.membership import (
     SiloLoad,
     SiloStatus,
 )
-from silo.placement import Placer
-from silo.rebalancer import ControlInbox, Migrator, Rebalancer
+from silo.cluster.placement import Placer
+from silo.cluster.rebalancer import ControlInbox, Migrator, Rebalancer
+from silo.cluster.reminders import ReminderService, ReminderTable, RouterDelivery
+from silo.codec import Codec, TypeRegistry
+from silo.keys import Keys
+from silo.messaging.dispatcher import Dispatcher
+from silo.messaging.router import Manifests, Router, TypeInfo
+from silo.messaging.transport import Transport
 from silo.redis_util import connect_redis, redis_errors
-from silo.reminders import ReminderService, ReminderTable, RouterDelivery
-from silo.router import Manifests, Router, TypeInfo
-from silo.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.settings import SiloSettings
 from silo.stats import CallStats, StatsPublisher
-from silo.storage import RedisStateStore
-from silo.transport import Transport
-from silo.watchdog import LoopWatchdog
+from silo.storage.checkpoint import Checkpoints
+from silo.storage.store import RedisStateStore
 
 log = logging.getLogger("redgrain.silo")
 
@@ -213,7 +213,7 @@ class Silo:
         )
 
     def _start_cluster_services(self) -> None:
-        """Heartbeat thread, failure detector, rebalancer (silo/failure_detector.py, rebalancer.py)."""
+        """Heartbeat thread, failure detector, rebalancer (silo/cluster/failure_detector.py, rebalancer.py)."""
         s = self.settings
         assert self.address is not None
         self.cluster_events = ClusterEvents()
@@ -385,6 +385,11 @@ class Silo:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    @property
+    def declared_dead(self) -> bool:
+        """The cluster declared this silo dead: it stopped serving and must exit."""
+        return self.status == "dead"
 
     # --- client-like access, for grains' callers inside the silo process ---
     def get_grain(self, grain: Any, key: Any) -> Any:

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from silo import errors
-from silo.catalog import CallContext, CallNext
+from silo.catalog.catalog import CallContext, CallNext
 from silo.keys import Keys
 from silo.redis_util import redis_errors
 

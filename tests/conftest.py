@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from silo.embedded import RedisServer
+from silo.testing.embedded import RedisServer
 from silo.settings import MembershipSettings, SiloSettings
 from silo.silo import Silo
 from silo.client import ClusterClient

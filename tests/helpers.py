@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from silo.embedded import free_port as _free_port
+from silo.testing.embedded import free_port as _free_port
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,7 +53,7 @@ class SiloProcess:
         log = self.workdir / f"silo-{id(self)}-{self._n}.log"
         self.log_path = log
         cmd = [
-            sys.executable, "-m", "silo.cli", "silo",
+            sys.executable, "-m", "silo",
             "--redis", self.redis_url, "--cluster", self.cluster,
             "--grains", self.grains, "--ready-file", str(ready),
             *[a for r in self.roles for a in ("--role", r)],

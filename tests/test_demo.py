@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_demo_trains_digits_to_95_percent_and_survives_a_silo_kill(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "silo.cli", "demo", "--steps", "200", "--exit", "--data-dir", str(tmp_path / "data")],
+        [sys.executable, "-m", "grains.cli", "demo", "--steps", "200", "--exit", "--data-dir", str(tmp_path / "data")],
         cwd=REPO,
         capture_output=True,
         text=True,

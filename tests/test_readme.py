@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from silo.cli import build_parser
-from silo.config_doc import END, START, settings_table
+from grains.cli.main import build_parser
+from grains.cli.config_doc import END, START, settings_table
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def test_configuration_table_matches_the_settings_model() -> None:
     section = README.split(START, 1)[1].split(END, 1)[0].strip()
-    assert section == settings_table(), "run: python -m silo.config_doc --write README.md"
+    assert section == settings_table(), "run: python -m grains.cli.config_doc --write README.md"
 
 
 def test_readme_gives_the_two_commands_first() -> None:

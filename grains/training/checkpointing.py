@@ -1,4 +1,4 @@
-"""Checkpoint storage for parameter shards, on the silo's snapshot API (silo/checkpoint.py).
+"""Checkpoint storage for parameter shards, on the silo's snapshot API (silo/storage/checkpoint.py).
 
 Every shard of a job saves its part of snapshot ``(training.{job}.r{run}, step)``
 with the same member list, so the snapshot becomes complete (and listed)

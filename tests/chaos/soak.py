@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 from silo import errors
 from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
-from silo.embedded import RedisServer
+from silo.testing.embedded import RedisServer
 from silo.keys import Keys
-from silo.membership import RedisMembershipTable, SiloStatus
+from silo.cluster.membership import RedisMembershipTable, SiloStatus
 from silo.settings import TransportSettings
-from silo.transport import REQUEST, Transport
+from silo.messaging.transport import REQUEST, Transport
 from tests.chaos.grains import (
     INITIAL_BALANCE,
     ChaosAccount,

@@ -15,8 +15,8 @@ import pytest
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
-from silo.directory import RedisGrainDirectory
-from silo.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
 from tests.sample_grains import Echo
 
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.directory import RedisGrainDirectory
+from silo.cluster.directory import RedisGrainDirectory
 from silo.keys import Keys
-from silo.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
 from silo.redis_util import connect_redis
 
 N_SILOS = 4

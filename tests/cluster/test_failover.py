@@ -11,7 +11,7 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
 from silo.settings import TransportSettings
-from silo.transport import Transport
+from silo.messaging.transport import Transport
 from tests.cluster.grains import Resident, Tracked
 from tests.conftest import FAST_MEMBERSHIP
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from grains.ids import SiloAddress
-from silo.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
+from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
 from silo.keys import Keys
-from silo.membership import InMemoryMembershipTable, MemberRow, SiloLoad, SiloStatus
+from silo.cluster.membership import InMemoryMembershipTable, MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
 
 SETTINGS = MembershipSettings(

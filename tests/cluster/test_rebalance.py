@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from silo import cli, errors
+from silo import errors
+
+from grains.cli import main as cli
 from silo.client import ClusterClient
 from silo.settings import RebalancerSettings
 from tests.cluster.grains import Pinned, Resident, Tracked

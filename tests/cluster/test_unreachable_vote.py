@@ -7,7 +7,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from silo.keys import Keys
-from silo.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
 
 
 async def _table(redis_url: str, cluster: str, n: int) -> tuple[RedisMembershipTable, list[str], aioredis.Redis]:

@@ -20,13 +20,13 @@ from grains.ids import GrainId
 from silo import errors
 from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
-from silo.embedded import RedisServer
-from silo.events import EventLog, read_events
+from silo.testing.embedded import RedisServer
+from silo.cluster.events import EventLog, read_events
 from silo.keys import Keys
 from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
 from silo.stats import JobProgress, Placement, publish_job_progress
-from silo.storage import RedisStateStore
+from silo.storage.store import RedisStateStore
 from tests.dashboard.conftest import ADMIN_TOKEN, CALM
 from tests.sample_grains import Counter, Echo
 

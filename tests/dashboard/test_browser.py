@@ -17,7 +17,7 @@ import pytest
 
 from dashboard.server import DashboardThread
 from silo.client import ClusterClient
-from silo.embedded import RedisServer
+from silo.testing.embedded import RedisServer
 from silo.stats import (
     CheckpointInfo,
     JobPoint,

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from silo.client import ClusterClient
-from silo.embedded import RedisServer
+from silo.testing.embedded import RedisServer
 from tests.conftest import FAST_ENV
 from tests.fuzz.wire import (
     BUFLEN,

@@ -168,7 +168,7 @@ class NetCluster:
         ready = self.workdir / f"{host.name}-{self._n + 1}.ready"
         ready.unlink(missing_ok=True)
         args = [
-            sys.executable, "-m", "silo.cli", "silo",
+            sys.executable, "-m", "silo",
             "--redis", self.redis_url, "--cluster", self.cluster, "--grains", self.grains,
             "--host", host.address, "--ready-file", str(ready),
         ]  # fmt: skip

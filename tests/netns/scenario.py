@@ -23,7 +23,7 @@ from silo import errors
 from silo.client import ClusterClient
 from silo.keys import Keys
 from silo.settings import TransportSettings
-from silo.transport import Transport
+from silo.messaging.transport import Transport
 from tests.netns import invariants
 from tests.netns.cluster import NetCluster, NetSilo, Workload
 from tests.netns.conftest import Lab, cluster_name

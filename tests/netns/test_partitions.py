@@ -358,7 +358,7 @@ async def test_training_job_finishes_with_200ms_delay_and_5pct_loss_on_every_lin
         job_file.write_text(_job_toml("slowlinks", form.train_steps))
         relay.signal(signal.SIGUSR1)  # from here on every link is slow and lossy
         t0 = time.monotonic()
-        train = Process(lab.client, [sys.executable, "-m", "silo.cli", "train", str(job_file), "--redis",
+        train = Process(lab.client, [sys.executable, "-m", "grains.cli", "train", str(job_file), "--redis",
                                      f"redis://{redis_via}:6379/0", "--cluster", run.name, "--timeout", "300"],
                         run.cluster.workdir / "train.log", {"PYTHONPATH": str(REPO)})  # fmt: skip
         run.cluster.processes.append(train)

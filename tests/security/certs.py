@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from silo.embedded import TlsFiles
+from silo.testing.embedded import TlsFiles
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -12,7 +12,7 @@ from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
 from silo.settings import TransportSettings
 from silo.silo import Silo
-from silo.transport import REQUEST, Transport
+from silo.messaging.transport import REQUEST, Transport
 from tests.helpers import SiloProcess
 from tests.security.vault_grains import Vault
 

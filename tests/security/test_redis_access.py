@@ -12,7 +12,7 @@ import pytest
 
 from silo import errors
 from silo.client import ClusterClient
-from silo.embedded import RedisServer, TlsFiles
+from silo.testing.embedded import RedisServer, TlsFiles
 from silo.settings import SiloSettings
 from silo.silo import Silo
 from tests.conftest import FAST_ENV, FAST_MEMBERSHIP

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from silo import embedded
-from silo.embedded import RedisServer, find_redis_server
+from silo.testing import embedded
+from silo.testing.embedded import RedisServer, find_redis_server
 from silo.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from silo import local_socket
+from silo.messaging import local_socket
 from silo.client import ClusterClient
 from silo.settings import ClientSettings, TransportSettings
 from silo.silo import Silo

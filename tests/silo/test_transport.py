@@ -22,7 +22,7 @@ from silo.client import ClusterClient
 from silo.codec import Codec
 from silo.settings import TransportSettings
 from silo.silo import Silo
-from silo.transport import AUTH, AUTH_OK, BUFLEN, ERROR, HELLO, PREFIX, REQUEST, RESPONSE
+from silo.messaging.transport import AUTH, AUTH_OK, BUFLEN, ERROR, HELLO, PREFIX, REQUEST, RESPONSE
 from tests.sample_grains import Echo
 
 ClusterFactory = Callable[..., Awaitable[list[Silo]]]

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from silo.watchdog import LoopWatchdog
+from silo.catalog.watchdog import LoopWatchdog
 
 
 def test_lag_above_threshold_is_counted_and_logged_with_running_turns(caplog: pytest.LogCaptureFixture) -> None:

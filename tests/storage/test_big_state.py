@@ -16,7 +16,7 @@ from silo.client import ClusterClient
 from silo.codec import Codec
 from silo.keys import Keys
 from silo.settings import StorageSettings
-from silo.storage import RedisStateStore
+from silo.storage.store import RedisStateStore
 from tests.sample_grains import BigState, tensor_digest
 
 

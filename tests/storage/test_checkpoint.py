@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from silo import errors
-from silo.checkpoint import Checkpoints
+from silo.storage.checkpoint import Checkpoints
 from silo.client import ClusterClient
 from silo.codec import Codec
 from silo.settings import StorageSettings
-from silo.storage import RedisStateStore
+from silo.storage.store import RedisStateStore
 from tests.sample_grains import Shard, tensor_digest
 
 NUMEL = 300_000  # 1.2 MB per shard: over the chunk size below, so snapshots are chunked

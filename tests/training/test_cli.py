@@ -15,7 +15,7 @@ def test_train_command_rejects_a_bad_job_file_with_a_clear_message(tmp_path, red
     job = tmp_path / "bad.toml"
     job.write_text('job = "bad"\ntrainers = 0\ncompression = "topk:0.01"\n')
     out = subprocess.run(
-        [sys.executable, "-m", "silo.cli", "train", str(job), "--redis", redis_url, "--cluster", "cli-test"],
+        [sys.executable, "-m", "grains.cli", "train", str(job), "--redis", redis_url, "--cluster", "cli-test"],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr

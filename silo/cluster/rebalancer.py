@@ -39,18 +39,18 @@ import redis.asyncio as aioredis
 from grains.base import DeactivationReason
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.failure_detector import wait_event
+from silo.cluster.failure_detector import wait_event
+from silo.cluster.membership import ClusterEvents, MembershipView, SiloStatus
 from silo.keys import Keys
-from silo.membership import ClusterEvents, MembershipView, SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RebalancerSettings
 
 if TYPE_CHECKING:
-    from silo.catalog import Activation, Catalog
-    from silo.directory import RedisGrainDirectory
-    from silo.dispatcher import Dispatcher
-    from silo.placement import Placer
-    from silo.router import Manifests, Router
+    from silo.catalog.catalog import Activation, Catalog
+    from silo.cluster.directory import RedisGrainDirectory
+    from silo.cluster.placement import Placer
+    from silo.messaging.dispatcher import Dispatcher
+    from silo.messaging.router import Manifests, Router
 
 log = logging.getLogger("redgrain.rebalancer")
 

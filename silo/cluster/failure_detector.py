@@ -48,8 +48,7 @@ import redis
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.keys import Keys
-from silo.membership import (
+from silo.cluster.membership import (
     HEARTBEAT_LUA,
     ClusterEvents,
     MemberRow,
@@ -58,6 +57,7 @@ from silo.membership import (
     SiloStatus,
     VoteOutcome,
 )
+from silo.keys import Keys
 from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")

@@ -27,9 +27,9 @@ from silo import errors
 from silo.settings import CatalogSettings
 
 if TYPE_CHECKING:
-    from silo.directory import GrainDirectory
-    from silo.grain_types import GrainTypes
-    from silo.state import StateHandle
+    from silo.catalog.grain_types import GrainTypes
+    from silo.catalog.state import StateHandle
+    from silo.cluster.directory import GrainDirectory
 
 log = logging.getLogger("redgrain.catalog")
 

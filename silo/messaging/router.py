@@ -22,13 +22,13 @@ import redis.asyncio as aioredis
 from grains.ids import GrainId, SiloAddress
 from grains.placement import Placement
 from silo import errors
-from silo.catalog import CALL_CHAIN
-from silo.directory import GrainDirectory
+from silo.catalog.catalog import CALL_CHAIN
+from silo.cluster.directory import GrainDirectory
+from silo.cluster.membership import MembershipView
+from silo.cluster.placement import Placer
 from silo.keys import Keys
-from silo.membership import MembershipView
-from silo.placement import Placer
+from silo.messaging.transport import REQUEST, Transport
 from silo.redis_util import redis_errors
-from silo.transport import REQUEST, Transport
 
 log = logging.getLogger("redgrain.router")
 

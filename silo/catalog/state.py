@@ -31,10 +31,10 @@ from pydantic import BaseModel, ValidationError
 from grains.base import DeactivationReason
 from silo import errors
 from silo.codec import Codec, Encoded
-from silo.storage import StateStore, StoredState
+from silo.storage.store import StateStore, StoredState
 
 if TYPE_CHECKING:
-    from silo.catalog import Activation
+    from silo.catalog.catalog import Activation
 
 log = logging.getLogger("redgrain.state")
 

@@ -13,13 +13,13 @@ from grains.ids import GrainId
 from grains.placement import grain_options
 from grains.ref import GrainRef, build_ref_class, ref_class_for
 from silo import errors
+from silo.catalog.state import StateHandle
 from silo.codec import Codec
-from silo.state import StateHandle
-from silo.storage import StateStore
+from silo.storage.store import StateStore
 
 if TYPE_CHECKING:
-    from silo.catalog import Activation
-    from silo.router import Manifests
+    from silo.catalog.catalog import Activation
+    from silo.messaging.router import Manifests
 
 R = TypeVar("R")
 
@@ -105,7 +105,7 @@ class SiloRuntime:
         self._checkpoints = checkpoints
 
     def checkpoints(self) -> Any:
-        """The silo's ``silo.checkpoint.Checkpoints`` (snapshots of grain groups)."""
+        """The silo's ``silo.storage.checkpoint.Checkpoints`` (snapshots of grain groups)."""
         found = getattr(self, "_checkpoints", None)
         if found is None:
             raise errors.ConfigError("checkpoints are not available on this silo")

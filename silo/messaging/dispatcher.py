@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
-from silo.catalog import Activation, Catalog, Invocation, Reply, Reroute
-from silo.grain_types import GrainTypes
-from silo.reminders import REMINDER_METHOD, reminder_turn
-from silo.transport import CANCEL, ONEWAY, REQUEST, Connection, Frame
+from silo.catalog.catalog import Activation, Catalog, Invocation, Reply, Reroute
+from silo.catalog.grain_types import GrainTypes
+from silo.cluster.reminders import REMINDER_METHOD, reminder_turn
+from silo.messaging.transport import CANCEL, ONEWAY, REQUEST, Connection, Frame
 
 if TYPE_CHECKING:
-    from silo.router import Router
+    from silo.messaging.router import Router
 
 log = logging.getLogger("redgrain.dispatcher")
 

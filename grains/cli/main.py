@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 from silo import errors
+from silo.process import (
+    add_connection_arguments,
+    add_secret_argument,
+    add_silo_arguments,
+    run_async,
+    run_silo,
+    settings_kwargs,
+)
 
 log = logging.getLogger("redgrain.cli")
 
@@ -35,30 +41,6 @@ examples:
 """
 
 
-def run_async(main: Coroutine[Any, Any, Any]) -> Any:
-    """Run on uvloop when it is installed (faster sockets), else plain asyncio."""
-    try:
-        import uvloop
-
-        return uvloop.run(main)
-    except ImportError:
-        return asyncio.run(main)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis", default=os.environ.get("REDGRAIN_REDIS_URL"), help="Redis URL (default: $REDGRAIN_REDIS_URL or redis://127.0.0.1:6379/0)")
-    p.add_argument("--cluster", default=os.environ.get("REDGRAIN_CLUSTER"), help="cluster name (default: $REDGRAIN_CLUSTER or 'default')")
-
-
-def _secret(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cluster-secret-file",
-        default=None,
-        metavar="PATH",
-        help="read the cluster secret from PATH (safer than $REDGRAIN_CLUSTER_SECRET in a process list)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redgrain",
@@ -70,21 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("silo", help="run a silo (e.g. redgrain silo --grains samples.hello)")
-    _common(p)
-    _secret(p)
-    p.add_argument("--grains", required=True, help="comma-separated modules whose Grain classes this silo hosts")
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--advertise-host", default=None, help="address peers should use, if not --host")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
-    p.add_argument("--role", action="append", default=[], help="role label for @silo_role placement (repeatable)")
-    p.add_argument("--device", default=None, help="auto, cpu or cuda")
-    p.add_argument("--embedded-redis", action="store_true", help="start a private redis-server (data in ./.redgrain)")
-    p.add_argument("--ready-file", default=None, help="write the silo address here once Active (for scripts)")
+    add_silo_arguments(p)
     p.add_argument("--dashboard", type=int, default=None, metavar="PORT", help="also serve the dashboard on PORT")
 
     p = sub.add_parser("call", help="call a grain method (redgrain call TYPE KEY METHOD [JSON_ARG ...])")
-    _common(p)
-    _secret(p)
+    add_connection_arguments(p)
+    add_secret_argument(p)
     p.add_argument("type")
     p.add_argument("key")
     p.add_argument("method")
@@ -95,25 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="a training cluster on this machine, a silo killed half-way (e.g. redgrain demo --steps 200 --exit)",
     )
-    from silo.demo import add_arguments
+    from grains.cli.demo import add_arguments
 
     add_arguments(p)
 
     p = sub.add_parser(
         "status", help="print members, their status, load and activations (redgrain status --cluster dev)"
     )
-    _common(p)
+    add_connection_arguments(p)
 
     p = sub.add_parser(
         "drain", help="hand a silo's activations off and stop it (also: redgrain silo drain ADDRESS)"
     )
-    _common(p)
+    add_connection_arguments(p)
     p.add_argument("address", help="silo address as `redgrain status` prints it (host:port@generation)")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait until it is Dead (0: do not wait)")
 
     p = sub.add_parser("train", help="run a training job with a live progress bar (redgrain train job.toml)")
-    _common(p)
-    _secret(p)
+    add_connection_arguments(p)
+    add_secret_argument(p)
     # Defined here rather than next to grains.training.console's run(): importing that
     # package imports torch, which would add seconds to every `redgrain silo` start.
     p.add_argument("job_file", nargs="?", help="job spec (TOML: TrainingJob fields, plus an optional `job` id)")
@@ -124,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="give up watching after this many seconds")
 
     p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")
-    _common(p)
+    add_connection_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     p.add_argument("--admin-token", default=os.environ.get("REDGRAIN_DASHBOARD_TOKEN"),
@@ -149,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         # The demo drives subprocesses and its own loops; it runs outside run_async.
-        from silo.demo import run as run_demo
+        from grains.cli.demo import run as run_demo
 
         try:
             return run_demo(args)
@@ -177,101 +150,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
-    if args.redis:
-        kw["redis_url"] = args.redis
-    if args.cluster:
-        kw["cluster"] = args.cluster
-    path = getattr(args, "cluster_secret_file", None)
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise errors.ConfigError(f"cannot read --cluster-secret-file {path!r}: {exc}") from exc
-        if not secret:
-            raise errors.ConfigError(f"--cluster-secret-file {path!r} is empty")
-        kw["cluster_secret"] = secret
-    return kw
-
-
 async def cmd_silo(args: argparse.Namespace) -> int:
-    from silo.settings import SiloSettings
-    from silo.silo import Silo
+    async def with_dashboard(silo: Any) -> Callable[[], Coroutine[Any, Any, None]] | None:
+        if args.dashboard is None:
+            return None
+        from dashboard.server import make_server, serve
 
-    kw = _settings_kwargs(args)
-    kw["grains"] = tuple(m.strip() for m in args.grains.split(",") if m.strip())
-    for name in ("host", "advertise_host", "port", "device"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    if args.role:
-        kw["roles"] = tuple(args.role)
-    embedded = None
-    if args.embedded_redis:
-        if args.redis:
-            raise errors.ConfigError("--embedded-redis and --redis exclude each other")
-        from silo.embedded import RedisServer
+        board = make_server(silo.settings.redis_url, silo.settings.cluster, port=args.dashboard)
+        task = asyncio.ensure_future(serve(board))
+        print(f"dashboard at http://127.0.0.1:{args.dashboard}/", flush=True)
 
-        embedded = RedisServer(data_dir=".redgrain", appendonly=True).start()
-        kw["redis_url"] = embedded.url
-        print(f"embedded Redis at {embedded.url}", flush=True)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    from silo.transport import retain_freed_memory
-
-    retain_freed_memory()
-    silo = Silo(SiloSettings(**kw))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await silo.start()
-        # Everything imported so far (torch above all) lives as long as the
-        # process: freezing it keeps the collector from rescanning it during
-        # call bursts, which held the loop for hundreds of ms.
-        gc.collect()
-        gc.freeze()
-        print(f"silo {silo.address} active; grains: {', '.join(silo.types.names())}", flush=True)
-        if args.ready_file:
-            # Written once at start-up, before any call is served: blocking is harmless.
-            tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(str(silo.address))
-            os.replace(tmp, args.ready_file)
-        if args.dashboard is not None:
-            from dashboard.server import make_server, serve
-
-            board = make_server(silo.settings.redis_url, silo.settings.cluster, port=args.dashboard)
-            board_task = asyncio.ensure_future(serve(board))
-            print(f"dashboard at http://127.0.0.1:{args.dashboard}/", flush=True)
-        waiter = asyncio.ensure_future(stop.wait())
-        dead = asyncio.ensure_future(silo.stopped.wait())
-        await asyncio.wait([waiter, dead], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        dead.cancel()
-        if args.dashboard is not None:
+        async def stop_board() -> None:
             board.should_exit = True
-            await board_task
-        if silo.status == "dead":
-            print("silo was declared dead by the cluster; exiting", file=sys.stderr, flush=True)
-            if embedded is not None:
-                embedded.stop()
-            # A zombie must not linger: no waiting on tasks that may not end.
-            sys.stdout.flush()
-            os._exit(3)
-        await silo.stop(graceful=True)
-        return 0
-    finally:
-        if embedded is not None:
-            embedded.stop()
+            await task
+
+        return stop_board
+
+    return await run_silo(args, on_active=with_dashboard)
 
 
 async def cmd_call(args: argparse.Namespace) -> int:
     from silo.client import ClusterClient
     from silo.settings import ClientSettings
 
-    kw = _settings_kwargs(args)
+    kw = settings_kwargs(args)
     values = []
     for a in args.args:
         try:
@@ -293,11 +195,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from silo.cluster.membership import RedisMembershipTable
     from silo.keys import Keys
-    from silo.membership import RedisMembershipTable
     from silo.redis_util import connect_redis
 
-    kw = _settings_kwargs(args)
+    kw = settings_kwargs(args)
     redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
     keys = Keys(kw.get("cluster", "default"))
     try:
@@ -336,7 +238,7 @@ async def cmd_train(args: argparse.Namespace) -> int:
     from grains.training.console import run
     from silo.settings import ClientSettings
 
-    kw = _settings_kwargs(args)
+    kw = settings_kwargs(args)
     settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
     return await run(args, kw.get("redis_url"), kw.get("cluster"), settings)
 
@@ -344,7 +246,7 @@ async def cmd_train(args: argparse.Namespace) -> int:
 async def cmd_dashboard(args: argparse.Namespace) -> int:
     from dashboard.server import make_server, serve
 
-    kw = _settings_kwargs(args)
+    kw = settings_kwargs(args)
     url, cluster = kw.get("redis_url", "redis://127.0.0.1:6379/0"), kw.get("cluster", "default")
     server = make_server(url, cluster, host=args.host, port=args.port, admin_token=args.admin_token)
     loop = asyncio.get_running_loop()
@@ -361,11 +263,11 @@ async def cmd_drain(args: argparse.Namespace) -> int:
     import time
 
     from grains.ids import SiloAddress
+    from silo.cluster.membership import RedisMembershipTable, SiloStatus
     from silo.keys import Keys
-    from silo.membership import RedisMembershipTable, SiloStatus
     from silo.redis_util import connect_redis, redis_errors
 
-    kw = _settings_kwargs(args)
+    kw = settings_kwargs(args)
     keys = Keys(kw.get("cluster", "default"))
     try:
         address = str(SiloAddress.parse(args.address))

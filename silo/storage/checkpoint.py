@@ -38,7 +38,14 @@ from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys
 from silo.settings import StorageSettings
-from silo.storage import LUA_BLOBS, Blobs, RedisStateStore, StoredState, parse_stream, stream_parts
+from silo.storage.store import (
+    LUA_BLOBS,
+    Blobs,
+    RedisStateStore,
+    StoredState,
+    parse_stream,
+    stream_parts,
+)
 
 _LUA_DELETE = """
 local function delete_snapshot(gbase, snap)

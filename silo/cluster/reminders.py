@@ -31,10 +31,10 @@ from silo.redis_util import redis_errors
 from silo.settings import RemindersSettings
 
 if TYPE_CHECKING:
-    from silo.catalog import Activation
-    from silo.dispatcher import Dispatcher
-    from silo.router import Manifests, Router
-    from silo.transport import Transport
+    from silo.catalog.catalog import Activation
+    from silo.messaging.dispatcher import Dispatcher
+    from silo.messaging.router import Manifests, Router
+    from silo.messaging.transport import Transport
 
 log = logging.getLogger("redgrain.reminders")
 

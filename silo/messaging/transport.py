@@ -38,8 +38,9 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from silo import errors, local_socket
+from silo import errors
 from silo.codec import Codec, Encoded
+from silo.messaging import local_socket
 from silo.settings import TransportSettings
 
 log = logging.getLogger("redgrain.transport")
@@ -112,7 +113,7 @@ class TransportStatistics:
 
 def error_body(exc: BaseException) -> dict[str, Any]:
     """How an exception crosses the wire: a code for our own, type/message/traceback for the rest."""
-    from silo.catalog import format_remote_traceback
+    from silo.catalog.catalog import format_remote_traceback
 
     if isinstance(exc, errors.RemoteGrainError):
         return {"code": "remote", "type": exc.type_name, "message": exc.message, "tb": exc.traceback_text}

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from grains.ids import GrainId
-from silo.embedded import free_port
+from silo.testing.embedded import free_port
 
 console = Console()
 
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dashboard.server import DashboardThread
-    from silo.local import LocalCluster
+    from silo.testing.local import LocalCluster
 
     if args.silos < 2:
         console.print("[red]the demo needs at least 2 silos (one is killed half-way)[/red]")

@@ -23,7 +23,7 @@ from typing import Self
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.embedded import RedisServer
+from silo.testing.embedded import RedisServer
 
 
 class LocalSilo:
@@ -57,7 +57,7 @@ class LocalSilo:
         ready = self.workdir / f"{self.name}.ready"
         ready.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "silo.cli", "silo",
+            sys.executable, "-m", "silo",
             "--redis", self.redis_url, "--cluster", self.cluster,
             "--grains", self.grains, "--ready-file", str(ready),
             *[a for r in self.roles for a in ("--role", r)],

@@ -16,7 +16,7 @@ version's chunks. So a reader sees the old version or the new one, never a
 mix, and a writer that dies mid-stream leaves only orphan chunks that expire.
 
 The same head+chunks machinery (:class:`Blobs`, :data:`LUA_BLOBS`) stores
-checkpoint snapshots (``silo/checkpoint.py``).
+checkpoint snapshots (``silo/storage/checkpoint.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The configuration table, generated from the settings model (README keeps a copy).
 
-    python -m silo.config_doc            # print the markdown table
-    python -m silo.config_doc --write README.md   # refresh the README's copy
+    python -m grains.cli.config_doc            # print the markdown table
+    python -m grains.cli.config_doc --write README.md   # refresh the README's copy
 """
 
 from __future__ import annotations

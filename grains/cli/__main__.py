@@ -1,0 +1,5 @@
+import sys
+
+from grains.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from silo.process import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Activations on one silo: the catalog, turns and mailboxes, timers, state handles, the grain context."""
