@@ -20,11 +20,11 @@ GOAL = 0.70
 
 
 async def _measure(sizes: list[int], repeats: int, max_ops: int) -> dict[str, Any]:
-    from silo.testing.embedded import RedisServer
     from silo.keys import Keys
     from silo.redis_util import connect_redis
     from silo.settings import StorageSettings
     from silo.storage.store import RedisStateStore
+    from silo.testing.embedded import RedisServer
 
     results: dict[str, Any] = {}
     with RedisServer() as server:

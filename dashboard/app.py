@@ -11,7 +11,6 @@ and ``/api/jobs/{job}/cancel`` need ``Authorization: Bearer <token>``.
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,19 +28,18 @@ from dashboard import reader as rd
 from dashboard.metrics import ClusterCollector
 from dashboard.state_view import decoder, to_json
 from grains.ids import GrainId
+from grains.training.records import JobPoint, JobProgress
 from silo import errors
-from silo.cluster.events import EventLog, read_events
-from silo.cluster.membership import LIVE
+from silo.cluster.events import EventLog
 from silo.keys import Keys
+from silo.records import LIVE, read_events, request_cancel, request_drain
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import StorageSettings
-from silo.stats import JobPoint, JobProgress, request_job_cancel
 from silo.storage.store import RedisStateStore
 
 STATIC = resources.files("dashboard") / "static"
 MAX_STATE_BYTES = 64 << 20
 """Larger persisted states are described, not decoded (the viewer is for looking, not dumping)."""
-CONTROL_TTL_S = 3600
 
 
 def _reader(request: Request) -> rd.ClusterReader:
@@ -279,12 +277,7 @@ def create_app(
         row = snap.members.get(address)
         if row is None or row.status not in LIVE:
             raise HTTPException(404, f"no live silo {address}")
-        command = json.dumps({"command": "drain", "at": time.time(), "by": "dashboard"})
-        with redis_errors("send drain"):
-            async with r.redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(keys.control(address), command)
-                pipe.expire(keys.control(address), CONTROL_TTL_S)
-                await pipe.execute()
+        await request_drain(r.redis, keys, address, by="dashboard")
         request.app.state.events.emit("drain", target=address, by="dashboard")
         return m.AdminResult(ok=True, detail=f"drain requested for {address}")
 
@@ -297,7 +290,7 @@ def create_app(
             known = await r.redis.exists(keys.job_progress(job))
         if not known:
             raise HTTPException(404, f"no job {job}")
-        await request_job_cancel(r.redis, keys, job, "cancelled from the dashboard")
+        await request_cancel(r.redis, keys, job, "cancelled from the dashboard")
         request.app.state.events.emit("cancel", job=job, by="dashboard")
         return m.AdminResult(ok=True, detail=f"cancel requested for job {job}")
 

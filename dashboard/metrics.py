@@ -17,8 +17,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dashboard.reader import Snapshot
-from silo.cluster.membership import SiloStatus
-from silo.stats import BUCKETS_MS, JobProgress, dense
+from grains.training.records import JobProgress
+from silo.records import BUCKETS_MS, SiloStatus, dense
 
 
 class ClusterCollector(Collector):

@@ -12,16 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from silo.cluster.events import ClusterEvent
-from silo.stats import (
-    CheckpointInfo,
-    JobPoint,
-    JobProgress,
-    LoadPoint,
-    Placement,
-    RecoveryInfo,
-    SiloStatsRecord,
-)
+from grains.training.records import CheckpointInfo, JobPoint, JobProgress, Placement, RecoveryInfo
+from silo.records import ClusterEvent, LoadPoint, SiloStatsRecord
 
 __all__ = [
     "AdminResult",

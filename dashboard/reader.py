@@ -16,10 +16,9 @@ from pydantic import ValidationError
 
 from dashboard import models as m
 from silo import errors
-from silo.cluster.membership import LIVE, MemberRow, SiloStatus
 from silo.keys import Keys
+from silo.records import LIVE, LoadPoint, MemberRow, SiloStatsRecord, SiloStatus, dense, percentile
 from silo.redis_util import redis_errors
-from silo.stats import LoadPoint, SiloStatsRecord, dense, percentile
 
 
 @dataclass

@@ -18,9 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pydantic import BaseModel, Field  # noqa: E402
+from pydantic import BaseModel, Field
 
-from grains import Grain  # noqa: E402
+from grains import Grain
 
 INITIAL_BALANCE = 1_000
 

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grains import Grain, read_only  # noqa: E402
+from grains import Grain, read_only
 
 
 class User(Grain):

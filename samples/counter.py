@@ -13,9 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pydantic import BaseModel  # noqa: E402
+from pydantic import BaseModel
 
-from grains import Grain  # noqa: E402
+from grains import Grain
 
 
 class Counter(Grain):

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grains import Grain  # noqa: E402
+from grains import Grain
 
 
 class Greeter(Grain):

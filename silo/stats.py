@@ -22,18 +22,23 @@ from typing import Any
 
 import psutil
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from silo import errors
 from silo.catalog.catalog import CallContext, CallNext
 from silo.keys import Keys
+from silo.records import (
+    BUCKETS_MS,
+    HISTORY_POINTS,
+    STATS_TTL_FACTOR,
+    WINDOW_S,
+    LoadPoint,
+    MethodRecord,
+    SiloStatsRecord,
+)
 from silo.redis_util import redis_errors
 
 log = logging.getLogger("redgrain.stats")
-
-# Upper bounds in milliseconds: 0.05 ms .. ~100 s, 4 buckets per doubling-ish.
-BUCKETS_MS: tuple[float, ...] = tuple(round(0.05 * 1.5**i, 4) for i in range(36))
-
 
 @dataclass(slots=True)
 class MethodCounters:
@@ -63,18 +68,20 @@ class MethodStatistics:
     """Counts per bucket of BUCKETS_MS (the last bucket is everything slower)."""
 
 
-def percentile(histogram: list[int] | tuple[int, ...], q: float) -> float:
-    """The bucket bound under which a fraction ``q`` of calls finished (ms)."""
-    total = sum(histogram)
-    if total == 0:
-        return 0.0
-    rank = q * total
-    seen = 0
-    for i, n in enumerate(histogram):
-        seen += n
-        if seen >= rank:
-            return BUCKETS_MS[i] if i < len(BUCKETS_MS) else BUCKETS_MS[-1] * 1.5
-    return BUCKETS_MS[-1] * 1.5
+def _sparse(histogram: list[int] | tuple[int, ...]) -> dict[int, int]:
+    return {i: n for i, n in enumerate(histogram) if n}
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """A component's statistics() as JSON-able fields (dataclass, pydantic model or dict)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, BaseModel):
+        value = value.model_dump()
+    if not isinstance(value, dict):
+        return {"value": str(value)}
+    # default=str: an address object or enum among the fields must not stop the record.
+    return dict(json.loads(json.dumps(value, default=str)))
 
 
 class CallStats:
@@ -102,99 +109,6 @@ class CallStats:
             MethodStatistics(t, m, c.calls, c.errors, c.total_ms, tuple(c.histogram))
             for (t, m), c in sorted(self._methods.items())
         ]
-
-
-# --- the published records ----------------------------------------------------
-#
-# Silos write one small JSON record a second; the dashboard reads only these,
-# so it never adds work to a call path. Histograms travel sparse ({bucket
-# index: count}) because most of the 37 buckets of a method are empty.
-
-STATS_TTL_FACTOR = 5
-"""A stats record expires after this many publish intervals (a dead silo's fades)."""
-HISTORY_POINTS = 300
-"""Load points kept per silo (5 minutes at the default interval)."""
-WINDOW_S = 10.0
-"""Span of the 'recent' rates and latency histograms."""
-
-
-class MethodRecord(BaseModel):
-    """One method's counters in a silo's record."""
-
-    grain_type: str
-    method: str
-    calls: int = Field(description="Calls completed since the silo started.")
-    errors: int = Field(description="Calls that raised since the silo started.")
-    total_ms: float = Field(description="Sum of call durations since start.")
-    hist: dict[int, int] = Field(
-        default_factory=dict, description="Sparse BUCKETS_MS histogram since start."
-    )
-    window_calls: int = Field(default=0, description="Calls completed in the last window_s.")
-    window_errors: int = Field(default=0, description="Calls that raised in the last window_s.")
-    window_hist: dict[int, int] = Field(
-        default_factory=dict, description="Sparse histogram of the last window_s."
-    )
-
-
-class LoadPoint(BaseModel):
-    """One point of a silo's load history."""
-
-    at: float
-    cpu_percent: float
-    rss_bytes: int
-    activations: int
-    calls_per_s: float
-
-
-class SiloStatsRecord(BaseModel):
-    """What a silo publishes each interval under ``keys.silo_stats(address)``."""
-
-    address: str
-    status: str = Field(description="The silo object's own status: active, stopping, ...")
-    at: float = Field(description="Publish time (unix seconds).")
-    started: float
-    uptime_s: float
-    pid: int
-    cpu_percent: float = Field(description="Process CPU since the last record (100 = one core).")
-    rss_bytes: int
-    memory_percent: float
-    activations: int
-    by_type: dict[str, int] = Field(
-        default_factory=dict, description="Live activations per grain type."
-    )
-    keys_sample: dict[str, list[str]] = Field(
-        default_factory=dict, description="Some live keys per type."
-    )
-    window_s: float = Field(description="Span the window_* counters of the methods cover.")
-    methods: list[MethodRecord] = Field(default_factory=list)
-    components: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="Every other component's statistics(), as plain fields."
-    )
-
-
-def _sparse(histogram: list[int] | tuple[int, ...]) -> dict[int, int]:
-    return {i: n for i, n in enumerate(histogram) if n}
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    """A component's statistics() as JSON-able fields (dataclass, pydantic model or dict)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    elif isinstance(value, BaseModel):
-        value = value.model_dump()
-    if not isinstance(value, dict):
-        return {"value": str(value)}
-    # default=str: an address object or enum among the fields must not stop the record.
-    return dict(json.loads(json.dumps(value, default=str)))
-
-
-def dense(sparse: dict[int, int]) -> list[int]:
-    """A sparse histogram back to one count per bucket of BUCKETS_MS (+ overflow)."""
-    out = [0] * (len(BUCKETS_MS) + 1)
-    for i, n in sparse.items():
-        if 0 <= int(i) < len(out):
-            out[int(i)] += n
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,136 +299,3 @@ class StatsPublisher:
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(self._published, self._failures, self._last_bytes)
-
-
-# --- training progress ----------------------------------------------------------
-
-JOB_HISTORY_MAXLEN = 10_000
-CANCEL_TTL_S = 7 * 24 * 3600
-
-
-class Placement(BaseModel):
-    """Where one trainer or parameter shard of a job lives."""
-
-    key: str
-    silo: str = ""
-
-
-class CheckpointInfo(BaseModel):
-    snapshot: str
-    step: int
-    at: float
-
-
-class RecoveryInfo(BaseModel):
-    """One recovery or resize of a training job (a trainer slot restarted, a rollback to a
-    checkpoint, an all-reduce group re-formed, a trainer added)."""
-
-    reason: str
-    start_step: int = Field(description="The step training restarted from.")
-    at: float = Field(description="When the coordinator decided it (unix seconds).")
-    back_after_s: float | None = Field(
-        default=None, description="From the decision to the first step committed after it; None: not yet."
-    )
-    trainers: int = Field(default=0, description="Trainers restarted (0: every trainer).")
-
-
-class JobProgress(BaseModel):
-    """A training job's latest progress, JSON under ``keys.job_progress(job)``."""
-
-    job: str
-    status: str = Field(
-        default="running", description="pending, running, completed, failed or cancelled."
-    )
-    step: int = 0
-    total_steps: int | None = None
-    epoch: int = 0
-    loss: float | None = None
-    accuracy: float | None = None
-    samples_per_s: float = 0.0
-    bytes_per_step: int = Field(
-        default=0, description="Bytes on the wire per step, all trainers and shards."
-    )
-    staleness: float = Field(
-        default=0.0, description="Mean gradient staleness in steps (async / ssp)."
-    )
-    mode: str = Field(default="sync", description="sync, async or ssp.")
-    trainers: list[Placement] = Field(default_factory=list)
-    shards: list[Placement] = Field(default_factory=list)
-    checkpoints: list[CheckpointInfo] = Field(default_factory=list)
-    recoveries: list[RecoveryInfo] = Field(default_factory=list)
-    updated_at: float = 0.0
-    error: str | None = None
-
-
-class JobPoint(BaseModel):
-    """One step's metrics in ``keys.job_history(job)`` (a capped stream)."""
-
-    step: int
-    loss: float | None = None
-    accuracy: float | None = None
-    samples_per_s: float | None = None
-    bytes: int | None = None
-    at: float = 0.0
-
-    def fields(self) -> dict[str, str]:
-        return {
-            k: repr(v) if isinstance(v, float) else str(v)
-            for k, v in self.model_dump().items()
-            if v is not None
-        }
-
-    @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> JobPoint:
-        def text(v: Any) -> str:
-            return v.decode() if isinstance(v, bytes) else str(v)
-
-        return cls.model_validate({text(k): text(v) for k, v in fields.items()})
-
-
-async def publish_job_progress(
-    redis: aioredis.Redis,
-    keys: Keys,
-    progress: JobProgress,
-    *,
-    point: JobPoint | None | bool = True,
-) -> bool:
-    """Publish a job's progress (and by default one history point); True if a cancel was asked.
-
-    One pipelined round trip: SET the progress JSON, XADD the point to the
-    capped history stream, SADD the job to ``keys.jobs``, GET the cancel flag
-    an admin sets from the dashboard. ``point=True`` derives the point from
-    ``progress``; pass a JobPoint to write another, or False to write none.
-    """
-    if not progress.updated_at:
-        progress = progress.model_copy(update={"updated_at": time.time()})
-    if point is True:
-        point = JobPoint(
-            step=progress.step,
-            loss=progress.loss,
-            accuracy=progress.accuracy,
-            samples_per_s=progress.samples_per_s,
-            bytes=progress.bytes_per_step,
-            at=progress.updated_at,
-        )
-    with redis_errors(f"publish progress of job {progress.job}"):
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(keys.job_progress(progress.job), progress.model_dump_json())
-            if isinstance(point, JobPoint):
-                fields: dict[Any, Any] = point.fields()
-                pipe.xadd(
-                    keys.job_history(progress.job),
-                    fields,
-                    maxlen=JOB_HISTORY_MAXLEN,
-                    approximate=True,
-                )
-            pipe.sadd(keys.jobs, progress.job)
-            pipe.exists(keys.job_cancel(progress.job))
-            result = await pipe.execute()
-    return bool(result[-1])
-
-
-async def request_job_cancel(redis: aioredis.Redis, keys: Keys, job: str, reason: str = "") -> None:
-    """Set the cancel flag publish_job_progress reports to the coordinator."""
-    with redis_errors(f"cancel job {job}"):
-        await redis.set(keys.job_cancel(job), reason or "cancel", ex=CANCEL_TTL_S)

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import redis
 
-from silo.testing.embedded import RedisServer
+from silo.client import ClusterClient
 from silo.settings import MembershipSettings, SiloSettings
 from silo.silo import Silo
-from silo.client import ClusterClient
+from silo.testing.embedded import RedisServer
 from tests.helpers import SiloProcess
 
 _cluster_names = itertools.count()

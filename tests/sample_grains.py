@@ -10,7 +10,15 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from grains import Grain, deactivate_on, grain_type, interleave, random_placement, reentrant, stateless_worker
+from grains import (
+    Grain,
+    deactivate_on,
+    grain_type,
+    interleave,
+    random_placement,
+    reentrant,
+    stateless_worker,
+)
 
 
 class Echo(Grain):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grains.cli.main import build_parser
 from grains.cli.config_doc import END, START, settings_table
+from grains.cli.main import build_parser
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -263,9 +263,10 @@ async def cmd_drain(args: argparse.Namespace) -> int:
     import time
 
     from grains.ids import SiloAddress
-    from silo.cluster.membership import RedisMembershipTable, SiloStatus
+    from silo.cluster.membership import RedisMembershipTable
     from silo.keys import Keys
-    from silo.redis_util import connect_redis, redis_errors
+    from silo.records import SiloStatus, request_drain
+    from silo.redis_util import connect_redis
 
     kw = settings_kwargs(args)
     keys = Keys(kw.get("cluster", "default"))
@@ -280,12 +281,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
         row = rows.get(address)
         if row is None or row.status is SiloStatus.DEAD:
             raise errors.MembershipError(f"silo {address} is not a live member of cluster {keys.cluster}")
-        command = json.dumps({"command": "drain", "at": time.time(), "by": "redgrain drain"})
-        with redis_errors("send drain"):
-            async with redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(keys.control(address), command)
-                pipe.expire(keys.control(address), 300)
-                await pipe.execute()
+        await request_drain(redis, keys, address, by="redgrain drain")
         print(f"drain requested for {address}", flush=True)
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:

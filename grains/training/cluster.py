@@ -14,8 +14,8 @@ from typing import Any
 
 from grains.base import Grain
 from grains.ids import GrainId, SiloAddress
-from silo.cluster.membership import MemberRow
 from silo.cluster.placement import HashPlacement
+from silo.records import MemberRow
 
 _HASH = HashPlacement()
 _MAX_SALT = 10_000

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from grains.base import Grain
 from grains.training import cluster
-from silo.cluster.membership import MemberRow
+from silo.records import MemberRow
 
 QUARANTINE_S = 10.0
 

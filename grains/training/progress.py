@@ -8,7 +8,13 @@ from grains.base import Grain
 from grains.training import cluster
 from grains.training.job import TrainingJob
 from grains.training.messages import TrainingStatus
-from silo.stats import CheckpointInfo, JobProgress, Placement, RecoveryInfo, publish_job_progress
+from grains.training.records import (
+    CheckpointInfo,
+    JobProgress,
+    Placement,
+    RecoveryInfo,
+    publish_job_progress,
+)
 
 
 def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> JobProgress:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
 
 from silo import errors
 from silo.keys import Keys
@@ -32,33 +31,6 @@ log = logging.getLogger("redgrain.events")
 
 EVENTS_MAXLEN = 10_000
 _MAX_PENDING = 1000  # unwritten events kept (Redis slow or down); the oldest go first
-
-
-class ClusterEvent(BaseModel):
-    """One entry of the event stream."""
-
-    id: str = Field(default="", description="Stream entry id (milliseconds-sequence).")
-    at: float = Field(description="Unix time the event was emitted.")
-    kind: str
-    silo: str = Field(default="", description="Who emitted it (a silo address, 'dashboard', ...).")
-    data: dict[str, Any] = Field(default_factory=dict)
-
-    @classmethod
-    def from_entry(cls, entry_id: Any, fields: dict[Any, Any]) -> ClusterEvent:
-        def text(v: Any) -> str:
-            return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-        f = {text(k): text(v) for k, v in fields.items()}
-        try:
-            data = json.loads(f.get("data", "{}"))
-        except ValueError:
-            data = {"raw": f.get("data", "")}
-        try:
-            at = float(f.get("at", "0"))
-        except ValueError:
-            at = 0.0
-        return cls(id=text(entry_id), at=at, kind=f.get("kind", "?"), silo=f.get("silo", ""),
-                   data=data if isinstance(data, dict) else {"value": data})  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +128,3 @@ class EventLog:
 
     def statistics(self) -> EventLogStatistics:
         return EventLogStatistics(self._written, self._dropped, len(self._queue))
-
-
-async def read_events(
-    redis: aioredis.Redis, keys: Keys, *, count: int = 200, before: str | None = None
-) -> list[ClusterEvent]:
-    """The newest ``count`` events (newest first), optionally older than stream id ``before``."""
-    with redis_errors("read events"):
-        entries = await redis.xrevrange(
-            keys.events, max=f"({before}" if before else "+", min="-", count=count
-        )
-    return [ClusterEvent.from_entry(i, f or {}) for i, f in entries or []]

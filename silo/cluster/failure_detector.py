@@ -48,16 +48,9 @@ import redis
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.cluster.membership import (
-    HEARTBEAT_LUA,
-    ClusterEvents,
-    MemberRow,
-    MembershipTable,
-    SiloLoad,
-    SiloStatus,
-    VoteOutcome,
-)
+from silo.cluster.membership import HEARTBEAT_LUA, ClusterEvents, MembershipTable, VoteOutcome
 from silo.keys import Keys
+from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")

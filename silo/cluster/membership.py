@@ -9,7 +9,6 @@ clients re-read the table as soon as anything changes.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -17,57 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, field_validator
 
 from grains.ids import SiloAddress
 from silo import errors
 from silo.keys import Keys
+from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import redis_errors
 
 log = logging.getLogger("redgrain.membership")
-
-
-class SiloStatus(str, enum.Enum):
-    JOINING = "Joining"
-    ACTIVE = "Active"
-    SHUTTING_DOWN = "ShuttingDown"
-    DEAD = "Dead"
-
-
-LIVE = (SiloStatus.JOINING, SiloStatus.ACTIVE, SiloStatus.SHUTTING_DOWN)
-
-
-class SiloLoad(BaseModel):
-    """Load a silo publishes with each heartbeat, for resource-optimized placement."""
-
-    cpu_percent: float = 0.0
-    memory_percent: float = 0.0
-    activations: int = 0
-
-
-class MemberRow(BaseModel):
-    address: str
-    host: str
-    port: int
-    generation: int
-    status: SiloStatus = SiloStatus.JOINING
-    roles: list[str] = Field(default_factory=list)
-    grain_types: list[str] = Field(default_factory=list)
-    started: float = 0.0
-    heartbeat: float = 0.0
-    pid: int = 0
-    hostname: str = ""
-    load: SiloLoad = Field(default_factory=SiloLoad)
-
-    @field_validator("roles", "grain_types", mode="before")
-    @classmethod
-    def _empty_lua_table(cls, v: Any) -> Any:
-        # Lua's cjson cannot tell an empty array from an empty object: {} means [].
-        return [] if v == {} else v
-
-    @property
-    def silo(self) -> SiloAddress:
-        return SiloAddress(self.host, self.port, self.generation)
 
 
 class MembershipTable(Protocol):

@@ -16,7 +16,7 @@ from typing import Protocol
 from grains.ids import GrainId, SiloAddress
 from grains.placement import Placement
 from silo import errors
-from silo.cluster.membership import MemberRow
+from silo.records import MemberRow
 
 
 class PlacementDirector(Protocol):

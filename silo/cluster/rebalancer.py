@@ -40,8 +40,9 @@ from grains.base import DeactivationReason
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.cluster.failure_detector import wait_event
-from silo.cluster.membership import ClusterEvents, MembershipView, SiloStatus
+from silo.cluster.membership import ClusterEvents, MembershipView
 from silo.keys import Keys
+from silo.records import SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RebalancerSettings
 

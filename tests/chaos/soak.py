@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 
 from silo import errors
 from silo.client import ClusterClient
+from silo.cluster.membership import RedisMembershipTable
 from silo.codec import Codec, TypeRegistry
-from silo.testing.embedded import RedisServer
 from silo.keys import Keys
-from silo.cluster.membership import RedisMembershipTable, SiloStatus
-from silo.settings import TransportSettings
 from silo.messaging.transport import REQUEST, Transport
+from silo.records import SiloStatus
+from silo.settings import TransportSettings
+from silo.testing.embedded import RedisServer
 from tests.chaos.grains import (
     INITIAL_BALANCE,
     ChaosAccount,

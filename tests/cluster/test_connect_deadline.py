@@ -16,7 +16,8 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
 from silo.cluster.directory import RedisGrainDirectory
-from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.cluster.membership import RedisMembershipTable
+from silo.records import MemberRow, SiloStatus
 from tests.sample_grains import Echo
 
 

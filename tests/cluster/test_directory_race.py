@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.records import MemberRow, SiloStatus
 from silo.redis_util import connect_redis
 
 N_SILOS = 4

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
-from silo.settings import TransportSettings
 from silo.messaging.transport import Transport
+from silo.settings import TransportSettings
 from tests.cluster.grains import Resident, Tracked
 from tests.conftest import FAST_MEMBERSHIP
 

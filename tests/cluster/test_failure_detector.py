@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from grains.ids import SiloAddress
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
+from silo.cluster.membership import InMemoryMembershipTable
 from silo.keys import Keys
-from silo.cluster.membership import InMemoryMembershipTable, MemberRow, SiloLoad, SiloStatus
+from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
 
 SETTINGS = MembershipSettings(

@@ -10,8 +10,8 @@ import pytest
 from grains.ids import GrainId, SiloAddress
 from grains.placement import Placement
 from silo import errors
-from silo.cluster.membership import MemberRow, SiloLoad, SiloStatus
 from silo.cluster.placement import Placer
+from silo.records import MemberRow, SiloLoad, SiloStatus
 
 
 def row(port: int, *, roles: tuple[str, ...] = (), acts: int = 0, cpu: float = 0.0, gen: int = 1) -> MemberRow:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from silo import errors
-
 from grains.cli import main as cli
+from silo import errors
 from silo.client import ClusterClient
 from silo.settings import RebalancerSettings
 from tests.cluster.grains import Pinned, Resident, Tracked

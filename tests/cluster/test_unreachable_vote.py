@@ -6,8 +6,9 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.cluster.membership import MemberRow, RedisMembershipTable, SiloStatus
+from silo.records import MemberRow, SiloStatus
 
 
 async def _table(redis_url: str, cluster: str, n: int) -> tuple[RedisMembershipTable, list[str], aioredis.Redis]:

@@ -17,16 +17,17 @@ from pydantic import BaseModel, ConfigDict
 from dashboard import models as m
 from dashboard.app import create_app
 from grains.ids import GrainId
+from grains.training.records import JobProgress, Placement, publish_job_progress
 from silo import errors
 from silo.client import ClusterClient
+from silo.cluster.events import EventLog
 from silo.codec import Codec, TypeRegistry
-from silo.testing.embedded import RedisServer
-from silo.cluster.events import EventLog, read_events
 from silo.keys import Keys
+from silo.records import read_events
 from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
-from silo.stats import JobProgress, Placement, publish_job_progress
 from silo.storage.store import RedisStateStore
+from silo.testing.embedded import RedisServer
 from tests.dashboard.conftest import ADMIN_TOKEN, CALM
 from tests.sample_grains import Counter, Echo
 

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from dashboard.server import DashboardThread
-from silo.client import ClusterClient
-from silo.testing.embedded import RedisServer
-from silo.stats import (
+from grains.training.records import (
     CheckpointInfo,
     JobPoint,
     JobProgress,
@@ -26,6 +24,8 @@ from silo.stats import (
     RecoveryInfo,
     publish_job_progress,
 )
+from silo.client import ClusterClient
+from silo.testing.embedded import RedisServer
 from tests.dashboard.conftest import CALM
 from tests.helpers import REPO, free_port
 from tests.sample_grains import Counter, Echo

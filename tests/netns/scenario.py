@@ -22,8 +22,8 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
 from silo.keys import Keys
-from silo.settings import TransportSettings
 from silo.messaging.transport import Transport
+from silo.settings import TransportSettings
 from tests.netns import invariants
 from tests.netns.cluster import NetCluster, NetSilo, Workload
 from tests.netns.conftest import Lab, cluster_name

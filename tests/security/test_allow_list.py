@@ -10,9 +10,9 @@ import pytest
 from silo import errors
 from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
+from silo.messaging.transport import REQUEST, Transport
 from silo.settings import TransportSettings
 from silo.silo import Silo
-from silo.messaging.transport import REQUEST, Transport
 from tests.helpers import SiloProcess
 from tests.security.vault_grains import Vault
 

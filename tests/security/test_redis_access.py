@@ -12,9 +12,9 @@ import pytest
 
 from silo import errors
 from silo.client import ClusterClient
-from silo.testing.embedded import RedisServer, TlsFiles
 from silo.settings import SiloSettings
 from silo.silo import Silo
+from silo.testing.embedded import RedisServer, TlsFiles
 from tests.conftest import FAST_ENV, FAST_MEMBERSHIP
 from tests.helpers import SiloProcess
 from tests.sample_grains import Counter, Relay

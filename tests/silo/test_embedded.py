@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from silo.errors import ConfigError
 from silo.testing import embedded
 from silo.testing.embedded import RedisServer, find_redis_server
-from silo.errors import ConfigError
 
 
 def _client(server: RedisServer) -> redis.Redis:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from silo.messaging import local_socket
 from silo.client import ClusterClient
+from silo.messaging import local_socket
 from silo.settings import ClientSettings, TransportSettings
 from silo.silo import Silo
 from tests.sample_grains import Echo

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from silo import errors
-from silo.storage.checkpoint import Checkpoints
 from silo.client import ClusterClient
 from silo.codec import Codec
 from silo.settings import StorageSettings
+from silo.storage.checkpoint import Checkpoints
 from silo.storage.store import RedisStateStore
 from tests.sample_grains import Shard, tensor_digest
 

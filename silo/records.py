@@ -1,0 +1,244 @@
+"""What silos publish to Redis for everyone else to read: one module, no torch.
+
+The dashboard, the ``redgrain`` command and other silos read the cluster only
+through these records (and the keys they live under, ``silo/keys.py``):
+
+* membership rows (``keys.members``): address, generation, status, roles,
+  load; written by the membership table's Lua scripts;
+* silo stats (``keys.silo_stats``): one JSON record per silo per second, with
+  every component's ``statistics()`` and per-method counters whose latency
+  histograms share fixed buckets, so readers can add them up across silos;
+* cluster events (``keys.events``): joins, deaths, drains, rebalances;
+* control requests (``keys.control``, ``keys.job_cancel``): drain a silo,
+  cancel a job. :func:`request_drain` and :func:`request_cancel` are the only
+  writers, shared by the CLI and the dashboard.
+
+Workloads publish their own records through the public grain API
+(``Grain.publish_progress``); their schemas live with the workload
+(``grains/training/records.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field, field_validator
+
+from grains.ids import SiloAddress
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+
+# --- membership ---------------------------------------------------------------
+
+class SiloStatus(str, enum.Enum):
+    JOINING = "Joining"
+    ACTIVE = "Active"
+    SHUTTING_DOWN = "ShuttingDown"
+    DEAD = "Dead"
+
+
+LIVE = (SiloStatus.JOINING, SiloStatus.ACTIVE, SiloStatus.SHUTTING_DOWN)
+
+
+class SiloLoad(BaseModel):
+    """Load a silo publishes with each heartbeat, for resource-optimized placement."""
+
+    cpu_percent: float = 0.0
+    memory_percent: float = 0.0
+    activations: int = 0
+
+
+class MemberRow(BaseModel):
+    address: str
+    host: str
+    port: int
+    generation: int
+    status: SiloStatus = SiloStatus.JOINING
+    roles: list[str] = Field(default_factory=list)
+    grain_types: list[str] = Field(default_factory=list)
+    started: float = 0.0
+    heartbeat: float = 0.0
+    pid: int = 0
+    hostname: str = ""
+    load: SiloLoad = Field(default_factory=SiloLoad)
+
+    @field_validator("roles", "grain_types", mode="before")
+    @classmethod
+    def _empty_lua_table(cls, v: Any) -> Any:
+        # Lua's cjson cannot tell an empty array from an empty object: {} means [].
+        return [] if v == {} else v
+
+    @property
+    def silo(self) -> SiloAddress:
+        return SiloAddress(self.host, self.port, self.generation)
+
+
+# --- silo stats -----------------------------------------------------------------
+#
+# Silos write one small JSON record a second; the dashboard reads only these,
+# so it never adds work to a call path. Histograms travel sparse ({bucket
+# index: count}) because most of the 37 buckets of a method are empty.
+
+# Upper bounds in milliseconds: 0.05 ms .. ~100 s, 4 buckets per doubling-ish.
+BUCKETS_MS: tuple[float, ...] = tuple(round(0.05 * 1.5**i, 4) for i in range(36))
+
+
+def percentile(histogram: list[int] | tuple[int, ...], q: float) -> float:
+    """The bucket bound under which a fraction ``q`` of calls finished (ms)."""
+    total = sum(histogram)
+    if total == 0:
+        return 0.0
+    rank = q * total
+    seen = 0
+    for i, n in enumerate(histogram):
+        seen += n
+        if seen >= rank:
+            return BUCKETS_MS[i] if i < len(BUCKETS_MS) else BUCKETS_MS[-1] * 1.5
+    return BUCKETS_MS[-1] * 1.5
+
+
+STATS_TTL_FACTOR = 5
+"""A stats record expires after this many publish intervals (a dead silo's fades)."""
+HISTORY_POINTS = 300
+"""Load points kept per silo (5 minutes at the default interval)."""
+WINDOW_S = 10.0
+"""Span of the 'recent' rates and latency histograms."""
+
+
+class MethodRecord(BaseModel):
+    """One method's counters in a silo's record."""
+
+    grain_type: str
+    method: str
+    calls: int = Field(description="Calls completed since the silo started.")
+    errors: int = Field(description="Calls that raised since the silo started.")
+    total_ms: float = Field(description="Sum of call durations since start.")
+    hist: dict[int, int] = Field(
+        default_factory=dict, description="Sparse BUCKETS_MS histogram since start."
+    )
+    window_calls: int = Field(default=0, description="Calls completed in the last window_s.")
+    window_errors: int = Field(default=0, description="Calls that raised in the last window_s.")
+    window_hist: dict[int, int] = Field(
+        default_factory=dict, description="Sparse histogram of the last window_s."
+    )
+
+
+class LoadPoint(BaseModel):
+    """One point of a silo's load history."""
+
+    at: float
+    cpu_percent: float
+    rss_bytes: int
+    activations: int
+    calls_per_s: float
+
+
+class SiloStatsRecord(BaseModel):
+    """What a silo publishes each interval under ``keys.silo_stats(address)``."""
+
+    address: str
+    status: str = Field(description="The silo object's own status: active, stopping, ...")
+    at: float = Field(description="Publish time (unix seconds).")
+    started: float
+    uptime_s: float
+    pid: int
+    cpu_percent: float = Field(description="Process CPU since the last record (100 = one core).")
+    rss_bytes: int
+    memory_percent: float
+    activations: int
+    by_type: dict[str, int] = Field(
+        default_factory=dict, description="Live activations per grain type."
+    )
+    keys_sample: dict[str, list[str]] = Field(
+        default_factory=dict, description="Some live keys per type."
+    )
+    window_s: float = Field(description="Span the window_* counters of the methods cover.")
+    methods: list[MethodRecord] = Field(default_factory=list)
+    components: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Every other component's statistics(), as plain fields."
+    )
+
+
+def dense(sparse: dict[int, int]) -> list[int]:
+    """A sparse histogram back to one count per bucket of BUCKETS_MS (+ overflow)."""
+    out = [0] * (len(BUCKETS_MS) + 1)
+    for i, n in sparse.items():
+        if 0 <= int(i) < len(out):
+            out[int(i)] += n
+    return out
+
+
+# --- cluster events -------------------------------------------------------------
+
+class ClusterEvent(BaseModel):
+    """One entry of the event stream."""
+
+    id: str = Field(default="", description="Stream entry id (milliseconds-sequence).")
+    at: float = Field(description="Unix time the event was emitted.")
+    kind: str
+    silo: str = Field(default="", description="Who emitted it (a silo address, 'dashboard', ...).")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def from_entry(cls, entry_id: Any, fields: dict[Any, Any]) -> ClusterEvent:
+        def text(v: Any) -> str:
+            return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+        f = {text(k): text(v) for k, v in fields.items()}
+        try:
+            data = json.loads(f.get("data", "{}"))
+        except ValueError:
+            data = {"raw": f.get("data", "")}
+        try:
+            at = float(f.get("at", "0"))
+        except ValueError:
+            at = 0.0
+        return cls(id=text(entry_id), at=at, kind=f.get("kind", "?"), silo=f.get("silo", ""),
+                   data=data if isinstance(data, dict) else {"value": data})  # fmt: skip
+
+
+async def read_events(
+    redis: aioredis.Redis, keys: Keys, *, count: int = 200, before: str | None = None
+) -> list[ClusterEvent]:
+    """The newest ``count`` events (newest first), optionally older than stream id ``before``."""
+    with redis_errors("read events"):
+        entries = await redis.xrevrange(
+            keys.events, max=f"({before}" if before else "+", min="-", count=count
+        )
+    return [ClusterEvent.from_entry(i, f or {}) for i, f in entries or []]
+
+
+# --- control requests -------------------------------------------------------------
+
+CONTROL_TTL_S = 3600
+"""How long an unread control request waits for its silo (a busy or restarting one)."""
+CANCEL_TTL_S = 7 * 24 * 3600
+"""How long a cancel request stands (a job may be paused for days)."""
+
+
+class ControlRequest(BaseModel):
+    """One admin command in a silo's control list (``keys.control(silo)``)."""
+
+    command: str = Field(description="What to do: 'drain'.")
+    at: float = Field(default_factory=time.time, description="When it was asked (unix seconds).")
+    by: str = Field(default="", description="Who asked: 'dashboard', 'redgrain drain', ...")
+
+
+async def request_drain(redis: aioredis.Redis, keys: Keys, address: str, *, by: str) -> None:
+    """Ask silo ``address`` to drain itself (hand its activations off, then stop)."""
+    body = ControlRequest(command="drain", by=by).model_dump_json()
+    with redis_errors("send drain"):
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(keys.control(address), body)
+            pipe.expire(keys.control(address), CONTROL_TTL_S)
+            await pipe.execute()
+
+
+async def request_cancel(redis: aioredis.Redis, keys: Keys, job: str, reason: str = "") -> None:
+    """Ask a job's owner to cancel it; the owner sees it on its next progress publish."""
+    with redis_errors(f"cancel job {job}"):
+        await redis.set(keys.job_cancel(job), reason or "cancel", ex=CANCEL_TTL_S)
