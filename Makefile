@@ -47,6 +47,7 @@ partition-test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grains silo dashboard
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -131,7 +131,7 @@ async def run_phases(
     # 2-core machine the dashboard's processes also take CPU from the client, which the
     # throughput samples include and this does not.
     silo_us: dict[str, dict[str, list[float]]] = {s: {"off": [], "on": []} for s in shapes}
-    silos = [psutil.Process(s.proc.pid) for s in cluster.silos]
+    silos = [psutil.Process(s.pid) for s in cluster.silos]
 
     def silo_cpu() -> float:
         return sum(t.user + t.system for t in (p.cpu_times() for p in silos))

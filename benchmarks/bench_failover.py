@@ -48,15 +48,15 @@ class FailoverProbe(Grain):
 
 
 async def _trial(client: Any, cluster: BenchCluster, kind: str, n: int) -> dict[str, float]:
-    from grains.ids import SiloAddress
     from silo import errors
 
     keys = [f"{kind}{n}-{i}" for i in range(30)]
     placed = {k: await client.get_grain(FailoverProbe, k).where() for k in keys}
-    live = [s for s in cluster.silos if s.proc.poll() is None]
-    victim = max(live, key=lambda s: sum(v == s.address for v in placed.values()))
-    mine = [k for k, v in placed.items() if v == victim.address]
-    address = SiloAddress.parse(victim.address)
+    live = [s for s in cluster.silos if s.alive()]
+    victim = max(live, key=lambda s: sum(v == str(s.address) for v in placed.values()))
+    address = victim.address
+    assert address is not None
+    mine = [k for k, v in placed.items() if v == str(address)]
     done = asyncio.Event()
     first_ok: list[float] = []
 
@@ -67,14 +67,14 @@ async def _trial(client: Any, cluster: BenchCluster, kind: str, n: int) -> dict[
                 where = await ref.where()
             except errors.RedgrainError:
                 continue  # in flight on the victim when it was declared dead (at-most-once)
-            if where != victim.address:
+            if where != str(address):
                 first_ok.append(time.monotonic())
                 done.set()
 
     callers = [asyncio.ensure_future(hammer(k)) for k in mine]
     await asyncio.sleep(0.2)
     t0 = time.monotonic()
-    os.kill(victim.proc.pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+    victim.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
     detected = None
     while not done.is_set() or detected is None:
         if detected is None and client.view.is_dead(address):
@@ -83,9 +83,7 @@ async def _trial(client: Any, cluster: BenchCluster, kind: str, n: int) -> dict[
             raise RuntimeError(f"{kind}: no failover within 60 s")
         await asyncio.sleep(0.005)
     await asyncio.gather(*callers)
-    if kind == "stop":
-        os.kill(victim.proc.pid, signal.SIGKILL)
-    victim.proc.wait(10)
+    victim.kill()
     return {"failover_s": first_ok[0] - t0, "detected_s": detected}
 
 
@@ -107,7 +105,7 @@ async def _main(trials: int) -> dict[str, Any]:
             plan = [(n, kind) for n in range(trials) for kind in ("kill", "stop")]
             for i, (n, kind) in enumerate(plan):
                 out[kind].append(await _trial(client, cluster, kind, n))
-                if i + 1 < len(plan) and sum(s.proc.poll() is None for s in cluster.silos) < 3:
+                if i + 1 < len(plan) and sum(s.alive() for s in cluster.silos) < 3:
                     t = time.monotonic()
                     await asyncio.to_thread(cluster.add_silo)  # back to three silos
                     out["restart_s"].append(time.monotonic() - t)

@@ -11,19 +11,16 @@ import asyncio
 import json
 import os
 import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
+
+from silo.testing.local import LocalCluster, SiloLaunch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -204,80 +201,34 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 
 # --- a cluster to measure ---------------------------------------------------------------------
-@dataclass
-class SiloProc:
-    proc: subprocess.Popen[bytes]
-    address: str
-    log: Path
+class BenchCluster(LocalCluster):
+    """A :class:`~silo.testing.local.LocalCluster` with the benchmarks' settings.
 
-
-@dataclass
-class BenchCluster(AbstractContextManager["BenchCluster"]):
-    """A private redis-server and ``silos`` real silo subprocesses hosting ``grains``.
-
-    ``with BenchCluster(2) as c: c.redis_url, c.cluster, c.silos``; everything is
-    stopped on exit.
+    A private redis-server that writes nothing to disk and ``silos`` silo
+    subprocesses hosting ``grains``, with the fixed thread counts, imports
+    and working directory at the repository (so ``python_args=["-m",
+    "cProfile", "-o", "silo.prof"]`` writes ``silo.prof`` there).
+    ``with BenchCluster(2) as c: c.redis_url, c.cluster, c.silos``; everything
+    is stopped on exit.
     """
 
-    silos_wanted: int = 1
-    grains: str = "benchmarks.grains"
-    env: dict[str, str] = field(default_factory=dict)
-    cluster: str = "bench"
-    python_args: list[str] = field(default_factory=list)
-    """Between ``python`` and ``-m grains.cli``, e.g. ``["-m", "cProfile", "-o", "silo.prof"]``."""
-    silos: list[SiloProc] = field(default_factory=list)
-
-    def __enter__(self) -> Self:
-        from silo.testing.embedded import RedisServer
-
-        self._tmp = Path(tempfile.mkdtemp(prefix="redgrain-bench-"))
-        self._redis = RedisServer().start()
-        self.redis_url = self._redis.url
-        try:
-            for _ in range(self.silos_wanted):
-                self.add_silo()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+    def __init__(
+        self,
+        silos: int = 1,
+        *,
+        grains: str = "benchmarks.grains",
+        env: Mapping[str, str] | None = None,
+        cluster: str = "bench",
+        python_args: Sequence[str] = (),
+    ) -> None:
+        launch = SiloLaunch(
+            env={**FIXED_THREADS, **(env or {})}, python_args=tuple(python_args), cwd=REPO, import_path=(REPO,)
+        )
+        super().__init__(grains, silos=silos, cluster=cluster, launch=launch, persist=False)
 
     @property
     def redis_pid(self) -> int | None:
-        return self._redis.pid  # type: ignore[no-any-return]
-
-    def add_silo(self, timeout_s: float = 60.0) -> SiloProc:
-        n = len(self.silos)
-        ready = self._tmp / f"silo-{n}.ready"
-        log = self._tmp / f"silo-{n}.log"
-        cmd = [
-            sys.executable, *self.python_args, "-m", "silo", "--redis", self.redis_url,
-            "--cluster", self.cluster, "--grains", self.grains, "--ready-file", str(ready),
-        ]  # fmt: skip
-        env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO), **self.env}
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"silo did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.05)  # another process: nothing to await
-        silo = SiloProc(proc, ready.read_text().strip(), log)
-        self.silos.append(silo)
-        return silo
-
-    def __exit__(self, *exc: object) -> None:
-        for s in self.silos:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-        for s in self.silos:
-            try:
-                s.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait(5)
-        self._redis.stop()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        return self.redis.pid if self.redis is not None else None
 
 
 def start_subprocess(args: list[str]) -> subprocess.Popen[str]:

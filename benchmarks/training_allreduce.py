@@ -127,8 +127,8 @@ async def redgrain_recovery(
     rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
     if len(rows) != 2:
         raise RuntimeError(f"recovery needs 2 live silos, the view has {rows}")
-    keeper = next(s for s in bc.silos if s.address == rows[0].address)
-    victim = next(s for s in bc.silos if s is not keeper and s.proc.poll() is None)
+    keeper = next(s for s in bc.silos if str(s.address) == rows[0].address)
+    victim = next(s for s in bc.silos if s is not keeper and s.alive())
     coord = client.get_grain(
         CoordinatorGrain, key_on("CoordinatorGrain", "recovery", rows[0].silo, rows)
     )

@@ -26,7 +26,7 @@ async def wait_for_view(client: Any, bc: BenchCluster, timeout_s: float = 30.0) 
     silo declared dead, a new one joined); sorted by address, as the coordinator sorts."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    alive = {s.address for s in bc.silos if s.proc.poll() is None}
+    alive = {str(s.address) for s in bc.silos if s.alive()}
     while True:
         await client.refresh()
         rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)
@@ -64,7 +64,7 @@ async def ps_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], victi
         await asyncio.sleep(0.01)
     busy = {"trainer": set(st.trainer_silos), "shard": set(st.shard_silos), "coordinator": {st.coordinator_silo}}
     alone = busy[victim] - set().union(*(v for k, v in busy.items() if k != victim))
-    target = next((s for s in bc.silos if s.address in alone and s.proc.poll() is None), None)
+    target = next((s for s in bc.silos if str(s.address) in alone and s.alive()), None)
     if target is None:
         raise RuntimeError(f"no silo hosts only a {victim}: {busy}")
     return await kill_and_measure(coord, target, st, deadline)
@@ -74,7 +74,7 @@ async def kill_and_measure(coord: Any, victim: Any, st: Any, deadline: float) ->
     """SIGKILL ``victim`` (a BenchCluster silo) while the job runs at status ``st``, wait until
     the job ends (by ``deadline``, loop time), and read its record of the recovery."""
     loop = asyncio.get_running_loop()
-    victim.proc.send_signal(signal.SIGKILL)
+    victim.send_signal(signal.SIGKILL)
     killed_at, killed_step = time.time(), st.step
     while st.status not in ("completed", "failed", "cancelled"):
         if loop.time() > deadline:

@@ -30,9 +30,8 @@ from dashboard.state_view import decoder, to_json
 from grains.ids import GrainId
 from grains.training.records import JobPoint, JobProgress
 from silo import errors
-from silo.cluster.events import EventLog
 from silo.keys import Keys
-from silo.records import LIVE, read_events, request_cancel, request_drain
+from silo.records import LIVE, EventLog, read_events, request_cancel, request_drain
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore

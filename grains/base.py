@@ -19,31 +19,18 @@ calls :meth:`Grain.on_activate`. Users never construct grains themselves.
 from __future__ import annotations
 
 import asyncio
-import enum
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
+from grains.context import DeactivationReason, GrainContext, SnapshotInfo, TimerHandle
 from grains.ids import GrainId, SiloAddress
 
-if TYPE_CHECKING:
-    from silo.catalog.catalog import Activation, Timer
+__all__ = ["DeactivationReason", "Grain"]
 
 G = TypeVar("G")
 R = TypeVar("R")
-
-
-class DeactivationReason(str, enum.Enum):
-    IDLE = "idle"
-    REQUESTED = "requested"
-    ERROR = "error"
-    STATE_CONFLICT = "state_conflict"
-    SHUTDOWN = "shutdown"
-    REBALANCE = "rebalance"
-    MIGRATION = "migration"
-    DIRECTORY_LOST = "directory_lost"
-    ACTIVATION_FAILED = "activation_failed"
 
 
 class Grain:
@@ -52,30 +39,31 @@ class Grain:
     State: ClassVar[type[BaseModel] | None] = None
     """Declare a pydantic model named ``State`` to get a persisted ``self.state``."""
 
-    _rg_activation: Activation
+    _rg_context: GrainContext
+    """Bound by the runtime when it activates the grain (grains/context.py)."""
 
     # --- identity ----------------------------------------------------------
     @property
     def grain_id(self) -> GrainId:
-        return self._rg_activation.grain_id
+        return self._rg_context.grain_id
 
     @property
     def key(self) -> str:
-        return self._rg_activation.grain_id.key
+        return self._rg_context.grain_id.key
 
     @property
     def activation_id(self) -> str:
-        return self._rg_activation.activation_id
+        return self._rg_context.activation_id
 
     @property
     def silo(self) -> SiloAddress:
         """Address of the silo hosting this activation."""
-        return self._rg_activation.silo
+        return self._rg_context.silo
 
     @property
     def device(self) -> str:
         """Torch device this silo gives its grains ("cpu" or "cuda")."""
-        return self._rg_activation.runtime.device
+        return self._rg_context.device
 
     # --- lifecycle hooks ---------------------------------------------------
     async def on_activate(self) -> None:
@@ -86,20 +74,20 @@ class Grain:
 
     def deactivate_on_idle(self) -> None:
         """Deactivate this activation once the current turn ends."""
-        self._rg_activation.request_deactivation(DeactivationReason.REQUESTED)
+        self._rg_context.request_deactivation(DeactivationReason.REQUESTED)
 
     # --- calls -------------------------------------------------------------
     def get_grain(self, grain: type[G] | str, key: str | int | Any) -> G:
         """A reference to another grain (or this one); calls carry this call chain."""
-        return self._rg_activation.runtime.get_grain(grain, key)  # type: ignore[return-value]
+        return self._rg_context.get_grain(grain, key)  # type: ignore[return-value]
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""
-        return self._rg_activation.runtime.cluster_members(type_name)
+        return self._rg_context.cluster_members(type_name)
 
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         """Run CPU-heavy ``fn`` on the silo's bounded executor, keeping the loop free."""
-        return await self._rg_activation.runtime.run_in_thread(fn, *args, **kwargs)
+        return await self._rg_context.run_in_thread(fn, *args, **kwargs)
 
     def start_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, owned by this activation.
@@ -108,7 +96,7 @@ class Grain:
         cancelled when the activation deactivates, before ``on_deactivate``.
         Use it for long-running loops such as a training job's driver.
         """
-        return self._rg_activation.start_task(coro, name=name)
+        return self._rg_context.start_task(coro, name=name)
 
     # --- timers ------------------------------------------------------------
     def register_timer(
@@ -118,13 +106,13 @@ class Grain:
         due_s: float,
         period_s: float | None = None,
         interleave: bool = False,
-    ) -> Timer:
+    ) -> TimerHandle:
         """Run ``callback`` after ``due_s`` (then every ``period_s``) as a turn of this grain.
 
         Timers live in memory and die with the activation; use reminders for
         anything that must survive a silo.
         """
-        return self._rg_activation.register_timer(
+        return self._rg_context.register_timer(
             callback, due_s=due_s, period_s=period_s, interleave=interleave
         )
 
@@ -132,31 +120,31 @@ class Grain:
     @property
     def state(self) -> Any:
         """The grain's state (an instance of its ``State`` model)."""
-        return self._rg_activation.state_handle().value
+        return self._rg_context.get_state()
 
     @state.setter
     def state(self, value: Any) -> None:
-        self._rg_activation.state_handle().value = value
+        self._rg_context.set_state(value)
 
     async def write_state(self) -> None:
         """Persist ``self.state``; raises StateConflictError if another activation owns it."""
-        await self._rg_activation.state_handle().write()
+        await self._rg_context.write_state()
 
     async def read_state(self) -> None:
         """Reload ``self.state`` from storage."""
-        await self._rg_activation.state_handle().read()
+        await self._rg_context.read_state()
 
     async def clear_state(self) -> None:
         """Delete the persisted state and reset ``self.state`` to the model's defaults."""
-        await self._rg_activation.state_handle().clear()
+        await self._rg_context.clear_state()
 
     # --- reminders ---------------------------------------------------------
     async def register_reminder(self, name: str, period_s: float, due_s: float | None = None) -> None:
         """A durable reminder: ``receive_reminder(name)`` every ``period_s``, on any silo."""
-        await self._rg_activation.runtime.reminders().register(self.grain_id, name, period_s, due_s)
+        await self._rg_context.register_reminder(name, period_s, due_s)
 
     async def unregister_reminder(self, name: str) -> None:
-        await self._rg_activation.runtime.reminders().unregister(self.grain_id, name)
+        await self._rg_context.unregister_reminder(name)
 
     async def receive_reminder(self, name: str) -> None:
         """Override to act on reminders (runs as a turn; activates the grain if needed)."""
@@ -177,19 +165,7 @@ class Grain:
         visible once all members saved; True is returned to the save that completed
         it. ``keep``: complete snapshots of the group to retain (default from settings).
         """
-        act = self._rg_activation
-        cps: Any = act.runtime
-        return bool(
-            await cps.checkpoints().save(
-                group,
-                snapshot_id,
-                self.grain_id,
-                act.state_handle().encode(),
-                members=[self.grain_id] if members is None else members,
-                token=act.token,
-                keep=keep,
-            )
-        )
+        return await self._rg_context.save_snapshot(group, snapshot_id, members, keep=keep)
 
     async def load_snapshot(
         self, group: str, snapshot_id: int | str | None = None, *, write: bool = True
@@ -198,11 +174,56 @@ class Grain:
 
         With ``write`` (default) the restored state is persisted at once. Returns the snapshot id.
         """
-        act = self._rg_activation
-        cps: Any = act.runtime
-        stored, snap = await cps.checkpoints().load(group, snapshot_id, self.grain_id)
-        handle = act.state_handle()
-        handle.adopt(handle.decode(stored))
-        if write:
-            await handle.write()
-        return str(snap)
+        return await self._rg_context.load_snapshot(group, snapshot_id, write=write)
+
+    async def read_snapshot_member(self, group: str, snapshot_id: int | str, member: str) -> Any:
+        """Another member's part of snapshot ``(group, snapshot_id)``, decoded as this grain's ``State``.
+
+        For grains whose group members share one state model (a training job's
+        shards read each other's parts when the shard layout changes).
+        """
+        return await self._rg_context.read_snapshot_member(group, snapshot_id, member)
+
+    async def snapshot_info(self, group: str, snapshot_id: int | str) -> SnapshotInfo | None:
+        """What the manifest of snapshot ``(group, snapshot_id)`` says; None if there is none."""
+        return await self._rg_context.snapshot_info(group, snapshot_id)
+
+    async def latest_snapshot(self, group: str) -> SnapshotInfo | None:
+        """The newest complete snapshot of ``group`` (None: none yet)."""
+        return await self._rg_context.latest_snapshot(group)
+
+    async def list_snapshots(self, group: str, *, pending: bool = False) -> list[SnapshotInfo]:
+        """The group's complete snapshots, oldest first (``pending``: those still being saved)."""
+        return await self._rg_context.list_snapshots(group, pending=pending)
+
+    async def delete_snapshot(self, group: str, snapshot_id: int | str) -> bool:
+        """Delete one snapshot of ``group``, complete or not; True if it existed."""
+        return await self._rg_context.delete_snapshot(group, snapshot_id)
+
+    # --- a shared store ------------------------------------------------------
+    def redis_client(self) -> Any | None:
+        """The silo's asyncio Redis client, for a workload that needs a shared store beyond
+        grain state (torch.distributed's rendezvous); None where the runtime has no Redis.
+
+        Keys written through it must come from :meth:`rendezvous_prefix` (the cluster's
+        key space is built in one place, ``silo/keys.py``).
+        """
+        return self._rg_context.redis_client()
+
+    def rendezvous_prefix(self, name: str, generation: int) -> str:
+        """The cluster's key prefix for rendezvous ``name`` at ``generation`` (one group each)."""
+        return self._rg_context.rendezvous_prefix(name, generation)
+
+    # --- progress ------------------------------------------------------------
+    async def publish_progress(
+        self, job: str, record: BaseModel, point: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Publish the latest progress of a long-running ``job`` this grain drives.
+
+        ``record`` (any pydantic model: the workload's own schema) is what the
+        dashboard and ``redgrain`` read back for the job; ``point`` (flat values)
+        is appended to the job's capped history, for curves. One round trip.
+        Returns True when someone asked to cancel the job (``silo.records.request_cancel``).
+        """
+        fields = None if point is None else {k: repr(v) if isinstance(v, float) else str(v) for k, v in point.items() if v is not None}
+        return await self._rg_context.publish_progress(job, record.model_dump_json(), fields)

@@ -2,8 +2,9 @@
 
 A reference class is generated once per grain class. It has one method per
 public ``async def`` of the grain, so a typo is an ``AttributeError`` at the
-call site, never a remote surprise. Calls go through a :class:`Caller` (the
-client or the silo's router).
+call site, never a remote surprise. Each call becomes one
+:class:`~grains.call.Call` value, sent through a :class:`Caller` (the client's
+or the silo's router).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import inspect
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
+from grains.call import CALL_CHAIN, Call
 from grains.ids import GrainId
 
 if TYPE_CHECKING:
@@ -26,14 +28,7 @@ _NOT_REMOTE = frozenset({"on_activate", "on_deactivate", "receive_reminder"})
 class Caller(Protocol):
     """What a reference sends its calls through."""
 
-    async def invoke(
-        self,
-        grain_id: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        timeout_s: float | None,
-    ) -> Any: ...
+    async def invoke(self, call: Call) -> Any: ...
 
 
 def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
@@ -85,11 +80,15 @@ class GrainRef:
         return f"<GrainRef {self._grain_id}>"
 
 
+_chain = CALL_CHAIN.get
+
+
 def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
     # A plain function handing back the caller's coroutine: awaiting it is the same
     # call, minus one coroutine frame per call (the hot path of every grain call).
+    # The chain is read here, in the calling task's context, when the call is made.
     def call(self: GrainRef, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-        return self._caller.invoke(self._grain_id, name, args, kwargs or None, self._timeout_s)
+        return self._caller.invoke(Call(self._grain_id, name, args, kwargs or None, self._timeout_s, _chain()))
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc

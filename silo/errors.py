@@ -20,8 +20,10 @@
     ├── StorageError                 state could not be read or written (Redis down, slow)
     │   └── StateConflictError       etag or fencing check failed
     ├── CodecError                   bad frame / unknown type / oversized message
-    ├── ConfigError                  bad settings, bad job spec, bad import path
-    └── GroupAbandonedError          an all-reduce group's generation was replaced: its waits stop
+    └── ConfigError                  bad settings, bad job spec, bad import path
+
+Workloads add their own leaves under ``RedgrainError`` next to their code
+(``grains.training.rendezvous.GroupAbandonedError``): the runtime knows none.
 
 Errors are named for who is at fault: ``SiloClosedError`` means *we* closed
 it, ``SiloUnavailableError`` means the *peer* broke. Leaf classes build their
@@ -193,10 +195,6 @@ CODE_OF: dict[type[RedgrainError], str] = {cls: code for code, cls in WIRE_CODES
 # --- training ----------------------------------------------------------------
 
 
-class GroupAbandonedError(RedgrainError):
-    """The coordinator replaced this all-reduce group generation; whatever waited on it stops."""
-
-
 __all__ = [
     "AuthenticationError",
     "CodecError",
@@ -205,7 +203,6 @@ __all__ = [
     "GrainCallError",
     "GrainDeactivatedError",
     "GrainTimeoutError",
-    "GroupAbandonedError",
     "MembershipError",
     "OverloadedError",
     "RedgrainError",

@@ -28,7 +28,6 @@ from silo.catalog.grain_types import GrainTypes
 from silo.catalog.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.catalog.watchdog import LoopWatchdog
 from silo.cluster.directory import RedisGrainDirectory
-from silo.cluster.events import EventLog
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, transport_probe
 from silo.cluster.membership import ClusterEvents, MembershipView, RedisMembershipTable
 from silo.cluster.placement import Placer
@@ -39,7 +38,7 @@ from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.messaging.transport import Transport
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import SiloSettings
 from silo.stats import CallStats, StatsPublisher

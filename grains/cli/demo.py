@@ -177,7 +177,7 @@ async def _kill_a_trainer_silo(cluster: Any, client: Any, job_id: str, status: A
     candidates = [
         s
         for s in cluster.silos
-        if s.alive and s.address is not None and s.address.endpoint != coord_endpoint
+        if s.alive() and s.address is not None and s.address.endpoint != coord_endpoint
     ]
     preferred = [s for s in candidates if s.address.endpoint in trainer_endpoints] or candidates
     if not preferred:

@@ -5,23 +5,38 @@ Run silos with ``redgrain silo --grains grains.training`` and submit a job::
     job = TrainingJob(mode="sync", trainers=2, shards=2, steps=300)
     await client.get_grain(CoordinatorGrain, "digits-1").start(job)
 
-The grain classes live in their own modules; their ``__module__`` is set to
-this package (as trio does for its public names), so a silo started with
-``--grains grains.training`` hosts all four (``AllreduceTrainerGrain``: the
-trainers of mode ``allreduce``).
+The grain classes live in their own modules and load on first use (PEP 562):
+importing the package, or its torch-free ``records`` module (the dashboard
+does), does not import torch. A silo started with ``--grains
+grains.training`` hosts every grain named in ``__all__``
+(``AllreduceTrainerGrain``: the trainers of mode ``allreduce``).
 """
 
-from grains.training.allreduce import AllreduceTrainerGrain
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.coordinator import CoordinatorGrain
-from grains.training.job import TrainingJob, load_job_file, parse_job
-from grains.training.messages import TrainingStatus
-from grains.training.shard import ParamShardGrain
-from grains.training.trainer import TrainerGrain
+from __future__ import annotations
 
-for _cls in (AllreduceTrainerGrain, CoordinatorGrain, ParamShardGrain, TrainerGrain):
-    _cls.__module__ = __name__
-del _cls
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grains.training.allreduce import AllreduceTrainerGrain
+    from grains.training.checkpointing import ShardSnapshot
+    from grains.training.coordinator import CoordinatorGrain
+    from grains.training.job import TrainingJob, load_job_file, parse_job
+    from grains.training.messages import TrainingStatus
+    from grains.training.shard import ParamShardGrain
+    from grains.training.trainer import TrainerGrain
+
+_LAZY = {
+    "AllreduceTrainerGrain": "grains.training.allreduce",
+    "CoordinatorGrain": "grains.training.coordinator",
+    "ParamShardGrain": "grains.training.shard",
+    "ShardSnapshot": "grains.training.checkpointing",
+    "TrainerGrain": "grains.training.trainer",
+    "TrainingJob": "grains.training.job",
+    "TrainingStatus": "grains.training.messages",
+    "load_job_file": "grains.training.job",
+    "parse_job": "grains.training.job",
+}
 
 __all__ = [
     "AllreduceTrainerGrain",
@@ -34,3 +49,12 @@ __all__ = [
     "load_job_file",
     "parse_job",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'grains.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -53,7 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, reentrant
-from grains.training import checkpointing, cluster
+from grains.training import checkpointing
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
 from grains.training.datasets import Batches, load_dataset
 from grains.training.job import TrainingJob
@@ -344,12 +344,12 @@ class AllreduceTrainerGrain(Grain):
             if abandon.is_set():
                 raise GroupAbandonedError("replaced before the group formed")
             if self._redis is None:
-                found = cluster.silo_redis(self)
-                if found is None:
+                client = self.redis_client()
+                if client is None:
                     raise errors.ConfigError(
                         "all-reduce training needs the cluster's Redis for its rendezvous"
                     )
-                self._redis = sync_client_like(found[0])
+                self._redis = sync_client_like(client)
             group = await self.run_in_thread(
                 form_group,
                 self._redis,

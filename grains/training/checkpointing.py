@@ -73,15 +73,12 @@ async def load_model(grain: Grain, job: str, run: int, step: int, names: list[st
 
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
-    act: Any = grain._rg_activation  # the runtime's checkpoint service and this grain's codec
-    cps = act.runtime.checkpoints()
-    info = await cps.info(group(job, run), step)
+    info = await grain.snapshot_info(group(job, run), step)
     if info is None or not info.complete:
         raise errors.StorageError(f"snapshot {group(job, run)}/{step} is missing or incomplete")
     parts = []
     for m in info.members:
-        stored, _ = await cps.load(group(job, run), step, m)
-        decoded = act.state_handle().decode(stored)
+        decoded = await grain.read_snapshot_member(group(job, run), step, m)
         if decoded.snapshot is None:
             raise errors.StorageError(f"snapshot {group(job, run)}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
@@ -120,8 +117,7 @@ async def load(shard: Grain, job: str, run: int, step: int, names: list[str] | N
     """This shard's part of snapshot ``step``; with ``names``, also from a snapshot saved in
     another layout (other shards, or all-reduce mode's whole model): a job may switch modes."""
     if names is not None:
-        act: Any = shard._rg_activation
-        info = await act.runtime.checkpoints().info(group(job, run), step)
+        info = await shard.snapshot_info(group(job, run), step)
         if info is not None and member(shard.key) not in info.members:
             return await load_model(shard, job, run, step, names)
     await shard.load_snapshot(group(job, run), step, write=False)
@@ -133,8 +129,7 @@ async def load(shard: Grain, job: str, run: int, step: int, names: list[str] | N
 
 async def exists(grain: Grain, job: str, run: int, step: int) -> bool:
     """Whether checkpoint ``step`` of a run is complete in the store."""
-    act: Any = grain._rg_activation
-    info = await act.runtime.checkpoints().info(group(job, run), step)
+    info = await grain.snapshot_info(group(job, run), step)
     return info is not None and info.complete
 
 
@@ -145,8 +140,7 @@ async def newest_step(grain: Grain, job: str, run: int) -> int | None:
     complete several checkpoints between two of its ticks, and retention may already
     have dropped the one it knows as newest).
     """
-    act: Any = grain._rg_activation
-    latest = await act.runtime.checkpoints().latest_complete(group(job, run))
+    latest = await grain.latest_snapshot(group(job, run))
     return int(latest.snapshot_id) if latest is not None else None
 
 
@@ -157,11 +151,9 @@ async def drop_after(grain: Grain, job: str, run: int, step: int | None) -> int:
     those step numbers again, and an old complete snapshot under the same id must not
     be mistaken for (or mixed with) the new one.
     """
-    act: Any = grain._rg_activation
-    store = act.runtime.checkpoints()
     g = group(job, run)
     dropped = 0
-    for info in [*await store.list(g), *await store.list(g, pending=True)]:
+    for info in [*await grain.list_snapshots(g), *await grain.list_snapshots(g, pending=True)]:
         if step is None or int(info.snapshot_id) > step:
-            dropped += bool(await store.delete(g, info.snapshot_id))
+            dropped += bool(await grain.delete_snapshot(g, info.snapshot_id))
     return dropped

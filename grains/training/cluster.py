@@ -10,7 +10,6 @@ wherever the hash says among the survivors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from grains.base import Grain
 from grains.ids import GrainId, SiloAddress
@@ -41,13 +40,3 @@ def key_on(type_name: str, base: str, target: SiloAddress, rows: Sequence[Member
         if _HASH.place(GrainId(type_name, key), rows, None) == target:
             return key
     return base
-
-
-def silo_redis(grain: Grain) -> tuple[Any, Any] | None:
-    """The silo's Redis client and key builder, for publishing job progress.
-
-    Returns None where the runtime has no Redis (in-memory unit tests).
-    """
-    runtime: Any = grain._rg_activation.runtime
-    redis, keys = getattr(runtime, "redis", None), getattr(runtime, "keys", None)
-    return (redis, keys) if redis is not None and keys is not None else None

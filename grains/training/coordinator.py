@@ -607,9 +607,8 @@ class CoordinatorGrain(Grain):
     def _assignment(self, rank: int, backend: str, start: int, source: str | None, restore: int | None) -> GroupAssignment:
         s = self.state
         assert s.spec is not None
-        found = cluster.silo_redis(self)
         # Generations only grow (across runs of a job id too), so each prefix is used by one group.
-        rendezvous = found[1].rendezvous(self.key, s.generation) if found is not None else f"rdzv:{self.key}:{s.generation}:"
+        rendezvous = self.rendezvous_prefix(self.key, s.generation)
         return GroupAssignment(
             job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, world=len(s.trainer_keys),
             members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]

@@ -1,11 +1,10 @@
-"""A job's progress as the dashboard's ``JobProgress`` record (silo/stats.py)."""
+"""A job's progress as the dashboard's ``JobProgress`` record (grains/training/records.py)."""
 
 from __future__ import annotations
 
 import time
 
 from grains.base import Grain
-from grains.training import cluster
 from grains.training.job import TrainingJob
 from grains.training.messages import TrainingStatus
 from grains.training.records import (
@@ -13,7 +12,7 @@ from grains.training.records import (
     JobProgress,
     Placement,
     RecoveryInfo,
-    publish_job_progress,
+    job_point,
 )
 
 
@@ -49,9 +48,6 @@ def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: lis
 
 
 async def publish(grain: Grain, st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> bool:
-    """Publish through the silo's Redis; True when an admin asked to cancel. No-op without Redis."""
-    found = cluster.silo_redis(grain)
-    if found is None:
-        return False
-    redis, keys = found
-    return await publish_job_progress(redis, keys, job_progress(st, spec, trainer_keys, shard_keys))
+    """Publish the job's progress through the grain's silo; True when an admin asked to cancel."""
+    progress = job_progress(st, spec, trainer_keys, shard_keys)
+    return await grain.publish_progress(progress.job, progress, job_point(progress).model_dump())

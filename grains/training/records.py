@@ -15,9 +15,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from silo.keys import Keys
-from silo.redis_util import redis_errors
-
-JOB_HISTORY_MAXLEN = 10_000
+from silo.records import publish_progress
 
 
 class Placement(BaseModel):
@@ -99,43 +97,30 @@ class JobPoint(BaseModel):
         return cls.model_validate({text(k): text(v) for k, v in fields.items()})
 
 
-async def publish_job_progress(
-    redis: aioredis.Redis,
-    keys: Keys,
-    progress: JobProgress,
-    *,
-    point: JobPoint | None | bool = True,
-) -> bool:
-    """Publish a job's progress (and by default one history point); True if a cancel was asked.
+def job_point(progress: JobProgress) -> JobPoint:
+    """The history point of a progress record (its step's figures)."""
+    return JobPoint(
+        step=progress.step,
+        loss=progress.loss,
+        accuracy=progress.accuracy,
+        samples_per_s=progress.samples_per_s,
+        bytes=progress.bytes_per_step,
+        at=progress.updated_at or time.time(),
+    )
 
-    One pipelined round trip: SET the progress JSON, XADD the point to the
-    capped history stream, SADD the job to ``keys.jobs``, GET the cancel flag
-    an admin sets from the dashboard. ``point=True`` derives the point from
+
+async def publish_job_progress(
+    redis: aioredis.Redis, keys: Keys, progress: JobProgress, *, point: JobPoint | None | bool = True
+) -> bool:
+    """Publish a job's progress from outside a grain (tests, tools); True if a cancel was asked.
+
+    Grains publish with ``Grain.publish_progress``; both write the same records
+    (``silo.records.publish_progress``). ``point=True`` derives the point from
     ``progress``; pass a JobPoint to write another, or False to write none.
     """
     if not progress.updated_at:
         progress = progress.model_copy(update={"updated_at": time.time()})
     if point is True:
-        point = JobPoint(
-            step=progress.step,
-            loss=progress.loss,
-            accuracy=progress.accuracy,
-            samples_per_s=progress.samples_per_s,
-            bytes=progress.bytes_per_step,
-            at=progress.updated_at,
-        )
-    with redis_errors(f"publish progress of job {progress.job}"):
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(keys.job_progress(progress.job), progress.model_dump_json())
-            if isinstance(point, JobPoint):
-                fields: dict[Any, Any] = point.fields()
-                pipe.xadd(
-                    keys.job_history(progress.job),
-                    fields,
-                    maxlen=JOB_HISTORY_MAXLEN,
-                    approximate=True,
-                )
-            pipe.sadd(keys.jobs, progress.job)
-            pipe.exists(keys.job_cancel(progress.job))
-            result = await pipe.execute()
-    return bool(result[-1])
+        point = job_point(progress)
+    fields = point.fields() if isinstance(point, JobPoint) else None
+    return await publish_progress(redis, keys, progress.job, progress.model_dump_json(), fields)

@@ -25,9 +25,14 @@ from typing import Any
 import redis
 import torch.distributed as dist
 
-from silo.errors import GroupAbandonedError
+from silo.errors import RedgrainError
 
 __all__ = ["GroupAbandonedError", "RedisStore", "sync_client_like"]
+
+
+class GroupAbandonedError(RedgrainError):
+    """The coordinator replaced this all-reduce group generation; whatever waited on it stops."""
+
 
 # Rendezvous keys outlive a group only as garbage; Redis drops them after this.
 _KEY_TTL_S = 3600

@@ -24,6 +24,7 @@ from grains.base import DeactivationReason, Grain
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
+from silo.catalog.context import ActivationContext
 from silo.settings import CatalogSettings
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class Activation:
         self.timers: set[Timer] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.instance: Grain = cls.__new__(cls)
-        self.instance._rg_activation = self
+        self.instance._rg_context = ActivationContext(self)
         self._catalog = catalog
         self._queue: deque[Invocation] = deque()
         self._running: set[Invocation] = set()

@@ -34,15 +34,20 @@ class GrainTypes:
                 module = importlib.import_module(name)
             except ImportError as exc:
                 raise errors.ConfigError(f"cannot import grain module {name!r}: {exc}") from exc
-            found = [
-                obj
-                for obj in vars(module).values()
-                if inspect.isclass(obj)
-                and issubclass(obj, Grain)
-                and obj is not Grain
-                and obj.__module__ == module.__name__
-                and not inspect.isabstract(obj)
-            ]
+            # A module's own Grain classes, plus those its __all__ names: a package may
+            # export grains defined in its submodules, loaded on first use (PEP 562).
+            exported = [getattr(module, n, None) for n in getattr(module, "__all__", ())]
+            found = list(
+                dict.fromkeys(
+                    obj
+                    for obj in [*vars(module).values(), *exported]
+                    if inspect.isclass(obj)
+                    and issubclass(obj, Grain)
+                    and obj is not Grain
+                    and (obj.__module__ == module.__name__ or obj in exported)
+                    and not inspect.isabstract(obj)
+                )
+            )
             if not found:
                 raise errors.ConfigError(f"module {name!r} defines no Grain subclasses")
             for grain_cls in found:

@@ -1,11 +1,21 @@
 """A whole cluster on one machine: a private Redis plus silo subprocesses.
 
-Used by ``redgrain demo``, the samples and the benchmarks; also handy in a
-notebook::
+The one launcher of silo processes: ``redgrain demo``, the samples, the tests
+and the benchmarks all start silos through :class:`LocalSilo`, alone or as a
+:class:`LocalCluster`; also handy in a notebook::
 
     with LocalCluster(grains="samples.hello", silos=2) as lc:
         async with await ClusterClient.connect(lc.redis_url, cluster=lc.cluster) as client:
             ...
+
+A silo is ``python -m silo --ready-file F ...`` (:mod:`silo.process`): the
+silo writes its address to ``F`` once it is Active, so a start waits for that
+file (there is nothing else to await across processes) and fails with the
+tail of the silo's log when the process exits first or the file does not come
+in time. :class:`SiloLaunch` says how the process is started (environment,
+interpreter arguments such as ``-m cProfile``, a command prefix such as
+``ip netns exec NS``, working directory, import path); :class:`LocalSilo`
+owns one process's life (start, restart, signals, exit code, log).
 """
 
 from __future__ import annotations
@@ -17,17 +27,57 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from grains.ids import SiloAddress
-from silo import errors
 from silo.testing.embedded import RedisServer
 
 
+class SiloStartError(RuntimeError):
+    """A silo process exited, or did not become Active in time; the message ends with its log."""
+
+
+@dataclass(frozen=True)
+class SiloLaunch:
+    """How a silo process is started, apart from which cluster it joins.
+
+    The command is ``[*prefix, python, *python_args, "-m", "silo", <silo args>, *extra_args]``.
+    """
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Added to the caller's environment (``REDGRAIN_*`` settings, thread counts)."""
+    extra_args: Sequence[str] = ()
+    """After the silo's own arguments: ``--host``, ``--cluster-secret-file`` and the like."""
+    python_args: Sequence[str] = ()
+    """Between the interpreter and ``-m silo``, e.g. ``("-m", "cProfile", "-o", "silo.prof")``."""
+    prefix: Sequence[str] = ()
+    """Before the interpreter, e.g. ``("ip", "netns", "exec", "ns1")``; it must exec the
+    command, so that the pid signalled is the silo's."""
+    cwd: Path | None = None
+    """The process's working directory; ``None``: the caller's."""
+    import_path: Sequence[str | Path] | None = None
+    """Put first on ``PYTHONPATH`` so the silo imports the grain modules; ``None``: the
+    caller's working directory (where a user's own grain modules usually are)."""
+
+    def argv(self, silo_args: Sequence[str]) -> list[str]:
+        return [*self.prefix, sys.executable, *self.python_args, "-m", "silo", *silo_args, *self.extra_args]
+
+    def environ(self) -> dict[str, str]:
+        env = {**os.environ, **self.env}
+        first = self.import_path if self.import_path is not None else (os.getcwd(),)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*map(str, first), env.get("PYTHONPATH", "")) if p)
+        return env
+
+
 class LocalSilo:
-    """One ``redgrain silo`` subprocess."""
+    """One silo subprocess: started (again after it exited) with a ready file, signalled, its log kept.
+
+    The log is ``workdir/NAME.log``, appended to by every start; :meth:`output`
+    and :meth:`tail` read what the current run wrote.
+    """
 
     def __init__(
         self,
@@ -38,8 +88,7 @@ class LocalSilo:
         *,
         name: str,
         roles: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        extra_args: Sequence[str] = (),
+        launch: SiloLaunch | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.cluster = cluster
@@ -47,73 +96,117 @@ class LocalSilo:
         self.workdir = workdir
         self.name = name
         self.roles = tuple(roles)
-        self.env = dict(env or {})
-        self.extra_args = tuple(extra_args)
+        self.launch = launch if launch is not None else SiloLaunch()
         self.proc: subprocess.Popen[bytes] | None = None
         self.address: SiloAddress | None = None
+        """The current run's address once it was ready (the last run's until a restart is)."""
         self.log_path = workdir / f"{name}.log"
+        self._log_from = 0
 
-    def start(self, timeout_s: float = 60.0) -> LocalSilo:
+    def start(self, timeout_s: float = 60.0) -> Self:
+        """Start the process and wait until it is Active; also restarts one that has exited."""
+        if self.alive():
+            raise SiloStartError(f"silo {self.name} is already running (pid {self.pid})")
         ready = self.workdir / f"{self.name}.ready"
         ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable, "-m", "silo",
+        argv = self.launch.argv([
             "--redis", self.redis_url, "--cluster", self.cluster,
             "--grains", self.grains, "--ready-file", str(ready),
             *[a for r in self.roles for a in ("--role", r)],
-            *self.extra_args,
-        ]  # fmt: skip
-        env = {**os.environ, **self.env}
-        # Let the silo import grain modules from the caller's working directory.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+        ])  # fmt: skip
         with open(self.log_path, "ab") as log:
+            self._log_from = log.seek(0, os.SEEK_END)
+            # Its own session: a Ctrl-C meant for the caller does not reach the silos
+            # (they are stopped in order by stop()).
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.launch.environ(),
+                cwd=self.launch.cwd,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
         delay = 0.01
         while not ready.exists():
             if self.proc.poll() is not None:
-                raise errors.ConfigError(
-                    f"silo {self.name} exited with code {self.proc.returncode}:\n{self.tail()}"
-                )
+                raise SiloStartError(f"silo {self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise errors.ConfigError(f"silo {self.name} not ready after {timeout_s:.0f}s:\n{self.tail()}")
+                raise SiloStartError(f"silo {self.name} not ready after {timeout_s:.0f}s:\n{self.tail()}")
             time.sleep(delay)  # another process: nothing to await but its ready file
             delay = min(delay * 2, 0.1)
         self.address = SiloAddress.parse(ready.read_text().strip())
         return self
 
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"silo {self.name} was never started"
+        return self.proc.pid
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` if the process is running (a no-op once it has exited)."""
+        if self.proc is not None and self.alive():
+            self.proc.send_signal(sig)
+
     def kill(self) -> None:
         """SIGKILL: the process vanishes without a goodbye (a crashed node)."""
-        if self.proc is not None and self.alive:
+        if self.proc is not None and self.alive():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM: a graceful drain, then SIGKILL if it does not exit in time."""
-        if self.proc is None or not self.alive:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+    def pause(self) -> None:
+        """SIGSTOP: a hung node (it keeps its sockets but answers nothing)."""
+        self.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        self.send_signal(signal.SIGCONT)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (a graceful drain) and wait, SIGKILL if it does not exit in time.
+
+        Returns the exit code (negative: the signal that ended it, ``-9`` when it
+        had to be killed); ``None`` if it was never started.
+        """
+        if self.proc is None:
+            return None
+        self.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout_s)
+            return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+            return self.proc.returncode
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the process to exit on its own; its exit code."""
+        assert self.proc is not None, f"silo {self.name} was never started"
+        return self.proc.wait(timeout_s)
+
+    def output(self) -> str:
+        """Everything the current run has logged."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_from)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
 
 
 class LocalCluster:
-    """An embedded Redis and ``silos`` silo subprocesses, all stopped on exit."""
+    """An embedded Redis (or ``redis_url``) and ``silos`` silo subprocesses, all stopped on exit.
+
+    :param roles: per silo, in start order; silos past the end get none.
+    :param launch: how every silo is started (see :class:`SiloLaunch`).
+    :param persist: the embedded Redis keeps an append-only file in the data
+        directory; ``False`` writes nothing to disk (as the benchmarks want).
+    """
 
     def __init__(
         self,
@@ -123,16 +216,18 @@ class LocalCluster:
         cluster: str = "local",
         redis_url: str | None = None,
         data_dir: str | Path | None = None,
-        env: Mapping[str, str] | None = None,
         roles: Sequence[Sequence[str]] = (),
+        launch: SiloLaunch | None = None,
+        persist: bool = True,
     ) -> None:
         self.grains = grains
         self.n = silos
         self.cluster = cluster
         self._redis_url = redis_url
         self._data_dir = Path(data_dir) if data_dir is not None else None
-        self._env = dict(env or {})
         self._roles = list(roles)
+        self.launch = launch if launch is not None else SiloLaunch()
+        self._persist = persist
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.redis: RedisServer | None = None
         self.silos: list[LocalSilo] = []
@@ -151,35 +246,38 @@ class LocalCluster:
         assert self._tmp is not None
         return Path(self._tmp.name)
 
-    def start(self) -> LocalCluster:
+    def start(self) -> Self:
         if self._data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="redgrain-")
         else:
             self._data_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self._redis_url is None:
-                self.redis = RedisServer(data_dir=self.workdir / "redis", appendonly=True).start()
-            for i in range(self.n):
+                self.redis = RedisServer(
+                    data_dir=self.workdir / "redis" if self._persist else None, appendonly=self._persist
+                ).start()
+            for _ in range(self.n):
                 self.add_silo()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def add_silo(self, roles: Sequence[str] | None = None) -> LocalSilo:
+    def add_silo(self, roles: Sequence[str] | None = None, timeout_s: float = 60.0) -> LocalSilo:
+        """Start one more silo (named ``silo-N``, N its start order) and wait until it is Active."""
         i = len(self.silos)
         if roles is None:
             roles = self._roles[i] if i < len(self._roles) else ()
         silo = LocalSilo(
-            self.redis_url, self.cluster, self.grains, self.workdir, name=f"silo-{i}", roles=roles, env=self._env
+            self.redis_url, self.cluster, self.grains, self.workdir, name=f"silo-{i}", roles=roles, launch=self.launch
         )
         self.silos.append(silo)
-        return silo.start()
+        return silo.start(timeout_s)
 
     def stop(self) -> None:
+        # Every silo drains at once; then each is waited for (and killed if it lingers).
         for silo in self.silos:
-            if silo.alive and silo.proc is not None:
-                silo.proc.send_signal(signal.SIGTERM)
+            silo.send_signal(signal.SIGTERM)
         for silo in self.silos:
             silo.stop(timeout_s=15)
         if self.redis is not None:
@@ -190,8 +288,7 @@ class LocalCluster:
             self._tmp = None
 
     def __enter__(self) -> Self:
-        self.start()
-        return self
+        return self.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -82,7 +82,7 @@ async def test_sigterm_drains_without_a_failed_call(silo_processes, client: Clus
     load = [asyncio.ensure_future(_load(client, keys, rec, stop, w * 4)) for w in range(8)]
     await _wait_for(lambda: _ready(rec, keys), 10, "load on every key")
     t_term = time.monotonic()
-    code = await asyncio.to_thread(victim.terminate, 30)
+    code = await asyncio.to_thread(victim.stop, 30)
     t_exit = time.monotonic()
     await _wait_for(lambda: _ready_after(rec, t_exit), 10, "calls after the drain")
     stop.set()

@@ -20,7 +20,7 @@ from grains.ids import GrainId
 from grains.training.records import JobProgress, Placement, publish_job_progress
 from silo import errors
 from silo.client import ClusterClient
-from silo.cluster.events import EventLog
+from silo.records import EventLog
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.records import read_events

@@ -1,7 +1,8 @@
 """A redgrain cluster whose processes live on separate network hosts (namespaces).
 
 :class:`NetCluster` runs a real ``redis-server`` in the ``redis`` host, real
-``redgrain silo`` processes in ``s1``..``sN`` (each bound to its own address),
+silo processes in ``s1``..``sN`` (each bound to its own address, started by the
+shared launcher :class:`silo.testing.local.LocalSilo` behind ``ip netns exec``),
 client workloads as processes in ``cl``, and optionally a slow/lossy relay in
 ``px`` that every link goes through (see :mod:`tests.netns.proxy`). The test
 process reads Redis and calls silos over the observer link, which no fault
@@ -25,22 +26,11 @@ from typing import Any
 import redis
 
 from grains.ids import SiloAddress
+from silo.testing.local import LocalSilo, SiloLaunch
 from tests.netns.net import Host, Network
 
 REPO = Path(__file__).absolute().parents[2]
 REDIS_PORT = 6379
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout_s}s:\n{_tail(log)}")
-        time.sleep(delay)  # another process: its ready file is the only signal
-        delay = min(delay * 2, 0.1)
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -87,7 +77,7 @@ class Process:
 @dataclass
 class NetSilo:
     host: Host
-    process: Process
+    process: LocalSilo
     address: SiloAddress
     started_at: float
 
@@ -157,7 +147,7 @@ class NetCluster:
         self.advertise = dict(advertise or {})
         """Host name -> address its silo advertises (a relay's), when not its own."""
         self.silos: list[NetSilo] = []
-        self.processes: list[Process] = []
+        self.processes: list[Process | LocalSilo] = []
         self._n = 0
 
     def _log(self, name: str) -> Path:
@@ -165,22 +155,22 @@ class NetCluster:
         return self.workdir / f"{self._n:02d}-{name}.log"
 
     def start_silo(self, host: Host, *, port: int = 0, timeout_s: float = 60.0) -> NetSilo:
-        ready = self.workdir / f"{host.name}-{self._n + 1}.ready"
-        ready.unlink(missing_ok=True)
-        args = [
-            sys.executable, "-m", "silo",
-            "--redis", self.redis_url, "--cluster", self.cluster, "--grains", self.grains,
-            "--host", host.address, "--ready-file", str(ready),
-        ]  # fmt: skip
+        """A silo in ``host``'s namespace, bound to its address (the shared launcher, prefixed
+        with ``ip netns exec``, which execs it: the pid signalled is the silo's)."""
+        extra = ["--host", host.address]
         if port:
-            args += ["--port", str(port)]
+            extra += ["--port", str(port)]
         if host.name in self.advertise:
-            args += ["--advertise-host", self.advertise[host.name]]
-        log = self._log(f"silo-{host.name}")
-        proc = Process(host, args, log, {"PYTHONPATH": str(REPO), **self.env})
+            extra += ["--advertise-host", self.advertise[host.name]]
+        self._n += 1
+        proc = LocalSilo(
+            self.redis_url, self.cluster, self.grains, self.workdir, name=f"{self._n:02d}-silo-{host.name}",
+            launch=SiloLaunch(env=self.env, extra_args=extra, prefix=host.argv(), cwd=REPO, import_path=(REPO,)),
+        )  # fmt: skip
         self.processes.append(proc)
-        _wait_file(ready, proc.proc, timeout_s, f"silo on {host.name}", log)
-        silo = NetSilo(host, proc, SiloAddress.parse(ready.read_text().strip()), time.monotonic())
+        proc.start(timeout_s)
+        assert proc.address is not None
+        silo = NetSilo(host, proc, proc.address, time.monotonic())
         self.silos.append(silo)
         return silo
 

@@ -1,0 +1,58 @@
+"""One grain call as a value: what a reference asked for, and what the frame header carries.
+
+A :class:`~grains.ref.GrainRef` method builds one :class:`Call`; the caller
+(a client's or a silo's router) sends it, the receiving silo's dispatcher
+rebuilds it from the frame and hands it to the activation. The fields are
+exactly those of a request on the wire: the target grain, the method, the
+arguments, the time the caller allows, the chain of grains the call is made
+from and how many times a silo has forwarded it.
+
+The time travels as a duration (``timeout_s``), never as a deadline: each
+process turns it into a deadline on its own monotonic clock when the call
+starts there (``loop.time() + timeout_s``), since clocks of two hosts do not
+agree. That deadline is why router and dispatcher pass ``(call, deadline)``.
+
+``Call`` is a ``NamedTuple``: immutable, slotted, and built at C speed. It is
+made once per call on the hot path (about 26k pipelined calls/s a core), and a
+frozen dataclass costs 0.9 µs to construct (one ``object.__setattr__`` a
+field) where this costs 0.25 µs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, NamedTuple
+
+from grains.ids import GrainId
+
+CALL_CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("redgrain_call_chain", default=())
+"""Grain ids (``Type/key``) of the call chain the current task runs in.
+
+An activation sets it for the length of each turn (the turn's chain plus its own
+grain), so a call made from inside a turn carries the chain and the target can
+refuse a call that would wait on itself (deadlock detection). Outside any turn
+(a client) it is empty.
+"""
+
+
+class Call(NamedTuple):
+    """One call to a grain method, as it travels."""
+
+    grain: GrainId
+    """The target grain."""
+    method: str
+    """Name of the grain's ``async def`` method."""
+    args: tuple[Any, ...]
+    """Positional arguments."""
+    kwargs: dict[str, Any] | None = None
+    """Keyword arguments; None when there are none (the common case, cheaper on the wire)."""
+    timeout_s: float | None = None
+    """Time the caller allows; None takes the caller's default (``call_timeout_s``)."""
+    chain: tuple[str, ...] = ()
+    """Grain ids of the calls this one is made from, outermost first (``CALL_CHAIN``)."""
+    hops: int = 0
+    """Times a silo that did not own the grain forwarded this call (bounded by the dispatcher)."""
+
+    def forwarded(self, timeout_s: float) -> Call:
+        """The same call relayed one hop further, with the time it has left."""
+        return Call(self.grain, self.method, self.args, self.kwargs, timeout_s, self.chain, self.hops + 1)

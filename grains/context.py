@@ -1,0 +1,134 @@
+"""What a grain asks of the runtime that hosts it: the ``GrainContext`` protocol.
+
+The programming model knows no runtime module. A :class:`~grains.base.Grain`
+reaches its silo only through the context the runtime binds to it when it
+activates the grain (``silo/catalog/context.py`` implements it; a test may
+bind its own). Everything on this protocol is public and typed, so workloads
+(training, serving) build on the same facilities any user grain has:
+identity, calls, threads, background tasks, timers, state, reminders,
+checkpoints of grain groups and progress publishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
+
+from grains.ids import GrainId, SiloAddress
+
+R = TypeVar("R")
+
+
+class DeactivationReason(str, enum.Enum):
+    IDLE = "idle"
+    REQUESTED = "requested"
+    ERROR = "error"
+    STATE_CONFLICT = "state_conflict"
+    SHUTDOWN = "shutdown"
+    REBALANCE = "rebalance"
+    MIGRATION = "migration"
+    DIRECTORY_LOST = "directory_lost"
+    ACTIVATION_FAILED = "activation_failed"
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class SnapshotInfo(Protocol):
+    """What the manifest of one snapshot of a grain group says."""
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def snapshot_id(self) -> str: ...
+
+    @property
+    def members(self) -> list[str]:
+        """Grain ids (``Type/key``) that make up the snapshot."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Every member has saved its part: the snapshot may be restored."""
+        ...
+
+
+class GrainContext(Protocol):
+    """The runtime side of one activation, as its grain sees it."""
+
+    @property
+    def grain_id(self) -> GrainId: ...
+
+    @property
+    def activation_id(self) -> str: ...
+
+    @property
+    def silo(self) -> SiloAddress: ...
+
+    @property
+    def device(self) -> str: ...
+
+    # --- calls, threads, tasks, timers ------------------------------------------
+    def get_grain(self, grain: Any, key: Any) -> Any: ...
+
+    def cluster_members(self, type_name: str | None = None) -> list[Any]: ...
+
+    async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R: ...
+
+    def start_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]: ...
+
+    def register_timer(
+        self,
+        callback: Callable[[], Awaitable[None]],
+        *,
+        due_s: float,
+        period_s: float | None,
+        interleave: bool,
+    ) -> TimerHandle: ...
+
+    def request_deactivation(self, reason: DeactivationReason) -> None: ...
+
+    # --- state ------------------------------------------------------------------------
+    def get_state(self) -> Any: ...
+
+    def set_state(self, value: Any) -> None: ...
+
+    async def write_state(self) -> None: ...
+
+    async def read_state(self) -> None: ...
+
+    async def clear_state(self) -> None: ...
+
+    # --- reminders --------------------------------------------------------------------
+    async def register_reminder(self, name: str, period_s: float, due_s: float | None) -> None: ...
+
+    async def unregister_reminder(self, name: str) -> None: ...
+
+    # --- checkpoints of grain groups -----------------------------------------------------
+    async def save_snapshot(
+        self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None
+    ) -> bool: ...
+
+    async def load_snapshot(self, group: str, snapshot_id: int | str | None, *, write: bool) -> str: ...
+
+    async def read_snapshot_member(self, group: str, snapshot_id: int | str, member: str) -> Any: ...
+
+    async def snapshot_info(self, group: str, snapshot_id: int | str) -> SnapshotInfo | None: ...
+
+    async def latest_snapshot(self, group: str) -> SnapshotInfo | None: ...
+
+    async def list_snapshots(self, group: str, *, pending: bool) -> list[SnapshotInfo]: ...
+
+    async def delete_snapshot(self, group: str, snapshot_id: int | str) -> bool: ...
+
+    # --- a shared store for workloads that need one -------------------------------------
+    def redis_client(self) -> Any | None: ...
+
+    def rendezvous_prefix(self, name: str, generation: int) -> str: ...
+
+    # --- progress ---------------------------------------------------------------------------
+    async def publish_progress(self, job: str, record: str, point: Mapping[str, str] | None) -> bool: ...

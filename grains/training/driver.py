@@ -1,0 +1,127 @@
+"""What a CoordinatorGrain asks of its job's driver, and what the two drivers share.
+
+A coordinator owns one job and keeps its state (``CoordinatorGrain.State``:
+placement, generation, committed checkpoints, recovery records). How the job
+is placed, watched and repaired depends on its mode, and that is a driver's:
+
+- :class:`~grains.training.ps_driver.ParameterServerDriver` (modes ``sync``,
+  ``async``, ``ssp``): parameter shards and trainer slots; a lost trainer is
+  restarted alone, a lost shard rolls every grain back to the last committed
+  checkpoint;
+- :class:`~grains.training.allreduce_driver.AllreduceDriver` (mode
+  ``allreduce``): a torch.distributed group of trainers, re-formed with a new
+  generation whenever a member is lost or a trainer silo joins.
+
+The coordinator's run loop (one background task of its activation) calls
+:meth:`Driver.place_and_start` when nothing is placed yet, then
+:meth:`Driver.tick` until the job ends; :meth:`Driver.stop` stops the job's
+grains when it ends, :meth:`Driver.parameters` serves evaluation. A driver
+works on the coordinator's state in place, and hands back to the coordinator
+what is the coordinator's: saving that state (``_write``, one writer at a
+time), turning the trainers' progress into the job's status, history and
+dashboard record (``_report``) and ending the job (``_finish``).
+
+A driver lives for one job in one activation. What it remembers (each
+trainer's last progress, the step from which trainers report history) is
+rebuilt from the trainers themselves after the coordinator re-activates.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from grains.base import Grain
+from grains.training.elastic import TrainerSilos
+from grains.training.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
+
+if TYPE_CHECKING:
+    from grains.training.coordinator import CoordinatorGrain
+
+CALL_TIMEOUT_S = 10.0
+"""Deadline of the driver's calls to shards and trainers (placement calls get longer ones)."""
+_CHANGES = 20
+
+
+class Driver(abc.ABC):
+    """One mode's way of running a job, on behalf of the coordinator ``coord``."""
+
+    trainer_type: ClassVar[type[Grain]]
+    """The grain type of the job's trainers (also what ``silos`` watches)."""
+
+    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
+        self.coord = coord
+        self.silos = silos
+        self.progress: dict[int, TrainerProgress] = {}
+        """Each trainer's last progress of the current generation, by slot (all-reduce: rank)."""
+        self.cursor = 0
+        """Trainers report the history points from this step on (the ones not yet seen)."""
+
+    # --- what the coordinator asks ------------------------------------------
+    @abc.abstractmethod
+    def placed(self) -> bool:
+        """Whether the state names grains to re-attach to (a re-activated coordinator's)."""
+
+    @abc.abstractmethod
+    async def place_and_start(self) -> None:
+        """Place the job's grains, start them, and set the job running."""
+
+    @abc.abstractmethod
+    async def tick(self) -> None:
+        """Look at every grain once, repair what is lost, commit, report; finish when done."""
+
+    @abc.abstractmethod
+    async def parameters(self) -> dict[str, torch.Tensor]:
+        """The current fp32 weights."""
+
+    async def stop(self, status: JobStatus) -> None:
+        """The job ended with ``status``: stop its trainers (errors ignored: they may be gone)."""
+        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
+
+    # --- shared by both modes -----------------------------------------------
+    @property
+    def state(self) -> CoordinatorGrain.State:
+        return self.coord.state
+
+    @property
+    def key(self) -> str:
+        return self.coord.key
+
+    def ref(self, cls: type[Grain], key: str, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        ref: Any = self.coord.get_grain(cls, key)
+        return ref.with_timeout(timeout_s)
+
+    def trainers(self) -> list[Any]:
+        return [self.ref(self.trainer_type, k) for k in self.state.trainer_keys]
+
+    def note_change(
+        self, generation: int, reason: str, world: int, start_step: int, slots: list[int] | None = None
+    ) -> None:
+        """Record one recovery or resize (the newest ``_CHANGES`` are kept)."""
+        s = self.state
+        change = GroupChange(
+            generation=generation, reason=reason, at=time.time(), world=world, start_step=start_step, slots=slots or []
+        )
+        s.changes = [*s.changes, change][-_CHANGES:]
+
+    async def commit_step(self, newest: int | None) -> bool:
+        """Record checkpoint ``newest`` as committed; True when it is new."""
+        s = self.state
+        assert s.spec is not None
+        if newest is None or (s.committed and newest <= s.committed[-1]):
+            return False
+        # The store keeps the newest keep_checkpoints complete snapshots; so do we.
+        s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
+        await self.coord._write()
+        return True
+
+    async def report(self, shards: list[ShardStatus]) -> None:
+        """Hand this tick's progress to the coordinator's status; ask for newer points next time."""
+        steps = [pt.step for p in self.progress.values() for pt in p.points]
+        if steps:
+            self.cursor = max(steps) + 1
+        await self.coord._report(self.progress, shards)

@@ -1,0 +1,285 @@
+"""The parameter-server driver (modes sync, async, ssp): shards, trainer slots, rollbacks.
+
+The driver places the shards (the model's tensors split by bytes) and one
+trainer per slot, then every tick asks each shard and trainer how it is doing
+and repairs what it finds:
+
+- a trainer lost, restarted or failed (shards intact): its slot is run again,
+  from the step the shards expect from it; the others go on (a slot that
+  fails more than ``_MAX_SLOT_FAILURES`` times in a row fails the job);
+- a shard lost (its activation changed, or it refuses our generation): a
+  *rollback*: a new generation, every shard restores the last committed
+  checkpoint, every trainer restarts from that step;
+- the coordinator itself re-activated (its silo died): the driver re-attaches
+  to the shards and trainers the state names, rolling back only if a shard
+  was lost too.
+
+Checkpoint step ``c`` is committed once every shard has saved it; the newest
+``keep_checkpoints`` are kept. With ``trainers = "auto"`` a trainer silo that
+joins gets a trainer at the next committed checkpoint: a new generation
+restores it with one more slot, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grains.training import checkpointing, cluster
+from grains.training.datasets import load_dataset
+from grains.training.driver import Driver
+from grains.training.job import check_job
+from grains.training.elastic import TrainerSilos
+from grains.training.messages import JobStatus, ShardConfig, ShardStatus, TrainerAssignment, TrainerProgress
+from grains.training.shard import ParamShardGrain
+from grains.training.trainer import TrainerGrain
+from silo import errors
+
+if TYPE_CHECKING:
+    from grains.training.coordinator import CoordinatorGrain
+
+log = logging.getLogger("redgrain.training.coordinator")
+
+_MAX_SLOT_FAILURES = 5
+
+
+def split_by_bytes(sizes: dict[str, int], shards: int) -> list[list[str]]:
+    """Tensors to shards, biggest first onto the lightest shard; model order kept within a shard."""
+    order = {n: i for i, n in enumerate(sizes)}
+    loads = [0] * shards
+    parts: list[list[str]] = [[] for _ in range(shards)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], order[n])):
+        i = min(range(shards), key=lambda k: (loads[k], k))
+        parts[i].append(name)
+        loads[i] += sizes[name]
+    return [sorted(p, key=order.__getitem__) for p in parts if p]
+
+
+class ParameterServerDriver(Driver):
+    trainer_type = TrainerGrain
+
+    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
+        super().__init__(coord, silos)
+        self._slot_failures: dict[int, int] = {}
+
+    # --- what the coordinator asks ------------------------------------------
+    def placed(self) -> bool:
+        return bool(self.state.shard_keys)
+
+    async def place_and_start(self) -> None:
+        spec = self.state.spec
+        assert spec is not None
+        coord = self.coord
+        sizes = await coord.run_in_thread(check_job, spec)
+        shard_rows = cluster.hosting_silos(coord, "ParamShardGrain")
+        trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
+        if not trainer_rows or not shard_rows:
+            raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
+        slots = len(trainer_rows) if spec.trainers == "auto" else int(spec.trainers)
+        names = split_by_bytes(sizes, spec.shards)
+        train_size = len(await coord.run_in_thread(load_dataset, spec, "train"))  # type: ignore[arg-type]
+        all_trainer_rows = cluster.hosting_silos(coord, "TrainerGrain")
+        # Shards start on the silos after the first trainers', so a 2-silo job spreads both.
+        shard_keys = [
+            cluster.key_on("ParamShardGrain", f"{self.key}/shard-{i}", shard_rows[(i + 1) % len(shard_rows)].silo, shard_rows)
+            for i in range(len(names))
+        ]
+        trainer_keys = [
+            cluster.key_on("TrainerGrain", f"{self.key}/trainer-{j}", trainer_rows[j % len(trainer_rows)].silo, all_trainer_rows)
+            for j in range(slots)
+        ]
+        s = self.state
+        s.slots, s.shard_keys, s.shard_names, s.trainer_keys = slots, shard_keys, names, trainer_keys
+        s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
+        s.next_trainer = slots
+        s.total_steps = spec.total_steps(train_size, slots)
+        restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
+        await self._configure_shards(restore)
+        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
+        s.status = "running"
+        await coord._write()
+
+    async def tick(self) -> None:
+        s = self.state
+        assert s.spec is not None
+        shard_results = await asyncio.gather(*(sh.status() for sh in self._shards()), return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in shard_results):
+            # Unreachable is not lost: a busy silo answers later, and a dead one's shard is
+            # re-activated elsewhere by a later call, which then reports the wrong generation.
+            return
+        lost = [
+            s.shard_keys[i]
+            for i, r in enumerate(shard_results)
+            if r.generation != s.generation or r.activation_id != s.shard_activations[i]  # type: ignore[union-attr]
+        ]
+        if lost:
+            try:
+                await self._rollback(f"shard(s) {', '.join(lost)} lost or behind")
+            except errors.RedgrainError as exc:
+                # A silo is dead but not yet declared so; the next tick tries again.
+                log.warning("%s: rollback incomplete (%s); retrying", self.key, exc)
+            return
+        statuses: list[ShardStatus] = shard_results  # type: ignore[assignment]
+        results = await asyncio.gather(
+            *(t.progress(self.cursor) for t in self.trainers()), return_exceptions=True
+        )
+        done = 0
+        restarted: list[tuple[int, int, str]] = []
+        for j, r in enumerate(results):
+            if isinstance(r, TrainerProgress) and r.generation == s.generation and r.status in ("running", "done"):
+                if self.progress.get(j) is None or r.steps_done != self.progress[j].steps_done:
+                    self._slot_failures[j] = 0
+                self.progress[j] = r
+                done += r.status == "done"
+                continue
+            if isinstance(r, BaseException):
+                continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
+            why = r.error or r.status
+            if r.status == "failed" and r.generation == s.generation:
+                self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
+                if self._slot_failures[j] > _MAX_SLOT_FAILURES:
+                    raise RuntimeError(f"trainer slot {j} keeps failing: {why}")
+            start = min(st.next_steps[j] for st in statuses)
+            log.warning("%s: trainer slot %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
+            s.restarts += 1
+            self.progress.pop(j, None)  # the lost run's counters; the restarted run reports anew
+            restarted.append((j, start, why[:200]))
+            with contextlib.suppress(errors.RedgrainError):
+                await self._run_slot(j, start)
+        if restarted:
+            why = "; ".join(f"trainer slot {j} restarted at step {start} ({w})" for j, start, w in restarted)
+            self.note_change(s.generation, why, s.slots, min(st for _, st, _ in restarted), [j for j, _, _ in restarted])
+        self._note_first_step()
+        committed = await self._commit(statuses)
+        await self.report(statuses)
+        if done == s.slots:
+            await self.coord._finish("completed")
+        elif committed and s.spec.trainers == "auto":
+            await self._grow_at_checkpoint()
+
+    async def parameters(self) -> dict[str, torch.Tensor]:
+        """Gathered from every shard."""
+        out: dict[str, torch.Tensor] = {}
+        for part in await asyncio.gather(*(s.parameters() for s in self._shards())):
+            out.update(part)
+        return out
+
+    async def stop(self, status: JobStatus) -> None:
+        """Trainers stop; unless the job completed, shards refuse further pushes too."""
+        await super().stop(status)
+        if status != "completed":
+            generation = self.state.generation + 1
+            await asyncio.gather(*(sh.stop(generation) for sh in self._shards()), return_exceptions=True)
+
+    # --- placement and repair -------------------------------------------------
+    def _shards(self) -> list[Any]:
+        return [self.ref(ParamShardGrain, k) for k in self.state.shard_keys]
+
+    async def _configure_shards(self, restore_step: int | None) -> None:
+        s = self.state
+        assert s.spec is not None
+        cfgs = [
+            ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
+                        generation=s.generation, run=s.run, restore_step=restore_step)
+            for i, names in enumerate(s.shard_names)
+        ]
+        shards = [self.ref(ParamShardGrain, k, 120.0) for k in s.shard_keys]
+        statuses: list[ShardStatus] = await asyncio.gather(*(sh.configure(c) for sh, c in zip(shards, cfgs, strict=True)))
+        s.shard_activations = [st.activation_id for st in statuses]
+        self.coord._live.shard_silos = [st.silo for st in statuses]
+
+    async def _run_slot(self, slot: int, start_step: int) -> None:
+        s = self.state
+        assert s.spec is not None
+        a = TrainerAssignment(
+            job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation, run=s.run,
+            start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
+        )  # fmt: skip
+        await self.ref(TrainerGrain, s.trainer_keys[slot], 120.0).run(a)
+
+    async def _rollback(self, why: str) -> None:
+        s = self.state
+        assert s.spec is not None
+        s.generation += 1
+        s.rollbacks += 1
+        restore = await self._restore_point()
+        log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
+                    f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
+        self.note_change(s.generation, why, s.slots, restore or 0)
+        await self.coord._write()
+        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
+        await self._configure_shards(restore)
+        self.progress.clear()
+        self.cursor = restore or 0
+        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(s.slots)))
+        await self.coord._write()
+
+    async def _restore_point(self) -> int | None:
+        """The checkpoint a rollback restores, and the later ones it abandons (deleted).
+
+        Ours is ``committed[-1]``; but shards can complete several checkpoints between
+        two of our ticks, so retention may already have dropped it while newer ones,
+        which our list never saw (their shard's last status did not reach us), are
+        complete in the store: then the store's newest is the one.
+        """
+        s = self.state
+        coord = self.coord
+        restore = s.committed[-1] if s.committed else None
+        if restore is None or not await checkpointing.exists(coord, self.key, s.run, restore):
+            newest = await checkpointing.newest_step(coord, self.key, s.run)
+            if newest is not None and (restore is None or newest > restore):
+                log.info("%s: checkpoint %s is gone; the store's newest complete one is %d", self.key, restore, newest)
+                await self.commit_step(newest)
+                restore = newest
+        if await checkpointing.drop_after(coord, self.key, s.run, restore):
+            log.info("%s: dropped checkpoints after %s (abandoned by the rollback)", self.key, restore)
+        return restore
+
+    async def _commit(self, statuses: list[ShardStatus]) -> bool:
+        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
+        # Every complete snapshot counts, not just the newest: a slow tick may find two at once.
+        last = self.state.committed[-1] if self.state.committed else -1
+        committed = False
+        for step in sorted(c for c in common if c > last):
+            committed = await self.commit_step(step) or committed
+        return committed
+
+    async def _grow_at_checkpoint(self) -> None:
+        """Trainers 'auto': give each trainer silo that has none a trainer.
+
+        Done right after a checkpoint is committed: a new generation restores it with the
+        extra slots (the data re-split over them), so almost no work is lost.
+        """
+        s = self.state
+        if len(s.trainer_silos) != len(s.trainer_keys):
+            return  # placed by an older version: where the trainers are is not known
+        look = self.silos.look(self.coord)
+        joined = look.without_trainer(s.trainer_silos)
+        if not joined:
+            return
+        for row in joined:
+            key = cluster.key_on("TrainerGrain", f"{self.key}/trainer-{s.next_trainer}", row.silo, look.hosting)
+            s.next_trainer += 1
+            s.trainer_keys.append(key)
+            s.trainer_silos.append(row.address)
+        s.slots = len(s.trainer_keys)
+        why = f"trainer silo(s) {', '.join(r.address for r in joined)} joined"
+        try:
+            await self._rollback(why)
+        except errors.RedgrainError as exc:
+            log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
+
+    def _note_first_step(self) -> None:
+        """Fill in when the current change's restarted slots all committed a step (recovery time)."""
+        s = self.state
+        if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
+            return
+        change = s.changes[-1]
+        slots = change.slots or list(range(s.slots))
+        firsts = [self.progress[j].first_step_at if j in self.progress else None for j in slots]
+        if all(t is not None for t in firsts):
+            change.first_step_at = max(t for t in firsts if t is not None)

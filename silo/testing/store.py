@@ -1,0 +1,98 @@
+"""Grain state in a dict: the Redis state store's contract, for unit tests.
+
+Same rules as :class:`silo.storage.store.RedisStateStore` (the contract tests
+in ``tests/silo/storage/test_store_contract.py`` run the same cases on both):
+a write names the etag it expects (``None``: no state yet, ``"*"``: any) and
+the writer's fencing token (0: unfenced), the etag is checked first, then
+the token against the grain's directory entry, and a refused write or clear
+raises StateConflictError saying which. A value is kept as the same stream
+the Redis store writes and read back through the same parser, so what a
+grain reads is byte for byte what Redis would give it. Big values need no
+chunks here; there is one bytes object per grain.
+
+``owner`` plays the directory: the fencing token of the grain's entry (0
+when it has none). Wire it to a directory twin with
+``InMemoryStateStore(owner=directory.token_of)``; without one, tokens are not
+checked.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from grains.ids import GrainId
+from silo import errors
+from silo.codec import Encoded
+from silo.storage.store import _CONFLICTS, StorageStatistics, StoredState, parse_stream, stream_parts
+
+
+class InMemoryStateStore:
+    """A ``StateStore`` in a dict (all silos of a test may share one)."""
+
+    def __init__(self, owner: Callable[[GrainId], int] | None = None) -> None:
+        self._data: dict[GrainId, tuple[bytes, str]] = {}
+        self._owner = owner
+        self._reads = self._writes = self._conflicts = 0
+        self._bytes_written = self._bytes_read = 0
+
+    async def read(self, grain: GrainId) -> StoredState | None:
+        found = self._data.get(grain)
+        if found is None:
+            return None
+        data, etag = found
+        self._reads += 1
+        self._bytes_read += len(data)
+        # A private, writable copy, as the Redis store assembles one: tensors decode in place.
+        return parse_stream(memoryview(bytearray(data)), etag)
+
+    async def write(self, grain: GrainId, value: Encoded, etag: str | None, token: int) -> str:
+        return await self.write_stream(grain, stream_parts(value), etag, token)
+
+    async def write_stream(
+        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int
+    ) -> str:
+        """Commit a stream as the grain's state; ``etag="*"`` with token 0 overwrites whatever is there."""
+        self._check(grain, etag, token)
+        new = uuid.uuid4().hex
+        data = b"".join(parts)
+        self._data[grain] = (data, new)
+        self._writes += 1
+        self._bytes_written += len(data)
+        return new
+
+    async def clear(self, grain: GrainId, etag: str | None, token: int) -> None:
+        self._check(grain, etag, token)
+        self._data.pop(grain, None)
+
+    def _check(self, grain: GrainId, etag: str | None, token: int) -> None:
+        cur = self._data.get(grain)
+        if etag != "*" and (cur[1] if cur else "") != (etag or ""):
+            self._refuse(grain, "etag")
+        if token and self._owner is not None and self._owner(grain) != token:
+            self._refuse(grain, "fence")
+
+    def _refuse(self, grain: GrainId, why: str) -> None:
+        self._conflicts += 1
+        raise errors.StateConflictError(str(grain), _CONFLICTS[why])
+
+    # --- for tests -------------------------------------------------------------
+    def etag_of(self, grain: GrainId) -> str | None:
+        """The etag of the grain's stored state, None if it has none."""
+        found = self._data.get(grain)
+        return None if found is None else found[1]
+
+    def grains(self) -> list[GrainId]:
+        """Grains that have stored state."""
+        return list(self._data)
+
+    def statistics(self) -> StorageStatistics:
+        return StorageStatistics(
+            reads=self._reads,
+            writes=self._writes,
+            conflicts=self._conflicts,
+            errors=0,
+            bytes_written=self._bytes_written,
+            bytes_read=self._bytes_read,
+            chunks_written=0,
+        )
