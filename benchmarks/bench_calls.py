@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     sz = Sizes(args.quick)
     common.fix_torch_threads()
-    from silo.messaging.transport import retain_freed_memory
+    from silo.messaging.frame import retain_freed_memory
 
     # The documented opt-in for clients that receive big tensors (silos always do it).
     retained = retain_freed_memory()

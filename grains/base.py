@@ -19,7 +19,7 @@ calls :meth:`Grain.on_activate`. Users never construct grains themselves.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
@@ -192,7 +192,7 @@ class Grain:
         """The newest complete snapshot of ``group`` (None: none yet)."""
         return await self._rg_context.latest_snapshot(group)
 
-    async def list_snapshots(self, group: str, *, pending: bool = False) -> list[SnapshotInfo]:
+    async def list_snapshots(self, group: str, *, pending: bool = False) -> Sequence[SnapshotInfo]:
         """The group's complete snapshots, oldest first (``pending``: those still being saved)."""
         return await self._rg_context.list_snapshots(group, pending=pending)
 

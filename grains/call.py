@@ -2,7 +2,7 @@
 
 A :class:`~grains.ref.GrainRef` method builds one :class:`Call`; the caller
 (a client's or a silo's router) sends it, the receiving silo's dispatcher
-rebuilds it from the frame and hands it to the activation. The fields are
+rebuilds it from the frame and queues it on the grain's activation. The fields are
 exactly those of a request on the wire: the target grain, the method, the
 arguments, the time the caller allows, the chain of grains the call is made
 from and how many times a silo has forwarded it.
@@ -12,10 +12,12 @@ process turns it into a deadline on its own monotonic clock when the call
 starts there (``loop.time() + timeout_s``), since clocks of two hosts do not
 agree. That deadline is why router and dispatcher pass ``(call, deadline)``.
 
-``Call`` is a ``NamedTuple``: immutable, slotted, and built at C speed. It is
-made once per call on the hot path (about 26k pipelined calls/s a core), and a
-frozen dataclass costs 0.9 µs to construct (one ``object.__setattr__`` a
-field) where this costs 0.25 µs.
+``Call`` is a ``NamedTuple``: immutable and without a per-instance dict. It is
+built once per call on each side of the hot path (tens of thousands of calls/s
+a core), where a frozen dataclass would cost 0.9 µs a call (one
+``object.__setattr__`` per field). ``Call(...)`` costs 0.24 µs; the reference
+and the dispatcher build it with ``tuple.__new__(Call, (all seven fields))``,
+0.13 µs (Python 3.11).
 """
 
 from __future__ import annotations

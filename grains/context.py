@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from grains.ids import GrainId, SiloAddress
@@ -121,7 +121,7 @@ class GrainContext(Protocol):
 
     async def latest_snapshot(self, group: str) -> SnapshotInfo | None: ...
 
-    async def list_snapshots(self, group: str, *, pending: bool) -> list[SnapshotInfo]: ...
+    async def list_snapshots(self, group: str, *, pending: bool) -> Sequence[SnapshotInfo]: ...
 
     async def delete_snapshot(self, group: str, snapshot_id: int | str) -> bool: ...
 

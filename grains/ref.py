@@ -81,14 +81,19 @@ class GrainRef:
 
 
 _chain = CALL_CHAIN.get
+_new_call = tuple.__new__
 
 
 def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
     # A plain function handing back the caller's coroutine: awaiting it is the same
     # call, minus one coroutine frame per call (the hot path of every grain call).
-    # The chain is read here, in the calling task's context, when the call is made.
+    # The chain is read here, in the calling task's context, when the call is made. The
+    # Call is built with tuple.__new__ and all seven fields: 0.13 µs, where Call(...)
+    # goes through NamedTuple's Python-level __new__ (0.24 µs).
     def call(self: GrainRef, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-        return self._caller.invoke(Call(self._grain_id, name, args, kwargs or None, self._timeout_s, _chain()))
+        return self._caller.invoke(
+            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0))
+        )
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc

@@ -21,8 +21,9 @@ from typing import Any, Self, TypeVar
 from silo import errors
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import RedisGrainDirectory
-from silo.cluster.membership import MembershipView, RedisMembershipTable
+from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.placement import Placer
+from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.router import Manifests, Router

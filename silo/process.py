@@ -84,7 +84,7 @@ def run_async(main: Coroutine[Any, Any, Any]) -> Any:
 
 async def run_silo(args: argparse.Namespace, *, on_active: OnActive | None = None) -> int:
     """Run one silo with the options of :func:`add_silo_arguments` until told to stop."""
-    from silo.messaging.transport import retain_freed_memory
+    from silo.messaging.frame import retain_freed_memory
     from silo.settings import SiloSettings
     from silo.silo import Silo
 

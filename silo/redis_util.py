@@ -38,4 +38,8 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
     )
     # redis-py 8 retries 10 times with backoff by default; a silo must notice
     # a dead Redis in bounded time, and storage does its own bounded retries.
-    return aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 1))
+    client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 1))
+    # The pool is this client's alone: aclose() must close its connections too (a
+    # client given a pool leaves it open by default, leaking a socket per client).
+    client.auto_close_connection_pool = True
+    return client

@@ -1,38 +1,89 @@
-"""A silo: wires the components together and starts and stops them in stages.
+"""A silo: builds the components, starts them in named stages, stops them in reverse.
 
-Start: Redis → grain types → transport listener → generation and address →
-directory, membership, catalog → join as Joining → publish grain types →
-Active → heartbeats, idle collection, stats. Stop (graceful): ShuttingDown →
-deactivate every activation (queued calls re-routed to other silos) → Dead →
-close. A silo that finds itself declared Dead stops serving at once.
+The start stages (``Silo.START_STAGES``; stage ``name`` is ``Silo._stage_<name>``),
+in order, with the reason for the order:
+
+1. ``redis``: connect and PING. Every later stage reads or writes Redis; an
+   unreachable Redis fails the start before anything is bound.
+2. ``types``: grain classes, codec, torch device. The transport frames with
+   the codec, which must know the grains' annotated types.
+3. ``listen``: the transport and its TCP listener. The port (a free one by
+   default) is part of the address, so listening comes before the address.
+4. ``address``: a new generation (INCR), the address, the same-host Unix
+   socket (its path derives from the address's endpoint), the event log.
+5. ``components``: directory, membership view, manifests, router, store,
+   checkpoints, reminders, runtime, catalog, heartbeat, failure detector,
+   migrator, drain, dispatcher, control inbox, rebalancer, watchdog, stats
+   publisher: each built with its collaborators, none started. Nothing can
+   call them yet: no membership row names the address.
+6. ``join``: the row, as Joining. We listen already, so a peer that probes
+   the new row finds us.
+7. ``publish``: our grain type manifests, before we are Active: a caller
+   that routes to us must find the types we host.
+8. ``active``: the row Active, the membership view started, manifests read.
+   From here calls arrive, and everything that serves them exists.
+9. ``cluster``: heartbeat thread, failure detector, control inbox and drain
+   requests, rebalancer. They act as a member (refresh our row, vote, lead),
+   so they start once the row is Active.
+10. ``services``: idle collection, loop watchdog, stats publisher, reminders.
+    Last: they make work for the rest (a reminder tick is a call; the stats
+    record reads every component).
+
+Each stage registers how to undo what it did as it does it; a start that
+fails at any stage runs the undos registered so far, newest first, and
+re-raises; ``stop()`` runs the same list. So the stop order is written once,
+as the start order reversed: reminders, stats, watchdog, idle collection;
+rebalancer, control inbox, drain requests, migrator, failure detector,
+heartbeat (all before the leave, so no heartbeat runs into our own Dead
+row); the view; the leave (Dead, directory entries purged, and for a
+graceful stop a quiet wait for callers); dispatcher and grain threads; the
+event log, flushed; the transport (TCP and Unix socket); the Redis client.
+A start that failed after ``join`` thus leaves the row Dead; one that failed
+before leaves no row.
+
+A graceful stop first hands off (``silo/cluster/drain.py``: ShuttingDown,
+keep-alive grains moved, every activation deactivated). A silo the cluster
+declares dead stops serving at once (connections aborted, activations
+dropped) and then runs the same undos, skipping the leave: the cluster wrote
+it Dead already, and a zombie must not purge what its successors registered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import functools
+import inspect
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, ClassVar, Self
 
 import psutil
+import redis.asyncio as aioredis
 
-from grains.base import DeactivationReason, Grain
+from grains.base import Grain
 from grains.ids import SiloAddress
 from silo import errors
-from silo.catalog.catalog import CallFilter, Catalog
+from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
+from silo.catalog.pipeline import CallFilter
 from silo.catalog.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.catalog.watchdog import LoopWatchdog
+from silo.cluster.control import ControlInbox
 from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.drain import Departure, DrainRequests
+from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, transport_probe
-from silo.cluster.membership import ClusterEvents, MembershipView, RedisMembershipTable
+from silo.cluster.membership import RedisMembershipTable
+from silo.cluster.migrator import Migrator
 from silo.cluster.placement import Placer
-from silo.cluster.rebalancer import ControlInbox, Migrator, Rebalancer
+from silo.cluster.rebalancer import Rebalancer
 from silo.cluster.reminders import ReminderService, ReminderTable, RouterDelivery
+from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
@@ -47,9 +98,67 @@ from silo.storage.store import RedisStateStore
 
 log = logging.getLogger("redgrain.silo")
 
+Undo = Callable[[], Awaitable[Any] | None]
+
+
+class SiloState(str, enum.Enum):
+    """The silo object's own state (the membership row's status is ``SiloStatus``)."""
+
+    CREATED = "created"
+    STARTING = "starting"
+    ACTIVE = "active"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    DEAD = "dead"
+    """Declared dead by the cluster: stopped serving at once; the process must exit."""
+
 
 class Silo:
     """One silo process (or several in one process, for tests)."""
+
+    START_STAGES: ClassVar[tuple[str, ...]] = (
+        "redis",
+        "types",
+        "listen",
+        "address",
+        "components",
+        "join",
+        "publish",
+        "active",
+        "cluster",
+        "services",
+    )
+
+    # The parts, each set by the stage that builds it (see the module docstring).
+    redis: aioredis.Redis
+    types: GrainTypes
+    codec: Codec
+    device: str
+    transport: Transport
+    table: RedisMembershipTable
+    events: EventLog
+    cluster_events: ClusterEvents
+    directory: RedisGrainDirectory
+    view: MembershipView
+    manifests: Manifests
+    router: Router
+    refs: RefFactory
+    store: RedisStateStore
+    checkpoints: Checkpoints
+    reminders: ReminderService
+    runtime: SiloRuntime
+    call_stats: CallStats
+    catalog: Catalog
+    heartbeat: HeartbeatThread
+    detector: FailureDetector
+    migrator: Migrator
+    drain: DrainRequests
+    dispatcher: Dispatcher
+    departure: Departure
+    control: ControlInbox
+    rebalancer: Rebalancer
+    watchdog: LoopWatchdog
+    stats_publisher: StatsPublisher
 
     def __init__(
         self,
@@ -64,19 +173,59 @@ class Silo:
         self._user_filters = list(filters)
         self._clock = clock
         self.keys = Keys(self.settings.cluster)
-        self.status = "created"
+        self.status = SiloState.CREATED
         self.address: SiloAddress | None = None
         self.stopped = asyncio.Event()
+        """Set once the silo has stopped (or failed to start, or was declared dead)."""
         self._process = psutil.Process()
         self._started_at = 0.0
-        self._background: list[Any] = []
+        self._port = 0
+        self._undo: list[tuple[str, Undo]] = []
+        """(name, undo) of what the stages did so far; run newest first."""
+        self._start_done = asyncio.Event()
+        self._graceful = False
+        self._declared_dead = False
+        self._dead_unwind: asyncio.Task[None] | None = None
+        self._dead_deadline: asyncio.TimerHandle | None = None
 
     # --- start -------------------------------------------------------------
     async def start(self) -> Silo:
+        if self.status is not SiloState.CREATED:
+            raise errors.ConfigError(f"a silo starts once (this one is {self.status.value})")
+        self.status = SiloState.STARTING
+        self._started_at = self._clock()
+        stage = ""
+        try:
+            for stage in self.START_STAGES:
+                await getattr(self, f"_stage_{stage}")()
+                if self._declared_dead:
+                    raise errors.MembershipError(f"silo {self.address} was declared dead while starting")
+        except BaseException as exc:
+            log.warning("silo start failed in stage %r (%s); stopping what it started", stage, exc)
+            try:
+                await self._unwind()
+            finally:
+                self._finish()
+            raise
+        finally:
+            self._start_done.set()
+        self.status = SiloState.ACTIVE
+        log.info("silo %s active, hosting %s", self.address, ", ".join(self.types.names()))
+        return self
+
+    def _on_stop(self, name: str, undo: Undo) -> None:
+        self._undo.append((name, undo))
+
+    async def _stage_redis(self) -> None:
         s = self.settings
         self.redis = connect_redis(s.redis_url)
+        # The pool was made by connect_redis, not by the client: a plain aclose() leaves it open.
+        self._on_stop("redis client", functools.partial(self.redis.aclose, close_connection_pool=True))
         with redis_errors(f"connect to {s.redis_url}"):
             await self.redis.ping()
+
+    async def _stage_types(self) -> None:
+        s = self.settings
         self.types = GrainTypes.from_modules(s.grains) if s.grains else GrainTypes()
         for cls in self._extra_classes:
             self.types.add(cls)
@@ -88,23 +237,38 @@ class Silo:
         self.codec = Codec(registry)
         self.device = resolve_device(s.device)
 
+    async def _stage_listen(self) -> None:
+        s = self.settings
+        # Built without its request handler: that is the dispatcher, which needs
+        # the address (the port is only known once this listens) and the router
+        # (which sends through this transport). Set in "components", before any
+        # row names the address, so no peer can have sent a request yet.
         self.transport = Transport(s.transport, self.codec)
-        port = await self.transport.listen(s.host, s.port)
+        self._on_stop("transport", self.transport.close)  # also closes the Unix socket
+        self._port = await self.transport.listen(s.host, s.port)
+
+    async def _stage_address(self) -> None:
+        s = self.settings
         self.table = RedisMembershipTable(self.redis, self.keys)
         generation = await self.table.new_generation()
-        self.address = SiloAddress(s.advertise_host or _advertised(s.host), port, generation)
+        self.address = SiloAddress(s.advertise_host or _advertised(s.host), self._port, generation)
         await self.transport.listen_local(self.address.endpoint)
-        # Cluster events (join, suspect, dead, rebalance, ...): components call self.events.emit(kind, **data).
+        # The dashboard's event stream (join, suspect, dead, rebalance, ...).
         self.events = EventLog(self.redis, self.keys, str(self.address), clock=self._clock)
+        self._on_stop("event log", self.events.flush)
 
+    async def _stage_components(self) -> None:
+        s = self.settings
+        me = self.address
+        assert me is not None
+        self.cluster_events = ClusterEvents()
+        self.cluster_events.add_listener(self.events.on_event)
         self.directory = RedisGrainDirectory(self.redis, self.keys)
         self.view = MembershipView(self.table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
         self.manifests = Manifests(self.redis, self.keys)
         for name in self.types.names():
             opts = self.types.options(name)
-            self.manifests.add_local(
-                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker)
-            )
+            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
         self.router = Router(
             transport=self.transport,
             directory=self.directory,
@@ -115,6 +279,9 @@ class Silo:
         )
         self.refs = RefFactory(self.router, self.manifests, self.codec)
         self.store = RedisStateStore(self.redis, self.keys, s.storage)
+        self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
+        # Its delivery (through the dispatcher) is given when it starts: see ReminderService.start.
+        self.reminders = ReminderService(ReminderTable(self.redis, self.keys), s.reminders)
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
@@ -124,79 +291,165 @@ class Silo:
             view=self.view,
             redis=self.redis,
             keys=self.keys,
+            checkpoints=self.checkpoints,
+            reminders=self.reminders,
         )
+        self._on_stop("grain threads", self.runtime.shutdown)
         self.call_stats = CallStats()
         self.catalog = Catalog(
             settings=s.catalog,
-            silo=self.address,
+            silo=me,
             types=self.types,
             directory=self.directory,
             runtime=self.runtime,
             filters=[self.call_stats, *self._user_filters],
         )
-        self.dispatcher = Dispatcher(address=self.address, catalog=self.catalog, types=self.types, router=self.router)
+        self.heartbeat = HeartbeatThread(
+            redis_url=s.redis_url,
+            keys=self.keys,
+            address=str(me),
+            settings=s.membership,
+            load=self._load,
+            on_dead=self._on_declared_dead,
+            loop=asyncio.get_running_loop(),
+            clock=self._clock,
+        )
+        self.detector = FailureDetector(
+            table=self.table,
+            me=me,
+            settings=s.membership,
+            probe=transport_probe(self.transport),
+            on_self_dead=self._on_declared_dead,
+            events=self.cluster_events,
+        )
+        self.view.on_unreachable(self.detector.hint_unreachable)
+        self.migrator = Migrator(
+            me=me,
+            catalog=self.catalog,
+            router=self.router,
+            view=self.view,
+            manifests=self.manifests,
+            placer=Placer(),
+            events=self.cluster_events,
+            unreachable=self.detector.unreachable,
+        )
+        self.drain = DrainRequests(functools.partial(self.stop, graceful=True))
+        self.dispatcher = Dispatcher(
+            address=me,
+            catalog=self.catalog,
+            types=self.types,
+            router=self.router,
+            fenced=self.heartbeat.fenced,
+            confirm_alive=self.heartbeat.confirm,
+            moving=self.migrator.moving,
+            system={"move": self.migrator.system_move, "drain": self.drain.system_drain},
+        )
+        self._on_stop("dispatcher", self.dispatcher.close)
+        # The two links built after construction, both cycles: the router
+        # delivers our own grains' calls through the dispatcher, which forwards
+        # through the router (clients share Router and have no dispatcher: it
+        # stays an optional part); the transport hands requests to the
+        # dispatcher, which could not exist before the transport listened.
         self.router.set_local(self.dispatcher)
         self.transport.set_handler(self.dispatcher.on_frame)
-        self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
-        self.runtime.set_checkpoints(self.checkpoints)
-        self.reminders = ReminderService(
-            ReminderTable(self.redis, self.keys),
-            s.reminders,
-            RouterDelivery(
-                router=self.router,
-                manifests=self.manifests,
-                dispatcher=self.dispatcher,
-                transport=self.transport,
-                timeout_s=s.reminders.delivery_timeout_s,
-            ),
+        self.departure = Departure(
+            me=me,
+            table=self.table,
+            directory=self.directory,
+            dispatcher=self.dispatcher,
+            catalog=self.catalog,
+            migrator=self.migrator,
+            reminders=self.reminders,
+            events=self.cluster_events,
         )
-        self.runtime.set_reminders(self.reminders)
+        self.control = ControlInbox(self.redis, self.keys, me, {"drain": self.drain.command})
+        self.rebalancer = Rebalancer(
+            redis=self.redis,
+            keys=self.keys,
+            me=me,
+            view=self.view,
+            directory=self.directory,
+            router=self.router,
+            settings=s.rebalancer,
+            events=self.cluster_events,
+        )
+        self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
+        self.stats_publisher = StatsPublisher(
+            self.redis,
+            self.keys,
+            str(me),
+            self.statistics,
+            status=lambda: self.status.value,
+            started=self._started_at,
+            interval_s=s.stats_interval_s,
+            clock=self._clock,
+        )
 
-        self._started_at = self._clock()
+    async def _stage_join(self) -> None:
+        s = self.settings
+        me = self.address
+        assert me is not None
+        gpu = ["gpu"] if self.device.startswith("cuda") and "gpu" not in s.roles else []
         row = MemberRow(
-            address=str(self.address),
-            host=self.address.host,
-            port=self.address.port,
-            generation=generation,
+            address=str(me),
+            host=me.host,
+            port=me.port,
+            generation=me.generation,
             status=SiloStatus.JOINING,
-            roles=list(s.roles) + (["gpu"] if self.device.startswith("cuda") and "gpu" not in s.roles else []),
+            roles=[*s.roles, *gpu],
             grain_types=self.types.names(),
             started=self._started_at,
             heartbeat=self._started_at,
             pid=os.getpid(),
             hostname=socket.gethostname(),
         )
+        # Registered first: a join whose answer was lost may still have written the row.
+        self._on_stop("leave", self._leave)
         await self.table.join(row)
-        await self._publish_types()
-        await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
-        await self.view.start()
-        await self.manifests.refresh()
-        self._start_cluster_services()
-        self.catalog.start()
-        self.reminders.start()
-        self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
-        self.watchdog.start()
-        self._process.cpu_percent(None)  # prime: the first reading is meaningless
-        self.status = "active"
         self.events.emit("join", roles=row.roles, grain_types=row.grain_types, pid=row.pid, host=row.hostname)
-        self.stats_publisher = StatsPublisher(
-            self.redis,
-            self.keys,
-            str(self.address),
-            self.statistics,
-            status=lambda: self.status,
-            started=self._started_at,
-            interval_s=s.stats_interval_s,
-            clock=self._clock,
-        )
-        self.stats_publisher.start()
-        log.info("silo %s active, hosting %s", self.address, ", ".join(self.types.names()))
-        return self
 
-    async def _publish_types(self) -> None:
+    async def _stage_publish(self) -> None:
         mapping: dict[Any, Any] = {name: json.dumps(self.types.manifest(name)) for name in self.types.names()}
         with redis_errors("publish grain types"):
             await self.redis.hset(self.keys.grain_types, mapping=mapping)
+
+    async def _stage_active(self) -> None:
+        await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
+        self._on_stop("membership view", self.view.stop)
+        await self.view.start()
+        await self.manifests.refresh()
+
+    async def _stage_cluster(self) -> None:
+        self._on_stop("heartbeat", self.heartbeat.stop)
+        self.heartbeat.start()
+        self._on_stop("failure detector", self.detector.stop)
+        self.detector.start()
+        self._on_stop("migrator", self.migrator.stop)
+        self._on_stop("drain requests", self.drain.close)
+        self._on_stop("control inbox", self.control.stop)
+        self.control.start()
+        if self.settings.rebalancer.enabled:
+            self._on_stop("rebalancer", self.rebalancer.stop)
+            self.rebalancer.start()
+
+    async def _stage_services(self) -> None:
+        self._on_stop("idle collection", self.catalog.stop)
+        self.catalog.start()
+        self._on_stop("watchdog", self.watchdog.stop)
+        self.watchdog.start()
+        self._process.cpu_percent(None)  # prime: the first reading is meaningless
+        self._on_stop("stats publisher", self.stats_publisher.stop)
+        self.stats_publisher.start()
+        self._on_stop("reminders", self.reminders.stop)
+        self.reminders.start(
+            RouterDelivery(
+                router=self.router,
+                manifests=self.manifests,
+                dispatcher=self.dispatcher,
+                transport=self.transport,
+                timeout_s=self.settings.reminders.delivery_timeout_s,
+            )
+        )
 
     def _load(self) -> SiloLoad:
         return SiloLoad(
@@ -205,172 +458,78 @@ class Silo:
             activations=len(self.catalog),
         )
 
-    def _start_cluster_services(self) -> None:
-        """Heartbeat thread, failure detector, rebalancer (silo/cluster/failure_detector.py, rebalancer.py)."""
-        s = self.settings
-        assert self.address is not None
-        self.cluster_events = ClusterEvents()
-        self.cluster_events.add_listener(self._forward_event)
-        self.heartbeat = HeartbeatThread(
-            redis_url=s.redis_url,
-            keys=self.keys,
-            address=str(self.address),
-            settings=s.membership,
-            load=self._load,
-            on_dead=self._on_declared_dead,
-            loop=asyncio.get_running_loop(),
-            clock=self._clock,
-        )
-        self.dispatcher.fenced = self.heartbeat.fenced
-        self.dispatcher.confirm_alive = self.heartbeat.confirm
-        self.detector = FailureDetector(
-            table=self.table,
-            me=self.address,
-            settings=s.membership,
-            probe=transport_probe(self.transport),
-            on_self_dead=self._on_declared_dead,
-            events=self.cluster_events,
-        )
-        self.view.on_unreachable(self.detector.hint_unreachable)
-        self.migrator = Migrator(
-            me=self.address,
-            catalog=self.catalog,
-            dispatcher=self.dispatcher,
-            router=self.router,
-            view=self.view,
-            manifests=self.manifests,
-            placer=Placer(),
-            events=self.cluster_events,
-        )
-        self.rebalancer = Rebalancer(
-            redis=self.redis,
-            keys=self.keys,
-            me=self.address,
-            view=self.view,
-            directory=self.directory,
-            router=self.router,
-            settings=s.rebalancer,
-            events=self.cluster_events,
-        )
-        self.dispatcher.system["move"] = self._system_move
-        self.dispatcher.system["drain"] = self._system_drain
-        self.control = ControlInbox(self.redis, self.keys, self.address, {"drain": self._drain_command})
-        self.heartbeat.start()
-        self.detector.start()
-        self.control.start()
-        if s.rebalancer.enabled:
-            self.rebalancer.start()
-
-    async def _stop_cluster_services(self) -> None:
-        await self.control.stop()
-        await self.rebalancer.stop()
-        await self.migrator.stop()
-        await self.detector.stop()
-        await self.heartbeat.stop()
-
-    def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
-        events = getattr(self, "events", None)  # the dashboard's event stream, once started
-        if events is not None:
-            events.emit(kind, **data)
-
-    async def _system_move(self, count: int, targets: list[str]) -> int:
-        # The leader may not know we cannot reach a target (a partition): a move there
-        # would hold the grain's calls until the activation request times out.
-        unreachable = self.detector.unreachable()
-        return self.migrator.move_out_nowait(int(count), [str(t) for t in targets if str(t) not in unreachable])
-
-    async def _system_drain(self) -> str:
-        self._drain_command({"by": "system call"})
-        return "draining"
-
-    def _drain_command(self, cmd: dict[str, Any]) -> None:
-        """Drain (graceful stop) asked by an admin: the process then exits as after SIGTERM."""
-        log.info("drain requested by %s", cmd.get("by", "?"))
-        self._background.append(asyncio.get_running_loop().create_task(self.stop(graceful=True)))
-
-    async def _quiesce(self, quiet_s: float = 0.2, limit_s: float = 1.0) -> None:
-        """Wait until callers stop sending (they have seen us Dead) before closing connections."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + limit_s
-        seen = self.dispatcher.statistics().requests
-        quiet_since = loop.time()
-        while loop.time() < end and loop.time() - quiet_since < quiet_s:
-            await asyncio.sleep(0.05)
-            now = self.dispatcher.statistics().requests
-            if now != seen:
-                seen, quiet_since = now, loop.time()
-
     # --- stop --------------------------------------------------------------
     async def stop(self, *, graceful: bool = True) -> None:
-        if self.status in ("stopping", "stopped", "dead"):
+        if self.status is SiloState.STARTING:
+            await self._start_done.wait()  # e.g. a drain asked while starting: stop once started
+        if self.status is SiloState.CREATED:
+            self._finish()
+            return
+        if self.status is not SiloState.ACTIVE:  # stopping, stopped or dead: someone else is
             await self.stopped.wait()
             return
-        self.status = "stopping"
-        addr = str(self.address)
+        self.status = SiloState.STOPPING
+        self._graceful = graceful
         try:
-            await self.reminders.stop()
             if graceful:
                 try:
-                    await self.table.set_status(addr, SiloStatus.SHUTTING_DOWN)
-                except errors.RedgrainError as exc:
-                    log.warning("could not mark %s ShuttingDown: %s", addr, exc)
-                self.dispatcher.draining = True
-                self.cluster_events.emit("drain", {"silo": addr, "activations": len(self.catalog)})
-                await self.migrator.hand_off_keep_alive()
-                await self.catalog.deactivate_all(DeactivationReason.SHUTDOWN)
-            await self._stop_cluster_services()
-            await self.stats_publisher.stop()
-            await self.catalog.stop()
-            await self.watchdog.stop()
-            try:
-                await self.table.set_status(addr, SiloStatus.DEAD)
-                await self.directory.purge_silo(self.address)  # type: ignore[arg-type]
-            except errors.RedgrainError as exc:
-                log.warning("could not mark %s Dead: %s", addr, exc)
-            if graceful:
-                await self._quiesce()
-            self.events.emit("leave", graceful=graceful)
-            await self.events.flush()
-            await self.dispatcher.close()
-            await self.view.stop()
-            await self.transport.close()
-            self.runtime.shutdown()
-            await self.redis.aclose()
+                    await self.departure.hand_off()
+                except Exception:
+                    log.exception("silo %s: hand-off before stopping failed", self.address)
+            await self._unwind()
         finally:
-            self.status = "stopped"
-            self.stopped.set()
-            log.info("silo %s stopped", addr)
+            self._finish()
+
+    async def _unwind(self) -> None:
+        """Run the undos registered so far, newest first; one that fails does not stop the rest."""
+        while self._undo:
+            name, undo = self._undo.pop()
+            try:
+                result = undo()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("silo %s: stopping %s failed", self.address, name)
+
+    async def _leave(self) -> None:
+        if self._declared_dead:
+            return  # see the module docstring: a zombie touches nothing in Redis
+        await self.departure.leave(graceful=self._graceful)
+
+    def _finish(self) -> None:
+        if self.status is not SiloState.DEAD:
+            self.status = SiloState.STOPPED
+        if self._dead_deadline is not None:
+            self._dead_deadline.cancel()
+        self.stopped.set()
+        if self.address is not None:
+            log.info("silo %s stopped", self.address)
 
     def _on_declared_dead(self) -> None:
         """Membership says we are dead: stop serving now, touch nothing in Redis."""
-        if self.status in ("dead", "stopped"):
+        if self._declared_dead or self.status is SiloState.STOPPED:
             return
-        self.status = "dead"
+        self._declared_dead = True
+        was = self.status
+        self.status = SiloState.DEAD
         self.transport.abort_all()
-        if hasattr(self, "stats_publisher"):  # declared dead before start finished
-            self.stats_publisher.stop_nowait()
+        self.stats_publisher.stop_nowait()
         self.events.cancel_pending()
         self.catalog.drop_all_nowait()
         self.dispatcher.closed = True
         loop = asyncio.get_running_loop()
-        self._background.append(loop.create_task(self._finish_dead()))
         # Whoever waits for the end (the CLI exits with 3) must not wait on a cleanup that hangs.
-        loop.call_later(5.0, self.stopped.set)
+        self._dead_deadline = loop.call_later(5.0, self.stopped.set)
+        if was is SiloState.ACTIVE:
+            self._dead_unwind = loop.create_task(self._stop_dead())
+        # STARTING: start() sees the flag after the stage and unwinds; STOPPING: the
+        # stop in progress goes on, and its leave does nothing now.
 
-    async def _finish_dead(self) -> None:
+    async def _stop_dead(self) -> None:
         try:
-            await self.reminders.stop()
-            await self._stop_cluster_services()
-            await self.catalog.stop()
-            await self.watchdog.stop()
-            await self.dispatcher.close()
-            await self.view.stop()
-            self.runtime.shutdown()
-            await self.redis.aclose()
-        except Exception:
-            log.exception("cleanup after being declared dead failed")
+            await self._unwind()
         finally:
-            self.stopped.set()
+            self._finish()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -382,7 +541,7 @@ class Silo:
     @property
     def declared_dead(self) -> bool:
         """The cluster declared this silo dead: it stopped serving and must exit."""
-        return self.status == "dead"
+        return self.status is SiloState.DEAD
 
     # --- client-like access, for grains' callers inside the silo process ---
     def get_grain(self, grain: Any, key: Any) -> Any:
@@ -412,5 +571,3 @@ def _advertised(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return socket.gethostbyname(socket.gethostname())
     return host
-
-

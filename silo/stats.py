@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from silo import errors
-from silo.catalog.catalog import CallContext, CallNext
+from silo.catalog.pipeline import CallContext, CallNext
 from silo.keys import Keys
 from silo.records import (
     BUCKETS_MS,

@@ -32,9 +32,15 @@ import torch
 from grains.training import checkpointing, cluster
 from grains.training.datasets import load_dataset
 from grains.training.driver import Driver
-from grains.training.job import check_job
 from grains.training.elastic import TrainerSilos
-from grains.training.messages import JobStatus, ShardConfig, ShardStatus, TrainerAssignment, TrainerProgress
+from grains.training.job import check_job
+from grains.training.messages import (
+    JobStatus,
+    ShardConfig,
+    ShardStatus,
+    TrainerAssignment,
+    TrainerProgress,
+)
 from grains.training.shard import ParamShardGrain
 from grains.training.trainer import TrainerGrain
 from silo import errors

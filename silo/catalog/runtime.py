@@ -18,8 +18,10 @@ from silo.codec import Codec
 from silo.storage.store import StateStore
 
 if TYPE_CHECKING:
-    from silo.catalog.catalog import Activation
+    from silo.catalog.activation import Activation
+    from silo.cluster.reminders import ReminderService
     from silo.messaging.router import Manifests
+    from silo.storage.checkpoint import Checkpoints
 
 R = TypeVar("R")
 
@@ -65,6 +67,8 @@ class SiloRuntime:
         view: Any = None,
         redis: Any = None,
         keys: Any = None,
+        checkpoints: Checkpoints | None = None,
+        reminders: ReminderService | None = None,
     ) -> None:
         self.view = view
         """The silo's MembershipView (who is in the cluster)."""
@@ -77,7 +81,8 @@ class SiloRuntime:
         self._store = store
         self._codec = codec
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
-        self._reminders: Any = None
+        self._checkpoints = checkpoints
+        self._reminders = reminders
 
     def get_grain(self, grain: Any, key: Any) -> Any:
         return self._refs.get_grain(grain, key)
@@ -93,23 +98,17 @@ class SiloRuntime:
         call = functools.partial(fn, *args, **kwargs) if kwargs else functools.partial(fn, *args)
         return await loop.run_in_executor(self._executor, call)
 
-    def set_reminders(self, reminders: Any) -> None:
-        self._reminders = reminders
-
-    def reminders(self) -> Any:
+    def reminders(self) -> ReminderService:
+        """The silo's reminder service (durable periodic calls)."""
         if self._reminders is None:
             raise errors.ConfigError("reminders are not available on this silo")
         return self._reminders
 
-    def set_checkpoints(self, checkpoints: Any) -> None:
-        self._checkpoints = checkpoints
-
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> Checkpoints:
         """The silo's ``silo.storage.checkpoint.Checkpoints`` (snapshots of grain groups)."""
-        found = getattr(self, "_checkpoints", None)
-        if found is None:
+        if self._checkpoints is None:
             raise errors.ConfigError("checkpoints are not available on this silo")
-        return found
+        return self._checkpoints
 
     def state_handle(self, activation: Activation) -> StateHandle:
         return StateHandle(activation, self._store, self._codec)

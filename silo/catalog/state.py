@@ -30,11 +30,12 @@ from pydantic import BaseModel, ValidationError
 
 from grains.base import DeactivationReason
 from silo import errors
+from silo.catalog.activation import ActivationState
 from silo.codec import Codec, Encoded
 from silo.storage.store import StateStore, StoredState
 
 if TYPE_CHECKING:
-    from silo.catalog.catalog import Activation
+    from silo.catalog.activation import Activation
 
 log = logging.getLogger("redgrain.state")
 
@@ -147,7 +148,7 @@ class StateHandle:
 
     def _flush_soon(self) -> None:
         self._flusher = None
-        if self._act.status == "active":
+        if self._act.status is ActivationState.ACTIVE:
             # As a turn: no other (non-interleaved) turn mutates the state while it streams out.
             self._act.enqueue_internal(self._flush_turn)
         # Otherwise deactivation is under way and flushes itself.
@@ -178,7 +179,7 @@ class StateHandle:
             raise
         except errors.StorageError:
             self._dirty = True  # acknowledged writes must not be dropped: try again later
-            if self._act.status == "active" and self._flusher is None and self._write_behind_s:
+            if self._act.status is ActivationState.ACTIVE and self._flusher is None and self._write_behind_s:
                 self._flusher = asyncio.get_running_loop().call_later(
                     self._write_behind_s, self._flush_soon
                 )

@@ -10,9 +10,8 @@ stale entries; see dotnet/orleans #7054).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -258,69 +257,4 @@ class RedisGrainDirectory:
             cache_size=len(self._cache),
             cache_hits=self._cache.hits,
             cache_misses=self._cache.misses,
-        )
-
-
-class InMemoryGrainDirectory:
-    """The same rules in a dict, for unit tests. ``is_alive`` plays the membership table."""
-
-    def __init__(self, is_alive: Callable[[SiloAddress], bool] = lambda s: True) -> None:
-        self._entries: dict[GrainId, DirectoryEntry] = {}
-        self._is_alive = is_alive
-        self._token = 0
-        self._cache = _Cache(100_000)
-        self._n = _Counters()
-        self.clock = time.monotonic
-
-    async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
-        cur = self._entries.get(grain)
-        if cur is not None and cur.silo == silo:
-            return cur
-        if not self._is_alive(silo):
-            raise errors.MembershipError(f"silo {silo} is not live: it may not register {grain}")
-        if cur is not None and self._is_alive(cur.silo):
-            self._n.conflicts += cur.activation_id != activation_id
-            return cur
-        self._token += 1
-        entry = DirectoryEntry(silo, activation_id, self._token)
-        self._entries[grain] = entry
-        self._n.registrations += 1
-        return entry
-
-    async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool:
-        cur = self._entries.get(grain)
-        if cur is not None and cur.activation_id == activation_id:
-            del self._entries[grain]
-            self._n.unregistrations += 1
-            return True
-        return False
-
-    async def lookup(self, grain: GrainId) -> DirectoryEntry | None:
-        return self._entries.get(grain)
-
-    async def purge_silo(self, silo: SiloAddress) -> int:
-        dead = [g for g, e in self._entries.items() if e.silo == silo]
-        for g in dead:
-            del self._entries[g]
-        self._n.purged += len(dead)
-        return len(dead)
-
-    def cached(self, grain: GrainId) -> DirectoryEntry | None:
-        return self._entries.get(grain)
-
-    def invalidate(self, grain: GrainId) -> None:
-        pass
-
-    def invalidate_silo(self, silo: SiloAddress) -> None:
-        pass
-
-    def statistics(self) -> DirectoryStatistics:
-        return DirectoryStatistics(
-            registrations=self._n.registrations,
-            conflicts=self._n.conflicts,
-            unregistrations=self._n.unregistrations,
-            purged=self._n.purged,
-            cache_size=len(self._entries),
-            cache_hits=0,
-            cache_misses=0,
         )

@@ -48,7 +48,8 @@ import redis
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.cluster.membership import HEARTBEAT_LUA, ClusterEvents, MembershipTable, VoteOutcome
+from silo.cluster.events import ClusterEvents
+from silo.cluster.membership import HEARTBEAT_LUA, MembershipTable, VoteOutcome
 from silo.keys import Keys
 from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
@@ -117,6 +118,9 @@ class HeartbeatThread:
         self.dead = False
 
     def start(self) -> None:
+        # Built with the other components (the dispatcher asks fenced()), started
+        # once the row is Active: liveness counts from here, not from construction.
+        self.last_confirmed = self._monotonic()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {self._address}", daemon=True)
         self._thread.start()
 

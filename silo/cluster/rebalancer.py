@@ -1,4 +1,4 @@
-"""Moving activations: the elected rebalancer, moves between silos, failover, drain.
+"""The elected rebalancer: fails over dead silos and evens out load.
 
 One silo at a time holds the ``rebalancer`` lease in Redis (SET NX PX,
 renewed; a dead leader is replaced after ``lease_ttl_s``). The leader:
@@ -12,14 +12,11 @@ renewed; a dead leader is replaced after ``lease_ttl_s``). The leader:
   silos below the mean, at most ``max_moves_per_period`` per period. A silo
   that just joined has none, so it gets a share within a period.
 
-A move, on the source silo (:class:`Migrator`): calls for the grain wait
-while it moves; the activation is deactivated (``REBALANCE``: its turn
-finishes, ``on_deactivate`` runs, write-behind state is flushed, the directory
-entry is removed), then the target is told to activate it (it registers in
-the directory with check-and-set), and the waiting calls are forwarded there.
-Nothing runs twice and nothing is dropped. ``@immovable`` and ``@keep_alive``
-grains are never moved for balance (keep-alive grains are long-lived and
-expensive to move: training); both move when their silo drains.
+The move itself runs on the source silo (``silo/cluster/migrator.py``);
+``@immovable`` and ``@keep_alive`` grains are never moved for balance
+(keep-alive grains are long-lived and expensive to move: training); both
+move when their silo drains (``silo/cluster/drain.py``). Admin commands such
+as a drain reach a silo through its inbox (``silo/cluster/control.py``).
 """
 
 from __future__ import annotations
@@ -36,22 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
-from grains.base import DeactivationReason
-from grains.ids import GrainId, SiloAddress
+from grains.ids import SiloAddress
 from silo import errors
+from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import wait_event
-from silo.cluster.membership import ClusterEvents, MembershipView
+from silo.cluster.view import MembershipView
 from silo.keys import Keys
 from silo.records import SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RebalancerSettings
 
 if TYPE_CHECKING:
-    from silo.catalog.catalog import Activation, Catalog
     from silo.cluster.directory import RedisGrainDirectory
-    from silo.cluster.placement import Placer
-    from silo.messaging.dispatcher import Dispatcher
-    from silo.messaging.router import Manifests, Router
+    from silo.cluster.migrator import Migrator
+    from silo.messaging.router import Router
 
 log = logging.getLogger("redgrain.rebalancer")
 
@@ -112,113 +107,6 @@ class RebalancerStatistics:
     """Dead silos whose directory entries this silo purged (as leader)."""
     keep_alive_restarted: int
     """@keep_alive grains of dead silos this silo re-activated proactively."""
-
-
-class Migrator:
-    """The source side of a move, and the keep-alive handoff of a draining silo."""
-
-    def __init__(
-        self,
-        *,
-        me: SiloAddress,
-        catalog: Catalog,
-        dispatcher: Dispatcher,
-        router: Router,
-        view: MembershipView,
-        manifests: Manifests,
-        placer: Placer,
-        events: ClusterEvents,
-    ) -> None:
-        self._me = me
-        self._catalog = catalog
-        self._dispatcher = dispatcher
-        self._router = router
-        self._view = view
-        self._manifests = manifests
-        self._placer = placer
-        self._events = events
-        self._batch: asyncio.Task[int] | None = None
-        self.moved = 0
-        self.failures = 0
-
-    def movable(self, *, for_drain: bool = False) -> list[Activation]:
-        """Activations that may move, idle and least recently used first."""
-        acts = [
-            a
-            for a in self._catalog.activations()
-            if a.status == "active"
-            and not a.options.stateless_worker
-            and (for_drain or not (a.options.immovable or a.options.keep_alive))
-        ]
-        return sorted(acts, key=lambda a: (a.busy, a.last_used))
-
-    async def move(self, act: Activation, target: SiloAddress) -> bool:
-        """Deactivate here, activate on ``target``; calls that arrive meanwhile follow it."""
-        grain = act.grain_id
-        moving: asyncio.Future[SiloAddress | None] = asyncio.get_running_loop().create_future()
-        self._dispatcher.moving[grain] = moving
-        where: SiloAddress | None = None
-        try:
-            await self._catalog.deactivate(act, DeactivationReason.REBALANCE)
-            try:
-                where = SiloAddress.parse(await self._router.activate(grain, target))
-            except errors.RedgrainError as exc:
-                log.warning("move of %s to %s failed: %s", grain, target, exc)
-        finally:
-            moving.set_result(where)
-            self._dispatcher.moving.pop(grain, None)
-        if where is None:
-            self.failures += 1
-            return False
-        self.moved += 1
-        return True
-
-    def move_out_nowait(self, count: int, targets: list[str]) -> int:
-        """Start moving up to ``count`` activations to ``targets`` (round robin); how many will go."""
-        if self._batch is not None and not self._batch.done():
-            return 0  # one batch at a time: the leader asks again next period
-        acts = self.movable()[: max(0, count)]
-        silos = [SiloAddress.parse(t) for t in targets if t != str(self._me)]
-        if not acts or not silos:
-            return 0
-        self._batch = asyncio.get_running_loop().create_task(self._move_all(acts, silos))
-        return len(acts)
-
-    async def _move_all(self, acts: list[Activation], silos: list[SiloAddress]) -> int:
-        moved = 0
-        for i, act in enumerate(acts):
-            if act.status != "active":
-                continue
-            moved += await self.move(act, silos[i % len(silos)])
-        self._events.emit(
-            "rebalance", {"from": str(self._me), "moved": moved, "to": [str(s) for s in silos]}
-        )
-        return moved
-
-    def _target_for(self, grain: GrainId) -> SiloAddress | None:
-        info = self._manifests.get_nowait(grain.type_name)
-        if info is None:
-            return None
-        candidates = [r for r in self._view.hosting(grain.type_name) if r.silo != self._me]
-        try:
-            return self._placer.place(grain, info.placement, candidates, None)
-        except errors.SiloUnavailableError:
-            return None
-
-    async def hand_off_keep_alive(self) -> int:
-        """Draining: move every @keep_alive activation to another silo now, not on next call."""
-        acts = [a for a in self.movable(for_drain=True) if a.options.keep_alive]
-        moved = 0
-        for act in acts:
-            target = self._target_for(act.grain_id)
-            if target is not None and act.status == "active":
-                moved += await self.move(act, target)
-        return moved
-
-    async def stop(self) -> None:
-        if self._batch is not None:
-            self._batch.cancel()
-            await asyncio.gather(self._batch, return_exceptions=True)
 
 
 class Rebalancer:
@@ -374,61 +262,3 @@ class Rebalancer:
             failovers=self.failovers,
             keep_alive_restarted=self.keep_alive_restarted,
         )
-
-
-class ControlInbox:
-    """Admin commands for this silo from ``keys.control(silo)`` (the dashboard, ``redgrain drain``).
-
-    A command is JSON ``{"command": "drain", ...}``; the list has a TTL set by
-    the sender. Polled, since commands are rare and must survive a silo that
-    was busy when one was pushed.
-    """
-
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        me: SiloAddress,
-        handlers: dict[str, Callable[[dict[str, Any]], Any]],
-        poll_s: float = 0.25,
-    ) -> None:
-        self._redis = redis
-        self._key = keys.control(str(me))
-        self._handlers = handlers
-        self._poll_s = poll_s
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self.received = 0
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        self._stopping = True
-        if self._task is not None and self._task is not asyncio.current_task():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
-
-    async def _run(self) -> None:
-        while not self._stopping:
-            try:
-                with redis_errors("control inbox"):
-                    raw = await self._redis.lpop(self._key)
-            except errors.StorageError as exc:
-                log.warning("%s", exc)
-                raw = None
-            if raw is None:
-                await asyncio.sleep(self._poll_s)
-                continue
-            try:
-                cmd = json.loads(raw if isinstance(raw, (bytes, str)) else b"")
-                handler = self._handlers[str(cmd["command"])]
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring unknown control command %r", raw)
-                continue
-            self.received += 1
-            try:
-                handler(cmd)
-            except Exception:
-                log.exception("control command %r failed", raw)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
+from grains.call import Call
 from grains.ids import GrainId
 from silo import errors
 from silo.keys import Keys
@@ -31,7 +32,7 @@ from silo.redis_util import redis_errors
 from silo.settings import RemindersSettings
 
 if TYPE_CHECKING:
-    from silo.catalog.catalog import Activation
+    from silo.catalog.activation import Activation
     from silo.messaging.dispatcher import Dispatcher
     from silo.messaging.router import Manifests, Router
     from silo.messaging.transport import Transport
@@ -173,10 +174,10 @@ Deliver = Callable[[GrainId, str], Awaitable[Any]]
 class ReminderService:
     """One silo's share of reminders: registration for its grains and the poll-and-fire loop."""
 
-    def __init__(self, table: ReminderTable, settings: RemindersSettings, deliver: Deliver) -> None:
+    def __init__(self, table: ReminderTable, settings: RemindersSettings) -> None:
         self.table = table
         self._settings = settings
-        self._deliver = deliver
+        self._deliver: Deliver | None = None
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -194,7 +195,15 @@ class ReminderService:
     async def list(self, grain: GrainId | None = None) -> builtins.list[Reminder]:
         return await self.table.list(grain)
 
-    def start(self) -> None:
+    def start(self, deliver: Deliver) -> None:
+        """Claim and fire due ticks through ``deliver`` until stopped.
+
+        The delivery is given here, not to the constructor: it needs the
+        silo's dispatcher, which is built from the catalog, which is built
+        from the runtime that hands grains this service to register with.
+        Registering works from construction on; firing from here on.
+        """
+        self._deliver = deliver
         self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def stop(self) -> None:
@@ -220,21 +229,22 @@ class ReminderService:
 
     async def poll(self) -> int:
         """Claim what is due and start delivering it; returns how many ticks were claimed."""
+        deliver = self._deliver
         room = self._settings.batch - len(self._inflight)
-        if room <= 0:
-            return 0  # deliveries are backed up: leave the rest to other silos
+        if deliver is None or room <= 0:
+            return 0  # not started, or deliveries are backed up: leave the rest to other silos
         due = await self.table.claim(room)
         self._claimed += len(due)
         loop = asyncio.get_running_loop()
         for r in due:
-            task = loop.create_task(self._fire(r))
+            task = loop.create_task(self._fire(deliver, r))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         return len(due)
 
-    async def _fire(self, r: Reminder) -> None:
+    async def _fire(self, deliver: Deliver, r: Reminder) -> None:
         try:
-            await self._deliver(r.grain, r.name)
+            await deliver(r.grain, r.name)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed tick must not stop the others
@@ -281,9 +291,7 @@ class RouterDelivery:
             target = await self._router.locate(grain, info)
             try:
                 if target == self._dispatcher.address:
-                    return await self._dispatcher.dispatch(
-                        grain, REMINDER_METHOD, (name,), None, deadline, (), 0
-                    )
+                    return await self._dispatcher.dispatch(Call(grain, REMINDER_METHOD, (name,)), deadline)
                 try:
                     conn = await self._transport.connect(target.endpoint)
                 except errors.SiloUnavailableError:
@@ -292,9 +300,7 @@ class RouterDelivery:
                     self._router.forget_silo(target)
                 else:
                     remaining = deadline - loop.time()
-                    return await self._router.send(
-                        conn, grain, REMINDER_METHOD, (name,), None, remaining, (), 0
-                    )
+                    return await self._router.send(conn, Call(grain, REMINDER_METHOD, (name,), None, remaining))
             except errors.SiloNotServingError:
                 if loop.time() + delay > deadline:
                     raise

@@ -5,23 +5,32 @@ router (calls between grains of this silo). A call that reaches a silo that
 does not own the grain is forwarded to the owner (at most two hops); a call
 that was queued on an activation that then went away is re-routed, never
 dropped.
+
+Each request becomes one :class:`~grains.call.Call` (rebuilt from the frame
+header, or handed over by the router) and a deadline on this silo's clock,
+set when it arrives; both travel together through serving, forwarding and
+re-routing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
-from silo.catalog.catalog import Activation, Catalog, Invocation, Reply, Reroute
+from silo.catalog.activation import Activation, ActivationState
+from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
+from silo.catalog.invocation import Invocation, Reply, Reroute
 from silo.cluster.reminders import REMINDER_METHOD, reminder_turn
-from silo.messaging.transport import CANCEL, ONEWAY, REQUEST, Connection, Frame
+from silo.messaging.connection import Connection
+from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 
 if TYPE_CHECKING:
     from silo.messaging.router import Router
@@ -34,6 +43,13 @@ SYSTEM_TYPE = "$silo"
 """Reserved grain type of the silo's control surface (same value as router.SYSTEM_TYPE)."""
 
 SystemHandler = Callable[..., Awaitable[Any]]
+
+_ACTIVE = ActivationState.ACTIVE  # an enum attribute lookup costs ~75 ns on Python 3.11
+_new_call = tuple.__new__  # Call with all seven fields, minus NamedTuple's Python-level __new__
+
+
+def _never_fenced() -> bool:
+    return False
 
 
 async def _always_alive(timeout_s: float) -> bool:
@@ -55,7 +71,18 @@ class DispatcherStatistics:
 
 
 class Dispatcher:
-    def __init__(self, *, address: SiloAddress, catalog: Catalog, types: GrainTypes, router: Router) -> None:
+    def __init__(
+        self,
+        *,
+        address: SiloAddress,
+        catalog: Catalog,
+        types: GrainTypes,
+        router: Router,
+        fenced: Callable[[], bool] = _never_fenced,
+        confirm_alive: Callable[[float], Awaitable[bool]] = _always_alive,
+        moving: dict[GrainId, asyncio.Future[SiloAddress | None]] | None = None,
+        system: Mapping[str, SystemHandler] | None = None,
+    ) -> None:
         self.address = address
         self._catalog = catalog
         self._types = types
@@ -67,17 +94,18 @@ class Dispatcher:
         self.closed = False
         self.draining = False
         """Set when the silo is ShuttingDown: serve existing activations, create none."""
-        self.fenced: Callable[[], bool] = lambda: False
+        self.fenced = fenced
         """True while liveness is unconfirmed (peers may have declared us dead): serve nothing."""
-        self.confirm_alive: Callable[[float], Awaitable[bool]] = _always_alive
+        self.confirm_alive = confirm_alive
         """Wait up to the given seconds for liveness to be confirmed again (heartbeat thread)."""
-        self.moving: dict[GrainId, asyncio.Future[SiloAddress | None]] = {}
-        """Grains being moved to another silo: their calls wait, then follow (rebalancer)."""
+        self.moving: dict[GrainId, asyncio.Future[SiloAddress | None]] = {} if moving is None else moving
+        """Grains being moved to another silo: their calls wait, then follow (the migrator's dict)."""
         self.system: dict[str, SystemHandler] = {
             "activate": self._system_activate,
             "activations": self._system_activations,
+            **(system or {}),
         }
-        """The silo's control surface, reached as grain type ``$silo``; the silo adds more."""
+        """The silo's control surface, reached as grain type ``$silo`` (the silo adds move, drain)."""
         catalog.on_reroute = self._reroute_queued
 
     # --- from the transport ------------------------------------------------
@@ -98,8 +126,8 @@ class Dispatcher:
         self._requests += 1
         req_id = header[1]
         try:
+            # The header's fields after kind and id: type, key, method, timeout_ms, chain, hops.
             _, _, type_name, key, method, timeout_ms, chain, hops = header[:8]
-            grain = GrainId(str(type_name), str(key))
             body = conn.codec.decode(frame.meta, frame.buffers)
             if isinstance(body, tuple) and len(body) == 2 and isinstance(body[1], dict) and isinstance(body[0], tuple):
                 args, kwargs = body
@@ -107,46 +135,34 @@ class Dispatcher:
                 args, kwargs = tuple(body), None
             else:
                 raise errors.CodecError(f"request body must be an argument tuple, got {type(body).__name__}")
-            deadline = asyncio.get_running_loop().time() + float(timeout_ms) / 1000.0
-            method, chain, hops = str(method), tuple(map(str, chain)) if chain else (), int(hops)
+            timeout_s = float(timeout_ms) / 1000.0
+            call = _new_call(
+                Call,
+                (
+                    GrainId(str(type_name), str(key)),
+                    str(method),
+                    args,
+                    kwargs,
+                    timeout_s,
+                    tuple(map(str, chain)) if chain else (),
+                    int(hops),
+                ),
+            )
         except (errors.CodecError, ValueError, TypeError) as exc:
             self._errors += 1
             err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
             conn.send_error(req_id, err)
             return
-        if not self._serve_nowait(conn, req_id, grain, method, args, kwargs, deadline, chain, hops):
-            self._spawn_serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        if not self._serve_nowait(conn, req_id, call, deadline):
+            self._spawn_serve(conn, req_id, call, deadline)
 
-    def _spawn_serve(
-        self,
-        conn: Connection,
-        req_id: int,
-        grain: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        deadline: float,
-        chain: tuple[str, ...],
-        hops: int,
-    ) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
-        )
+    def _spawn_serve(self, conn: Connection, req_id: int, call: Call, deadline: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _serve_nowait(
-        self,
-        conn: Connection,
-        req_id: int,
-        grain: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        deadline: float,
-        chain: tuple[str, ...],
-        hops: int,
-    ) -> bool:
+    def _serve_nowait(self, conn: Connection, req_id: int, call: Call, deadline: float) -> bool:
         """Queue a call to a live local activation without a task of its own.
 
         A task per request cost more than the rest of serving a small call; when
@@ -154,10 +170,11 @@ class Dispatcher:
         into its mailbox and the answer is sent from the invocation's done
         callback. Returns False when dispatch() must handle the call.
         """
+        grain, method, args, kwargs, _, chain, _ = call
         act = self._catalog.get(grain)
         if (
             act is None
-            or act.status != "active"
+            or act.status is not _ACTIVE
             or self.closed
             or self.draining
             or method == REMINDER_METHOD
@@ -172,19 +189,15 @@ class Dispatcher:
         def answer(result: Any, exc: BaseException | None) -> None:
             # Runs inside the activation's turn: a failure to answer must not break its mailbox.
             try:
-                self._answer(result, exc, conn, req_id, track, grain, method, args, kwargs, deadline, chain, hops)
+                self._answer(result, exc, conn, req_id, track, call, deadline)
             except Exception:
-                log.exception("could not answer %s.%s to %s", grain, method, conn.peer)
+                log.exception("could not answer %s.%s to %s", call.grain, call.method, conn.peer)
 
+        # Positional (method, args, kwargs, chain, deadline, future, callback, interleave,
+        # read_only): keyword arguments cost 0.3 µs more per call on Python 3.11.
         inv = Invocation(
-            method=method,
-            args=args,
-            kwargs=kwargs,
-            chain=chain,
-            deadline=deadline,
-            future=Reply(answer),
-            interleave=method in options.interleave,
-            read_only=method in options.read_only,
+            method, args, kwargs, chain, deadline, Reply(answer), None,
+            method in options.interleave, method in options.read_only,
         )
         inv.activation = act
         self._in_flight[track] = inv
@@ -199,20 +212,15 @@ class Dispatcher:
         conn: Connection,
         req_id: int,
         track: tuple[int, int],
-        grain: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
+        call: Call,
         deadline: float,
-        chain: tuple[str, ...],
-        hops: int,
     ) -> None:
         self._queued_nowait -= 1
         self._in_flight.pop(track, None)
         if isinstance(exc, Reroute):
             # The activation went away before the call started: the full path looks again.
             self._rerouted += 1
-            self._spawn_serve(conn, req_id, grain, method, args, kwargs, deadline, chain, hops)
+            self._spawn_serve(conn, req_id, call, deadline)
         elif exc is not None:
             self._errors += 1
             conn.send_error(req_id, exc)
@@ -239,20 +247,9 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(
-        self,
-        conn: Connection,
-        req_id: int,
-        grain: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        deadline: float,
-        chain: tuple[str, ...],
-        hops: int,
-    ) -> None:
+    async def _serve(self, conn: Connection, req_id: int, call: Call, deadline: float) -> None:
         try:
-            result = await self.dispatch(grain, method, args, kwargs, deadline, chain, hops, (id(conn), req_id))
+            result = await self.dispatch(call, deadline, (id(conn), req_id))
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             self._errors += 1
             conn.send_error(req_id, exc)
@@ -263,17 +260,9 @@ class Dispatcher:
             conn.send_response(req_id, result)
 
     # --- the local entry point (router calls this for grains on this silo) --
-    async def dispatch(
-        self,
-        grain: GrainId,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        deadline: float,
-        chain: tuple[str, ...],
-        hops: int,
-        track: tuple[int, int] | None = None,
-    ) -> Any:
+    async def dispatch(self, call: Call, deadline: float, track: tuple[int, int] | None = None) -> Any:
+        """Run ``call`` on this silo's activation of its grain, or forward it to the grain's owner."""
+        grain, method, args, kwargs, _, chain, hops = call  # one unpack: cheaper than six reads
         if self.closed:
             raise errors.SiloNotServingError(str(self.address), "silo is stopping")
         if self.fenced():
@@ -293,7 +282,7 @@ class Dispatcher:
                 target = await asyncio.shield(move)
                 if target is not None and target != self.address and hops < MAX_HOPS:
                     self._forwarded += 1
-                    return await self._router.forward(target, grain, method, args, kwargs, deadline, chain, hops + 1)
+                    return await self._router.forward(target, call, deadline)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
             if options.stateless_worker:
@@ -304,19 +293,13 @@ class Dispatcher:
                     if hops >= MAX_HOPS:
                         raise errors.SiloUnavailableError(str(found), f"{grain} still not found after {hops} hops")
                     self._forwarded += 1
-                    return await self._router.forward(found, grain, method, args, kwargs, deadline, chain, hops + 1)
+                    return await self._router.forward(found, call, deadline)
                 act = found
             fut: asyncio.Future[Any] = loop.create_future()
-            inv = Invocation(
-                method=method,
-                args=args,
-                kwargs=kwargs,
-                chain=chain,
-                deadline=deadline,
-                future=fut,
-                interleave=method in options.interleave,
-                read_only=method in options.read_only,
-                callback=reminder_turn(act, args) if method == REMINDER_METHOD else None,
+            inv = Invocation(  # positional, as in _serve_nowait
+                method, args, kwargs, chain, deadline, fut,
+                reminder_turn(act, args) if method == REMINDER_METHOD else None,
+                method in options.interleave, method in options.read_only,
             )
             if track is not None:
                 self._in_flight[track] = inv
@@ -359,7 +342,7 @@ class Dispatcher:
         return {
             str(a.grain_id): a.activation_id
             for a in self._catalog.activations()
-            if a.status in ("active", "activating") and not a.options.stateless_worker
+            if a.status in (ActivationState.ACTIVE, ActivationState.ACTIVATING) and not a.options.stateless_worker
         }
 
     async def close(self) -> None:

@@ -1,7 +1,63 @@
 """Test doubles and local clusters, public like ``trio.testing``.
 
-In-memory twins of every seam (directory, membership table, state store,
-transport), a fake clock, the embedded Redis helper and ``LocalCluster``
-(a private Redis plus silo subprocesses). Unit tests use the twins; cluster
-tests start real processes.
+In-memory twins of the seams (``InMemoryGrainDirectory``,
+``InMemoryMembershipTable``, ``InMemoryStateStore``: the Redis
+implementations' rules in dicts, held to the same contract tests), a fake
+clock (``VirtualClock``) that also drives the event loop's timers,
+``InProcessSilo`` (one silo's catalog on the twins, called in-process), the
+embedded Redis helper (``RedisServer``) and ``LocalCluster`` (a private
+Redis plus silo subprocesses). Unit tests use the twins; cluster tests start
+real processes.
+
+The names load on first use (PEP 562): ``import silo.testing`` imports none
+of them.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from silo.testing.clock import VirtualClock
+    from silo.testing.directory import InMemoryGrainDirectory
+    from silo.testing.embedded import RedisServer
+    from silo.testing.harness import InProcessSilo
+    from silo.testing.local import LocalCluster, LocalSilo, SiloLaunch, SiloStartError
+    from silo.testing.membership import InMemoryMembershipTable
+    from silo.testing.store import InMemoryStateStore
+
+_LAZY = {
+    "InMemoryGrainDirectory": "silo.testing.directory",
+    "InMemoryMembershipTable": "silo.testing.membership",
+    "InMemoryStateStore": "silo.testing.store",
+    "InProcessSilo": "silo.testing.harness",
+    "LocalCluster": "silo.testing.local",
+    "LocalSilo": "silo.testing.local",
+    "RedisServer": "silo.testing.embedded",
+    "SiloLaunch": "silo.testing.local",
+    "SiloStartError": "silo.testing.local",
+    "VirtualClock": "silo.testing.clock",
+}
+
+__all__ = [
+    "InMemoryGrainDirectory",
+    "InMemoryMembershipTable",
+    "InMemoryStateStore",
+    "InProcessSilo",
+    "LocalCluster",
+    "LocalSilo",
+    "RedisServer",
+    "SiloLaunch",
+    "SiloStartError",
+    "VirtualClock",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'silo.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

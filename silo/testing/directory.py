@@ -15,10 +15,11 @@ it to a membership twin with ``InMemoryGrainDirectory(table.is_alive)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.cluster.directory import DirectoryEntry, DirectoryStatistics, _Cache
+from silo.cluster.directory import DirectoryEntry, DirectoryStatistics, GrainDirectory, _Cache
 
 
 def _always_alive(silo: SiloAddress) -> bool:
@@ -131,3 +132,7 @@ class InMemoryGrainDirectory:
             cache_hits=self._cache.hits,
             cache_misses=self._cache.misses,
         )
+
+
+if TYPE_CHECKING:
+    _twin: GrainDirectory = InMemoryGrainDirectory()  # mypy holds the twin to the protocol

@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
-from silo.storage.store import _CONFLICTS, StorageStatistics, StoredState, parse_stream, stream_parts
+from silo.storage.store import (
+    _CONFLICTS,
+    StateStore,
+    StorageStatistics,
+    StoredState,
+    parse_stream,
+    stream_parts,
+)
 
 
 class InMemoryStateStore:
@@ -96,3 +104,7 @@ class InMemoryStateStore:
             bytes_read=self._bytes_read,
             chunks_written=0,
         )
+
+
+if TYPE_CHECKING:
+    _twin: StateStore = InMemoryStateStore()  # mypy holds the twin to the protocol

@@ -26,7 +26,8 @@ from silo.client import ClusterClient
 from silo.cluster.membership import RedisMembershipTable
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
-from silo.messaging.transport import REQUEST, Transport
+from silo.messaging.frame import REQUEST
+from silo.messaging.transport import Transport
 from silo.records import SiloStatus
 from silo.settings import TransportSettings
 from silo.testing.embedded import RedisServer

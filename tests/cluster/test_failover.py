@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
@@ -207,7 +208,7 @@ async def test_silo_paused_past_death_timeout_stops_itself_and_does_not_serve(
         answer: object = None
         try:
             conn = await connecting
-            answer = await client.router.send(conn, GrainId("Tracked", key), "hit", (), None, 3.0, (), 0)
+            answer = await client.router.send(conn, Call(GrainId("Tracked", key), "hit", (), None, 3.0))
         except errors.RedgrainError as exc:
             answer = exc
         assert isinstance(answer, errors.SiloUnavailableError), f"resumed zombie answered: {answer!r}"

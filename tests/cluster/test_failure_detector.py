@@ -4,29 +4,22 @@ from __future__ import annotations
 
 from grains.ids import SiloAddress
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
-from silo.cluster.membership import InMemoryMembershipTable
 from silo.keys import Keys
 from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
+from silo.testing.clock import VirtualClock
+from silo.testing.membership import InMemoryMembershipTable
 
 SETTINGS = MembershipSettings(
     heartbeat_s=1.0, suspect_after_s=3.0, probe_timeout_s=1.0, dead_after_s=4.0, probe_interval_s=0.25
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class World:
     """n silos in one in-memory table; each has a detector; probes answer from a dict."""
 
     def __init__(self, n: int) -> None:
-        self.clock = Clock()
+        self.clock = VirtualClock(start=1000.0)
         self.table = InMemoryMembershipTable(clock=self.clock)
         self.silos = [SiloAddress("127.0.0.1", 7000 + i, 1) for i in range(n)]
         self.answers: dict[SiloAddress, ProbeResult] = {s: ProbeResult.OK for s in self.silos}
@@ -37,7 +30,7 @@ class World:
         for s in self.silos:
             self.table.rows[str(s)] = MemberRow(
                 address=str(s), host=s.host, port=s.port, generation=1,
-                status=SiloStatus.ACTIVE, heartbeat=self.clock.now,
+                status=SiloStatus.ACTIVE, heartbeat=self.clock(),
             )  # fmt: skip
             self.detectors[s] = FailureDetector(
                 table=self.table,
@@ -55,11 +48,11 @@ class World:
 
     async def beat(self, *silos: SiloAddress) -> None:
         for s in silos:
-            await self.table.heartbeat(str(s), self.clock.now, SiloLoad())
+            await self.table.heartbeat(str(s), self.clock(), SiloLoad())
 
     async def round(self, *, advance: float = 0.5, beating: tuple[SiloAddress, ...] = ()) -> None:
         """Advance the clock, let the ``beating`` silos heartbeat, run every live detector once."""
-        self.clock.now += advance
+        self.clock.jump(advance)
         await self.beat(*beating)
         for s, d in self.detectors.items():
             if self.status(s) is not SiloStatus.DEAD:
@@ -100,15 +93,15 @@ async def test_refused_connection_votes_at_once_and_two_peers_declare_death() ->
     a, b, killed = w.silos
     await w.round(advance=0.0)
     w.answers[killed] = ProbeResult.REFUSED
-    w.clock.now += 0.25
+    w.clock.jump(0.25)
     await w.detectors[a].check_once()
     await w.detectors[a].wait_probes()
     assert w.status(killed) is SiloStatus.ACTIVE, "one vote of three silos is not enough"
-    w.clock.now += 0.25
+    w.clock.jump(0.25)
     await w.detectors[b].check_once()
     await w.detectors[b].wait_probes()
     assert w.status(killed) is SiloStatus.DEAD
-    assert w.clock.now - 1000.0 < 1.0
+    assert w.clock() - 1000.0 < 1.0
 
 
 async def test_last_survivor_of_two_declares_alone() -> None:
@@ -125,12 +118,12 @@ async def test_vote_is_void_once_the_heartbeat_moves() -> None:
     a, b, flaky = w.silos
     await w.round(advance=0.0)
     w.answers[flaky] = ProbeResult.REFUSED
-    w.clock.now += 0.25
+    w.clock.jump(0.25)
     await w.detectors[a].check_once()
     await w.detectors[a].wait_probes()
     # It was alive after all: it heartbeats before the second vote.
     w.answers[flaky] = ProbeResult.OK
-    w.clock.now += 1.0
+    w.clock.jump(1.0)
     await w.beat(flaky)
     await w.detectors[b].check_once()
     await w.detectors[b].wait_probes()
@@ -150,17 +143,17 @@ async def test_silo_that_reads_itself_dead_stops() -> None:
 async def test_heartbeat_thread_fences_when_liveness_is_unconfirmed() -> None:
     import asyncio
 
-    mono = Clock()
+    mono = VirtualClock(start=1000.0)
     hb = HeartbeatThread(
         redis_url="redis://unused", keys=Keys("t"), address="x", settings=SETTINGS,
         load=SiloLoad, on_dead=lambda: None, loop=asyncio.get_running_loop(), monotonic=mono,
     )  # fmt: skip
     assert not hb.fenced()
-    mono.now += SETTINGS.dead_after_s - 0.1
+    mono.jump(SETTINGS.dead_after_s - 0.1)
     assert not hb.fenced()
-    mono.now += 0.2  # e.g. resumed after SIGSTOP: peers may have declared us dead
+    mono.jump(0.2)  # e.g. resumed after SIGSTOP: peers may have declared us dead
     assert hb.fenced()
-    hb.last_confirmed = mono.now
+    hb.last_confirmed = mono()
     assert not hb.fenced()
 
 

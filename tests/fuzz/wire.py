@@ -1,4 +1,4 @@
-"""Raw frames over a plain socket, for fuzzing a live silo (layout: silo/messaging/transport.py docstring)."""
+"""Raw frames over a plain socket, for fuzzing a live silo (layout: silo/messaging/frame.py docstring)."""
 
 from __future__ import annotations
 

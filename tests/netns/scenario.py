@@ -18,6 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.client import ClusterClient
@@ -157,7 +158,7 @@ class Run:
             self._raw = Transport(TransportSettings(connect_timeout_s=1.0), self.observer.codec)
         try:
             conn = await asyncio.wait_for(self._raw.connect(silo.endpoint), timeout_s)
-            return await self.observer.router.send(conn, GrainId("NetCounter", key), method, (), None, timeout_s, (), 0)
+            return await self.observer.router.send(conn, Call(GrainId("NetCounter", key), method, (), None, timeout_s))
         except (errors.RedgrainError, TimeoutError) as exc:
             self._raw.drop(silo.endpoint)
             return exc

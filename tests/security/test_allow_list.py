@@ -10,7 +10,8 @@ import pytest
 from silo import errors
 from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
-from silo.messaging.transport import REQUEST, Transport
+from silo.messaging.frame import REQUEST
+from silo.messaging.transport import Transport
 from silo.settings import TransportSettings
 from silo.silo import Silo
 from tests.helpers import SiloProcess

@@ -1,4 +1,8 @@
-"""The runtime core in one process: activation, turns, errors, timers, idle collection."""
+"""The runtime core over real Redis and TCP: activation, turns, errors, timers, placement.
+
+Turn order, reentrancy, @interleave, deadlocks, re-routing and idle collection on
+virtual time are tested on the in-memory twins in ``tests/silo/catalog/``.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,10 @@ import torch
 
 from silo import errors
 from silo.client import ClusterClient
-from silo.settings import CatalogSettings
 from tests.sample_grains import (
     Counter,
     Echo,
     Fragile,
-    Gate,
-    Lifecycle,
     NamedGrain,
     PingPong,
     ReentrantPingPong,
@@ -100,26 +101,6 @@ async def test_grain_exception_arrives_as_remote_error_with_traceback(cluster, c
     assert await client.get_grain(Echo, "e").echo(1) == 1
 
 
-async def test_idle_activation_is_collected_and_reactivated_later(
-    cluster, client: ClusterClient
-) -> None:
-    (silo,) = await cluster(1, catalog=CatalogSettings(idle_timeout_s=0.05, collection_interval_s=3600))
-    life = client.get_grain(Lifecycle, "x")
-    assert await life.counts() == (1, 0)
-    act = silo.catalog.get(life.grain_id)
-    assert act is not None
-    await asyncio.wait_for(_until(lambda: silo.catalog.clock() - act.last_used >= 0.05), 5)
-    assert silo.catalog.collect_idle() == 1
-    await asyncio.wait_for(act.deactivated.wait(), 5)
-    assert silo.catalog.get(life.grain_id) is None
-    assert await life.counts() == (2, 1)
-
-
-async def _until(cond) -> None:  # type: ignore[no-untyped-def]
-    while not cond():
-        await asyncio.sleep(0.01)
-
-
 async def test_64mb_tensor_round_trips_bit_exact(cluster, client: ClusterClient) -> None:
     await cluster(1)
     t = torch.randn(16 * 1024 * 1024, dtype=torch.float32)
@@ -134,16 +115,6 @@ async def test_non_reentrant_call_cycle_fails_with_deadlock_error(cluster, clien
         await client.get_grain(PingPong, "a").ping("b", 3)
     assert "PingPong/a -> PingPong/b -> PingPong/a" in str(info.value)
     assert await client.get_grain(ReentrantPingPong, "a").ping("b", 3) == 3
-
-
-async def test_interleave_method_runs_while_another_call_waits(cluster, client: ClusterClient) -> None:
-    await cluster(1)
-    gate = client.get_grain(Gate, "g")
-    waiting = asyncio.ensure_future(gate.wait())
-    await asyncio.sleep(0.05)
-    assert not waiting.done()
-    await gate.open()
-    assert await asyncio.wait_for(waiting, 5) == "opened"
 
 
 async def test_exception_type_marked_deactivates_the_activation(cluster, client: ClusterClient) -> None:
@@ -205,24 +176,3 @@ async def test_counter_state_survives_deactivation(cluster, client: ClusterClien
     assert act is not None
     await silo.catalog.deactivate(act, __import__("grains").DeactivationReason.REQUESTED)
     assert await c.get() == 5
-
-
-async def test_calls_queued_on_a_deactivating_grain_are_rerouted_not_dropped(
-    cluster, client: ClusterClient
-) -> None:
-    (silo,) = await cluster(1)
-    seq = client.get_grain(Sequencer, "q")
-    await seq.history()
-    act = silo.catalog.get(seq.grain_id)
-    assert act is not None
-    calls = [asyncio.ensure_future(seq.step(i)) for i in range(50)]
-    await asyncio.sleep(0)
-    await asyncio.gather(_deactivate_soon(silo, act), *calls)
-    assert [c.result() for c in calls] == list(range(50))
-
-
-async def _deactivate_soon(silo, act) -> None:  # type: ignore[no-untyped-def]
-    await asyncio.sleep(0.005)
-    from grains import DeactivationReason
-
-    await silo.catalog.deactivate(act, DeactivationReason.REQUESTED)

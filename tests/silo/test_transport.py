@@ -20,7 +20,7 @@ from pydantic import SecretStr
 
 from silo.client import ClusterClient
 from silo.codec import Codec
-from silo.messaging.transport import AUTH, AUTH_OK, BUFLEN, ERROR, HELLO, PREFIX, REQUEST, RESPONSE
+from silo.messaging.frame import AUTH, AUTH_OK, BUFLEN, ERROR, HELLO, PREFIX, REQUEST, RESPONSE
 from silo.settings import TransportSettings
 from silo.silo import Silo
 from tests.sample_grains import Echo

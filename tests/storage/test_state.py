@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from grains import Grain, grain_type
+from grains.call import Call
 from grains.ids import GrainId
 from silo import errors
 from silo.client import ClusterClient
@@ -59,9 +60,7 @@ async def test_zombie_activation_gets_state_conflict_and_is_deactivated(cluster,
     act = _activation(owner, gid)
     await _take_over(owner, gid, other)
     with pytest.raises(errors.StateConflictError, match="fencing token"):
-        await owner.dispatcher.dispatch(
-            gid, "add", (10,), None, asyncio.get_running_loop().time() + 5, (), 0
-        )
+        await owner.dispatcher.dispatch(Call(gid, "add", (10,)), asyncio.get_running_loop().time() + 5)
     await asyncio.wait_for(act.deactivated.wait(), 5)
     assert owner.catalog.get(gid) is None
     assert await _stored_value(owner, gid) == {"value": 1}  # the zombie's +10 never landed
@@ -75,9 +74,7 @@ async def test_zombie_whose_directory_entry_was_purged_cannot_write(cluster) -> 
     act = _activation(silo, gid)
     await silo.redis.delete(silo.keys.directory_entry(str(gid)))  # as a survivor's purge would
     with pytest.raises(errors.StateConflictError):
-        await silo.dispatcher.dispatch(
-            gid, "add", (1,), None, asyncio.get_running_loop().time() + 5, (), 0
-        )
+        await silo.dispatcher.dispatch(Call(gid, "add", (1,)), asyncio.get_running_loop().time() + 5)
     await asyncio.wait_for(act.deactivated.wait(), 5)
     assert await _stored_value(silo, gid) == {"value": 2}
 

@@ -1,0 +1,120 @@
+"""Two checkouts measured in one session, printed side by side.
+
+    python -m benchmarks.side_by_side --baseline ../old-main [--rounds 2] [--what calls,training]
+
+``--baseline`` is another checkout of redgrain with its own ``.venv`` (``make
+install`` there). Rounds alternate baseline and this tree, so a machine that
+gets busier or quieter during the run shifts both columns alike. ``calls`` runs
+``python -m benchmarks calls --no-ray`` in each tree and reads its
+``benchmarks/results/calls.json``; ``training`` runs the medium configuration's
+core rows (plain loop, 1 trainer, 2 trainers sync and async, all-reduce) with
+each tree's own ``benchmarks.bench_training`` (this file is run as a worker
+inside the other tree, so only functions both trees have are used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent.parent
+TRAINING_ROWS = ("1 trainer, 1 silo", "2 trainers, 2 silos, sync", "2 trainers, 2 silos, async", "2 trainers, 2 silos, allreduce")
+
+
+def _python(tree: Path) -> str:
+    exe = tree / ".venv" / "bin" / "python"
+    if not exe.exists():
+        raise SystemExit(f"{tree} has no .venv: run `make install` there first")
+    return str(exe)
+
+
+def _numbers(value: Any, prefix: str = "") -> dict[str, float]:
+    """Every numeric leaf of a results dict, keyed by its path."""
+    out: dict[str, float] = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.update(_numbers(v, f"{prefix}{k} / " if prefix or k else ""))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out[prefix.rstrip(" /")] = float(value)
+    return out
+
+
+def measure_calls(tree: Path) -> dict[str, float]:
+    subprocess.run([_python(tree), "-m", "benchmarks", "calls", "--no-ray"], cwd=tree, check=True,
+                   stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(tree)})  # fmt: skip
+    data = json.loads((tree / "benchmarks" / "results" / "calls.json").read_text())
+    return {k: v for k, v in _numbers(data.get("redgrain", {})).items() if "per_s" in k or "gb_s" in k.lower() or "/s" in k}
+
+
+def measure_training(tree: Path) -> dict[str, float]:
+    proc = subprocess.run([_python(tree), str(Path(__file__).resolve()), "--worker-training"], cwd=tree, check=True,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})  # fmt: skip
+    return {k: float(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def _training_worker() -> None:
+    """Inside a tree: the medium rows with that tree's benchmark code; prints one JSON line."""
+    import asyncio
+
+    from benchmarks import bench_training as bt
+    from benchmarks.common import BenchCluster, fix_torch_threads
+    from silo.client import ClusterClient
+
+    fix_torch_threads()
+    cfg, steps = bt.CONFIGS["medium"], 200
+    rows: dict[str, float] = {"plain loop": bt.plain_loop(cfg, steps)["samples_per_s"]}
+
+    async def jobs() -> None:
+        with BenchCluster(1, grains="grains.training") as bc:
+            async with await ClusterClient.connect(bc.redis_url, cluster=bc.cluster) as client:
+                rows[TRAINING_ROWS[0]] = (await bt.run_job(client, "m-1", cfg, steps, trainers=1, shards=1))["samples_per_s"]
+                bc.add_silo()
+                await client.refresh()
+                for label, kw in ((TRAINING_ROWS[1], {"mode": "sync", "shards": 2}), (TRAINING_ROWS[2], {"mode": "async", "shards": 2}),
+                                  (TRAINING_ROWS[3], {"mode": "allreduce"})):  # fmt: skip
+                    rows[label] = (await bt.run_job(client, f"m-{kw['mode']}", cfg, steps, trainers=2, **kw))["samples_per_s"]
+
+    asyncio.run(jobs())
+    print(json.dumps(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side")
+    p.add_argument("--baseline", type=Path, help="another checkout (with .venv) to compare against")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--what", default="calls,training")
+    p.add_argument("--worker-training", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker_training:
+        _training_worker()
+        return 0
+    if args.baseline is None:
+        p.error("--baseline is required")
+    trees = {"baseline": args.baseline.resolve(), "this tree": HERE}
+    for what in args.what.split(","):
+        fn = {"calls": measure_calls, "training": measure_training}[what]
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+        for r in range(args.rounds):
+            for name, tree in trees.items():
+                print(f"# {what}: round {r + 1}, {name} ({tree})", file=sys.stderr, flush=True)
+                runs[name].append(fn(tree))
+        keys = [k for k in runs["this tree"][0] if all(k in run for rs in runs.values() for run in rs)]
+        print(f"\n## {what} ({args.rounds} rounds each, alternating; per second, higher is better)")
+        print(f"{'row':<58} {'baseline':>24} {'this tree':>24} {'ratio':>6}")
+        for k in keys:
+            old = [run[k] for run in runs["baseline"]]
+            new = [run[k] for run in runs["this tree"]]
+            ratio = statistics.median(new) / statistics.median(old) if statistics.median(old) else float("nan")
+            fmt = " / ".join(f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for v in old), " / ".join(f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for v in new)
+            print(f"{k[:58]:<58} {fmt[0]:>24} {fmt[1]:>24} {ratio:>5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""One connection: what frames mean, write batching, request futures and their deadlines.
+
+Either side of a connection may send requests; each gets an id, and its
+future is answered by the RESPONSE or ERROR frame that carries the id back
+(frames are laid out as :mod:`silo.messaging.frame` says; the bytes become
+frames in :mod:`silo.messaging.receive`, which :class:`Connection` extends).
+Requests from the peer go to the handler (the silo's dispatcher), at most
+``max_in_flight`` at a time: the serving side's own bound, whatever the peer
+does; one over it is answered with OverloadedError at once.
+
+Sending queues encoded frames: a lone call goes out at once (deferring it
+would only cost a sequential caller a loop turn); the small frames of a burst
+are joined into one write at the end of the loop turn, or as soon as 256 wait;
+big buffers go from the tensor's own memory, in 1 MB slices that honour the
+kernel's back-pressure. Deadlines share one timer per connection, for the
+earliest one in a heap (a timer per call costs more than the call itself); an
+expired request fails with GrainTimeoutError and a CANCEL goes to the peer.
+
+Until the handshake (:mod:`silo.messaging.handshake`) is done, a connection
+takes only handshake frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from silo import errors
+from silo.codec import Codec, Encoded
+from silo.messaging import frame as _frame
+from silo.messaging import handshake
+from silo.messaging.frame import (
+    AUTH_OK,
+    CANCEL,
+    DIRECT_MIN,
+    ERROR,
+    HELLO,
+    ONEWAY,
+    PING,
+    PONG,
+    REQUEST,
+    RESPONSE,
+    Frame,
+)
+from silo.messaging.frame import packb as _packb
+from silo.messaging.receive import Counters, FrameReceiver
+from silo.messaging.wire_errors import error_body, error_from_body
+from silo.settings import TransportSettings
+
+log = logging.getLogger("redgrain.transport")
+
+# The structs are bound here, not imported by name: CPython 3.11 compiles ``NAME.method()``
+# on a from-imported NAME as an attribute load that makes a bound method (it takes NAME for
+# a module) instead of LOAD_METHOD, which cost ~3% of the per-frame time.
+PREFIX = _frame.PREFIX
+BUFLEN = _frame.BUFLEN
+
+_SLICE = 1 << 20
+# Same-host sockets: room for a few MB in flight (the kernel caps it at net.core.wmem_max).
+_UNIX_BUFFER = 4 << 20
+# Small frames queued for one write are flushed once this many are waiting, so that a
+# burst of calls reaches the peer while the rest of it is still being produced.
+_BATCH_FRAMES = 256
+
+
+class RequestHandler(Protocol):
+    def __call__(self, conn: Connection, frame: Frame) -> None: ...
+
+
+class Connection(FrameReceiver):
+    """One TCP connection; either side may send requests."""
+
+    def __init__(
+        self,
+        *,
+        codec: Codec,
+        settings: TransportSettings,
+        counters: Counters,
+        handler: RequestHandler | None,
+        server_side: bool,
+        on_close: Callable[[Connection], None] | None = None,
+    ) -> None:
+        super().__init__(settings, counters, server_side)
+        self.codec = codec
+        self._handler = handler
+        self._on_close = on_close
+        self._secret = (
+            settings.cluster_secret.get_secret_value().encode() if settings.cluster_secret else None
+        )
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_event_loop()
+        self._ids = itertools.count(1)
+        # label: "grain.method", or (grain, method) so a call need not format it.
+        self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
+        self._serving = 0
+        """Requests from the peer being served now (bounded by max_in_flight)."""
+        # One timer for the earliest deadline instead of one per request:
+        # a libuv/asyncio timer per call costs more than the call itself.
+        self._deadlines: list[tuple[float, int]] = []
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_at = float("inf")
+        self._out: deque[bytes | memoryview] = deque()
+        self._flush_scheduled = False
+        self._big: asyncio.Task[None] | None = None
+        self._paused: asyncio.Future[None] | None = None
+        self.ready: asyncio.Future[None] = self._loop.create_future()
+        self.closed = False
+        self._nonce = b""
+
+    # --- asyncio protocol --------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else (str(peer) or "same-host socket")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            # The default 200 KB buffers make a multi-MB tensor take many wake-ups.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _UNIX_BUFFER)
+        self._n.connections_opened += 1
+        if self._server_side:
+            self._nonce = handshake.new_nonce(self._secret)
+            self._authenticated = self._secret is None
+            self._send_frame([HELLO, self._nonce])
+            self._flush()
+            if self._authenticated and not self.ready.done():
+                self.ready.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._direct = None
+        err = errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
+        for fut, _ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        self._deadlines.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._big is not None:
+            self._big.cancel()
+        if not self.ready.done():
+            self.ready.set_exception(err)
+            self.ready.exception()
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def pause_writing(self) -> None:
+        if self._paused is None or self._paused.done():
+            self._paused = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+
+    def _on_frame(self, frame: Frame) -> None:
+        kind = frame.header[0]
+        if not self._authenticated:
+            self._on_handshake(frame)
+            return
+        if kind == RESPONSE or kind == ERROR:
+            self._on_response(frame)
+        elif kind in (REQUEST, ONEWAY, CANCEL):
+            if self._handler is None:
+                self._n.bad_frames += 1
+                return
+            if kind == REQUEST:
+                # The serving side's own bound: a peer that ignores its
+                # max_in_flight still cannot make us hold unbounded calls.
+                if self._serving >= self._settings.max_in_flight:
+                    self._n.overloaded += 1
+                    req_id = frame.header[1] if len(frame.header) > 1 else 0
+                    self._send_error_frame(
+                        req_id, errors.OverloadedError(f"connection from {self.peer}", self._settings.max_in_flight)
+                    )
+                    return
+                self._serving += 1
+            self._handler(self, frame)
+        elif kind == PING:
+            self._send_frame([PONG, frame.header[1] if len(frame.header) > 1 else 0])
+        elif kind == PONG:
+            self._on_response(frame)
+        else:
+            raise errors.CodecError(f"unknown frame kind {kind!r}")
+
+    def _on_handshake(self, frame: Frame) -> None:
+        kind = frame.header[0]
+        if self._server_side:
+            if not handshake.proves_secret(self._secret, self._nonce, frame.header):
+                self._n.refused += 1
+                log.warning("refused connection from %s: cluster secret missing or wrong", self.peer)
+                self.abort()
+                return
+            self._authenticated = True
+            self._send_frame([AUTH_OK])
+            if not self.ready.done():
+                self.ready.set_result(None)
+            return
+        if kind == HELLO:
+            try:
+                reply = handshake.answer_hello(self._secret, frame.header, self.peer)
+            except errors.AuthenticationError as exc:
+                self._fail_ready(exc)
+                return
+            if reply is None:
+                self._authenticated = True
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                return
+            self._send_frame(reply)
+        elif kind == AUTH_OK:
+            self._authenticated = True
+            if not self.ready.done():
+                self.ready.set_result(None)
+        else:
+            self._fail_ready(errors.CodecError(f"unexpected frame kind {kind} before handshake"))
+
+    def _fail_ready(self, exc: Exception) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+            self.ready.exception()
+        self.abort()
+
+    def _on_response(self, frame: Frame) -> None:
+        req_id = frame.header[1] if len(frame.header) > 1 else None
+        entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if entry is None:
+            return  # answered after its deadline: the caller already gave up
+        fut, _ = entry
+        if fut.done():
+            return
+        kind = frame.header[0]
+        if kind == PONG:
+            fut.set_result(None)
+            return
+        try:
+            value = self.codec.decode(frame.meta, frame.buffers)
+        except errors.CodecError as exc:
+            fut.set_exception(exc)
+            return
+        if kind == ERROR:
+            fut.set_exception(error_from_body(value))
+        else:
+            fut.set_result(value)
+
+    # --- send --------------------------------------------------------------
+    def _send_frame(self, header: list[Any], encoded: Encoded | None = None) -> None:
+        if self._transport is None or self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        h = _packb(header)
+        meta = encoded.meta if encoded is not None else b""
+        bufs = encoded.buffers if encoded is not None else []
+        if not bufs:
+            frame = PREFIX.pack(len(h), len(meta), 0) + h + meta
+            self._out.append(frame)
+            self._n.frames_out += 1
+            self._n.bytes_out += len(frame)
+            # A lone call (nothing else in flight on this connection either way) goes out now:
+            # deferring it to batch with others would only cost the sequential caller a loop turn.
+            if len(frame) >= DIRECT_MIN or len(self._pending) + self._serving <= 1 or len(self._out) >= _BATCH_FRAMES:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+            return
+        ctl = [PREFIX.pack(len(h), len(meta), len(bufs))]
+        ctl.extend(BUFLEN.pack(b.nbytes) for b in bufs)
+        ctl.append(h)
+        ctl.append(meta)
+        self._out.append(b"".join(ctl))
+        size = sum(len(c) for c in ctl)
+        if bufs:
+            self._out.extend(bufs)
+            size += sum(b.nbytes for b in bufs)
+        self._n.frames_out += 1
+        self._n.bytes_out += size
+        if size >= DIRECT_MIN:
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write queued frames; hand big buffers to a task that writes them in slices."""
+        self._flush_scheduled = False
+        if self._big is not None or self._transport is None or self.closed:
+            return
+        out = self._out
+        if len(out) == 1 and len(out[0]) <= _SLICE:
+            self._transport.write(out.popleft())
+            return
+        # Small frames are joined into one write (one syscall, and uvloop's writelines
+        # handles each item separately); big buffers go as they are, without a copy.
+        batch: list[bytes | memoryview] = []
+        small: list[bytes | memoryview] = []
+        while out:
+            part = out.popleft()
+            if len(part) < DIRECT_MIN:
+                small.append(part)
+                continue
+            if small:
+                batch.append(b"".join(small) if len(small) > 1 else small[0])
+                small = []
+            if len(part) > _SLICE and isinstance(part, memoryview):
+                if batch:
+                    self._transport.writelines(batch)
+                self._big = self._loop.create_task(self._write_big(part.cast("B")))
+                return
+            batch.append(part)
+        if small:
+            batch.append(b"".join(small) if len(small) > 1 else small[0])
+        if len(batch) == 1:
+            self._transport.write(batch[0])
+        elif batch:
+            self._transport.writelines(batch)
+
+    async def _write_big(self, part: memoryview) -> None:
+        # Writing a huge buffer at once makes asyncio copy the unsent rest and
+        # then memmove it down after every send (quadratic); slices keep each
+        # copy small and let the kernel take the rest zero-copy.
+        try:
+            for off in range(0, part.nbytes, _SLICE):
+                if self.closed or self._transport is None:
+                    return
+                self._transport.write(part[off : off + _SLICE])
+                if self._paused is not None and not self._paused.done():
+                    await self._paused
+        finally:
+            self._big = None
+        self._flush()
+
+    async def drain(self) -> None:
+        """Wait while the kernel's send buffer is full (back-pressure for big tensors)."""
+        if self._paused is not None and not self._paused.done():
+            await self._paused
+
+    def request(
+        self, header: list[Any], body: Any, timeout_s: float | None, label: str | tuple[object, str] = ""
+    ) -> asyncio.Future[Any]:
+        """Send a request; the future gets the decoded result or the error."""
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        if len(self._pending) >= self._settings.max_in_flight:
+            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
+        req_id = next(self._ids)
+        header[1] = req_id
+        encoded = self.codec.encode(body)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[req_id] = (fut, label)
+        if timeout_s is not None:
+            self._arm(req_id, timeout_s)
+        self._send_frame(header, encoded)
+        return fut
+
+    def ping(self, timeout_s: float) -> asyncio.Future[Any]:
+        req_id = next(self._ids)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[req_id] = (fut, "ping")
+        self._arm(req_id, timeout_s)
+        self._send_frame([PING, req_id])
+        return fut
+
+    def _arm(self, req_id: int, timeout_s: float) -> None:
+        at = self._loop.time() + timeout_s
+        heapq.heappush(self._deadlines, (at, req_id))
+        if at < self._sweep_at:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._sweep_at = at
+            self._sweeper = self._loop.call_at(at, self._sweep)
+        if len(self._deadlines) > 2 * len(self._pending) + 1024:
+            # Drop entries of answered requests so the heap stays proportional.
+            self._deadlines = [d for d in self._deadlines if d[1] in self._pending]
+            heapq.heapify(self._deadlines)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self._sweep_at = float("inf")
+        now = self._loop.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, req_id = heapq.heappop(self._deadlines)
+            self._expire(req_id)
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            self._sweep_at = self._deadlines[0][0]
+            self._sweeper = self._loop.call_at(self._sweep_at, self._sweep)
+
+    def _expire(self, req_id: int) -> None:
+        entry = self._pending.pop(req_id, None)
+        if entry is None:
+            return
+        fut, label = entry
+        if not fut.done():
+            if isinstance(label, tuple):
+                target, method = str(label[0]), label[1]
+            else:
+                target, _, method = label.rpartition(".")
+            fut.set_exception(errors.GrainTimeoutError(target, method, 0.0))
+        try:
+            self._send_frame([CANCEL, req_id])
+        except errors.SiloError:
+            pass
+
+    def send_response(self, req_id: int, value: Any) -> None:
+        """Answer a request (exactly once per request received)."""
+        if self._serving:
+            self._serving -= 1
+        if self.closed:
+            return
+        try:
+            encoded = self.codec.encode(value)
+        except errors.CodecError as exc:
+            self._send_error_frame(req_id, exc)
+            return
+        self._send_frame([RESPONSE, req_id], encoded)
+
+    def send_error(self, req_id: int, exc: BaseException) -> None:
+        """Answer a request with an error (exactly once per request received)."""
+        if self._serving:
+            self._serving -= 1
+        self._send_error_frame(req_id, exc)
+
+    def _send_error_frame(self, req_id: int, exc: BaseException) -> None:
+        if self.closed:
+            return
+        try:
+            encoded = self.codec.encode(error_body(exc))
+        except errors.CodecError:
+            encoded = self.codec.encode({"code": "remote", "type": type(exc).__name__, "message": repr(exc)})
+        self._send_frame([ERROR, req_id], encoded)
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def close(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._flush()
+            self._transport.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,163 @@
+"""The membership table in a dict: the Redis table's Lua rules, for unit tests.
+
+Same contract as :class:`silo.cluster.membership.RedisMembershipTable` (the
+contract tests in ``tests/silo/cluster/test_membership_contract.py`` run the
+same cases on both): every status change bumps one version, a Dead row never
+changes status again and takes no heartbeats, a vote against a suspect
+counts only while its heartbeat is the one the voter saw, unreachable votes
+count within a window and only while their voter is not Dead, and enough
+votes declare the suspect Dead in the same step.
+
+Two Redis details are reproduced because tests can observe them: rows the
+scripts rewrite go through Lua's cjson, which keeps 14 significant digits of
+a number (a heartbeat of ``1700000000.123456`` reads back as
+``1700000000.1235``), and suspicion votes expire 60 s after the last one.
+``clock`` stands in for Redis' own clock (vote stamps, that expiry).
+
+``rows``, ``version``, ``votes`` and ``unreachable`` are public so a test may
+set a world up directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from grains.ids import SiloAddress
+from silo import errors
+from silo.cluster.membership import MembershipTable, VoteOutcome
+from silo.records import LIVE, MemberRow, SiloLoad, SiloStatus
+
+SUSPICION_TTL_S = 60.0
+"""The Redis table's suspicion votes expire this long after the last vote (PEXPIRE)."""
+
+
+def _lua_number(x: Any) -> Any:
+    """A value as cjson writes it: floats to 14 significant digits, containers recursively."""
+    if isinstance(x, float):
+        return float(f"{x:.14g}")
+    if isinstance(x, dict):
+        return {k: _lua_number(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_lua_number(v) for v in x]
+    return x
+
+
+def _rewritten(row: MemberRow, **changes: Any) -> MemberRow:
+    """The row as a script leaves it: decoded, changed, re-encoded with cjson."""
+    fields = row.model_dump(mode="json")
+    fields.update(changes)
+    return MemberRow.model_validate(_lua_number(fields))
+
+
+class InMemoryMembershipTable:
+    """A ``MembershipTable`` in a dict, with an injectable clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rows: dict[str, MemberRow] = {}
+        self.version = 0
+        self.votes: dict[str, dict[str, float]] = {}
+        """Suspect -> voter -> the heartbeat the voter saw (``vote_dead``)."""
+        self.unreachable: dict[str, dict[str, float]] = {}
+        """Suspect -> voter -> when it voted, by ``clock`` (``vote_unreachable``)."""
+        self.clock = clock
+        self._generation = 0
+        self._voted_at: dict[str, float] = {}
+
+    async def new_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    async def join(self, row: MemberRow) -> int:
+        self.rows[row.address] = row
+        return self._bump()
+
+    async def set_status(self, address: str, status: SiloStatus) -> int:
+        row = self.rows.get(address)
+        if row is None:
+            raise errors.MembershipError(f"silo {address} is not in the membership table")
+        if row.status is SiloStatus.DEAD:
+            raise errors.MembershipError(f"silo {address} was declared dead")
+        self.rows[address] = _rewritten(row, status=status.value)
+        return self._bump()
+
+    async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None:
+        row = self.rows.get(address)
+        if row is None:
+            return None
+        if row.status is not SiloStatus.DEAD:
+            self.rows[address] = _rewritten(row, heartbeat=at, load=load.model_dump(mode="json"))
+        return row.status
+
+    async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
+        return self.version, dict(self.rows)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+        row = self.rows.get(suspect)
+        if row is None:
+            return VoteOutcome("gone", 0)
+        if row.status is SiloStatus.DEAD:
+            return VoteOutcome("dead", 0)
+        now = self.clock()
+        votes = self.votes.setdefault(suspect, {})
+        if now - self._voted_at.get(suspect, now) > SUSPICION_TTL_S:
+            votes.clear()
+        if abs(row.heartbeat - seen_heartbeat) > 1e-4:
+            votes.clear()
+            self._voted_at.pop(suspect, None)
+            return VoteOutcome("alive", 0)
+        votes[voter] = seen_heartbeat
+        self._voted_at[suspect] = now
+        n = sum(1 for v in votes.values() if abs(v - row.heartbeat) <= 1e-4)
+        return self._count(suspect, votes, n, needed)
+
+    async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome:
+        row = self.rows.get(suspect)
+        if row is None:
+            return VoteOutcome("gone", 0)
+        if row.status is SiloStatus.DEAD:
+            return VoteOutcome("dead", 0)
+        if not self._not_dead(voter):
+            return VoteOutcome("refused", 0)
+        now = self.clock()
+        votes = self.unreachable.setdefault(suspect, {})
+        votes[voter] = now
+        n = sum(1 for v, at in votes.items() if now - at <= window_s and self._not_dead(v))
+        return self._count(suspect, votes, n, needed)
+
+    async def remove(self, address: str) -> None:
+        """Forget a row (housekeeping of dead rows); the version stays, as in Redis."""
+        self.rows.pop(address, None)
+
+    # --- for tests and the directory twin ---------------------------------------
+    def is_alive(self, silo: SiloAddress) -> bool:
+        """Whether ``silo`` may own grains: its row is Joining, Active or ShuttingDown.
+
+        The directory twin's ``is_alive``, as the Redis directory reads the table.
+        """
+        row = self.rows.get(str(silo))
+        return row is not None and row.status in LIVE
+
+    def _not_dead(self, address: str) -> bool:
+        row = self.rows.get(address)
+        return row is not None and row.status is not SiloStatus.DEAD
+
+    def _count(self, suspect: str, votes: dict[str, float], n: int, needed: int) -> VoteOutcome:
+        """``n`` valid votes against ``suspect``: declare it Dead once they are enough (as the
+        Lua scripts' shared ending does)."""
+        if n < max(1, needed):
+            return VoteOutcome("voted", n)
+        self.rows[suspect] = _rewritten(self.rows[suspect], status=SiloStatus.DEAD.value)
+        votes.clear()
+        self._voted_at.pop(suspect, None)
+        self._bump()
+        return VoteOutcome("declared", n)
+
+    def _bump(self) -> int:
+        self.version += 1
+        return self.version
+
+
+if TYPE_CHECKING:
+    _twin: MembershipTable = InMemoryMembershipTable()  # mypy holds the twin to the protocol

@@ -1,0 +1,98 @@
+"""Deactivation on the twins: queued calls are re-routed (never dropped, never hung), idle
+activations are collected by virtual time, state survives. Nothing sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from grains.base import DeactivationReason
+from silo.settings import CatalogSettings
+from silo.testing.clock import VirtualClock
+from silo.testing.harness import InProcessSilo
+from tests.silo.catalog.grains import Brief, Latch, Lifecycle, Resident
+
+
+async def test_calls_queued_behind_a_deactivation_are_rerouted_to_a_new_activation(
+    silo: InProcessSilo, clock: VirtualClock
+) -> None:
+    clock.autojump = True  # a dropped call would time out at once instead of hanging the test
+    latch = silo.get_grain(Latch, "q")
+    held = asyncio.ensure_future(latch.hold("h"))
+    queued = [asyncio.ensure_future(latch.step(i)) for i in range(50)]
+    await clock.settle()
+    old, old_grain = silo.activation(latch), silo.instance(latch)
+    assert old is not None and old.queue_length == 50
+    leaving = asyncio.ensure_future(silo.catalog.deactivate(old, DeactivationReason.REQUESTED))
+    await clock.settle()
+    # Calls that arrive while it deactivates wait for it to go, then follow the queued ones.
+    late = [asyncio.ensure_future(latch.step(i)) for i in range(50, 60)]
+    await clock.settle()
+    assert not leaving.done() and old.queue_length == 0  # handed back, waiting for the running turn
+    old_grain.open("h")
+    assert await asyncio.wait_for(held, 10) == "h"  # the running turn finishes on the old activation
+    results = await asyncio.wait_for(asyncio.gather(*queued, *late), 10)
+    assert results == list(range(60))
+    await leaving
+    new, new_grain = silo.activation(latch), silo.instance(latch)
+    assert new is not None and new is not old and new.activation_id != old.activation_id
+    assert old_grain.log == ["start h", "end h"]  # nothing else ran on the leaving activation
+    assert sorted(new_grain.log, key=int) == list(map(str, range(60)))
+    # Each group keeps its order (the late ones may go first: they waited for the old one to go,
+    # and that wakes them before the queued ones are handed back).
+    log = [int(x) for x in new_grain.log]
+    assert [i for i in log if i < 50] == list(range(50))
+    assert [i for i in log if i >= 50] == list(range(50, 60))
+    assert silo.dispatcher.statistics().rerouted >= 50
+
+
+async def test_idle_activation_is_collected_after_its_timeout_and_reactivated_with_its_state(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    silo = await make_silo(CatalogSettings(idle_timeout_s=60, collection_interval_s=3600)).start()
+    life = silo.get_grain(Lifecycle, "x")
+    assert await life.counts() == (1, 0)
+    act = silo.activation(life)
+    assert act is not None
+    await clock.advance(59.9)
+    assert silo.catalog.collect_idle() == 0
+    assert await life.counts() == (1, 0)  # a call is a use: the 60 s start again
+    await clock.advance(59.9)
+    assert silo.catalog.collect_idle() == 0
+    await clock.advance(0.1)
+    assert silo.catalog.collect_idle() == 1
+    await act.deactivated.wait()
+    assert silo.activation(life) is None
+    assert await life.counts() == (2, 1)  # on_deactivate wrote its count; a new activation read it
+
+
+async def test_the_collector_sweeps_on_its_interval_and_spares_keep_alive_grains(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    silo = await make_silo(CatalogSettings(idle_timeout_s=30, collection_interval_s=10)).start()
+    brief, life, resident = silo.get_grain(Brief, "b"), silo.get_grain(Lifecycle, "l"), silo.get_grain(Resident, "r")
+    await asyncio.gather(brief.ping(), life.counts(), resident.ping())
+    await clock.advance(9.9)
+    assert silo.activation(brief) is not None
+    await clock.advance(0.1)  # first sweep at 10 s: Brief's own 5 s timeout has passed
+    assert silo.activation(brief) is None
+    assert silo.activation(life) is not None
+    await clock.advance(20)  # sweep at 30 s: Lifecycle idle for 30 s
+    assert silo.activation(life) is None
+    await clock.advance(3600)
+    assert silo.activation(resident) is not None  # @keep_alive: never collected
+    assert silo.catalog.statistics().deactivated_total == 2
+
+
+async def test_busy_activation_is_not_collected(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    silo = await make_silo(CatalogSettings(idle_timeout_s=30, collection_interval_s=3600)).start()
+    latch = silo.get_grain(Latch, "busy")
+    held = asyncio.ensure_future(latch.hold("h"))
+    await clock.advance(120)
+    assert silo.catalog.collect_idle() == 0
+    silo.instance(latch).open("h")
+    assert await held == "h"
+    await clock.advance(30)
+    assert silo.catalog.collect_idle() == 1

@@ -1,0 +1,158 @@
+"""The state store's contract, run on the in-memory twin and on the Redis store alike.
+
+Each backend is fenced by a directory of its kind: the twin by the directory twin's tokens,
+the Redis store by the directory entries in Redis. The Redis store here puts anything over
+1 kB into 1 kB chunks, so the big-value case runs its chunked path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from grains.ids import GrainId, SiloAddress
+from silo import errors
+from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.membership import RedisMembershipTable
+from silo.codec import Codec
+from silo.keys import Keys
+from silo.records import MemberRow, SiloStatus
+from silo.redis_util import connect_redis
+from silo.settings import StorageSettings
+from silo.storage.store import RedisStateStore, stream_parts
+from silo.testing.directory import InMemoryGrainDirectory
+from silo.testing.store import InMemoryStateStore
+
+SILO = SiloAddress("127.0.0.1", 7000, 1)
+G = GrainId("Counter", "g")
+codec = Codec()
+
+
+@dataclass
+class World:
+    store: InMemoryStateStore | RedisStateStore
+    directory: InMemoryGrainDirectory | RedisGrainDirectory
+
+    async def write(self, value: Any, etag: str | None, token: int = 0, grain: GrainId = G) -> str:
+        return await self.store.write(grain, codec.encode(value), etag, token)
+
+    async def read(self, grain: GrainId = G) -> tuple[Any, str] | None:
+        stored = await self.store.read(grain)
+        return None if stored is None else (codec.decode(stored.meta, stored.buffers), stored.etag)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
+    if request.param == "memory":
+        directory = InMemoryGrainDirectory()
+        yield World(InMemoryStateStore(owner=directory.token_of), directory)
+        return
+    redis = connect_redis(request.getfixturevalue("redis_url"))
+    keys = Keys("contract")
+    table = RedisMembershipTable(redis, keys)
+    await table.join(MemberRow(address=str(SILO), host=SILO.host, port=SILO.port, generation=1))
+    await table.set_status(str(SILO), SiloStatus.ACTIVE)
+    settings = StorageSettings(inline_bytes=1024, chunk_bytes=1024)
+    try:
+        yield World(RedisStateStore(redis, keys, settings), RedisGrainDirectory(redis, keys))
+    finally:
+        await redis.aclose()
+
+
+async def test_nothing_stored_reads_as_none(world: World) -> None:
+    assert await world.read() is None
+
+
+async def test_a_write_reads_back_with_its_etag(world: World) -> None:
+    etag = await world.write({"value": 1, "name": "x"}, None)
+    assert await world.read() == ({"value": 1, "name": "x"}, etag)
+    etag2 = await world.write({"value": 2}, etag)
+    assert etag2 != etag
+    assert await world.read() == ({"value": 2}, etag2)
+
+
+async def test_a_write_over_another_etag_is_refused_and_changes_nothing(world: World) -> None:
+    with pytest.raises(errors.StateConflictError):
+        await world.write({"value": 1}, "no-such-etag")  # expects state where there is none
+    etag = await world.write({"value": 1}, None)
+    with pytest.raises(errors.StateConflictError) as info:
+        await world.write({"value": 2}, None)  # expects none where there is state
+    assert "etag" in str(info.value) and str(G) in str(info.value)
+    with pytest.raises(errors.StateConflictError):
+        await world.write({"value": 3}, "stale")
+    assert await world.read() == ({"value": 1}, etag)
+    assert world.store.statistics().conflicts == 3
+
+
+async def test_any_etag_overwrites(world: World) -> None:
+    await world.write({"value": 1}, None)
+    etag = await world.write({"value": 9}, "*")
+    assert await world.read() == ({"value": 9}, etag)
+
+
+async def test_a_write_is_fenced_by_the_directory_token(world: World) -> None:
+    entry = await world.directory.register(G, SILO, "a1")
+    etag = await world.write({"value": 1}, None, entry.token)
+    with pytest.raises(errors.StateConflictError) as info:
+        await world.write({"value": 2}, etag, entry.token + 1)
+    assert "fencing" in str(info.value)
+    # Token 0 is unfenced (stateless workers, admin restores).
+    etag = await world.write({"value": 3}, etag, 0)
+    # A grain without a directory entry: any token but 0 is stale.
+    with pytest.raises(errors.StateConflictError):
+        await world.write({"value": 1}, None, 5, grain=GrainId("Counter", "unowned"))
+    # The etag is checked first.
+    with pytest.raises(errors.StateConflictError) as info:
+        await world.write({"value": 4}, "stale", entry.token + 1)
+    assert "etag" in str(info.value)
+    assert await world.read() == ({"value": 3}, etag)
+
+
+async def test_clear_is_checked_like_a_write(world: World) -> None:
+    await world.store.clear(G, None, 0)  # nothing there, nothing expected: fine
+    entry = await world.directory.register(G, SILO, "a1")
+    etag = await world.write({"value": 1}, None, entry.token)
+    with pytest.raises(errors.StateConflictError):
+        await world.store.clear(G, "stale", entry.token)
+    with pytest.raises(errors.StateConflictError):
+        await world.store.clear(G, etag, entry.token + 1)
+    assert await world.read() == ({"value": 1}, etag)
+    await world.store.clear(G, etag, entry.token)
+    assert await world.read() is None
+    await world.write({"value": 2}, None, entry.token)
+    await world.store.clear(G, "*", 0)
+    assert await world.read() is None
+
+
+async def test_a_big_value_round_trips_bit_exact(world: World) -> None:
+    big = np.arange(100_000, dtype=np.int32).reshape(100, 1000)  # 400 kB: ~400 chunks in Redis
+    etag = await world.write({"arr": big, "n": 7}, None)
+    found = await world.read()
+    assert found is not None
+    value, read_etag = found
+    assert read_etag == etag and value["n"] == 7
+    assert value["arr"].dtype == big.dtype and np.array_equal(value["arr"], big)
+    small = await world.write({"n": 8}, etag)
+    assert await world.read() == ({"n": 8}, small)
+
+
+async def test_a_raw_stream_write_reads_back(world: World) -> None:
+    parts = stream_parts(codec.encode({"restored": True}))
+    etag = await world.store.write_stream(G, parts, "*", 0)
+    assert await world.read() == ({"restored": True}, etag)
+
+
+async def test_statistics_count_the_same_on_both(world: World) -> None:
+    etag = await world.write({"value": 1}, None)
+    await world.read()
+    await world.read(GrainId("Counter", "absent"))
+    with pytest.raises(errors.StateConflictError):
+        await world.write({"value": 2}, "stale")
+    await world.write({"value": 2}, etag)
+    stats = world.store.statistics()
+    assert (stats.reads, stats.writes, stats.conflicts, stats.errors) == (1, 2, 1, 0)
+    assert stats.bytes_written > 0 and stats.bytes_read > 0
