@@ -5,8 +5,8 @@ the nonce is empty and the connection is usable at once, both ways. With one,
 it is 16 random bytes, and the connecting side must answer
 ``[AUTH, HMAC-SHA256(secret, nonce)]``; the acceptor checks it in constant
 time, answers ``[AUTH_OK]`` and only then accepts other frames (until then a
-frame's control part may be at most a few KB, see
-:mod:`silo.messaging.connection`). A wrong or missing answer closes the
+frame's control part may be at most 4 KB, see
+:mod:`silo.messaging.receive`). A wrong or missing answer closes the
 connection and counts as ``refused``.
 
 The check runs both ways in the sense that matters: a connecting side that

@@ -10,8 +10,9 @@ gone, falls through), TCP otherwise, and waits once, within
 concurrent connects to one endpoint share one attempt.
 
 The pieces: :mod:`~silo.messaging.frame` (the wire layout),
-:mod:`~silo.messaging.connection` (one connection: receive path, write
-batching, request futures, deadlines), :mod:`~silo.messaging.handshake`,
+:mod:`~silo.messaging.receive` (bytes to frames, buffers received in
+place), :mod:`~silo.messaging.connection` (one connection: what frames mean,
+write batching, request futures, deadlines), :mod:`~silo.messaging.handshake`,
 :mod:`~silo.messaging.wire_errors` (exceptions as ERROR bodies).
 
 What callers need of a transport is :class:`Connector` (the router, the
