@@ -197,7 +197,7 @@ class Ticker(Grain):
         return self.ticks
 
 
-# --- state, checkpoints, reminders (tests/storage/) ----------------------------
+# --- state, checkpoints, reminders (tests/silo/storage/) ----------------------------
 
 import hashlib
 import zlib

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # These two have smoke tests of their own that also check what they print
-# (tests/training/test_bench_smoke.py, tests/dashboard/test_bench_smoke.py).
+# (tests/grains/training/test_bench_smoke.py, tests/dashboard/test_bench_smoke.py).
 OWN_SMOKE_TEST = {"training", "dashboard"}
 BENCHES = sorted(
     p.stem.removeprefix("bench_")

@@ -1,6 +1,6 @@
 """The cluster secret end to end: clients and silos with it work, peers without it are refused.
 
-Frame-level handshake tests (raw sockets) live in tests/silo/test_transport.py;
+Frame-level handshake tests (raw sockets) live in tests/silo/messaging/test_transport.py;
 these go through the real client, router and silo.
 """
 

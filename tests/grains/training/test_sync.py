@@ -10,7 +10,7 @@ from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from grains.training.shard import make_optimizer
 from silo.settings import MembershipSettings
-from tests.training.conftest import GRAINS, run_job
+from tests.grains.training.conftest import GRAINS, run_job
 
 
 def reference_parameters(spec: TrainingJob, trainers: int, steps: int) -> dict[str, torch.Tensor]:

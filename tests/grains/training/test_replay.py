@@ -19,7 +19,7 @@ import torch
 
 from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
 from grains.training.cluster import key_on
-from tests.training.conftest import GRAINS, wait_done
+from tests.grains.training.conftest import GRAINS, wait_done
 
 SPEC = {"mode": "sync", "trainers": 2, "shards": 2, "steps": 400, "batch_size": 32, "optimizer": "momentum",
         "lr": 0.05, "weight_decay": 1e-4, "checkpoint_every": 50, "seed": 5}  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 
 from grains.training import CoordinatorGrain, TrainingJob
 from silo import errors
-from tests.training.conftest import GRAINS, run_job
+from tests.grains.training.conftest import GRAINS, run_job
 
 SYNTHETIC = {
     "model_args": {"in_features": 32, "hidden": [64]},

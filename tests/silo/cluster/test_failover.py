@@ -13,10 +13,10 @@ from silo import errors
 from silo.client import ClusterClient
 from silo.messaging.transport import Transport
 from silo.settings import TransportSettings
-from tests.cluster.grains import Resident, Tracked
+from tests.silo.cluster.grains import Resident, Tracked
 from tests.conftest import FAST_MEMBERSHIP
 
-GRAINS = "tests.cluster.grains"
+GRAINS = "tests.silo.cluster.grains"
 # Keep the rebalancer (it re-activates keep-alive grains) but let it move nothing.
 ENV = {"REDGRAIN_REBALANCER__MAX_MOVES_PER_PERIOD": "0", "REDGRAIN_REBALANCER__LEASE_TTL_S": "1.0"}
 CALL_TIMEOUT_S = 5.0

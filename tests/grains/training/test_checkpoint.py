@@ -7,7 +7,7 @@ import torch
 from grains.training import CoordinatorGrain, ParamShardGrain, TrainingJob
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.messages import ShardConfig
-from tests.training.conftest import GRAINS, run_job
+from tests.grains.training.conftest import GRAINS, run_job
 
 
 def assert_identical(a: ShardSnapshot, b: ShardSnapshot) -> None:

@@ -9,10 +9,10 @@ from grains.cli import main as cli
 from silo import errors
 from silo.client import ClusterClient
 from silo.settings import RebalancerSettings
-from tests.cluster.grains import Pinned, Resident, Tracked
-from tests.cluster.test_failover import Record, _activations, _load, _wait_for
+from tests.silo.cluster.grains import Pinned, Resident, Tracked
+from tests.silo.cluster.test_failover import Record, _activations, _load, _wait_for
 
-GRAINS = ("tests.cluster.grains",)
+GRAINS = ("tests.silo.cluster.grains",)
 FAST_REBALANCE = RebalancerSettings(period_s=0.5, lease_ttl_s=1.0, max_moves_per_period=40)
 
 

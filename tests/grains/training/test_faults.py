@@ -20,8 +20,8 @@ from grains.training.cluster import key_on
 from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from silo import errors
-from tests.training.conftest import training_silos
-from tests.training.test_sync import reference_parameters
+from tests.grains.training.conftest import training_silos
+from tests.grains.training.test_sync import reference_parameters
 
 pytestmark = pytest.mark.slow
 

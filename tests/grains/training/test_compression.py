@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from grains.training import TrainingJob
 from silo.settings import MembershipSettings
-from tests.training.conftest import GRAINS, run_job
+from tests.grains.training.conftest import GRAINS, run_job
 
 # Plain SGD at lr 0.3: digits' MLP reaches ~96% in 300 global steps of 2 x 64 samples.
 SPEC = {"mode": "sync", "trainers": 2, "shards": 2, "steps": 300, "batch_size": 64, "optimizer": "sgd", "lr": 0.3,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grains.training import CoordinatorGrain, TrainingJob
-from tests.training.conftest import GRAINS, wait_done
-from tests.training.test_allreduce import status_when
+from tests.grains.training.conftest import GRAINS, wait_done
+from tests.grains.training.test_allreduce import status_when
 
 
 async def test_ps_job_with_auto_trainers_gains_a_trainer_when_a_silo_joins(cluster, client):

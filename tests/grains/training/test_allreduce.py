@@ -17,9 +17,9 @@ from grains.training import CoordinatorGrain, TrainerGrain, TrainingJob, Trainin
 from grains.training.cluster import key_on
 from silo import errors
 from silo.settings import MembershipSettings
-from tests.training.conftest import GRAINS, run_job, training_silos, wait_done
-from tests.training.test_faults import reference_accuracy
-from tests.training.test_sync import reference_parameters
+from tests.grains.training.conftest import GRAINS, run_job, training_silos, wait_done
+from tests.grains.training.test_faults import reference_accuracy
+from tests.grains.training.test_sync import reference_parameters
 
 
 async def status_when(coord: Any, pred: Any, timeout_s: float = 60.0) -> TrainingStatus:

@@ -85,10 +85,10 @@ def test_random_spreads_roughly_evenly() -> None:
 
 
 async def test_placement_markers_place_real_grains_as_declared(cluster, client) -> None:  # type: ignore[no-untyped-def]
-    plain = await cluster(2, grains=("tests.cluster.grains",))
-    (gpu,) = await cluster(1, grains=("tests.cluster.grains",), roles=("gpu",))
+    plain = await cluster(2, grains=("tests.silo.cluster.grains",))
+    (gpu,) = await cluster(1, grains=("tests.silo.cluster.grains",), roles=("gpu",))
     await client.refresh()
-    from tests.cluster.grains import Hashed, Local, OnGpu
+    from tests.silo.cluster.grains import Hashed, Local, OnGpu
 
     assert {(await client.get_grain(OnGpu, i).hit())[0] for i in range(12)} == {str(gpu.address)}
     # Hash placement: what the director computes from the view is where it lands.
