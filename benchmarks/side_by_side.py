@@ -53,7 +53,10 @@ def measure_calls(tree: Path) -> dict[str, float]:
 
 
 def measure_training(tree: Path) -> dict[str, float]:
-    proc = subprocess.run([_python(tree), str(Path(__file__).resolve()), "--worker-training"], cwd=tree, check=True,
+    # run_path, not `python FILE`: a script's own folder would go first on sys.path, and
+    # benchmarks/grains.py would shadow the grains package.
+    worker = f"import runpy, sys; sys.argv = ['side_by_side', '--worker-training']; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+    proc = subprocess.run([_python(tree), "-c", worker], cwd=tree, check=True,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})  # fmt: skip
     return {k: float(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
