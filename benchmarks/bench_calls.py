@@ -47,6 +47,13 @@ class Sizes:
         self.tensor_repeats = 2 if quick else 5
 
 
+# The rows measure calls between grains placed on purpose (on the driver's silo, on the
+# other); the rebalancer evening out the 48 randomly placed activations would move some
+# mid-run, and a "one silo" row would then measure calls across silos (seen: 1,036/s
+# for 1 MB "on one silo", the cross-silo figure, in one run of four).
+PINNED = {"REDGRAIN_REBALANCER__MAX_MOVES_PER_PERIOD": "0"}
+
+
 async def _place(client: Any, grain: type, n: int) -> dict[str, list[str]]:
     """Activate n keys of a randomly placed grain type; group them by silo."""
     by_silo: dict[str, list[str]] = {}
@@ -271,13 +278,13 @@ def main(argv: list[str]) -> int:
     facts = common.machine_facts()
     common.print_header("calls: client→grain, grain→grain, tensors; vs bare echo and Ray", facts, args.quick)
     echo = measure_echo(args.quick)
-    with common.BenchCluster(2) as cluster:
+    with common.BenchCluster(2, env=PINNED) as cluster:
         rg = common.run(measure_redgrain(cluster, sz))
         # Issue 6's row: the same calls with the dashboard open and polling, phases alternating.
         rounds, seconds = (1, 0.3) if args.quick else (4, 2.0)
         board, board_cpu = common.run(dashboard_phases(cluster, rounds, seconds))
     # The same machine's loopback TCP, for the same-host Unix socket rows.
-    with common.BenchCluster(2, env={"REDGRAIN_TRANSPORT__LOCAL_SOCKETS": "false"}) as cluster:
+    with common.BenchCluster(2, env={**PINNED, "REDGRAIN_TRANSPORT__LOCAL_SOCKETS": "false"}) as cluster:
         tcp = common.run(measure_tcp(cluster, sz))
     ray: dict[str, Any] | None = None
     ray_note = "skipped (--no-ray)"

@@ -46,10 +46,14 @@ def _numbers(value: Any, prefix: str = "") -> dict[str, float]:
 
 
 def measure_calls(tree: Path) -> dict[str, float]:
+    # Rebalancing off in both trees (the silos inherit the environment): moves of the
+    # randomly placed grains mid-run would turn "one silo" rows into cross-silo ones.
+    env = {**os.environ, "PYTHONPATH": str(tree), "REDGRAIN_REBALANCER__MAX_MOVES_PER_PERIOD": "0"}
     subprocess.run([_python(tree), "-m", "benchmarks", "calls", "--no-ray"], cwd=tree, check=True,
-                   stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(tree)})  # fmt: skip
+                   stdout=subprocess.DEVNULL, env=env)  # fmt: skip
     data = json.loads((tree / "benchmarks" / "results" / "calls.json").read_text())
-    return {k: v for k, v in _numbers(data.get("redgrain", {})).items() if "per_s" in k or "gb_s" in k.lower() or "/s" in k}
+    rows = _numbers(data.get("redgrain", {}))
+    return {k.replace(" / median", ""): v for k, v in rows.items() if k.endswith("/ median")}
 
 
 def measure_training(tree: Path) -> dict[str, float]:
