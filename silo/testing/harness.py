@@ -1,13 +1,15 @@
-"""One silo's catalog in-process, on the twins: grain tests without Redis or TCP.
+"""Silos in-process, on the twins: grain and cluster tests without Redis or TCP.
 
 :class:`InProcessSilo` assembles what a silo runs a call with (grain types,
 codec, :class:`~silo.catalog.catalog.Catalog`, the runtime services, the
-dispatcher) over the in-memory directory and state store, and replaces the
-router (directory lookups, placement, the network) with a caller that hands
-every call straight to this silo's dispatcher. Calls between grains take the
-same way, carrying their call chain, so turn order, reentrancy, deadlock
-detection, re-routing after a deactivation, idle collection, timers and
-state conflicts behave as on a real silo::
+dispatcher) over the in-memory directory and state store. It has two modes.
+
+Alone (no ``network``), it replaces the router (directory lookups,
+placement, the network) with a caller that hands every call straight to this
+silo's dispatcher. Calls between grains take the same way, carrying their
+call chain, so turn order, reentrancy, deadlock detection, re-routing after a
+deactivation, idle collection, timers and state conflicts behave as on a
+real silo::
 
     async with InProcessSilo([Counter], clock=clock) as silo:
         counter = silo.get_grain(Counter, "c")
@@ -15,20 +17,46 @@ state conflicts behave as on a real silo::
         await clock.advance(silo.settings.idle_timeout_s)
         ...
 
-With a :class:`~silo.testing.clock.VirtualClock` installed and passed as
-``clock``, idle collection and timers follow virtual time.
-
-Every grain lives on this one silo: a call the directory says belongs to
+Every grain lives on that one silo: a call the directory says belongs to
 another silo (a test registered one there) fails with SiloUnavailableError.
-This module is the one place that knows how a silo wires its catalog, so a
-change to that wiring is mended here.
+
+On a network (:class:`~silo.testing.transport.InMemoryNetwork`), it is wired
+as ``silo/silo.py`` wires a silo: a real :class:`~silo.messaging.router.Router`
+(directory, a real :class:`~silo.cluster.view.MembershipView` over the
+membership twin, manifests, placement) over the transport twin, whose
+requests go to the dispatcher; starting joins the membership table (Joining,
+then Active) and publishes the grain types. :class:`InProcessCluster` builds
+N of them on one network, sharing one directory, membership table and state
+store, so forwarding, re-routing, deadlines, a silo's death and failover run
+through the same code as in a cluster of processes::
+
+    async with InProcessCluster([Counter], silos=2, clock=clock) as cluster:
+        a, b = cluster.silos
+        counter = a.get_grain(Counter, "c")
+        await a.router.activate(counter.grain_id, b.address)  # lives on b
+        assert await counter.add(1) == 1                       # a -> b over the twin
+        await cluster.kill(b)
+        await cluster.declare_dead(b)
+        assert await counter.add(1) == 2                       # re-activated on a
+
+What stays out: the heartbeat thread and failure detector (a test declares a
+silo dead with :meth:`InProcessCluster.declare_dead`, as their vote would),
+the rebalancer, migrator, reminders, stats and event log.
+
+With a :class:`~silo.testing.clock.VirtualClock` installed and passed as
+``clock``, idle collection, timers, call deadlines, router retries and the
+view's periodic refresh follow virtual time. This module is the one place
+that knows how a silo wires its catalog and messaging, so a change to that
+wiring is mended here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -39,13 +67,18 @@ from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
 from silo.catalog.runtime import RefFactory, SiloRuntime
+from silo.cluster.placement import Placer
+from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
-from silo.messaging.router import Manifests, TypeInfo
-from silo.settings import CatalogSettings
+from silo.messaging.router import Manifests, Router, TypeInfo
+from silo.records import MemberRow, SiloStatus
+from silo.settings import CatalogSettings, TransportSettings
 from silo.testing.directory import InMemoryGrainDirectory
+from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.store import InMemoryStateStore
+from silo.testing.transport import InMemoryNetwork, InMemoryTransport
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -90,12 +123,27 @@ class _LocalRouter:
         return await self.dispatcher.dispatch(call.forwarded(remaining), deadline)
 
 
+class PublishedManifests(Manifests):
+    """Manifests read from ``published`` (what every silo of the world published) instead of Redis."""
+
+    def __init__(self, published: dict[str, TypeInfo]) -> None:
+        super().__init__(cast(Any, None), Keys("in-process"))
+        self.published = published
+
+    async def refresh(self) -> None:
+        self._types.update(self.published)
+
+
 class InProcessSilo:
-    """A silo's catalog and dispatcher over the twins, called in-process (see the module docstring).
+    """A silo's catalog and dispatcher over the twins (see the module docstring).
 
     ``directory`` and ``store`` default to fresh twins (the store fenced by the
-    directory's tokens); pass shared ones to give several tests' worlds one
-    backend. ``clock`` is the catalog's clock (idle collection).
+    directory's tokens); pass shared ones to give several silos one backend.
+    ``clock`` is the catalog's clock (idle collection) and the membership
+    twin's. With ``network``, the silo is reached at ``address`` (default: a
+    free port there) through a transport twin, and ``membership`` (default: a
+    fresh twin) and ``published`` (the world's grain types) are shared with the
+    other silos.
     """
 
     def __init__(
@@ -106,31 +154,63 @@ class InProcessSilo:
         settings: CatalogSettings | None = None,
         directory: InMemoryGrainDirectory | None = None,
         store: InMemoryStateStore | None = None,
-        address: SiloAddress = ADDRESS,
+        address: SiloAddress | None = None,
         call_timeout_s: float = 30.0,
+        network: InMemoryNetwork | None = None,
+        membership: InMemoryMembershipTable | None = None,
+        published: dict[str, TypeInfo] | None = None,
+        transport_settings: TransportSettings | None = None,
+        placer: Placer | None = None,
+        roles: Sequence[str] = (),
+        refresh_s: float = 2.0,
     ) -> None:
+        if address is None:
+            address = ADDRESS if network is None else SiloAddress("127.0.0.1", network.free_port(), 1)
         self.address = address
         self.settings = settings or CatalogSettings()
+        self.clock = clock
+        self.roles = list(roles)
         self.types = GrainTypes(grains)
         registry = TypeRegistry()
         for cls in self.types.classes():
             registry.register_annotations(cls)
         self.codec = Codec(registry)
-        self.directory = directory or InMemoryGrainDirectory()
+        self.network = network
+        self.membership = membership or (InMemoryMembershipTable(clock) if network is not None else None)
+        default_directory = InMemoryGrainDirectory(self.membership.is_alive) if self.membership else None
+        self.directory = directory or default_directory or InMemoryGrainDirectory()
         self.store = store or InMemoryStateStore(owner=self.directory.token_of)
-        # Every type is local, so the manifests never read Redis.
-        manifests = Manifests(cast(Any, None), Keys("in-process"))
+        self.manifests = PublishedManifests({} if published is None else published)
         for name in self.types.names():
             opts = self.types.options(name)
-            manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
-        self.router = _LocalRouter(address, call_timeout_s)
-        self.refs = RefFactory(self.router, manifests, self.codec)
+            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
+        self.transport: InMemoryTransport | None = None
+        self.view: MembershipView | None = None
+        router: Router | _LocalRouter
+        if network is None:
+            router = _LocalRouter(address, call_timeout_s)
+        else:
+            assert self.membership is not None
+            ts = transport_settings or TransportSettings(call_timeout_s=call_timeout_s, local_sockets=False)
+            self.transport = InMemoryTransport(ts, self.codec, network=network)
+            self.view = MembershipView(self.membership, refresh_s=refresh_s)
+            router = Router(
+                transport=self.transport,
+                directory=self.directory,
+                view=self.view,
+                manifests=self.manifests,
+                placer=placer or Placer(),
+                call_timeout_s=ts.call_timeout_s,
+            )
+        self.router = router
+        self.refs = RefFactory(router, self.manifests, self.codec)
         self.runtime = SiloRuntime(
             device="cpu",
             refs=self.refs,
             store=self.store,
             codec=self.codec,
             threads=self.settings.thread_pool_size,
+            view=self.view,
         )
         self.catalog = Catalog(
             settings=self.settings,
@@ -140,25 +220,84 @@ class InProcessSilo:
             runtime=self.runtime,
             clock=clock,
         )
-        self.dispatcher = Dispatcher(
-            address=address, catalog=self.catalog, types=self.types, router=cast(Any, self.router)
-        )
-        self.router.dispatcher = self.dispatcher
+        self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router))
+        if isinstance(router, _LocalRouter):
+            router.dispatcher = self.dispatcher
+        else:
+            # The two links silo.py makes after construction: own grains' calls go to the
+            # dispatcher without the network, and requests from the network go to it too.
+            router.set_local(self.dispatcher)
+            assert self.transport is not None
+            self.transport.set_handler(self.dispatcher.on_frame)
         self._started = False
+        self.killed = False
 
     # --- life ----------------------------------------------------------------------
     async def start(self) -> Self:
-        """Start idle collection (every ``collection_interval_s`` of the loop's time)."""
+        """Start idle collection (every ``collection_interval_s`` of the loop's time); on a
+        network, first listen, join the membership table and publish the grain types."""
+        if self.transport is not None and self.membership is not None and self.view is not None:
+            me = self.address
+            await self.transport.listen(me.host, me.port)
+            now = self.clock()
+            row = MemberRow(
+                address=str(me), host=me.host, port=me.port, generation=me.generation, roles=self.roles,
+                grain_types=self.types.names(), started=now, heartbeat=now, pid=os.getpid(), hostname="in-process",
+            )  # fmt: skip
+            await self.membership.join(row)
+            for name in self.types.names():
+                info = self.manifests.get_nowait(name)
+                assert info is not None
+                self.manifests.published[name] = info
+            await self.membership.set_status(str(me), SiloStatus.ACTIVE)
+            await self.view.start()
+            await self.manifests.refresh()
         self.catalog.start()
         self._started = True
         return self
 
     async def stop(self) -> None:
-        """Deactivate every activation (as a silo shutting down does), then stop."""
+        """Deactivate every activation (as a silo shutting down does), then stop.
+
+        On a network, the row goes ShuttingDown first (callers place elsewhere) and the
+        dispatcher drains (calls re-routed from a deactivated grain are turned away, and the
+        callers' routers retry elsewhere); then the row is Dead, the directory purged of this
+        silo, the transport closed.
+        """
         if not self._started:
             return
         self._started = False
+        alive = self.membership is not None and self.membership.is_alive(self.address)
+        if self.membership is not None and alive:
+            await self.membership.set_status(str(self.address), SiloStatus.SHUTTING_DOWN)
+            self.dispatcher.draining = True
         await self.catalog.deactivate_all(DeactivationReason.SHUTDOWN)
+        await self.catalog.stop()
+        if self.membership is not None and alive:
+            await self.membership.set_status(str(self.address), SiloStatus.DEAD)
+            await self.directory.purge_silo(self.address)
+        if self.view is not None:
+            await self.view.stop()
+        await self.dispatcher.close()
+        if self.transport is not None:
+            await self.transport.close()
+        self.runtime.shutdown()
+
+    async def kill(self) -> None:
+        """The process is gone: its endpoint stops answering, its connections reset, its
+        activations vanish. Nothing is written to the membership table or the directory:
+        the row stays as it was until the cluster declares the silo dead."""
+        if self.transport is None:
+            raise RuntimeError("only a silo on a network can be killed (InProcessSilo(network=...))")
+        self.killed = True
+        self.transport.abort_all()
+        self.catalog.drop_all_nowait()
+        self.dispatcher.closed = True
+        if not self._started:
+            return
+        self._started = False
+        if self.view is not None:
+            await self.view.stop()
         await self.catalog.stop()
         await self.dispatcher.close()
         self.runtime.shutdown()
@@ -193,3 +332,106 @@ class InProcessSilo:
         act = self.activation(ref)
         if act is not None:
             await self.catalog.deactivate(act, reason)
+
+
+class InProcessCluster:
+    """N :class:`InProcessSilo` on one :class:`InMemoryNetwork`, sharing one directory,
+    membership table and state store (see the module docstring).
+
+    ``silos``: how many start with the cluster (more join with :meth:`add_silo`).
+    ``seed`` makes random placement repeatable (silo ``i`` places with ``seed + i``).
+    """
+
+    def __init__(
+        self,
+        grains: Iterable[type[Grain]],
+        *,
+        silos: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        settings: CatalogSettings | None = None,
+        transport_settings: TransportSettings | None = None,
+        call_timeout_s: float = 30.0,
+        refresh_s: float = 2.0,
+        seed: int = 0,
+    ) -> None:
+        self.grains = list(grains)
+        self.clock = clock
+        self.settings = settings
+        self.transport_settings = transport_settings
+        self.call_timeout_s = call_timeout_s
+        self.refresh_s = refresh_s
+        self.seed = seed
+        self.network = InMemoryNetwork()
+        self.membership = InMemoryMembershipTable(clock)
+        self.directory = InMemoryGrainDirectory(self.membership.is_alive)
+        self.store = InMemoryStateStore(owner=self.directory.token_of)
+        self.published: dict[str, TypeInfo] = {}
+        """The grain types every silo published (the Redis hash of manifests)."""
+        self.silos: list[InProcessSilo] = []
+        self._initial = silos
+
+    async def add_silo(self, grains: Iterable[type[Grain]] | None = None, *, roles: Sequence[str] = ()) -> InProcessSilo:
+        """Start one more silo (hosting ``grains``, default the cluster's) and let every view see it."""
+        generation = await self.membership.new_generation()
+        silo = InProcessSilo(
+            self.grains if grains is None else grains,
+            clock=self.clock,
+            settings=self.settings,
+            directory=self.directory,
+            store=self.store,
+            address=SiloAddress("127.0.0.1", self.network.free_port(), generation),
+            call_timeout_s=self.call_timeout_s,
+            network=self.network,
+            membership=self.membership,
+            published=self.published,
+            transport_settings=self.transport_settings,
+            placer=Placer(random.Random(self.seed + len(self.silos))),
+            roles=roles,
+            refresh_s=self.refresh_s,
+        )
+        self.silos.append(silo)
+        await silo.start()
+        await self.refresh()  # as the table's channel announces a join within ~50 ms
+        return silo
+
+    async def kill(self, silo: InProcessSilo) -> None:
+        """``silo``'s process is gone (see :meth:`InProcessSilo.kill`); it stays Active in the
+        table until :meth:`declare_dead`."""
+        await silo.kill()
+
+    async def declare_dead(self, silo: InProcessSilo) -> None:
+        """What the failure detector's vote does: the row Dead, and every live view told."""
+        row = self.membership.rows.get(str(silo.address))
+        if row is not None and row.status is not SiloStatus.DEAD:
+            await self.membership.set_status(str(silo.address), SiloStatus.DEAD)
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        """Every running silo re-reads the membership table now."""
+        for silo in self.silos:
+            if silo._started and silo.view is not None:
+                await silo.view.refresh()
+
+    def silo_of(self, ref: Any) -> InProcessSilo | None:
+        """The silo the directory names as the grain's owner now (a reference or a GrainId)."""
+        grain = ref if isinstance(ref, GrainId) else ref.grain_id
+        entry = self.directory.entries().get(grain)
+        return next((s for s in self.silos if entry is not None and s.address == entry.silo), None)
+
+    async def start(self) -> Self:
+        for _ in range(self._initial - len(self.silos)):
+            await self.add_silo()
+        return self
+
+    async def stop(self) -> None:
+        """Stop every silo still running, last joined first."""
+        for silo in reversed(self.silos):
+            await silo.stop()
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

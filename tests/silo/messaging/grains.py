@@ -1,0 +1,61 @@
+"""Grains for the messaging tests on the twins: each says where it runs, and ``Gate`` parks a
+call until the test opens it, so a test holds calls in flight or queued without sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+from pydantic import BaseModel
+
+from grains import Grain
+
+
+class Where(Grain):
+    async def where(self) -> str:
+        return str(self.silo)
+
+    async def echo(self, value: Any) -> Any:
+        return value
+
+    async def keep(self, value: list[int]) -> list[int]:
+        """Keeps the list it was given and returns it: a caller that shares it would see changes."""
+        self.kept = value
+        value.append(len(value))
+        return value
+
+
+class Gate(Grain):
+    """``hold(name)`` runs until the test calls ``open(name)`` on the instance."""
+
+    def __init__(self) -> None:
+        self.gates: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+
+    def open(self, *names: str) -> None:
+        for name in names:
+            self.gates[name].set()
+
+    async def hold(self, name: str) -> str:
+        self.started.append(name)
+        try:
+            await self.gates[name].wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(name)
+            raise
+        return f"{name}@{self.silo}"
+
+
+class Tally(Grain):
+    class State(BaseModel):
+        value: int = 0
+
+    async def add(self, n: int) -> int:
+        self.state.value += n
+        await self.write_state()
+        return int(self.state.value)
+
+    async def where(self) -> str:
+        return str(self.silo)
