@@ -179,7 +179,9 @@ class Rebalancer:
     async def fail_over_dead(self) -> None:
         """Purge the entries of every Dead silo; re-activate its @keep_alive grains elsewhere."""
         for row in list(self._view.rows.values()):
-            if row.status is not SiloStatus.DEAD:
+            # Never our own row: a silo that reads itself Dead is a zombie and writes
+            # nothing (the survivors' leader fails it over).
+            if row.status is not SiloStatus.DEAD or row.address == str(self._me):
                 continue
             with redis_errors("directory index size"):
                 n = await self._redis.scard(self._keys.directory_index(row.address))
