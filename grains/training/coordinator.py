@@ -154,6 +154,7 @@ class CoordinatorGrain(Grain):
             s.run, s.committed, s.next_trainer, s.changes = old.run, list(old.committed), old.next_trainer, old.changes
         await self._write()
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
+        self._evaluator = None  # and its own model and test split (the last job's may differ)
         self._last_eval_step = 0
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")

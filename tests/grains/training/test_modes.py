@@ -66,3 +66,16 @@ async def test_a_custom_model_and_a_plain_dataset_train_by_import_path(cluster, 
     st = await run_job(client, "spirals", spec)
     assert st.status == "completed", st
     assert st.accuracy is not None and st.accuracy >= 0.85, st
+
+
+async def test_a_second_job_on_the_same_coordinator_is_evaluated_with_its_own_model(cluster, client):
+    await cluster(1, grains=GRAINS)
+    small = TrainingJob(**SYNTHETIC, trainers=1, shards=1, steps=40, batch_size=32, lr=0.1, checkpoint_every=0)
+    first = await run_job(client, "two-models", small)
+    assert first.status == "completed" and first.accuracy is not None, first
+    # Same coordinator activation, another network: the evaluation must build this job's model
+    # (the first job's model would not even take these weights).
+    wider = small.model_copy(update={"model_args": {"in_features": 32, "hidden": [96]}})
+    second = await run_job(client, "two-models", wider)
+    assert second.status == "completed", second
+    assert second.accuracy is not None and second.accuracy >= 0.8, second
