@@ -163,7 +163,12 @@ class Catalog:
         cls = self._types.resolve(grain_id.type_name)
         options = self._types.options(grain_id.type_name)
         act = Activation(grain_id, cls, options, self.silo, self._runtime, self)
-        winner = await self._directory.register(grain_id, self.silo, act.activation_id)
+        try:
+            winner = await self._directory.register(grain_id, self.silo, act.activation_id)
+        except errors.MembershipError as exc:
+            # The table no longer names us live (voted out, not yet told by our heartbeat):
+            # no grain code ran, so the caller may retry elsewhere, as for a fenced silo.
+            raise errors.SiloNotServingError(str(self.silo), str(exc)) from exc
         if winner.silo != self.silo or winner.activation_id != act.activation_id:
             # Another activation owns the grain; if it is one of ours the entry
             # is stale (we lost it) and we must not serve under it.
