@@ -15,8 +15,9 @@ or ``import silo.records`` does not import the whole runtime.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from silo.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from silo import errors
@@ -33,11 +34,4 @@ _LAZY = {
 
 __all__ = ["ClientSettings", "ClusterClient", "Silo", "SiloSettings", "errors"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'silo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

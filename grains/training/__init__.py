@@ -14,8 +14,9 @@ grains.training`` hosts every grain named in ``__all__``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from silo.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from grains.training.allreduce import AllreduceTrainerGrain
@@ -50,11 +51,4 @@ __all__ = [
     "parse_job",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'grains.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

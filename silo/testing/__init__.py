@@ -19,8 +19,9 @@ of them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from silo.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from silo.testing.clock import VirtualClock
@@ -64,11 +65,4 @@ __all__ = [
     "VirtualClock",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'silo.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
