@@ -228,7 +228,7 @@ def create_app(
     @app.get("/api/jobs/{job}", response_model=m.JobDetail, tags=["training"],
              responses={404: {"description": "No such job"}})  # fmt: skip
     async def job(job: str, r: Reader, points: int = Query(2000, ge=1, le=10_000)) -> m.JobDetail:
-        """Latest progress plus the last ``points`` per-step points for the curves."""
+        """Latest progress plus the last ``points`` curve points (train and eval) for the curves."""
         with redis_errors("read job"):
             async with r.redis.pipeline(transaction=False) as pipe:
                 pipe.get(keys.job_progress(job))
@@ -243,9 +243,11 @@ def create_app(
                 history.append(JobPoint.from_fields(fields))
             except ValidationError:
                 continue
+        progress = JobProgress.model_validate_json(raw)
         return m.JobDetail(
-            progress=JobProgress.model_validate_json(raw),
+            progress=progress,
             history=history,
+            metric_names=rd.job_metric_names(progress, history),
             cancel_requested=bool(cancel),
         )
 

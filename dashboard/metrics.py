@@ -108,9 +108,27 @@ class ClusterCollector(Collector):
         step = GaugeMetricFamily(
             "redgrain_job_step", "Training step reached.", labels=["job", "status"]
         )
-        loss = GaugeMetricFamily("redgrain_job_loss", "Latest training loss.", labels=["job"])
+        epoch = GaugeMetricFamily(
+            "redgrain_job_epoch", "Passes over the training set so far.", labels=["job"]
+        )
+        loss = GaugeMetricFamily(
+            "redgrain_job_loss", "Latest training loss (mean over trainers).", labels=["job"]
+        )
         acc = GaugeMetricFamily(
-            "redgrain_job_accuracy", "Latest training accuracy.", labels=["job"]
+            "redgrain_job_accuracy",
+            "Latest evaluation accuracy on the test split (absent when the evaluation reports none).",
+            labels=["job"],
+        )
+        named = GaugeMetricFamily(
+            "redgrain_job_metric",
+            "Latest value of a job's metric by name: split=train, the step function's (the loss"
+            " included; mean over trainers); split=eval, the latest evaluation on the test split.",
+            labels=["job", "split", "name"],
+        )
+        stale = GaugeMetricFamily(
+            "redgrain_job_max_staleness",
+            "Largest gradient staleness seen, in steps (async and ssp modes).",
+            labels=["job"],
         )
         sps = GaugeMetricFamily(
             "redgrain_job_samples_per_second", "Training throughput.", labels=["job"]
@@ -120,10 +138,18 @@ class ClusterCollector(Collector):
         )
         for job in self.jobs:
             step.add_metric([job.job, job.status], job.step)
+            epoch.add_metric([job.job], job.epoch)
             if job.loss is not None:
                 loss.add_metric([job.job], job.loss)
+                named.add_metric([job.job, "train", "loss"], job.loss)
+            for name, value in sorted(job.metrics.items()):
+                if name != "loss" or job.loss is None:  # one sample per label set
+                    named.add_metric([job.job, "train", name], value)
+            for name, value in sorted(job.eval_metrics.items()):
+                named.add_metric([job.job, "eval", name], value)
             if job.accuracy is not None:
                 acc.add_metric([job.job], job.accuracy)
+            stale.add_metric([job.job], job.max_staleness)
             sps.add_metric([job.job], job.samples_per_s)
             wire.add_metric([job.job], job.bytes_per_step)
-        yield from (step, loss, acc, sps, wire)
+        yield from (step, epoch, loss, acc, named, stale, sps, wire)

@@ -188,7 +188,15 @@ class JobList(BaseModel):
 
 class JobDetail(BaseModel):
     progress: JobProgress
-    history: list[JobPoint] = Field(description="Per-step points, oldest first.")
+    history: list[JobPoint] = Field(
+        description="Curve points, oldest first: train points each tick, eval points where an"
+        " evaluation finished (each split its own curves; never one curve of both)."
+    )
+    metric_names: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Every metric of the job by split ('train': the loss first, then the step"
+        " function's; 'eval': the evaluation's), from the record and the points.",
+    )
     cancel_requested: bool
 
 

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from dashboard import models as m
+from grains.training.records import JobPoint, JobProgress
 from silo import errors
 from silo.keys import Keys
 from silo.records import LIVE, LoadPoint, MemberRow, SiloStatsRecord, SiloStatus, dense, percentile
@@ -272,6 +273,21 @@ def grains(snap: Snapshot, persisted_types: set[str]) -> m.Grains:
     ]
     rows.sort(key=lambda r: (-r.activations, r.type))
     return m.Grains(by_type=rows, by_silo=by_silo)
+
+
+def job_metric_names(progress: JobProgress, history: list[JobPoint]) -> dict[str, list[str]]:
+    """Every metric name of a job per split, the loss first: one curve each."""
+    seen: dict[str, set[str]] = {
+        "train": {*progress.metrics, *(["loss"] if progress.loss is not None else [])},
+        "eval": set(progress.eval_metrics),
+    }
+    for p in history:
+        seen[p.split].update(p.metrics)
+        if p.loss is not None and p.split == "train":
+            seen["train"].add("loss")
+        if p.accuracy is not None:  # an entry from before splits: an evaluation figure
+            seen["eval"].add("accuracy")
+    return {split: sorted(names, key=lambda n: (n != "loss", n)) for split, names in seen.items()}
 
 
 def redis_down(exc: errors.RedgrainError) -> m.RedisStatus:

@@ -53,3 +53,12 @@ def test_bank_sample_total_balance_unchanged_under_silo_kills() -> None:
 def test_custom_model_sample_trains_a_user_module_and_dataset() -> None:
     out = run_sample("custom_model.py", timeout=240)
     assert "spirals: test accuracy" in out
+
+
+@pytest.mark.slow
+def test_own_step_sample_trains_its_way_and_the_saved_model_scores_as_reported() -> None:
+    out = run_sample("own_step.py", timeout=240)
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("own-step: completed;") and "top2_accuracy" in line, line
+    local = float(line.split("saved model scores ")[1].split("%")[0])
+    assert local >= 95.0, line

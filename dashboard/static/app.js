@@ -311,31 +311,78 @@ pages.training = async () => {
   let html = `<h1>Training</h1><div class="sub">Jobs whose coordinator publishes progress</div>`;
   if (!r.jobs.length) return html + `<div class="notice">No training jobs yet.</div>`;
   html += `<div class="table-wrap"><table data-testid="jobs-table"><thead><tr><th>Job</th><th>Status</th><th>Mode</th><th>Progress</th>` +
-    `<th class="num">Step</th><th class="num">Loss</th><th class="num">Accuracy</th><th class="num">Samples/s</th><th class="num">Updated</th></tr></thead><tbody>`;
+    `<th class="num">Step</th><th class="num">Train loss</th><th>Evaluation (test split)</th><th class="num">Samples/s</th><th class="num">Updated</th></tr></thead><tbody>`;
   for (const j of r.jobs) {
     const frac = j.total_steps ? Math.min(1, j.step / j.total_steps) : 0;
     html += `<tr><td>${link("/training/" + enc(j.job), j.job)}</td><td>${pill(j.status)}</td><td>${esc(j.mode)}</td>` +
       `<td><div class="bar"><span style="width:${100 * frac}%"></span></div></td>` +
       `<td class="num">${num(j.step)}${j.total_steps ? " / " + num(j.total_steps) : ""}</td>` +
-      `<td class="num">${j.loss == null ? "–" : num(j.loss, 4)}</td><td class="num">${j.accuracy == null ? "–" : num(100 * j.accuracy, 1) + " %"}</td>` +
+      `<td class="num">${j.loss == null ? "–" : sig4(j.loss)}</td>` +
+      `<td>${Object.entries(j.eval_metrics || {}).map(([k, v]) => `${esc(k)} <b>${esc(metricFormat(k, [v])(v))}</b>`).join(" · ") ||
+        (j.accuracy == null ? "–" : `accuracy <b>${num(100 * j.accuracy, 1)} %</b>`)}</td>` +
       `<td class="num">${rate(j.samples_per_s)}</td><td class="num">${clock(j.updated_at)}</td></tr>`;
   }
   return html + `</tbody></table></div>`;
 };
 
+// --- training metrics ------------------------------------------------------------------
+// A metric is shown by name; a name with "acc" in it whose values lie in 0..1 is a
+// percentage, any other value shows 4 significant digits.
+const isAccuracy = (name) => /acc/i.test(name);
+function sig4(v) { return v === null || v === undefined || !Number.isFinite(+v) ? "–" : String(+(+v).toPrecision(4)); }
+function metricFormat(name, values) {
+  const pct = isAccuracy(name) && values.every((v) => !Number.isFinite(v) || (v >= 0 && v <= 1));
+  return pct ? (v) => (Number.isFinite(v) ? num(100 * v, 1) + " %" : "–") : sig4;
+}
+// A point's value of metric `name`, or NaN; training loss is the point's own field. Entries
+// written before points had a split carry the evaluation accuracy as `accuracy`.
+function pointValue(x, split, name) {
+  const ptSplit = x.split || "train";
+  let v;
+  if (split === "eval" && ptSplit === "train" && name === "accuracy") v = x.accuracy;
+  else if (ptSplit !== split) v = undefined;
+  else if (split === "train" && name === "loss") v = x.loss;
+  else v = (x.metrics || {})[name];
+  return v === null || v === undefined ? NaN : +v;
+}
+const SPLIT_STYLE = { train: { color: "#d64545", label: "train" }, eval: { color: "#3b6cf6", label: "eval", dash: true, dots: true } };
+function metricPanel(name, names, history, stepX) {
+  const series = ["train", "eval"].filter((split) => (names[split] || []).includes(name)).map((split) => ({
+    name: `${SPLIT_STYLE[split].label} ${name}`, key: split, color: SPLIT_STYLE[split].color,
+    dash: SPLIT_STYLE[split].dash, dots: SPLIT_STYLE[split].dots, fill: split === "train",
+    points: history.map((x) => [x.step, pointValue(x, split, name)]).filter((p) => Number.isFinite(p[1])),
+  }));
+  const fmt = metricFormat(name, series.flatMap((s) => s.points.map((p) => p[1])));
+  const splits = series.map((s) => s.key).join(" + ");
+  return `<div class="panel"><h3>${esc(name)} <span class="muted">${esc(splits)}</span></h3>` +
+    Charts.line(series, { ...stepX, zeroBased: false, testid: "metric-curve", attrs: { "data-metric": name }, yFormat: fmt }) +
+    Charts.legend(series, fmt) + `</div>`;
+}
+function metricCards(p) {
+  const train = [["loss", p.loss], ...Object.entries(p.metrics || {})].filter(([, v]) => v !== null && v !== undefined);
+  const evals = Object.entries(p.eval_metrics || {});
+  const tag = (split, name) => `data-split="${split}" data-metric="${esc(name)}"`;
+  const box = (split, name, v, hint) => `<div class="card" ${tag(split, name)}><div class="label">${esc(split === "eval" ? "Eval " + name : "Train " + name)}</div>` +
+    `<div class="value" data-testid="job-metric">${esc(metricFormat(name, [v])(v))}</div>` + (hint ? `<div class="hint">${hint}</div>` : "") + `</div>`;
+  const when = p.eval_step == null ? "test split" : `test split · step ${num(p.eval_step)}`;
+  return train.map(([k, v]) => box("train", k, v, "latest, mean over trainers")).join("") +
+    evals.map(([k, v]) => box("eval", k, v, when)).join("");
+}
+
 pages.job = async (job) => {
   const d = await api("/api/jobs/" + enc(job));
   const p = d.progress;
   const h = d.history;
-  const by = (k) => h.map((x) => [x.step, x[k] == null ? NaN : +x[k]]);
-  const loss = [{ name: "loss", color: "#d64545", fill: true, points: by("loss") }];
-  const acc = [{ name: "accuracy", color: "#1f9d55", fill: true, points: by("accuracy") }];
+  const names = d.metric_names || { train: [], eval: [] };
+  const trainPts = h.filter((x) => (x.split || "train") === "train");
+  const by = (k) => trainPts.map((x) => [x.step, x[k] == null ? NaN : +x[k]]);
   const sps = [{ name: "samples/s", color: "#3b6cf6", points: by("samples_per_s") }];
   const wire = [{ name: "bytes/step", color: "#7a3e9d", points: by("bytes") }];
   const stepX = { xFormat: (v) => num(v), height: 190, width: chartWidth(true) };
   const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : 0;
+  const staleness = p.max_staleness ?? p.staleness;
   let html = `<div class="breadcrumb">${link("/training", "Training")} /</div>` +
-    `<h1>${esc(p.job)} ${pill(p.status)}</h1><div class="sub">mode ${esc(p.mode)} · epoch ${num(p.epoch)} · updated ${clock(p.updated_at)}` +
+    `<h1>${esc(p.job)} ${pill(p.status)}</h1><div class="sub">mode ${esc(p.mode)} · epoch <span data-testid="job-epoch">${num(p.epoch, 2)}</span> · updated ${clock(p.updated_at)}` +
     (d.cancel_requested ? ` · <b>cancel requested</b>` : "") + `</div>`;
   if (p.error) html += `<div class="notice">${esc(p.error)}</div>`;
   if (state.config.admin && ["running", "pending"].includes(p.status) && !d.cancel_requested)
@@ -343,14 +390,14 @@ pages.job = async (job) => {
   html += `<div class="cards">` +
     card("Step", num(p.step) + (p.total_steps ? `<span class="muted" style="font-size:15px"> / ${num(p.total_steps)}</span>` : ""),
       p.total_steps ? `<div class="bar" style="margin-top:6px"><span style="width:${100 * frac}%"></span></div>` : "", "job-step") +
-    card("Loss", p.loss == null ? "–" : num(p.loss, 4), "", "job-loss") +
-    card("Accuracy", p.accuracy == null ? "–" : num(100 * p.accuracy, 1) + " %", "", "job-accuracy") +
+    metricCards(p) +
     card("Samples / s", rate(p.samples_per_s), "", "job-sps") +
     card("Bytes on wire", bytes(p.bytes_per_step), "per step", "job-bytes") +
-    card("Staleness", num(p.staleness, 2), "steps (mean)", "job-staleness") + `</div>`;
-  html += `<div class="grid2">` +
-    `<div class="panel"><h3>Loss</h3>${Charts.line(loss, { ...stepX, zeroBased: false, testid: "loss-curve" })}${Charts.legend(loss, (v) => num(v, 4))}</div>` +
-    `<div class="panel"><h3>Accuracy</h3>${Charts.line(acc, { ...stepX, testid: "accuracy-curve", yFormat: (v) => (100 * v).toFixed(0) + "%" })}${Charts.legend(acc, (v) => num(100 * v, 1) + " %")}</div>` +
+    (["async", "ssp"].includes(p.mode) ? card("Max staleness", num(staleness, 0), "steps (largest seen)", "job-staleness") : "") +
+    (p.mode === "ssp" ? card("Max gap", num(p.max_gap, 0), "steps ahead of the slowest trainer", "job-gap") : "") + `</div>`;
+  const metricsAll = [...new Set([...(names.train || []), ...(names.eval || [])])]
+    .sort((a, b) => (a !== "loss") - (b !== "loss") || a.localeCompare(b));
+  html += `<div class="grid2" data-testid="metric-panels">` + metricsAll.map((n) => metricPanel(n, names, h, stepX)).join("") +
     `<div class="panel"><h3>Samples per second</h3>${Charts.line(sps, { ...stepX, testid: "sps-curve" })}${Charts.legend(sps, rate)}</div>` +
     `<div class="panel"><h3>Bytes on the wire per step</h3>${Charts.line(wire, { ...stepX, yFormat: bytes })}${Charts.legend(wire, bytes)}</div></div>`;
   const placeTable = (title, rows, tid) => `<div><h2>${title} (${rows.length})</h2>` + (rows.length ?

@@ -23,15 +23,19 @@ const Charts = (() => {
     return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
   }
 
-  // series: [{name, color, points: [[x, y], ...]}]
-  // opts: {width, height, yFormat, xFormat, zeroBased, testid, empty}
+  // series: [{name, color, points: [[x, y], ...], key, dash, dots}]
+  //   key: the path's data-series attribute; dash: a dashed line; dots: a dot on every point
+  //   (for sparse series, such as evaluations every N steps).
+  // opts: {width, height, yFormat, xFormat, zeroBased, testid, attrs, empty}
+  //   attrs: more attributes of the <svg> ({"data-metric": name}), escaped here.
   // The viewBox is the drawn size in pixels (opts.width), so text never stretches.
   function line(series, opts = {}) {
     const W = Math.max(240, Math.round(opts.width || 640)), H = opts.height || 200, L = 58, R = 16, T = 12, B = 26;
     const pts = series.flatMap((s) => s.points.filter((p) => Number.isFinite(p[1])));
     const yFmt = opts.yFormat || ((v) => fmtShort(v));
     const xFmt = opts.xFormat || ((v) => fmtShort(v));
-    const tid = opts.testid ? ` data-testid="${esc(opts.testid)}"` : "";
+    const tid = (opts.testid ? ` data-testid="${esc(opts.testid)}"` : "") +
+      Object.entries(opts.attrs || {}).map(([k, v]) => ` ${k}="${esc(v)}"`).join("");
     if (pts.length === 0) {
       return `<svg class="chart" viewBox="0 0 ${W} ${H}"${tid} data-points="0">` +
         `<text class="empty" x="${W / 2}" y="${H / 2}" text-anchor="middle">${esc(opts.empty || "no data yet")}</text></svg>`;
@@ -66,8 +70,13 @@ const Charts = (() => {
         const area = `${d}L${sx(ok[ok.length - 1][0]).toFixed(1)},${sy(y0)}L${sx(ok[0][0]).toFixed(1)},${sy(y0)}Z`;
         svg += `<path d="${area}" fill="${s.color}" fill-opacity="0.09" stroke="none"/>`;
       }
-      svg += `<path class="series" d="${d}" fill="none" stroke="${s.color}" stroke-width="2" ` +
-        `stroke-linejoin="round" data-points="${ok.length}"/>`;
+      const key = s.key ? ` data-series="${esc(s.key)}"` : "";
+      const dash = s.dash ? ` stroke-dasharray="6 4"` : "";
+      svg += `<path class="series" d="${d}" fill="none" stroke="${s.color}" stroke-width="2"${dash} ` +
+        `stroke-linejoin="round" data-points="${ok.length}"${key}/>`;
+      if (s.dots && ok.length <= 400) {
+        for (const p of ok) svg += `<circle cx="${sx(p[0]).toFixed(1)}" cy="${sy(p[1]).toFixed(1)}" r="2.2" fill="${s.color}"/>`;
+      }
       const last = ok[ok.length - 1];
       svg += `<circle cx="${sx(last[0])}" cy="${sy(last[1])}" r="3" fill="${s.color}"/>`;
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from grains.ids import GrainId
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
     from grains.training import CoordinatorGrain, TrainingJob
+    from grains.training.console import metric_text
     from silo.client import ClusterClient
 
     job_id = f"digits-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -130,10 +132,11 @@ async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
         if final.status != "completed":
             console.print(f"[red]job ended {final.status}: {final.error}[/red]")
             return False
-        acc = final.accuracy if final.accuracy is not None else float("nan")
+        evaluation = escape(", ".join(f"{k} {metric_text(k, v)}" for k, v in final.eval_metrics.items()) or "none")
+        train_loss = "-" if final.loss is None else metric_text("loss", final.loss)
         console.print(
-            f"[bold green]done[/bold green]: {final.step} steps, test accuracy [bold]{acc:.1%}[/bold], "
-            f"loss {final.loss:.4f}, {final.samples_per_s:,.0f} samples/s, "
+            f"[bold green]done[/bold green]: {final.step} steps, evaluation on the test split: "
+            f"[bold]{evaluation}[/bold]; training loss {train_loss}, {final.samples_per_s:,.0f} samples/s, "
             f"{final.bytes_per_step / 1e3:,.1f} kB on the wire per step"
         )
         if killed:
@@ -160,11 +163,10 @@ async def _status(coord: Any) -> Any:
 
 
 def _metrics(status: Any) -> str:
-    parts = []
-    if status.loss is not None:
-        parts.append(f"loss {status.loss:.4f}")
-    if status.accuracy is not None:
-        parts.append(f"acc {status.accuracy:.1%}")
+    from grains.training.console import metrics_text
+
+    text = metrics_text(status)
+    parts = [escape(text)] if text else []
     parts.append(f"{status.samples_per_s:,.0f} samples/s")
     return "  ".join(parts)
 

@@ -36,6 +36,7 @@ examples:
   redgrain drain --redis redis://127.0.0.1:6379 --cluster dev 127.0.0.1:11111@3
   redgrain train samples/digits.toml --redis redis://127.0.0.1:6379 --cluster dev
   redgrain train --status digits --redis redis://127.0.0.1:6379 --cluster dev
+  redgrain train samples/digits.toml --save digits.pt     # the trained model, for torch.load
   redgrain dashboard --redis redis://127.0.0.1:6379 --cluster dev --port 8080
   redgrain demo --steps 200 --exit
 """
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cancel", metavar="JOB", default=None, help="cancel a running job")
     p.add_argument("--detach", action="store_true", help="start the job and exit without watching it")
     p.add_argument("--timeout", type=float, default=None, help="give up watching after this many seconds")
+    p.add_argument(
+        "--save", metavar="PATH", default=None,
+        help="when the job completes, write the trained model's state_dict there (torch.save; load it with "
+        "model.load_state_dict(torch.load(PATH))); with --status, save a finished job's",
+    )  # fmt: skip
 
     p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")
     add_connection_arguments(p)

@@ -21,6 +21,7 @@ from silo.lazy import lazy_exports
 if TYPE_CHECKING:
     from grains.training.allreduce import AllreduceTrainerGrain
     from grains.training.checkpointing import ShardSnapshot
+    from grains.training.store import CheckpointStoreGrain
     from grains.training.coordinator import CoordinatorGrain
     from grains.training.job import TrainingJob, load_job_file, parse_job
     from grains.training.messages import TrainingStatus
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "AllreduceTrainerGrain": "grains.training.allreduce",
+    "CheckpointStoreGrain": "grains.training.store",
     "CoordinatorGrain": "grains.training.coordinator",
     "ParamShardGrain": "grains.training.shard",
     "ShardSnapshot": "grains.training.checkpointing",
@@ -41,6 +43,7 @@ _LAZY = {
 
 __all__ = [
     "AllreduceTrainerGrain",
+    "CheckpointStoreGrain",
     "CoordinatorGrain",
     "ParamShardGrain",
     "ShardSnapshot",

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -48,19 +49,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, reentrant
 from grains.training import checkpointing
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.datasets import Batches, load_dataset
+from grains.training.datasets import Batches, batch_samples, load_dataset
 from grains.training.job import TrainingJob
+from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.messages import GroupAssignment, StepPoint, TrainerProgress
 from grains.training.models import build_model
+from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
+from grains.training.program import NonFiniteLossError, Program, finite, is_fatal
 from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
-from grains.training.shard import make_optimizer
 from silo import errors
 
 log = logging.getLogger("redgrain.training.allreduce")
@@ -94,11 +96,12 @@ class Group:
         self.pg: Any = pg
         self._hook = hook
 
-    def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event) -> torch.Tensor:
-        """The mean of ``flat`` over the group; GroupAbandonedError as soon as ``abandon`` is set."""
+    def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event, raw: bool = False) -> torch.Tensor:
+        """The mean of ``flat`` over the group (``raw``: never compressed); GroupAbandonedError as
+        soon as ``abandon`` is set."""
         if abandon.is_set():  # never start a collective once stopped: the held step must not move
             raise GroupAbandonedError("collective abandoned: the coordinator replaced the group")
-        if self._hook is None:
+        if self._hook is None or raw:
             # Uncompressed: the collective itself, waited on in C++ (a torch future's callback
             # would wake this thread through the GIL: ~0.6 ms a step on a small model).
             work = self.pg.allreduce([flat])
@@ -166,8 +169,9 @@ def form_group(
 @dataclass(slots=True)
 class StepResult:
     loss: float
-    correct: int
+    metrics: dict[str, float]
     samples: int
+    skipped: bool = False
 
 
 class GroupReplica:
@@ -181,9 +185,17 @@ class GroupReplica:
         self.spec = spec
         self.device = device
         self.model = build_model(spec).to(device)
-        self.params = list(self.model.parameters())
-        self.names = [n for n, _ in self.model.named_parameters()]
-        self.opt = make_optimizer(self.params, spec)
+        self.model.train()
+        named = trainable(self.model)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.frozen = dict(frozen_parameters(self.model))
+        self.buffers = dict(persistent_buffers(self.model))
+        self.float_buffers = [b for b in self.buffers.values() if b.is_floating_point()]
+        self.opt = build_optimizer(named, spec)
+        self.schedule = build_schedule(self.opt, spec)
+        self.program = Program.of(spec, device)
+        self.scaler = torch.amp.GradScaler(torch.device(device).type) if spec.amp == "fp16" else None
         self.batches = Batches(load_dataset(spec, "train"), device)
         self.flat = torch.zeros(sum(p.numel() for p in self.params), device=device)
         self.held = (-1, -1)
@@ -197,61 +209,93 @@ class GroupReplica:
         with self._lock, torch.no_grad():
             for n, p in zip(self.names, self.params, strict=True):
                 p.copy_(snap.params[n])
-            self.opt.load_state_dict(snap.optimizer)
+            for n, t in {**self.frozen, **self.buffers}.items():
+                t.copy_(snap.buffers[n])
+            # A fresh schedule stepped to the restored step, then the saved groups (their rates agree).
+            self.schedule = build_schedule(self.opt, self.spec)
+            advance(self.schedule, snap.step)
+            if snap.optimizer and self.opt is not None:
+                self.opt.load_state_dict(snap.optimizer)
             self.held = (run, snap.step)
 
     def snapshot(self) -> ShardSnapshot:
-        """Parameters and optimizer state of the held step, in the checkpoint format."""
+        """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""
         with self._lock:
-            sd = self.opt.state_dict()
-            state = {
-                k: {
-                    n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
-                    for n, v in s.items()
+            optimizer: dict[str, Any] = {}
+            if self.opt is not None:
+                sd = self.opt.state_dict()
+                state = {
+                    k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
+                    for k, s in sd["state"].items()
                 }
-                for k, s in sd["state"].items()
-            }
+                optimizer = {"state": state, "param_groups": sd["param_groups"]}
             return ShardSnapshot(
                 step=self.held[1],
                 version=self.held[1],
-                params={
-                    n: p.detach().to("cpu", copy=True)
-                    for n, p in zip(self.names, self.params, strict=True)
-                },
-                optimizer={"state": state, "param_groups": sd["param_groups"]},
+                params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
+                optimizer=optimizer,
+                buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()},
             )
 
-    def step(
-        self, step: int, rank: int, world: int, group: Group, abandon: threading.Event
-    ) -> StepResult:
-        """Forward/backward on this rank's slice of global step ``step``, average, apply."""
+    def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
+        """Forward/backward on this rank's slice of global step ``step``, average, apply.
+
+        A rank whose loss is non-finite (``on_nonfinite = "skip"``) sends NaN gradients, so
+        the mean is non-finite on every rank and all of them skip the update alike.
+        """
         with self._lock:
             if self.held[1] != step:
                 raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
-            x, y = self.batches.batch(self.spec.batch_size, world, rank, step, self.spec.seed)
+            batch = self.batches.batch(self.spec.batch_size, world, rank, step, self.spec.seed)
             for p in self.params:
                 p.grad = None
-            ctx = (
-                torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
-                if self.spec.autocast_bf16
-                else contextlib.nullcontext()
-            )
-            with ctx:
-                out = self.model(x)
-                loss = F.cross_entropy(out.float(), y)
-            loss.backward()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+            loss, metrics = self.program.step(self.model, batch)
+            if finite(loss):
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+                torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+            elif self.spec.on_nonfinite == "fail":
+                raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
+            else:
+                self.flat.fill_(math.nan)
             mean = group.allreduce_mean(self.flat, abandon)
+            if self.float_buffers:  # BatchNorm statistics: the mean over the group, as in sync PS mode
+                bufs = torch.cat([b.detach().reshape(-1).float() for b in self.float_buffers])
+                bufs = group.allreduce_mean(bufs, abandon, raw=True)
+                offset = 0
+                with torch.no_grad():
+                    for b in self.float_buffers:
+                        b.copy_(bufs[offset : offset + b.numel()].view_as(b))
+                        offset += b.numel()
             offset = 0
             for p in self.params:
                 n = p.numel()
                 p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
                 offset += n
-            self.opt.step()
+            skipped = self._apply(mean)
             self.held = (self.held[0], step + 1)
-            correct = int((out.detach().argmax(1) == y).sum())
-            return StepResult(float(loss.detach()), correct, len(y))
+            return StepResult(float(loss.detach()), metrics, batch_samples(batch), skipped)
+
+    def _apply(self, mean: torch.Tensor) -> bool:
+        """The optimizer step on the mean gradient (clipped, unscaled); True when skipped."""
+        skipped = False
+        if self.opt is not None:
+            if self.scaler is not None:
+                if self.spec.clip_grad_norm is not None:
+                    self.scaler.unscale_(self.opt)
+                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.opt)
+                self.scaler.update()
+                skipped = self.scaler.get_scale() < scale
+            elif self.spec.on_nonfinite == "skip" and not bool(torch.isfinite(mean).all()):
+                skipped = True
+            else:
+                if self.spec.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
+                self.opt.step()
+        step_schedule(self.schedule)
+        return skipped
 
 
 @immovable
@@ -309,6 +353,12 @@ class AllreduceTrainerGrain(Grain):
             self._p.status = "idle"
         return await self.progress(1 << 62)
 
+    async def release(self) -> None:
+        """The job is over: leave the group, drop the replica, deactivate."""
+        await self._abandon_loop()
+        self._rep = None
+        self.deactivate_on_idle()
+
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current generation, and the per-step points from ``since_step`` on."""
         points = [p for p in self._points if p.step >= since_step]
@@ -365,7 +415,8 @@ class AllreduceTrainerGrain(Grain):
             for step in range(a.start_step, a.end_step):
                 r = await self.run_in_thread(rep.step, step, a.rank, a.world, group, abandon)
                 self._record(step, r)
-                if a.rank == 0 and every and (step + 1) % every == 0:
+                # Every checkpoint_every steps, and always the last step (the job's result).
+                if a.rank == 0 and ((every and (step + 1) % every == 0) or step + 1 == a.end_step):
                     await self._checkpoint(a, rep)
             # Done means saved too: the coordinator commits what the final report lists.
             await asyncio.gather(*self._saves, return_exceptions=True)
@@ -385,6 +436,7 @@ class AllreduceTrainerGrain(Grain):
             )
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
+            self._p.fatal = is_fatal(exc)
         finally:
             if group is not None:
                 group.release()
@@ -405,7 +457,7 @@ class AllreduceTrainerGrain(Grain):
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.restore_step is not None:
             snap = await checkpointing.load_model(
-                self, a.job, a.run, a.restore_step, rep.names
+                self, a.job, a.run, a.restore_step, rep.names, [*rep.frozen, *rep.buffers]
             )  # any mode's
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.start_step == 0:
@@ -448,8 +500,5 @@ class AllreduceTrainerGrain(Grain):
             # counted once, as sent, so the job's bytes per step are the bytes on the wire).
             size = self._rep.flat.numel() * (4 if self._rep.spec.compression == "none" else 2)
             p.bytes_pushed += int(2 * (p.world - 1) / p.world * size)
-        self._points.append(
-            StepPoint(
-                step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples), at=time.time()
-            )
-        )
+        p.skipped += r.skipped
+        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=time.time()))

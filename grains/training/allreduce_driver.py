@@ -26,7 +26,8 @@ import torch
 
 from grains.training import cluster
 from grains.training.allreduce import AllreduceTrainerGrain
-from grains.training.datasets import load_dataset
+from grains.training.checkpointing import ShardSnapshot
+from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import SiloLook
 from grains.training.job import check_job
@@ -55,9 +56,11 @@ class AllreduceDriver(Driver):
                 "no active silo hosts the training grains (start silos with --grains grains.training)"
             )
         world = len(look.eligible) if spec.trainers == "auto" else min(int(spec.trainers), len(look.eligible))
-        train_size = len(await coord.run_in_thread(load_dataset, spec, "train"))  # type: ignore[arg-type]
+        train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
         s.total_steps = spec.total_steps(train_size, world)
+        s.train_size = train_size
         s.trainer_keys, s.trainer_silos, s.slots = [], [], 0
+        s.resumed_from = s.committed[-1] if s.committed else None
         await self._reform("job started")
         s.status = "running"
         await coord._write()
@@ -74,6 +77,8 @@ class AllreduceDriver(Driver):
         for rank, r in enumerate(results):
             if isinstance(r, BaseException):
                 continue  # busy or dying: membership (or the next tick) tells
+            if r.generation == s.generation and r.status == "failed" and r.fatal:
+                raise RuntimeError(f"trainer {s.trainer_keys[rank]}: {r.error}")
             if r.generation != s.generation or r.status in ("idle", "failed"):
                 broken.append(f"{s.trainer_keys[rank]} {r.status}{': ' + r.error[:200] if r.error else ''}")
                 continue
@@ -96,11 +101,15 @@ class AllreduceDriver(Driver):
         for step in sorted({c for p in self.progress.values() if p.rank == 0 for c in p.saved_steps}):
             await self.commit_step(step)  # every checkpoint rank 0 completed, oldest first
         await self.report([])
-        if done == len(s.trainer_keys):
+        if done == len(s.trainer_keys) and self.final_committed():
             await self.coord._finish("completed")
 
-    async def parameters(self) -> dict[str, torch.Tensor]:
-        """The weights from a group member holding the newest step."""
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        snap = await self._newest()
+        return {**snap.params, **snap.buffers}
+
+    async def _newest(self) -> ShardSnapshot:
+        """The state of a group member holding the newest step."""
         s = self.state
         refs = [self.ref(AllreduceTrainerGrain, k) for k in s.trainer_keys]
         results = await asyncio.gather(*(r.progress(1 << 62) for r in refs), return_exceptions=True)
@@ -108,8 +117,8 @@ class AllreduceDriver(Driver):
         if not held:
             raise errors.ConfigError(f"job {self.key}: no trainer holds the parameters")
         step, i = max(held)
-        snap = await refs[i].replica(s.run, step)
-        return dict(snap.params)
+        snap: ShardSnapshot = await refs[i].replica(s.run, step)
+        return snap
 
     # --- the group ------------------------------------------------------------
     def _wanted(self, look: SiloLook) -> int:

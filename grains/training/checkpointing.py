@@ -1,5 +1,12 @@
 """Checkpoint storage for parameter shards, on the silo's snapshot API (silo/storage/checkpoint.py).
 
+A part holds its trainable parameters with their optimizer state, and its
+frozen parameters and persistent buffers (``buffers``). Its optimizer's
+parameter groups carry their spec index as ``rg_group``
+(:mod:`grains.training.optim`), so :func:`extract` can cut the state of any
+set of parameters out of parts of any layout and regroup it as the new
+holder's optimizer builds its groups.
+
 Every shard of a job saves its part of snapshot ``(training.{job}.r{run}, step)``
 with the same member list, so the snapshot becomes complete (and listed)
 only when all shards have saved that step; the store keeps the newest
@@ -12,9 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import Grain
+from grains.training.optim import DEFAULT_GROUP, group_order
 from silo import errors
 
 
@@ -28,7 +36,9 @@ class ShardSnapshot(BaseModel):
     params: dict[str, torch.Tensor]
     """In model order (the optimizer state is indexed by it)."""
     optimizer: dict[str, Any]
-    """``torch.optim.Optimizer.state_dict()`` of the shard's optimizer."""
+    """``torch.optim.Optimizer.state_dict()`` of the shard's optimizer ({}: none yet, e.g. ``init_from``)."""
+    buffers: dict[str, torch.Tensor] = Field(default_factory=dict)
+    """Frozen parameters and persistent buffers (BatchNorm statistics) this part holds."""
 
 
 class SnapshotState(BaseModel):
@@ -67,9 +77,12 @@ async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, 
         grain.state.snapshot = None
 
 
-async def load_model(grain: Grain, job: str, run: int, step: int, names: list[str]) -> ShardSnapshot:
-    """Parameters ``names`` (model order) and their optimizer state at ``step``, from every member
-    of the snapshot, whichever mode saved it (shards of any layout, or one all-reduce trainer).
+async def load_model(
+    grain: Grain, job: str, run: int, step: int, names: list[str], extra: list[str] | None = None
+) -> ShardSnapshot:
+    """Parameters ``names`` (trainable, model order) with their optimizer state, and the frozen
+    parameters and buffers ``extra``, at ``step``, from every member of the snapshot, whichever
+    mode saved it (shards of any layout, or one all-reduce trainer or the job's init weights).
 
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
@@ -82,44 +95,70 @@ async def load_model(grain: Grain, job: str, run: int, step: int, names: list[st
         if decoded.snapshot is None:
             raise errors.StorageError(f"snapshot {group(job, run)}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
-    return extract(parts, names)
+    return extract(parts, names, extra or [])
 
 
-def extract(parts: list[ShardSnapshot], names: list[str]) -> ShardSnapshot:
-    """The snapshot an owner of ``names`` (model order) restores, cut from snapshots of any parts.
+def _state_of(optimizer: dict[str, Any], j: int) -> tuple[Any, dict[str, Any] | None]:
+    """Parameter ``j``'s optimizer state and its group's settings in a part's optimizer state_dict."""
+    own = optimizer.get("state", {})
+    st = own.get(j, own.get(str(j)))
+    for g in optimizer.get("param_groups", []):
+        if j in g["params"]:
+            return st, g
+    return st, None
 
-    A part's optimizer state is indexed by the order of its own ``params``; the result's by ``names``.
+
+def extract(parts: list[ShardSnapshot], names: list[str], extra: list[str] | None = None) -> ShardSnapshot:
+    """The snapshot an owner of ``names`` (trainable, model order) and ``extra`` (frozen
+    parameters, buffers) restores, cut from snapshots of any parts.
+
+    A part's optimizer state is indexed by the order of its own ``params``; the result's by
+    ``names``, in groups ordered as :func:`grains.training.optim.build_optimizer` builds them.
     """
     where: dict[str, tuple[ShardSnapshot, int]] = {}
+    held: dict[str, torch.Tensor] = {}
     for part in parts:
         for i, name in enumerate(part.params):
             where[name] = (part, i)
-    missing = [n for n in names if n not in where]
+            held[name] = part.params[name]
+        held.update(part.buffers)
+    missing = [n for n in names if n not in where] + [n for n in extra or [] if n not in held]
     if missing:
-        raise errors.StorageError(f"checkpoint lacks parameters {missing[:5]}")
+        raise errors.StorageError(f"checkpoint lacks tensors {missing[:5]}")
     state: dict[int, Any] = {}
+    members: dict[int, list[int]] = {}
+    settings: dict[int, dict[str, Any]] = {}
     for i, name in enumerate(names):
         part, j = where[name]
-        own = part.optimizer.get("state", {})
-        st = own.get(j, own.get(str(j)))
+        if not part.optimizer:
+            continue
+        st, g = _state_of(part.optimizer, j)
         if st is not None:
             state[i] = st
-    groups = [{**g, "params": list(range(len(names)))} for g in parts[0].optimizer["param_groups"][:1]]
+        if g is not None:
+            tag = int(g.get("rg_group", DEFAULT_GROUP))
+            members.setdefault(tag, []).append(i)
+            settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
+    groups = [{**settings[t], "params": members[t]} for t in sorted(members, key=group_order)]
     return ShardSnapshot(
         step=parts[0].step,
         version=max(p.version for p in parts),
         params={n: where[n][0].params[n] for n in names},
-        optimizer={"state": state, "param_groups": groups},
+        optimizer={"state": state, "param_groups": groups} if groups else {},
+        buffers={n: held[n] for n in extra or []},
     )
 
 
-async def load(shard: Grain, job: str, run: int, step: int, names: list[str] | None = None) -> ShardSnapshot:
-    """This shard's part of snapshot ``step``; with ``names``, also from a snapshot saved in
-    another layout (other shards, or all-reduce mode's whole model): a job may switch modes."""
+async def load(
+    shard: Grain, job: str, run: int, step: int, names: list[str] | None = None, extra: list[str] | None = None
+) -> ShardSnapshot:
+    """This shard's part of snapshot ``step``; with ``names`` (and ``extra``), also from a snapshot
+    saved in another layout (other shards, all-reduce mode's whole model, init weights): a job
+    may switch modes."""
     if names is not None:
         info = await shard.snapshot_info(group(job, run), step)
         if info is not None and member(shard.key) not in info.members:
-            return await load_model(shard, job, run, step, names)
+            return await load_model(shard, job, run, step, names, extra)
     await shard.load_snapshot(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:

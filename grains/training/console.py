@@ -5,6 +5,7 @@
     redgrain train samples/digits.toml            # start, live progress bar, exit 0 when completed
     redgrain train --status digits               # one status table
     redgrain train --cancel digits
+    redgrain train samples/digits.toml --save model.pt   # and write the trained state_dict
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
         if args.status:
             st = await coord.status()
             _print_table(st)
+            if getattr(args, "save", None) and st.status == "completed":
+                await save_model(coord, args.save)
             return 0 if st.status != "failed" else 1
         assert spec is not None
         st = await coord.start(spec)
@@ -55,7 +58,24 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
             return 0
         st = await watch(coord, args.timeout)
         _print_table(st)
-        return 0 if st.status == "completed" else 1
+        if st.status != "completed":
+            return 1
+        if getattr(args, "save", None):
+            await save_model(coord, args.save)
+        return 0
+
+
+async def save_model(coord: Any, path: str) -> None:
+    """Write the job's trained ``state_dict`` to ``path`` with ``torch.save`` (atomically)."""
+    import torch
+
+    sd = await coord.with_timeout(300.0).state_dict()
+    if not sd:
+        raise errors.ConfigError(f"job {coord.key} has no trained weights to save")
+    tmp = f"{path}.partial"
+    await asyncio.to_thread(torch.save, sd, tmp)
+    os.replace(tmp, path)
+    print(f"saved {len(sd)} tensors of {coord.key} to {path}")
 
 
 async def watch(coord: Any, timeout_s: float | None) -> Any:
@@ -83,12 +103,32 @@ async def watch(coord: Any, timeout_s: float | None) -> Any:
             await asyncio.sleep(0.25)
 
 
+def metric_text(name: str, value: float) -> str:
+    """One metric's value: a percentage for an accuracy (a name containing "acc", value in
+    0..1), else 4 significant digits."""
+    if "acc" in name.lower() and 0.0 <= value <= 1.0:
+        return f"{value:.1%}"
+    return f"{float(f'{value:.4g}'):g}"
+
+
+def metrics_text(st: Any) -> str:
+    """Training loss and metrics, then the latest evaluation's, each by name:
+    ``loss 0.31 acc 91.0% | eval loss 0.28 accuracy 96.1%``."""
+    train = [] if st.loss is None else [f"loss {metric_text('loss', st.loss)}"]
+    train += [f"{k} {metric_text(k, v)}" for k, v in st.metrics.items()]
+    evals = [f"{k} {metric_text(k, v)}" for k, v in st.eval_metrics.items()]
+    parts = [" ".join(train)] if train else []
+    if evals:
+        parts.append("eval " + " ".join(evals))
+    return " | ".join(parts)
+
+
 def _info(st: Any) -> str:
+    from rich.markup import escape  # metric names are the user's: "[x]" is not markup
+
     parts = [st.status]
-    if st.loss is not None:
-        parts.append(f"loss {st.loss:.4f}")
-    if st.accuracy is not None:
-        parts.append(f"acc {st.accuracy:.2%}")
+    if text := metrics_text(st):
+        parts.append(escape(text))
     parts.append(f"{st.samples_per_s:,.0f} samples/s")
     parts.append(f"{_size(st.bytes_per_step)}/step")
     if st.rollbacks or st.restarts:
@@ -109,11 +149,21 @@ def _print_table(st: Any) -> None:
     from rich.table import Table
 
     table = Table(title=f"job {st.job}", show_header=False)
-    rows = [
+    rows: list[tuple[str, str]] = [
         ("status", st.status + (f" ({st.error})" if st.error else "")),
         ("step", f"{st.step} / {st.total_steps}"),
-        ("loss", "-" if st.loss is None else f"{st.loss:.4f}"),
-        ("accuracy", "-" if st.accuracy is None else f"{st.accuracy:.2%}"),
+        ("epoch", f"{st.epoch:.2f}"),
+        ("train loss", "-" if st.loss is None else metric_text("loss", st.loss)),
+        *((f"train {k}", metric_text(k, v)) for k, v in st.metrics.items()),
+        *((f"eval {k}", metric_text(k, v)) for k, v in st.eval_metrics.items()),
+    ]
+    if st.eval_metrics and st.eval_step is not None:
+        rows.append(("evaluated at", f"step {st.eval_step} (test split)"))
+    if st.mode in ("async", "ssp"):
+        rows.append(("max staleness", f"{st.max_staleness} steps"))
+    if st.mode == "ssp":
+        rows.append(("max gap", f"{st.max_gap} steps"))
+    rows += [
         ("samples/s", f"{st.samples_per_s:,.0f}"),
         ("bytes/step", _size(st.bytes_per_step)),
         ("trainers / shards", f"{st.trainers} / {st.shards}"),
@@ -125,6 +175,8 @@ def _print_table(st: Any) -> None:
         c = st.changes[-1]
         after = f"; first step {c.first_step_at - c.at:.2f} s after" if c.first_step_at else "; no step since"
         rows.append(("last recovery", f"from step {c.start_step}: {c.reason[:160]}{after}"))
+    from rich.markup import escape
+
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(escape(k), escape(v))
     Console().print(table)

@@ -41,10 +41,18 @@ from pydantic import BaseModel, Field
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training.allreduce_driver import AllreduceDriver
-from grains.training.datasets import Batches, load_dataset
+from grains.training.checkpointing import ShardSnapshot
+from grains.training.datasets import Batches, batch_samples, load_dataset, steps_per_epoch
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
+from grains.training.init import read_init
 from grains.training.job import TrainingJob, check_job, parse_job
+from grains.training.layout import (
+    export_state_dict,
+    frozen_parameters,
+    load_tensors,
+    persistent_buffers,
+)
 from grains.training.messages import (
     GroupChange,
     HistoryPoint,
@@ -54,7 +62,10 @@ from grains.training.messages import (
     TrainingStatus,
 )
 from grains.training.models import build_model
+from grains.training.optim import trainable
+from grains.training.program import Program, evaluate
 from grains.training.ps_driver import ParameterServerDriver
+from grains.training.store import CheckpointStoreGrain
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -65,20 +76,45 @@ _TERMINAL = ("completed", "failed", "cancelled")
 
 
 class _Evaluator:
-    """The model and test split for accuracy checks (built once per activation, used off the loop)."""
+    """The model and test split for evaluations and exports (built once per job, used off the loop)."""
 
     def __init__(self, spec: TrainingJob) -> None:
         self.model = build_model(spec)
-        self.params = dict(self.model.named_parameters())
-        self.x, self.y = Batches(load_dataset(spec, "test")).all(limit=10_000)
+        self.names = [n for n, _ in trainable(self.model)]
+        self.extra = [n for n, _ in frozen_parameters(self.model)] + [n for n, _ in persistent_buffers(self.model)]
+        self.program = Program.of(spec)
+        self.batches = Batches(load_dataset(spec, "test"))
+        self.batch_size = spec.eval_batch_size
 
-    def accuracy(self, params: dict[str, torch.Tensor]) -> tuple[float, float]:
-        with torch.no_grad():
-            for n, t in params.items():
-                self.params[n].copy_(t)
-            out = self.model(self.x)
-            loss = torch.nn.functional.cross_entropy(out, self.y)
-            return float((out.argmax(1) == self.y).float().mean()), float(loss)
+    def evaluate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The job's evaluation over the whole test split with these weights and buffers."""
+        load_tensors(self.model, tensors)
+        return evaluate(self.program, self.model, self.batches.eval_batches(self.batch_size), batch_samples)
+
+    def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        load_tensors(self.model, tensors)
+        return export_state_dict(self.model)
+
+    def init_snapshot(self, path: str) -> ShardSnapshot:
+        """The weights of ``init_from`` as step 0 of a run (no optimizer state yet)."""
+        self.model.load_state_dict(read_init(path, self.model), strict=True)
+        named = dict(self.model.named_parameters())
+        buffers = dict(persistent_buffers(self.model))
+        def cpu(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+        return ShardSnapshot(
+            step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer={},
+            buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
+        )  # fmt: skip
+
+
+def _mean_metrics(each: list[dict[str, float]]) -> dict[str, float]:
+    """Each name's mean over the trainers that report it."""
+    sums: dict[str, list[float]] = {}
+    for m in each:
+        for k, v in m.items():
+            sums.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 @keep_alive
@@ -101,9 +137,19 @@ class CoordinatorGrain(Grain):
         """Number for the next new trainer key (keys are never reused within a run)."""
         changes: list[GroupChange] = Field(default_factory=list)
         committed: list[int] = Field(default_factory=list)
+        committed_at: dict[int, float] = Field(default_factory=dict)
+        """When each committed checkpoint was committed (unix seconds)."""
         step: int = 0
         loss: float | None = None
         accuracy: float | None = None
+        metrics: dict[str, float] = Field(default_factory=dict)
+        eval_metrics: dict[str, float] = Field(default_factory=dict)
+        eval_step: int | None = None
+        train_size: int | None = None
+        """Samples in the training split (None: a dataset without a length); for the epoch."""
+        resumed_from: int | None = None
+        released: bool = False
+        """The job's grains were told to free their memory: its tensors are read from its last checkpoint."""
         started_at: float = 0.0
         finished_at: float = 0.0
         restarts: int = 0
@@ -152,9 +198,19 @@ class CoordinatorGrain(Grain):
             # the newest committed step and keeps checkpointing next to it.
             s = self.state
             s.run, s.committed, s.next_trainer, s.changes = old.run, list(old.committed), old.next_trainer, old.changes
-        await self._write()
+            s.committed_at = dict(old.committed_at)
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
+        if job.init_from is not None and not job.resume:
+            # The starting weights become step 0 of the run: every mode restores it like any
+            # checkpoint, and a rollback before the first checkpoint comes back to it.
+            evaluator = await self._job_evaluator()
+            snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from)
+            store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+            await store.with_timeout(120.0).save_whole(self.state.run, snap, job.keep_checkpoints)
+            self.state.committed = [0]
+            self.state.committed_at = {0: time.time()}
+        await self._write()
         self._last_eval_step = 0
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
@@ -179,10 +235,37 @@ class CoordinatorGrain(Grain):
         return list(self.state.history)
 
     async def parameters(self) -> dict[str, torch.Tensor]:
-        """The current fp32 weights, gathered from every shard (for evaluation and tests)."""
+        """The current fp32 parameters (trainable and frozen): gathered from the job's grains while
+        it runs, read from its final (or last committed) checkpoint once it has ended."""
         if self.state.spec is None:
             return {}
-        return await self._job_driver().parameters()
+        evaluator = await self._job_evaluator()
+        tensors = await self._tensors()
+        names = set(dict(evaluator.model.named_parameters()))
+        return {n: t for n, t in tensors.items() if n in names}
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict()`` (parameters and buffers, fp32, on the CPU), which
+        ``model.load_state_dict(..., strict=True)`` accepts; ``{}`` before the job has weights."""
+        if self.state.spec is None:
+            return {}
+        tensors = await self._tensors()
+        if not tensors:
+            return {}
+        evaluator = await self._job_evaluator()
+        return await self.run_in_thread(evaluator.state_dict, tensors)
+
+    async def _tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by name: live from the grains, or from the newest checkpoint."""
+        s = self.state
+        if not s.released:
+            return await self._job_driver().tensors()
+        if not s.committed:
+            return {}
+        evaluator = await self._job_evaluator()
+        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        snap: ShardSnapshot = await store.with_timeout(120.0).read(s.run, s.committed[-1], evaluator.names, evaluator.extra)
+        return {**snap.params, **snap.buffers}
 
     # --- the run loop -------------------------------------------------------
     def _job_driver(self) -> Driver:
@@ -232,12 +315,17 @@ class CoordinatorGrain(Grain):
         if ps:
             s.step = min(p.step for p in ps) if len(ps) == s.slots else s.step
             s.loss = sum(p.loss for p in ps) / len(ps)
+            s.metrics = _mean_metrics([p.points[-1].metrics for p in ps if p.points]) or s.metrics
         rate = sum(p.samples_per_s for p in ps)
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
+        evaluated = False
         if spec.eval_every and s.step - self._last_eval_step >= spec.eval_every:
             self._last_eval_step = s.step
-            s.accuracy, _ = await self._evaluate()
-        s.history.append(HistoryPoint(step=s.step, loss=s.loss or 0.0, accuracy=s.accuracy, samples_per_s=rate, at=time.time()))
+            await self._evaluate()
+            evaluated = True
+        s.history.append(HistoryPoint(step=s.step, loss=s.loss or 0.0, metrics=dict(s.metrics),
+                                      eval_metrics=dict(s.eval_metrics) if evaluated else None,
+                                      samples_per_s=rate, at=time.time()))  # fmt: skip
         del s.history[:-_HISTORY]
         self._live = self._status_from_state(
             samples_per_s=rate,
@@ -247,7 +335,7 @@ class CoordinatorGrain(Grain):
             trainer_silos=[progress[j].silo if j in progress else "" for j in range(s.slots)],
             shard_silos=[st.silo for st in statuses],
         )
-        if await self._publish():
+        if await self._publish(evaluated=evaluated):
             log.info("%s: cancel requested through the dashboard", self.key)
             await self._finish("cancelled")
 
@@ -256,11 +344,15 @@ class CoordinatorGrain(Grain):
         if s.status in _TERMINAL:
             return
         if status == "completed":
-            s.accuracy, s.loss = await self._evaluate()
+            await self._evaluate()
             s.step = s.total_steps
         s.status = status
         s.finished_at = time.time()
-        await self._job_driver().stop(status)
+        driver = self._job_driver()
+        await driver.stop(status)
+        # The job's state stays readable from its checkpoints: free the grains' memory.
+        await driver.release()
+        s.released = True
         await self._write()
         self._live = self._status_from_state(
             samples_per_s=self._live.samples_per_s,
@@ -270,40 +362,58 @@ class CoordinatorGrain(Grain):
             trainer_silos=self._live.trainer_silos,
             shard_silos=self._live.shard_silos,
         )
-        await self._publish()
-        log.info("%s: job %s at step %d (accuracy %s)", self.key, status, s.step, s.accuracy)
+        await self._publish(evaluated=status == "completed")
+        log.info("%s: job %s at step %d (evaluation %s)", self.key, status, s.step, s.eval_metrics)
 
     async def _write(self) -> None:
         async with self._write_lock:
             await self.write_state()
 
     # --- status ---------------------------------------------------------------
-    async def _evaluate(self) -> tuple[float, float]:
+    async def _job_evaluator(self) -> _Evaluator:
         spec = self.state.spec
         assert spec is not None
         if self._evaluator is None:
             self._evaluator = await self.run_in_thread(_Evaluator, spec)
-        params = await self.parameters()
-        return await self.run_in_thread(self._evaluator.accuracy, params)
+        return self._evaluator
+
+    async def _evaluate(self) -> dict[str, float]:
+        """Evaluate the current weights on the test split; the result goes into the job's state."""
+        s = self.state
+        evaluator = await self._job_evaluator()
+        tensors = await self._tensors()
+        s.eval_metrics = await self.run_in_thread(evaluator.evaluate, tensors)
+        s.eval_step = s.step
+        s.accuracy = s.eval_metrics.get("accuracy")
+        return s.eval_metrics
+
+    def _epoch(self) -> float:
+        s = self.state
+        if not s.train_size or s.spec is None or not s.slots:
+            return 0.0
+        return s.step / steps_per_epoch(s.train_size, s.spec.batch_size, s.slots)
 
     def _status_from_state(self, **live: Any) -> TrainingStatus:
         s = self.state
         end = s.finished_at or time.time()
         return TrainingStatus(
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
-            accuracy=s.accuracy, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
-            checkpoints=list(s.committed), restarts=s.restarts, rollbacks=s.rollbacks,
+            accuracy=s.accuracy, metrics=dict(s.metrics), eval_metrics=dict(s.eval_metrics), eval_step=s.eval_step,
+            epoch=self._epoch(), trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
+            checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
             mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,
         )  # fmt: skip
 
-    async def _publish(self) -> bool:
+    async def _publish(self, *, evaluated: bool = False) -> bool:
         """Write the dashboard's job record; True when an admin asked to cancel the job."""
         from grains.training.progress import publish
 
         try:
-            return await publish(self, self._live, self.state.spec, self.state.trainer_keys, self.state.shard_keys)
+            s = self.state
+            return await publish(self, self._live, s.spec, s.trainer_keys, s.shard_keys, evaluated=evaluated,
+                                 checkpoint_at=s.committed_at)  # fmt: skip
         except errors.RedgrainError as exc:
             if not self._last_publish_failed:
                 log.warning("%s: publishing progress failed: %s", self.key, exc)

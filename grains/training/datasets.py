@@ -1,27 +1,59 @@
 """Datasets that need no download, the factory lookup, and the batch schedule.
 
 A dataset is named in a job by ``pkg.module:factory``; the factory is called
-as ``factory(split="train"|"test", **dataset_args)`` and returns any
-``torch.utils.data.Dataset`` of ``(input, label)`` pairs. Datasets that hold
-tensors (``TensorDataset``) are indexed a batch at a time; others are
-gathered item by item off the event loop.
+as ``factory(split="train"|"test", **dataset_args)`` and returns either a
+map-style dataset (``__getitem__`` and ``__len__``) or a
+``torch.utils.data.IterableDataset``. Items may be any nesting of tensors,
+numbers, tuples, lists and dicts: a batch is the items put together by
+:func:`collate` (torch's ``default_collate``, with tuples kept as tuples so
+``(input, label)`` items give an ``(x, y)`` batch, as the tensor fast path
+does). A dataset with a ``.tensors`` tuple (``TensorDataset``) is indexed a
+batch at a time instead, one gather per tensor: 0.1 ms for 64 digits,
+against 2 ms collating the same items one by one.
 
 The batch schedule is the contract that makes sync mode equal to plain
-training: epoch ``e`` shuffles the training set with ``torch.randperm(n,
+training.
+
+*Map-style*: epoch ``e`` shuffles the training set with ``torch.randperm(n,
 generator=seed + e)``; global step ``t`` (epoch ``t // S``, ``S = n // (k *
 B)`` steps per epoch, the remainder dropped) takes the slice ``[(t % S) * k *
 B, (t % S + 1) * k * B)`` of that permutation, and trainer slot ``j`` gets
 the ``j``-th ``B`` of it.
+
+*IterableDataset*: its passes, concatenated, are one endless stream (pass
+``e`` is ``iter(ds)`` after ``ds.set_epoch(e)`` where the dataset has that
+method; otherwise every pass must yield the same items in the same order).
+Nothing is dropped and nothing is shuffled: global step ``t`` takes the
+stream's items ``[t * k * B, (t + 1) * k * B)``, so a global batch may span
+the end of one pass and the start of the next, and slot ``j`` gets the
+``j``-th ``B`` of them. Every slot reads the whole stream and keeps its
+share: with k slots each item is produced k times, the price of not asking
+the dataset to shard itself. Steps read in order cost only their own items.
+A fresh reader (a trainer restarted at step ``t`` from a checkpoint) produces
+and throws away the ``t * k * B`` items before its first batch, once, and
+then reads exactly what an uninterrupted run reads; a step before the
+reader's position starts again at the beginning of the pass that holds it
+(where passes begin is learnt by reading them through, and a pass whose
+length changes is a ConfigError). Evaluation reads one pass, ``iter(ds)``.
+
+``loader_workers > 0`` loads map-style batches in DataLoader worker processes
+(forked: a spawned worker re-imports torch, 15 s here against 0.2 s) with the
+same index lists, so the batches equal those of ``workers=0``. A tensor
+dataset keeps its fast path (one gather needs no workers). An IterableDataset
+cannot be split among workers without its help (each would yield the whole
+stream), so workers with one are refused.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from grains.training.job import TrainingJob, resolve_path
 from silo.errors import ConfigError
@@ -64,7 +96,94 @@ def synthetic(
     return TensorDataset(x[part].contiguous(), labels[part].contiguous())
 
 
+
+def regression(
+    split: str = "train",
+    samples: int = 2048,
+    test_samples: int = 512,
+    features: int = 8,
+    noise: float = 0.05,
+    seed: int = 0,
+) -> TensorDataset:
+    """Seeded regression data: ``y = x @ w + 0.3 sin(2 x_0) + noise``, x standard normal.
+
+    ``(x float32 [n, features], y float32 [n, 1])``, var(y) ~1.4. Least squares
+    leaves the sine unexplained (test MSE 0.038); ``models:regressor`` reaches
+    0.013 in 300 Adam steps (the noise floor is 0.0025 at the default noise).
+    """
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(features, 1, generator=g) / features**0.5
+    n = samples + test_samples
+    x = torch.randn(n, features, generator=g)
+    y = x @ w + 0.3 * torch.sin(2 * x[:, :1]) + noise * torch.randn(n, 1, generator=g)
+    part = slice(samples, n) if split == "test" else slice(0, samples)
+    return TensorDataset(x[part].contiguous(), y[part].contiguous())
+
+
+class TokenSequences(Dataset[dict[str, torch.Tensor]]):
+    """Token sequences as ``{"input_ids": [length], "labels": [length]}`` items (next-token targets)."""
+
+    def __init__(self, sequences: torch.Tensor) -> None:
+        self.sequences = sequences  # [n, length + 1]
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s = self.sequences[i]
+        return {"input_ids": s[:-1], "labels": s[1:]}
+
+
+class TokenStream(IterableDataset[dict[str, torch.Tensor]]):
+    """The items of a :class:`TokenSequences` in order, as a stream with no length."""
+
+    def __init__(self, items: TokenSequences) -> None:
+        self.items = items
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self.items[i] for i in range(len(self.items)))
+
+
+def tokens(
+    split: str = "train",
+    sequences: int = 2048,
+    test_sequences: int = 256,
+    length: int = 32,
+    vocab: int = 32,
+    seed: int = 0,
+) -> TokenSequences:
+    """Walks on a seeded sparse Markov chain: each token has two successors, equally likely.
+
+    A model that learns the chain's table reaches the floor of ln 2 = 0.69
+    nats per token from ln(vocab) = 3.47 at the start, so the loss of even a
+    tiny transformer falls clearly within a hundred steps.
+    """
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.stack([torch.randperm(vocab, generator=g)[:2] for _ in range(vocab)])
+    n = sequences + test_sequences
+    choice = torch.randint(0, 2, (n, length), generator=g)
+    seq = torch.empty(n, length + 1, dtype=torch.int64)
+    seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for i in range(length):
+        seq[:, i + 1] = successors[seq[:, i], choice[:, i]]
+    part = slice(sequences, n) if split == "test" else slice(0, sequences)
+    return TokenSequences(seq[part].contiguous())
+
+
+def tokens_stream(
+    split: str = "train",
+    sequences: int = 2048,
+    test_sequences: int = 256,
+    length: int = 32,
+    vocab: int = 32,
+    seed: int = 0,
+) -> TokenStream:
+    """:func:`tokens` as an ``IterableDataset`` without a length (a job on it needs ``steps``)."""
+    return TokenStream(tokens(split, sequences, test_sequences, length, vocab, seed))
+
+
 def load_dataset(spec: TrainingJob, split: str) -> Dataset[Any]:
+    """The job's dataset for ``split``: map-style or IterableDataset; ConfigError if neither or empty."""
     factory = resolve_path(spec.dataset, "dataset")
     try:
         ds = factory(split=split, **spec.dataset_args)
@@ -72,11 +191,109 @@ def load_dataset(spec: TrainingJob, split: str) -> Dataset[Any]:
         raise ConfigError(
             f"dataset {spec.dataset}(split={split!r}, {spec.dataset_args}) failed: {type(exc).__name__}: {exc}"
         ) from None
-    if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
-        raise ConfigError(f"dataset {spec.dataset} returned {type(ds).__name__}, not a sized torch Dataset")
-    if len(ds) == 0:
+    # IterableDataset inherits a __getitem__ that raises: test for it first.
+    if not isinstance(ds, IterableDataset) and (not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__")):
+        raise ConfigError(
+            f"dataset {spec.dataset} returned {type(ds).__name__}, not a map-style dataset "
+            "(__getitem__ and __len__) or a torch.utils.data.IterableDataset"
+        )
+    if dataset_size(ds) == 0:
         raise ConfigError(f"dataset {spec.dataset} split {split!r} is empty")
     return ds  # type: ignore[no-any-return]
+
+
+def dataset_size(ds: Any) -> int | None:
+    """Samples in ``ds``; None for an IterableDataset without a usable ``__len__``."""
+    if isinstance(ds, IterableDataset):
+        try:
+            n = len(ds)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            return None
+        return n if isinstance(n, int) and n >= 0 else None
+    return len(ds)
+
+
+def to_device(batch: Any, device: str | torch.device) -> Any:
+    """``batch`` with every tensor in it (any nesting of tuple, list, dict, namedtuple) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        return moved if type(batch) is dict else _same_type(batch, moved)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        items = [to_device(v, device) for v in batch]
+        if type(batch) is list:
+            return items
+        return tuple(items) if type(batch) is tuple else _same_type(batch, items)
+    return batch
+
+
+def _same_type(like: Any, value: Any) -> Any:
+    """``value`` as ``like``'s container type, or as it is when that type cannot be built from it."""
+    try:
+        return type(like)(value)
+    except TypeError:
+        return value
+
+
+def batch_samples(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor of at least one dimension.
+
+    Depth first, dicts in insertion order; a 0-d tensor (a scalar beside the
+    data) has no leading size and is passed over.
+    """
+    leaf = _first_tensor(batch)
+    if leaf is None:
+        raise ConfigError(f"a batch of {type(batch).__name__} holds no tensor to count its samples by")
+    return int(leaf.shape[0])
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 0 else None
+    children: Iterable[Any]
+    if isinstance(batch, Mapping):
+        children = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        children = batch
+    else:
+        return None
+    for child in children:
+        leaf = _first_tensor(child)
+        if leaf is not None:
+            return leaf
+    return None
+
+
+def collate(items: Sequence[Any]) -> Any:
+    """``default_collate(items)``, except that tuples stay tuples (torch makes them lists).
+
+    So ``(input, label)`` items give an ``(x, y)`` tuple, the same value as
+    the tensor fast path; items that do not stack are a ConfigError.
+    """
+    if not items:
+        raise ConfigError("cannot collate a batch of no items")
+    try:
+        out = default_collate(list(items))
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"dataset items do not collate into a batch: {exc}") from None
+    return _retuple(items[0], out)
+
+
+def _retuple(elem: Any, out: Any) -> Any:
+    if isinstance(elem, torch.Tensor):
+        return out
+    if isinstance(elem, Mapping) and isinstance(out, Mapping):
+        fixed = {k: _retuple(elem[k], out[k]) for k in out}
+        return fixed if type(out) is dict else _same_type(out, fixed)
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):
+        return type(out)(*(_retuple(e, o) for e, o in zip(elem, out, strict=True)))
+    if isinstance(elem, (tuple, list)) and isinstance(out, list) and len(elem) == len(out):
+        fixed_items = [_retuple(e, o) for e, o in zip(elem, out, strict=True)]
+        return tuple(fixed_items) if isinstance(elem, tuple) else fixed_items
+    return out
 
 
 def steps_per_epoch(n: int, batch_size: int, slots: int) -> int:
@@ -92,46 +309,212 @@ def batch_indices(n: int, batch_size: int, slots: int, slot: int, step: int, see
     return perm[start : start + batch_size]
 
 
-class Batches:
-    """Batches of one dataset by index, fast for tensor datasets, item by item otherwise.
+class _Stream:
+    """An IterableDataset's passes read as one endless stream, keeping its place.
 
-    Keeps the current epoch's permutation, so a step costs one gather.
+    Remembers where each pass it has read to the end began, so going back
+    starts over at the pass holding the position rather than at the very start.
     """
 
-    def __init__(self, ds: Dataset[Any], device: str = "cpu") -> None:
+    def __init__(self, ds: IterableDataset[Any]) -> None:
         self._ds = ds
-        self._n = len(ds)  # type: ignore[arg-type]
-        tensors = getattr(ds, "tensors", None)
-        self._tensors: tuple[torch.Tensor, ...] | None = (
-            tuple(t.to(device) for t in tensors) if isinstance(tensors, tuple) and len(tensors) == 2 else None
-        )
+        self._starts = [0]  # stream position where pass e begins, for every pass begun
+        self._it: Iterator[Any] | None = None
+        self._epoch = 0
+        self._pos = 0  # stream position of the item self._it yields next
+
+    def read(self, start: int, stop: int) -> list[Any]:
+        """The stream's items ``[start, stop)``."""
+        if self._it is None or start < self._pos:
+            self._open(bisect.bisect_right(self._starts, start) - 1)
+        items: list[Any] = []
+        while self._pos < stop:
+            item = self._next()
+            if self._pos > start:
+                items.append(item)
+        return items
+
+    def _open(self, epoch: int) -> None:
+        set_epoch = getattr(self._ds, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        self._it = iter(self._ds)
+        self._epoch = epoch
+        self._pos = self._starts[epoch]
+
+    def _next(self) -> Any:
+        while True:
+            assert self._it is not None
+            try:
+                item = next(self._it)
+            except StopIteration:
+                if self._pos == self._starts[self._epoch]:
+                    raise ConfigError(
+                        f"{type(self._ds).__name__} yielded no items in pass {self._epoch}"
+                    ) from None
+                if len(self._starts) == self._epoch + 1:
+                    self._starts.append(self._pos)
+                elif self._starts[self._epoch + 1] != self._pos:
+                    raise ConfigError(
+                        f"{type(self._ds).__name__} yielded {self._pos - self._starts[self._epoch]} items in "
+                        f"pass {self._epoch}, not the {self._starts[self._epoch + 1] - self._starts[self._epoch]} "
+                        "of its first reading: its passes must be deterministic"
+                    )
+                self._open(self._epoch + 1)
+                continue
+            self._pos += 1
+            return item
+
+
+class _StepIndices:
+    """The index lists of one slot's steps, a DataLoader ``batch_sampler``."""
+
+    def __init__(self, batches: Batches, batch_size: int, slots: int, slot: int, steps: range, seed: int) -> None:
+        self._batches, self._steps = batches, steps
+        self._args = (batch_size, slots, slot, seed)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b, k, j, seed = self._args
+        for step in self._steps:
+            yield self._batches.indices(b, k, j, step, seed).tolist()
+
+
+class Batches:
+    """The batches of one dataset split by the schedule in the module docstring.
+
+    Map-style: keeps the current epoch's permutation, so a step costs one
+    gather (tensor datasets) or one collate of its items. IterableDataset:
+    keeps its place in the stream, so steps read in order cost only their
+    items. Used from one thread at a time.
+    """
+
+    def __init__(self, ds: Dataset[Any], device: str | torch.device = "cpu", workers: int = 0) -> None:
+        if workers < 0:
+            raise ConfigError(f"loader workers must be >= 0, not {workers}")
+        self._ds = ds
         self._device = device
+        self._workers = workers
+        self._size = dataset_size(ds)
+        self._stream: _Stream | None = None
+        self._tensors: tuple[torch.Tensor, ...] | None = None
+        if isinstance(ds, IterableDataset):
+            if workers:
+                raise ConfigError(
+                    f"loader_workers={workers} with an IterableDataset ({type(ds).__name__}): each worker "
+                    "would yield the whole stream; use loader_workers=0 or a map-style dataset"
+                )
+            self._stream = _Stream(ds)
+        else:
+            tensors = getattr(ds, "tensors", None)
+            if isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+                self._tensors = tuple(t.to(device) for t in tensors)
         self._perm_key: tuple[int, int] | None = None
         self._perm: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return self._n
+    @property
+    def size(self) -> int | None:
+        """Samples in the split; None for an IterableDataset without a length."""
+        return self._size
 
-    def batch(self, batch_size: int, slots: int, slot: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        per_epoch = steps_per_epoch(self._n, batch_size, slots)
-        epoch, i = divmod(step, per_epoch)
+    def __len__(self) -> int:
+        if self._size is None:
+            raise TypeError(f"{type(self._ds).__name__} has no length")
+        return self._size
+
+    def indices(self, batch_size: int, slots: int, slot: int, step: int, seed: int) -> torch.Tensor:
+        """Map-style: the dataset indices of ``slot``'s batch at ``step`` (= :func:`batch_indices`)."""
+        n = self._map_size()
+        epoch, i = divmod(step, steps_per_epoch(n, batch_size, slots))
         if self._perm_key != (seed, epoch):
-            self._perm = torch.randperm(self._n, generator=torch.Generator().manual_seed(seed + epoch))
+            self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
             self._perm_key = (seed, epoch)
         assert self._perm is not None
         start = (i * slots + slot) * batch_size
-        idx = self._perm[start : start + batch_size]
-        return self.gather(idx)
+        return self._perm[start : start + batch_size]
 
-    def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, batch_size: int, slots: int, slot: int, step: int, seed: int) -> Any:
+        """Trainer ``slot``'s batch (of ``slots``) at global ``step``, on the device."""
+        if self._stream is not None:
+            start = (step * slots + slot) * batch_size
+            return to_device(collate(self._stream.read(start, start + batch_size)), self._device)
+        return self.gather(self.indices(batch_size, slots, slot, step, seed))
+
+    def iterate(
+        self, batch_size: int, slots: int, slot: int, start_step: int, end_step: int, seed: int
+    ) -> Iterator[Any]:
+        """The batches of steps ``start_step .. end_step - 1`` in order (in workers when configured).
+
+        With workers, close the iterator (or drop it) to stop them early.
+        """
+        if self._workers == 0 or self._tensors is not None or self._stream is not None:
+            for step in range(start_step, end_step):
+                yield self.batch(batch_size, slots, slot, step, seed)
+            return
+        sampler = _StepIndices(self, batch_size, slots, slot, range(start_step, end_step), seed)
+        yield from self._load(sampler)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Any]:
+        """The whole split in order, in batches of ``batch_size`` (the last one partial), on the device."""
+        if self._stream is not None:
+            chunk: list[Any] = []
+            seen = 0
+            for item in self._ds:  # type: ignore[attr-defined]
+                chunk.append(item)
+                seen += 1
+                if len(chunk) == batch_size:
+                    yield to_device(collate(chunk), self._device)
+                    chunk = []
+            if chunk:
+                yield to_device(collate(chunk), self._device)
+            if not seen:
+                raise ConfigError(f"{type(self._ds).__name__} yielded no items to evaluate on")
+            return
+        n = self._map_size()
         if self._tensors is not None:
-            x, y = self._tensors
-            return x[idx.to(x.device)], y[idx.to(y.device)]
-        items = [self._ds[int(i)] for i in idx]
-        x = torch.stack([torch.as_tensor(it[0]) for it in items]).to(self._device)
-        y = torch.as_tensor([int(it[1]) for it in items], dtype=torch.int64).to(self._device)
-        return x, y
+            for s in range(0, n, batch_size):
+                yield tuple(t[s : s + batch_size] for t in self._tensors)
+            return
+        chunks = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+        if self._workers:
+            yield from self._load(chunks)
+        else:
+            for idx in chunks:
+                yield to_device(collate([self._ds[i] for i in idx]), self._device)
 
-    def all(self, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self._n if limit is None else min(limit, self._n)
-        return self.gather(torch.arange(n))
+    def gather(self, idx: torch.Tensor) -> Any:
+        """Map-style: the batch of the items at ``idx``, on the device."""
+        if self._tensors is not None:
+            i = idx.to(self._tensors[0].device)
+            return tuple(t[i] for t in self._tensors)
+        return to_device(collate([self._ds[i] for i in idx.tolist()]), self._device)
+
+    def all(self, limit: int | None = None) -> Any:
+        """The first ``limit`` samples (all when None) as one batch."""
+        if self._stream is None:
+            n = self._map_size()
+            return self.gather(torch.arange(n if limit is None else min(limit, n)))
+        items: list[Any] = []
+        for item in self._ds:  # type: ignore[attr-defined]
+            if limit is not None and len(items) >= limit:
+                break
+            items.append(item)
+        return to_device(collate(items), self._device)
+
+    def _map_size(self) -> int:
+        if self._size is None:
+            raise ConfigError(f"{type(self._ds).__name__} is a stream: it has no indices")
+        return self._size
+
+    def _load(self, batch_sampler: Iterable[list[int]]) -> Iterator[Any]:
+        loader = DataLoader(
+            self._ds,
+            batch_sampler=batch_sampler,
+            num_workers=self._workers,
+            collate_fn=collate,
+            pin_memory=str(self._device).startswith("cuda"),
+        )
+        for b in loader:
+            yield to_device(b, self._device)

@@ -15,7 +15,8 @@ is placed, watched and repaired depends on its mode, and that is a driver's:
 The coordinator's run loop (one background task of its activation) calls
 :meth:`Driver.place_and_start` when nothing is placed yet, then
 :meth:`Driver.tick` until the job ends; :meth:`Driver.stop` stops the job's
-grains when it ends, :meth:`Driver.parameters` serves evaluation. A driver
+grains when it ends and :meth:`Driver.release` frees them, :meth:`Driver.tensors` serves
+evaluation and export. A driver
 works on the coordinator's state in place, and hands back to the coordinator
 what is the coordinator's: saving that state (``_write``, one writer at a
 time), turning the trainers' progress into the job's status, history and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +44,10 @@ from grains.training.messages import GroupChange, JobStatus, ShardStatus, Traine
 if TYPE_CHECKING:
     from grains.training.coordinator import CoordinatorGrain
 
+log = logging.getLogger("redgrain.training.coordinator")
+
+FINAL_CHECKPOINT_WAIT_S = 60.0
+"""How long a finished job waits for its final checkpoint to be saved before completing without it."""
 CALL_TIMEOUT_S = 10.0
 """Deadline of the driver's calls to shards and trainers (placement calls get longer ones)."""
 _CHANGES = 20
@@ -60,6 +66,7 @@ class Driver(abc.ABC):
         """Each trainer's last progress of the current generation, by slot (all-reduce: rank)."""
         self.cursor = 0
         """Trainers report the history points from this step on (the ones not yet seen)."""
+        self._final_wait: float | None = None
 
     # --- what the coordinator asks ------------------------------------------
     @abc.abstractmethod
@@ -75,12 +82,29 @@ class Driver(abc.ABC):
         """Look at every grain once, repair what is lost, commit, report; finish when done."""
 
     @abc.abstractmethod
-    async def parameters(self) -> dict[str, torch.Tensor]:
-        """The current fp32 weights."""
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """The current fp32 parameters and buffers by name (the model's state)."""
 
     async def stop(self, status: JobStatus) -> None:
         """The job ended with ``status``: stop its trainers (errors ignored: they may be gone)."""
         await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
+
+    async def release(self) -> None:
+        """The job ended and its state is in its checkpoints: its grains free their memory."""
+        await asyncio.gather(*(t.release() for t in self.trainers()), return_exceptions=True)
+
+    def final_committed(self) -> bool:
+        """Whether the job's last step is a committed checkpoint (a completed job's result)."""
+        s = self.state
+        if s.total_steps in s.committed:
+            return True
+        if self._final_wait is None:
+            self._final_wait = time.monotonic()
+        if time.monotonic() - self._final_wait > FINAL_CHECKPOINT_WAIT_S:
+            # Saving it keeps failing (storage): complete anyway, with the grains kept.
+            log.warning("%s: the final checkpoint (step %d) was not saved; completing without it", self.key, s.total_steps)
+            return True
+        return False
 
     # --- shared by both modes -----------------------------------------------
     @property
@@ -116,6 +140,7 @@ class Driver(abc.ABC):
             return False
         # The store keeps the newest keep_checkpoints complete snapshots; so do we.
         s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
+        s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
         await self.coord._write()
         return True
 

@@ -18,7 +18,11 @@ from grains.training.compression import parse_compression
 from silo.errors import ConfigError
 
 Mode = Literal["sync", "async", "ssp", "allreduce"]
-OptimizerName = Literal["sgd", "momentum", "adam"]
+Precision = Literal["fp32", "bf16", "fp16"]
+OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+"""Short optimizer names; anything else must be the import path of a torch.optim.Optimizer subclass."""
+DEFAULT_STEP = "grains.training.steps:classification_step"
+DEFAULT_EVALUATE = "grains.training.steps:classification_metrics"
 
 
 class TrainingJob(BaseModel):
@@ -33,12 +37,44 @@ class TrainingJob(BaseModel):
         description="Dataset factory `pkg.module:callable`, called with split='train'|'test' and dataset_args.",
     )
     dataset_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the dataset factory.")
-    optimizer: OptimizerName = "sgd"
+    step: str = Field(
+        DEFAULT_STEP,
+        description="Training step `pkg.module:fn`, fn(model, batch) -> loss or (loss, {name: float}).",
+    )
+    evaluate: str = Field(
+        DEFAULT_EVALUATE,
+        description="Evaluation `pkg.module:fn`, fn(model, batch) -> {name: float}; run in eval() under no_grad.",
+    )
+    eval_batch_size: int = Field(512, gt=0, description="Batch size of evaluation over the whole test split.")
+    optimizer: str = Field(
+        "sgd", description="sgd | momentum | adam | adamw, or the import path of a torch.optim.Optimizer subclass."
+    )
+    optimizer_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments of the optimizer (override lr, momentum, ...)."
+    )
+    param_groups: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description='Parameter groups: [{"match": "<glob on names>" | [globs], <optimizer overrides>}], first match wins.',
+    )
     lr: float = Field(0.1, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1, description="Used by optimizer='momentum'.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's betas.")
-    eps: float = Field(1e-8, gt=0, description="Adam's epsilon.")
-    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's and AdamW's betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam's and AdamW's epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay (AdamW's default when 0 here: 0.01 is not assumed).")
+    lr_schedule: str | None = Field(
+        None, description="A torch.optim.lr_scheduler class `pkg.module:Class`, stepped once per global step."
+    )
+    lr_schedule_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of lr_schedule.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before (or instead of) lr_schedule.")
+    clip_grad_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm to this (as torch.nn.utils.clip_grad_norm_)."
+    )
+    on_nonfinite: Literal["fail", "skip"] = Field(
+        "fail", description="A NaN or inf loss: fail the job, or skip that step's update."
+    )
+    init_from: str | None = Field(
+        None, description="A saved state_dict file (torch.save) to start from; read by the coordinator's silo."
+    )
     batch_size: int = Field(64, gt=0, description="Samples per trainer per step (global batch = trainers x this).")
     steps: int | None = Field(None, gt=0, description="Global steps to run (each trainer runs this many).")
     epochs: float | None = Field(None, gt=0, description="Alternative to steps: passes over the training set.")
@@ -52,7 +88,11 @@ class TrainingJob(BaseModel):
     compression: str = Field(
         "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio> (allreduce: none | fp16 | bf16)."
     )
-    autocast_bf16: bool = Field(False, description="Run trainers' forward/backward under bf16 autocast.")
+    precision: Precision = Field(
+        "fp32", description="fp32 | bf16 | fp16: autocast on trainers (fp16 with a gradient scaler on CUDA)."
+    )
+    autocast_bf16: bool = Field(False, description="Deprecated spelling of precision='bf16'.")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per trainer (map-style datasets).")
     checkpoint_every: int = Field(50, ge=0, description="Consistent checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, gt=0, description="Committed checkpoints to retain.")
     eval_every: int = Field(0, ge=0, description="Evaluate on the test split every N steps (0: only at the end).")
@@ -77,30 +117,65 @@ class TrainingJob(BaseModel):
         parse_compression(v)
         return v
 
-    @field_validator("model", "dataset")
+    @field_validator("model", "dataset", "step", "evaluate")
     @classmethod
     def _path(cls, v: str) -> str:
-        mod, sep, attr = v.partition(":")
-        if not sep or not mod or not attr:
-            raise ValueError(f"{v!r} is not an import path of the form 'pkg.module:factory'")
+        return _import_path(v)
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _schedule_path(cls, v: str | None) -> str | None:
+        return None if v is None else _import_path(v)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, v: str) -> str:
+        return v if v in OPTIMIZER_NAMES else _import_path(v)
+
+    @field_validator("param_groups")
+    @classmethod
+    def _groups(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, g in enumerate(v):
+            match = g.get("match")
+            globs = [match] if isinstance(match, str) else match
+            if not isinstance(globs, list) or not globs or not all(isinstance(m, str) and m for m in globs):
+                raise ValueError(f"param_groups[{i}] needs 'match': a glob on parameter names, or a list of globs")
+            if "params" in g:
+                raise ValueError(f"param_groups[{i}]: parameters are chosen by 'match', not 'params'")
         return v
 
     @model_validator(mode="after")
     def _length(self) -> TrainingJob:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
+        if self.autocast_bf16 and self.precision == "fp16":
+            raise ValueError("autocast_bf16 and precision='fp16' disagree; use precision alone")
         if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):
             raise ValueError(
                 f"compression {self.compression!r} needs a parameter server; allreduce takes none, fp16 or bf16"
             )
         return self
 
-    def total_steps(self, train_size: int, trainers: int) -> int:
+    @property
+    def amp(self) -> Precision:
+        """The precision trainers run at (``autocast_bf16`` is the old spelling of bf16)."""
+        return "bf16" if self.autocast_bf16 else self.precision
+
+    def total_steps(self, train_size: int | None, trainers: int) -> int:
         """Global steps of the job: ``steps``, or epochs over the global batch (default 1 epoch)."""
         if self.steps is not None:
             return self.steps
+        if train_size is None:
+            raise ConfigError("a dataset without a length (an IterableDataset) needs 'steps', not epochs")
         per_epoch = max(1, train_size // (self.batch_size * trainers))
         return max(1, math.ceil((self.epochs or 1.0) * per_epoch))
+
+
+def _import_path(v: str) -> str:
+    mod, sep, attr = v.partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"{v!r} is not an import path of the form 'pkg.module:name'")
+    return v
 
 
 def parse_job(data: dict[str, Any] | TrainingJob) -> TrainingJob:
@@ -130,21 +205,11 @@ def load_job_file(path: str) -> tuple[str | None, TrainingJob]:
     return (str(job_id) if job_id is not None else None), parse_job(data)
 
 
-def check_job(spec: TrainingJob) -> dict[str, int]:
-    """Resolve the factories and build the model once; returns parameter sizes by name.
+def check_job(spec: TrainingJob) -> Any:
+    """Build and try the job once (see :func:`grains.training.layout.check_job`); its ModelLayout."""
+    from grains.training.layout import check_job as check
 
-    Raises ConfigError with the reason when the model or dataset path does not
-    resolve, a factory fails, or the model has no parameters.
-    """
-    from grains.training.datasets import load_dataset
-    from grains.training.models import build_model
-
-    load_dataset(spec, "train")  # resolves and builds; small built-ins are cached
-    model = build_model(spec)
-    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
-    if not sizes:
-        raise ConfigError(f"model {spec.model} has no parameters to train")
-    return sizes
+    return check(spec)
 
 
 def resolve_path(path: str, what: str) -> Any:

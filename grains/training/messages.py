@@ -19,7 +19,7 @@ class ShardConfig(BaseModel):
     index: int
     spec: TrainingJob
     names: list[str]
-    """Parameter names this shard owns, in model order."""
+    """Tensors this shard owns (trainable and frozen parameters, persistent buffers), in model order."""
     shard_keys: list[str]
     """Keys of every shard of the job (the members of its checkpoints)."""
     slots: int
@@ -29,6 +29,8 @@ class ShardConfig(BaseModel):
     """Which start of the job this is; checkpoints of different runs never mix."""
     restore_step: int | None = None
     """Committed checkpoint to restore, or None to start from the seeded initial weights."""
+    end_step: int = 0
+    """The job's last step: always checkpointed (0: unknown, only every ``checkpoint_every``)."""
 
 
 class ExchangeReply(BaseModel):
@@ -38,6 +40,7 @@ class ExchangeReply(BaseModel):
 
     version: int
     params: dict[str, torch.Tensor] | None = None
+    """Trainable parameters (pull dtype) and buffers of ``version``; frozen parameters on a first pull."""
     staleness: int = 0
     """Updates applied between the version the pushed gradients were computed on and their apply."""
     gap: int = 0
@@ -100,8 +103,9 @@ class GroupAssignment(BaseModel):
 class StepPoint(BaseModel):
     step: int
     loss: float
-    accuracy: float
-    """Training-batch accuracy of this step."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """What the job's step function returned beside the loss, on this trainer's batch
+    (the default classification step: ``accuracy``)."""
     at: float = 0.0
     """Wall-clock time the step was committed (all-reduce mode)."""
 
@@ -123,6 +127,11 @@ class TrainerProgress(BaseModel):
     mean_staleness: float = 0.0
     max_gap: int = 0
     error: str = ""
+    fatal: bool = False
+    """The failure would repeat if retried (the step broke its contract, a non-finite loss with
+    on_nonfinite='fail', out of memory): the job fails at once with ``error``."""
+    skipped: int = 0
+    """Steps whose update was skipped (non-finite loss with on_nonfinite='skip', fp16 overflow)."""
     first_step_at: float | None = None
     """Wall-clock time this run's first step was committed (parameter-server mode)."""
     points: list[StepPoint] = Field(default_factory=list)
@@ -153,9 +162,15 @@ class GroupChange(BaseModel):
 
 
 class HistoryPoint(BaseModel):
+    """One coordinator tick: training figures (mean over trainers), and evaluation ones when
+    an evaluation finished at this point (never mixed: separate fields, separate curves)."""
+
     step: int
     loss: float
-    accuracy: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Training metrics of the step function, averaged over the trainers' latest steps."""
+    eval_metrics: dict[str, float] | None = None
+    """The evaluation that finished at this point (None: none did)."""
     samples_per_s: float = 0.0
     at: float = 0.0
 
@@ -168,7 +183,17 @@ class TrainingStatus(BaseModel):
     step: int = 0
     total_steps: int = 0
     loss: float | None = None
+    """Training loss: the mean of the trainers' latest steps."""
     accuracy: float | None = None
+    """Evaluation accuracy (``eval_metrics["accuracy"]``) when the evaluation reports one."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Training metrics by name (latest, mean over trainers), beside ``loss``."""
+    eval_metrics: dict[str, float] = Field(default_factory=dict)
+    """The latest evaluation on the test split, by name (the default: ``loss``, ``accuracy``)."""
+    eval_step: int | None = None
+    """The step the latest evaluation ran at."""
+    epoch: float = 0.0
+    """Passes over the training set so far (0 for a dataset without a length)."""
     samples_per_s: float = 0.0
     bytes_per_step: float = 0.0
     """Bytes of tensors on the wire per global step (pushes + pulls of all trainers)."""
@@ -180,6 +205,8 @@ class TrainingStatus(BaseModel):
     run: int = 0
     """Which start of this job id it is (a finished job may be started again)."""
     checkpoints: list[int] = Field(default_factory=list)
+    resumed_from: int | None = None
+    """The checkpoint step this start of the job restored (None: it began from its initial weights)."""
     restarts: int = 0
     """Trainer slots restarted after their trainer was lost."""
     rollbacks: int = 0

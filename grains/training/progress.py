@@ -1,8 +1,15 @@
-"""A job's progress as the dashboard's ``JobProgress`` record (grains/training/records.py)."""
+"""A job's progress as the dashboard's records (grains/training/records.py).
+
+The coordinator calls :func:`publish` once a tick: it writes the job's
+``JobProgress`` and this tick's curve points, a training one always and an
+evaluation one when an evaluation finished at this tick, so training and
+evaluation figures never share a point (or a curve).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from grains.base import Grain
 from grains.training.job import TrainingJob
@@ -12,26 +19,43 @@ from grains.training.records import (
     JobProgress,
     Placement,
     RecoveryInfo,
-    job_point,
+    job_points,
 )
 
 
-def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> JobProgress:
+def job_progress(
+    st: TrainingStatus,
+    spec: TrainingJob | None,
+    trainer_keys: list[str],
+    shard_keys: list[str],
+    *,
+    checkpoint_at: Mapping[int, float] | None = None,
+) -> JobProgress:
+    """The record of ``st``; ``checkpoint_at`` (step -> commit time) dates the checkpoints
+    (a step missing from it shows as time unknown, never as the publish time)."""
     now = time.time()
+    mode = spec.mode if spec is not None else (st.mode or "sync")
+    when = checkpoint_at or {}
     return JobProgress(
         job=st.job,
         status="pending" if st.status in ("idle", "starting") else st.status,
         step=st.step,
         total_steps=st.total_steps or None,
+        epoch=st.epoch,
         loss=st.loss,
-        accuracy=st.accuracy,
+        metrics=st.metrics,
+        eval_metrics=st.eval_metrics,
+        eval_step=st.eval_step,
+        accuracy=st.eval_metrics.get("accuracy", st.accuracy),
         samples_per_s=st.samples_per_s,
         bytes_per_step=int(st.bytes_per_step),
-        staleness=float(st.max_gap if spec is not None and spec.mode == "ssp" else st.max_staleness),
-        mode=spec.mode if spec is not None else "sync",
+        max_staleness=float(st.max_staleness),
+        max_gap=float(st.max_gap),
+        staleness=float(st.max_gap if mode == "ssp" else st.max_staleness),
+        mode=mode,
         trainers=[Placement(key=k, silo=s) for k, s in zip(trainer_keys, st.trainer_silos + [""] * len(trainer_keys))],
         shards=[Placement(key=k, silo=s) for k, s in zip(shard_keys, st.shard_silos + [""] * len(shard_keys))],
-        checkpoints=[CheckpointInfo(snapshot=str(c), step=c, at=now) for c in st.checkpoints],
+        checkpoints=[CheckpointInfo(snapshot=str(c), step=c, at=when.get(c, 0.0)) for c in st.checkpoints],
         recoveries=[
             RecoveryInfo(
                 reason=c.reason,
@@ -47,7 +71,24 @@ def job_progress(st: TrainingStatus, spec: TrainingJob | None, trainer_keys: lis
     )
 
 
-async def publish(grain: Grain, st: TrainingStatus, spec: TrainingJob | None, trainer_keys: list[str], shard_keys: list[str]) -> bool:
-    """Publish the job's progress through the grain's silo; True when an admin asked to cancel."""
-    progress = job_progress(st, spec, trainer_keys, shard_keys)
-    return await grain.publish_progress(progress.job, progress, job_point(progress).model_dump())
+async def publish(
+    grain: Grain,
+    st: TrainingStatus,
+    spec: TrainingJob | None,
+    trainer_keys: list[str],
+    shard_keys: list[str],
+    *,
+    evaluated: bool = False,
+    checkpoint_at: Mapping[int, float] | None = None,
+) -> bool:
+    """Publish the job's progress through the grain's silo; True when an admin asked to cancel.
+
+    ``evaluated``: an evaluation finished at this tick (its figures are in
+    ``st.eval_metrics``, run at ``st.eval_step``), so an eval point is written too.
+    Each point is one ``publish_progress`` round trip (the record rides with each).
+    """
+    progress = job_progress(st, spec, trainer_keys, shard_keys, checkpoint_at=checkpoint_at)
+    cancel = False
+    for point in job_points(progress, evaluated=evaluated):
+        cancel = await grain.publish_progress(progress.job, progress, point.fields()) or cancel
+    return cancel

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grains.training import checkpointing, cluster
-from grains.training.datasets import load_dataset
+from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
 from grains.training.job import check_job
@@ -80,14 +80,14 @@ class ParameterServerDriver(Driver):
         spec = self.state.spec
         assert spec is not None
         coord = self.coord
-        sizes = await coord.run_in_thread(check_job, spec)
+        layout = await coord.run_in_thread(check_job, spec)
         shard_rows = cluster.hosting_silos(coord, "ParamShardGrain")
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
         if not trainer_rows or not shard_rows:
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
         slots = len(trainer_rows) if spec.trainers == "auto" else int(spec.trainers)
-        names = split_by_bytes(sizes, spec.shards)
-        train_size = len(await coord.run_in_thread(load_dataset, spec, "train"))  # type: ignore[arg-type]
+        names = split_by_bytes(layout.sizes(), spec.shards)
+        train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
         all_trainer_rows = cluster.hosting_silos(coord, "TrainerGrain")
         # Shards start on the silos after the first trainers', so a 2-silo job spreads both.
         shard_keys = [
@@ -103,7 +103,9 @@ class ParameterServerDriver(Driver):
         s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
         s.next_trainer = slots
         s.total_steps = spec.total_steps(train_size, slots)
+        s.train_size = train_size
         restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
+        s.resumed_from = restore
         await self._configure_shards(restore)
         await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
         s.status = "running"
@@ -145,6 +147,9 @@ class ParameterServerDriver(Driver):
             if isinstance(r, BaseException):
                 continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
             why = r.error or r.status
+            if r.status == "failed" and r.fatal:
+                # Retrying would fail the same way (the step's contract, a non-finite loss, memory).
+                raise RuntimeError(f"trainer slot {j}: {why}")
             if r.status == "failed" and r.generation == s.generation:
                 self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
                 if self._slot_failures[j] > _MAX_SLOT_FAILURES:
@@ -162,17 +167,21 @@ class ParameterServerDriver(Driver):
         self._note_first_step()
         committed = await self._commit(statuses)
         await self.report(statuses)
-        if done == s.slots:
+        if done == s.slots and self.final_committed():
             await self.coord._finish("completed")
         elif committed and s.spec.trainers == "auto":
             await self._grow_at_checkpoint()
 
-    async def parameters(self) -> dict[str, torch.Tensor]:
-        """Gathered from every shard."""
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers, gathered from every shard."""
         out: dict[str, torch.Tensor] = {}
-        for part in await asyncio.gather(*(s.parameters() for s in self._shards())):
+        for part in await asyncio.gather(*(s.tensors() for s in self._shards())):
             out.update(part)
         return out
+
+    async def release(self) -> None:
+        await super().release()
+        await asyncio.gather(*(sh.release() for sh in self._shards()), return_exceptions=True)
 
     async def stop(self, status: JobStatus) -> None:
         """Trainers stop; unless the job completed, shards refuse further pushes too."""
@@ -190,7 +199,7 @@ class ParameterServerDriver(Driver):
         assert s.spec is not None
         cfgs = [
             ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
-                        generation=s.generation, run=s.run, restore_step=restore_step)
+                        generation=s.generation, run=s.run, restore_step=restore_step, end_step=s.total_steps)
             for i, names in enumerate(s.shard_names)
         ]
         shards = [self.ref(ParamShardGrain, k, 120.0) for k in s.shard_keys]

@@ -1,21 +1,57 @@
 """What training jobs publish for the dashboard and ``redgrain train --status``; no torch.
 
 A coordinator publishes its job's :class:`JobProgress` (the latest figures,
-placements, checkpoints and recoveries) and one :class:`JobPoint` per step
-through the public grain facility ``Grain.publish_progress``; readers (the
-dashboard) import only this module of the training package.
+placements, checkpoints and recoveries) and points for the curves
+(:class:`JobPoint`) through the public grain facility ``Grain.publish_progress``; readers
+(the dashboard) import only this module of the training package.
+
+Training and evaluation figures are never mixed: a point is of one
+``split``. Each tick writes a ``train`` point (the training loss and the
+step function's metrics, mean over trainers); a tick at which an evaluation
+finished writes an ``eval`` point as well (the evaluation's metrics on the
+test split, by name). Named metrics travel in the capped stream as fields
+``m.<name>``, beside the fixed ones, so a stream entry stays flat.
+
+Records written before metrics had names still parse: missing fields take
+their defaults, an entry without ``split`` is a training point, and its
+``accuracy`` field (then the latest evaluation accuracy, repeated) is kept
+as it was.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from silo.keys import Keys
 from silo.records import publish_progress
+
+Split = Literal["train", "eval"]
+METRIC_FIELD = "m."
+"""Prefix of a named metric's field in a history stream entry (``m.accuracy``)."""
+
+
+def finite_metrics(values: Mapping[str, float] | None) -> dict[str, float]:
+    """The finite values of ``values`` as floats: JSON has no NaN (pydantic writes null, which
+    a ``dict[str, float]`` would then refuse, losing the whole record)."""
+    out: dict[str, float] = {}
+    for name, v in (values or {}).items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f):
+            out[str(name)] = f
+    return out
+
+
+def _finite_or_none(v: float | None) -> float | None:
+    return None if v is not None and not math.isfinite(v) else v
 
 
 class Placement(BaseModel):
@@ -28,7 +64,7 @@ class Placement(BaseModel):
 class CheckpointInfo(BaseModel):
     snapshot: str
     step: int
-    at: float
+    at: float = Field(default=0.0, description="When the checkpoint was committed (unix seconds); 0: unknown.")
 
 
 class RecoveryInfo(BaseModel):
@@ -53,17 +89,45 @@ class JobProgress(BaseModel):
     )
     step: int = 0
     total_steps: int | None = None
-    epoch: int = 0
-    loss: float | None = None
-    accuracy: float | None = None
+    epoch: float = Field(
+        default=0.0, description="Passes over the training set so far (0 for a dataset without a length)."
+    )
+    loss: float | None = Field(
+        default=None, description="Training loss: the mean of the trainers' latest steps."
+    )
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="Training metrics by name, beside the loss (what the step function returns; "
+        "latest, mean over trainers).",
+    )
+    eval_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The latest evaluation on the test split, by name (the default: loss, accuracy).",
+    )
+    eval_step: int | None = Field(default=None, description="The step the latest evaluation ran at.")
+    accuracy: float | None = Field(
+        default=None,
+        description="Evaluation (test split) accuracy: eval_metrics['accuracy'] when the evaluation "
+        "reports one.",
+    )
     samples_per_s: float = 0.0
     bytes_per_step: int = Field(
         default=0, description="Bytes on the wire per step, all trainers and shards."
     )
-    staleness: float = Field(
-        default=0.0, description="Mean gradient staleness in steps (async / ssp)."
+    max_staleness: float = Field(
+        default=0.0,
+        description="Largest gradient staleness seen (async / ssp): updates a shard applied between "
+        "the version a trainer computed on and the apply of its push, in steps.",
     )
-    mode: str = Field(default="sync", description="sync, async or ssp.")
+    max_gap: float = Field(
+        default=0.0, description="ssp: how far ahead of the slowest trainer one was released, in steps (max)."
+    )
+    staleness: float = Field(
+        default=0.0,
+        description="Deprecated, for readers of earlier records: max_gap in ssp mode, else "
+        "max_staleness (a maximum, whatever earlier descriptions said).",
+    )
+    mode: str = Field(default="sync", description="sync, async, ssp or allreduce.")
     trainers: list[Placement] = Field(default_factory=list)
     shards: list[Placement] = Field(default_factory=list)
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
@@ -71,56 +135,152 @@ class JobProgress(BaseModel):
     updated_at: float = 0.0
     error: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_staleness(cls, data: Any) -> Any:
+        # A record from before max_staleness / max_gap carries one figure, ``staleness``:
+        # the gap in ssp mode, else the staleness. Put it under its own name.
+        if isinstance(data, dict) and "staleness" in data and not {"max_staleness", "max_gap"} & data.keys():
+            name = "max_gap" if data.get("mode") == "ssp" else "max_staleness"
+            data = {**data, name: data["staleness"]}
+        return data
+
+    @field_validator("metrics", "eval_metrics", mode="before")
+    @classmethod
+    def _finite_metrics(cls, v: Any) -> Any:
+        return finite_metrics(v) if isinstance(v, Mapping) else v
+
+    @field_validator("loss", "accuracy", mode="after")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        return _finite_or_none(v)
+
 
 class JobPoint(BaseModel):
-    """One step's metrics in ``keys.job_history(job)`` (a capped stream)."""
+    """One point of a job's curves in ``keys.job_history(job)`` (a capped stream), of one split."""
 
     step: int
-    loss: float | None = None
-    accuracy: float | None = None
+    split: Split = Field(
+        default="train",
+        description="train: the training loss and metrics at this step; eval: an evaluation on the "
+        "test split that finished at this step (entries written before splits: train).",
+    )
+    loss: float | None = Field(default=None, description="Training loss (train points).")
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="This split's metrics by name: train, beside the loss; eval, everything the "
+        "evaluation reported (its loss included). Stream fields m.<name>.",
+    )
+    accuracy: float | None = Field(
+        default=None,
+        description="Only in entries written before splits: the latest evaluation accuracy at that "
+        "step (newer entries have it as metrics['accuracy'] of an eval point).",
+    )
     samples_per_s: float | None = None
     bytes: int | None = None
     at: float = 0.0
 
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _finite_metrics(cls, v: Any) -> Any:
+        return finite_metrics(v) if isinstance(v, Mapping) else v
+
+    @field_validator("loss", "accuracy", "samples_per_s", mode="after")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        return _finite_or_none(v)
+
     def fields(self) -> dict[str, str]:
-        return {
+        """The flat stream entry: fixed fields (None left out) and ``m.<name>`` per metric."""
+        out = {
             k: repr(v) if isinstance(v, float) else str(v)
-            for k, v in self.model_dump().items()
+            for k, v in self.model_dump(exclude={"metrics"}).items()
             if v is not None
         }
+        out.update({METRIC_FIELD + name: repr(v) for name, v in self.metrics.items()})
+        return out
 
     @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> JobPoint:
+    def from_fields(cls, fields: Mapping[Any, Any]) -> JobPoint:
         def text(v: Any) -> str:
             return v.decode() if isinstance(v, bytes) else str(v)
 
-        return cls.model_validate({text(k): text(v) for k, v in fields.items()})
+        flat: dict[str, Any] = {}
+        metrics: dict[str, str] = {}
+        for k, v in fields.items():
+            key = text(k)
+            if key.startswith(METRIC_FIELD):
+                metrics[key[len(METRIC_FIELD):]] = text(v)
+            else:
+                flat[key] = text(v)
+        return cls.model_validate({**flat, "metrics": metrics})
 
 
 def job_point(progress: JobProgress) -> JobPoint:
-    """The history point of a progress record (its step's figures)."""
+    """The training point of a progress record (its step's training figures)."""
     return JobPoint(
         step=progress.step,
+        split="train",
         loss=progress.loss,
-        accuracy=progress.accuracy,
+        metrics=progress.metrics,
         samples_per_s=progress.samples_per_s,
         bytes=progress.bytes_per_step,
         at=progress.updated_at or time.time(),
     )
 
 
+def eval_point(progress: JobProgress) -> JobPoint | None:
+    """The evaluation point of a progress record (None: it holds no evaluation)."""
+    if not progress.eval_metrics:
+        return None
+    return JobPoint(
+        step=progress.step if progress.eval_step is None else progress.eval_step,
+        split="eval",
+        metrics=progress.eval_metrics,
+        at=progress.updated_at or time.time(),
+    )
+
+
+def job_points(progress: JobProgress, *, evaluated: bool = False) -> list[JobPoint]:
+    """This tick's points: the training one, and the evaluation one when an evaluation
+    finished at this tick (``evaluated``; the record's eval figures are otherwise older)."""
+    points = [job_point(progress)]
+    ev = eval_point(progress) if evaluated else None
+    if ev is not None:
+        points.append(ev)
+    return points
+
+
 async def publish_job_progress(
-    redis: aioredis.Redis, keys: Keys, progress: JobProgress, *, point: JobPoint | None | bool = True
+    redis: aioredis.Redis,
+    keys: Keys,
+    progress: JobProgress,
+    *,
+    point: JobPoint | Sequence[JobPoint] | None | bool = True,
+    evaluated: bool = False,
 ) -> bool:
     """Publish a job's progress from outside a grain (tests, tools); True if a cancel was asked.
 
-    Grains publish with ``Grain.publish_progress``; both write the same records
-    (``silo.records.publish_progress``). ``point=True`` derives the point from
-    ``progress``; pass a JobPoint to write another, or False to write none.
+    Grains publish with ``Grain.publish_progress`` (``grains.training.progress.publish``);
+    both write the same records (``silo.records.publish_progress``). ``point=True``
+    derives this tick's points from ``progress`` (:func:`job_points`, the eval one
+    when ``evaluated``); pass JobPoints to write others, or False to write none.
     """
     if not progress.updated_at:
         progress = progress.model_copy(update={"updated_at": time.time()})
     if point is True:
-        point = job_point(progress)
-    fields = point.fields() if isinstance(point, JobPoint) else None
-    return await publish_progress(redis, keys, progress.job, progress.model_dump_json(), fields)
+        points = job_points(progress, evaluated=evaluated)
+    elif isinstance(point, JobPoint):
+        points = [point]
+    elif point is None or isinstance(point, bool):
+        points = []
+    else:
+        points = list(point)
+    record = progress.model_dump_json()
+    if not points:
+        return await publish_progress(redis, keys, progress.job, record, None)
+    cancel = False
+    # One round trip per point: a tick has one, two when an evaluation finished.
+    for p in points:
+        cancel = await publish_progress(redis, keys, progress.job, record, p.fields()) or cancel
+    return cancel

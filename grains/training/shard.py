@@ -18,7 +18,21 @@ exchange never blocks the pushes that will release it. Every call carries the
 coordinator's generation; after a rollback, calls of an older generation are
 refused.
 
-Checkpoints: at each multiple ``c`` of ``checkpoint_every`` the shard copies
+The optimizer is the job's (:mod:`grains.training.optim`: any torch
+optimizer, parameter groups, a learning-rate schedule stepped once per global
+step). A shard also holds its part of the frozen parameters (sent once, on a
+trainer's first pull) and of the persistent buffers: trainers push their
+buffers with their gradients; in sync mode the shard sets each floating
+buffer to the mean of the slots' values of the step (integer ones, like
+``num_batches_tracked``, to any slot's: they count alike), in async and ssp
+to the value of the latest push. With ``clip_grad_norm`` in sync mode the
+shards of a job exchange the squared norms of their parts of the averaged
+gradient (:meth:`ParamShardGrain.norm_part`), so all clip by one global norm.
+A step that any trainer flags as skipped (a non-finite loss with
+``on_nonfinite = "skip"``, an fp16 overflow) updates nothing on any shard.
+
+Checkpoints: at each multiple ``c`` of ``checkpoint_every`` (and at the job's
+last step) the shard copies
 its parameters and optimizer state exactly when every push of steps < c and
 none of steps >= c is applied (in async/ssp a push of step >= c waits for
 that moment), and saves the copy in the background; the coordinator commits
@@ -29,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +55,17 @@ from grains.placement import hash_placement, immovable, keep_alive, reentrant
 from grains.training import checkpointing
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
 from grains.training.compression import Payload, decompress_into, parse_compression, payload_nbytes
+from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, ShardConfig, ShardStatus
 from grains.training.models import build_model
+from grains.training.optim import (
+    advance,
+    build_optimizer,
+    build_schedule,
+    clip_coefficient,
+    squared_norm,
+    step_schedule,
+)
 
 log = logging.getLogger("redgrain.training.shard")
 
@@ -51,10 +75,10 @@ class StaleGenerationError(Exception):
 
 
 def make_optimizer(params: list[nn.Parameter], spec: Any) -> torch.optim.Optimizer:
-    if spec.optimizer == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    momentum = spec.momentum if spec.optimizer == "momentum" else 0.0
-    return torch.optim.SGD(params, lr=spec.lr, momentum=momentum, weight_decay=spec.weight_decay)
+    """The job's optimizer over a whole model's parameters (plain loops and benchmarks; no groups by name)."""
+    opt = build_optimizer([(str(i), p) for i, p in enumerate(params)], spec.model_copy(update={"param_groups": []}))
+    assert opt is not None
+    return opt
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +102,39 @@ class _Core:
         spec = cfg.spec
         model = build_model(spec)
         named = dict(model.named_parameters())
-        self.names = list(cfg.names)
+        buffers = dict(persistent_buffers(model))
+        own = set(cfg.names)
+        self.names = [n for n, p in named.items() if n in own and p.requires_grad]
+        """Trainable parameters, model order (the optimizer's order)."""
+        self.frozen_names = [n for n, p in named.items() if n in own and not p.requires_grad]
+        self.buffer_names = [n for n in buffers if n in own]
         self.params = {n: nn.Parameter(named[n].detach().to(device, torch.float32).clone()) for n in self.names}
-        self.opt = make_optimizer(list(self.params.values()), spec)
+        self.buffers = {n: _fp32(buffers[n]).to(device, copy=True) for n in self.buffer_names}
+        self.frozen = {n: _fp32(named[n].detach()).to(device, copy=True) for n in self.frozen_names}
+        self.opt = build_optimizer(list(self.params.items()), spec)
+        self.schedule = build_schedule(self.opt, spec)
+        self.schedule_step = 0
+        self.clip = spec.clip_grad_norm
         self.pull_dtype = parse_compression(spec.compression).pull_dtype
         self.acc: dict[str, torch.Tensor] = {}
         self._held: dict[str, Payload] | None = None  # the step's first push, not yet summed
+        self.buf_acc: dict[str, torch.Tensor] = {}
+        self.skip = False
+        """A slot flagged the step being summed as skipped."""
+        self.skipped = 0
         version = 0
         if snapshot is not None:
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(snapshot.params[n])
-            self.opt.load_state_dict(snapshot.optimizer)
+                for n, t in {**self.buffers, **self.frozen}.items():
+                    t.copy_(snapshot.buffers[n])
+            # A fresh schedule stepped to the restored step gives the rate every holder has
+            # there; the optimizer's saved groups (loaded after) agree with it.
+            advance(self.schedule, snapshot.step)
+            self.schedule_step = snapshot.step
+            if snapshot.optimizer and self.opt is not None:
+                self.opt.load_state_dict(snapshot.optimizer)
             version = snapshot.version
         self.current: tuple[int, dict[str, torch.Tensor]] = (version, self.publish())
         """The version and its parameters in the pull dtype, replaced in one assignment: updates
@@ -101,10 +146,28 @@ class _Core:
         return self.current[0]
 
     def publish(self) -> dict[str, torch.Tensor]:
-        """A fresh copy of the parameters in the pull dtype (callers may hold it by reference)."""
-        return {n: p.detach().to(self.pull_dtype, copy=True) for n, p in self.params.items()}
+        """Fresh copies of the parameters in the pull dtype and of the buffers (callers may
+        hold them by reference)."""
+        out = {n: p.detach().to(self.pull_dtype, copy=True) for n, p in self.params.items()}
+        out.update({n: b.clone() for n, b in self.buffers.items()})
+        return out
 
-    def accumulate(self, grads: dict[str, Payload], first: bool) -> None:
+    def frozen_payload(self) -> dict[str, torch.Tensor]:
+        return {n: t.to(self.pull_dtype) if t.is_floating_point() else t for n, t in self.frozen.items()}
+
+    def accumulate(self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool) -> None:
+        if first:
+            self.skip, self.buf_acc = False, {}
+        self.skip = self.skip or skip
+        if buffers:
+            for n in self.buffer_names:
+                b = buffers[n]
+                if not b.is_floating_point():
+                    self.buf_acc[n] = b
+                elif n in self.buf_acc:
+                    self.buf_acc[n].add_(b.to(self.buf_acc[n].device, torch.float32))
+                else:
+                    self.buf_acc[n] = b.to(self.buffers[n].device, torch.float32, copy=True)
         # The first push is only held (in sync mode its sender waits for the step, so
         # nobody writes to it meanwhile); the second is summed with it in one pass.
         if first:
@@ -125,39 +188,103 @@ class _Core:
                 decompress_into(acc, a, add=False)
                 decompress_into(acc, b, add=True)
 
-    def push_sync(self, grads: dict[str, Payload], first: bool, scale: float | None) -> None:
-        """Add one slot's gradients to the step's sum; with ``scale``, apply the averaged sum."""
-        if first and scale == 1.0:  # a single slot: nothing to sum
-            self.apply(grads, 1.0)
-            return
-        self.accumulate(grads, first)
-        if scale is not None:
-            self.apply(None, scale)
+    def summed(self, scale: float) -> dict[str, torch.Tensor]:
+        """The step's gradient sum times ``scale`` (a single push: that push), as gradients."""
+        held, self._held = self._held, None
+        if held is not None:  # one slot: nothing was summed
+            grads = {n: _as_grad(p, held[n]) for n, p in self.params.items()}
+            if scale != 1.0:
+                grads = {n: g * scale for n, g in grads.items()}
+            return grads
+        for g in self.acc.values():
+            if scale != 1.0:
+                g.mul_(scale)
+        return dict(self.acc)
 
-    def apply(self, grads: dict[str, Payload] | None, scale: float) -> None:
-        """One optimizer step with ``grads`` (or the accumulated sum times ``scale``)."""
-        for n, p in self.params.items():
-            if grads is None:
-                g = self.acc[n]
-                if scale != 1.0:
-                    g.mul_(scale)
-                p.grad = g
-            else:
-                p.grad = _as_grad(p, grads[n])
-        self.opt.step()
-        for p in self.params.values():
-            p.grad = None
+    def push_sync(
+        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool, scale: float | None, step: int
+    ) -> None:
+        """Add one slot's push to the step's sum; with ``scale`` (the last slot), apply the mean."""
+        self.accumulate(grads, buffers, skip, first)
+        if scale is not None:
+            self.finish_step(self.summed(scale), scale, step + 1)
+
+    def pending_norm_sq(self, scale: float) -> tuple[dict[str, torch.Tensor], float]:
+        """The step's mean gradient and its squared norm (this shard's part of the global norm)."""
+        grads = self.summed(scale)
+        return grads, (math.inf if self.skip else squared_norm(grads.values()))
+
+    def finish_step(self, grads: dict[str, torch.Tensor], buffer_scale: float, global_step: int, coef: float = 1.0) -> None:
+        """Apply a sync step: the mean gradient (times the clip coefficient) and the mean buffers."""
+        if not self.skip:
+            with torch.no_grad():
+                for n, b in self.buf_acc.items():
+                    if b.is_floating_point():
+                        self.buffers[n].copy_(b.mul_(buffer_scale))
+                    else:
+                        self.buffers[n].copy_(b)
+        self.buf_acc = {}
+        self.step_optimizer(grads, coef, skip=self.skip, global_step=global_step)
+
+    def apply_push(
+        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, global_step: int, lr_scale: float = 1.0
+    ) -> None:
+        """async / ssp: one push applied alone (its buffers replace the shard's)."""
+        if not skip and buffers:
+            with torch.no_grad():
+                for n in self.buffer_names:
+                    self.buffers[n].copy_(buffers[n])
+        dense = {n: _as_grad(p, grads[n]) for n, p in self.params.items()}
+        self.step_optimizer(dense, 1.0, skip=skip, global_step=global_step, lr_scale=lr_scale)
+
+    def step_optimizer(
+        self, grads: dict[str, torch.Tensor], coef: float, *, skip: bool, global_step: int, lr_scale: float = 1.0
+    ) -> None:
+        if skip:
+            self.skipped += 1
+        elif self.opt is not None:
+            for n, p in self.params.items():
+                g = grads[n]
+                p.grad = g.mul_(coef) if coef != 1.0 else g
+            if lr_scale != 1.0:
+                lrs = [g["lr"] for g in self.opt.param_groups]
+                for g in self.opt.param_groups:
+                    g["lr"] = g["lr"] * lr_scale
+            self.opt.step()
+            if lr_scale != 1.0:
+                for g, lr in zip(self.opt.param_groups, lrs, strict=True):
+                    g["lr"] = lr
+            for p in self.params.values():
+                p.grad = None
+        while self.schedule_step < global_step:  # once per global step, whatever happened to it
+            step_schedule(self.schedule)
+            self.schedule_step += 1
         self.current = (self.current[0] + 1, self.publish())
 
     def snapshot(self, step: int) -> ShardSnapshot:
-        sd = self.opt.state_dict()
-        state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
+        if self.opt is not None:
+            sd = self.opt.state_dict()
+            state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
+            optimizer: dict[str, Any] = {"state": state, "param_groups": sd["param_groups"]}
+        else:
+            optimizer = {}
         return ShardSnapshot(
             step=step,
             version=self.version,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-            optimizer={"state": state, "param_groups": sd["param_groups"]},
+            optimizer=optimizer,
+            buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.buffers, **self.frozen}.items()},
         )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """fp32 parameters (trainable and frozen) and buffers, CPU copies."""
+        out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        out.update({n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()})
+        return out
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32) if t.is_floating_point() else t.detach()
 
 
 def _as_grad(p: torch.Tensor, payload: Payload) -> torch.Tensor:
@@ -194,6 +321,8 @@ class ParamShardGrain(Grain):
         self._lock = asyncio.Lock()
         self._pushes = self._duplicates = self._bytes_in = self._bytes_out = 0
         self._max_staleness = self._max_gap = 0
+        self._end = 0
+        self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
 
     # --- configuration ------------------------------------------------------
     async def configure(self, cfg: ShardConfig) -> ShardStatus:
@@ -203,7 +332,7 @@ class ParamShardGrain(Grain):
             self._changed.notify_all()
         snapshot = None
         if cfg.restore_step is not None:
-            snapshot = await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, cfg.names)
+            snapshot = await self._restore(cfg)
         async with self._lock:
             core = await self.run_in_thread(_Core, cfg, self.device, snapshot)
             start = cfg.restore_step or 0
@@ -212,11 +341,29 @@ class ParamShardGrain(Grain):
             self._next = [start] * cfg.slots
             self._applied = [start] * cfg.slots
             self._acc_step, self._acc_slots = -1, set()
-            self._next_ckpt = (start // self._every + 1) * self._every if self._every else 0
+            self._end = cfg.end_step
+            self._next_ckpt = self._checkpoint_after(start)
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
+            self._norms = {}
         async with self._changed:
             self._changed.notify_all()
         return await self.status()
+
+    async def _restore(self, cfg: ShardConfig) -> ShardSnapshot:
+        assert cfg.restore_step is not None
+        model = await self.run_in_thread(build_model, cfg.spec)
+        own = set(cfg.names)
+        names = [n for n, p in model.named_parameters() if n in own and p.requires_grad]
+        extra = [n for n, p in model.named_parameters() if n in own and not p.requires_grad]
+        extra += [n for n, _ in persistent_buffers(model) if n in own]
+        return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
+
+    def _checkpoint_after(self, step: int) -> int:
+        """The next step > ``step`` to checkpoint: a multiple of checkpoint_every, or the last (0: none)."""
+        nxt = (step // self._every + 1) * self._every if self._every else 0
+        if self._end > step and (not nxt or nxt > self._end):
+            return self._end
+        return nxt
 
     async def stop(self, generation: int) -> None:
         """Refuse further exchanges of older generations (the job ended or was cancelled)."""
@@ -233,21 +380,24 @@ class ParamShardGrain(Grain):
         grads: dict[str, Payload] | None,
         base_version: int,
         have_version: int,
+        buffers: dict[str, torch.Tensor] | None = None,
+        skip: bool = False,
     ) -> ExchangeReply:
-        """Push ``grads`` of ``(slot, step)`` (None: pull only), then return what the mode allows."""
+        """Push ``grads`` (and ``buffers``) of ``(slot, step)`` (None: pull only), then return what
+        the mode allows; ``skip``: the step's update is skipped (on every shard)."""
         self._check(generation)
         staleness = 0
         if grads is not None:
             # Shielded: a push the shard has taken is applied whole even if the caller gives up
             # (a restarted trainer's retry is then a duplicate, never half a step).
-            staleness = await asyncio.shield(self._push(generation, slot, step, grads, base_version))
+            staleness = await asyncio.shield(self._push(generation, slot, step, grads, base_version, buffers, skip))
         gap = await self._wait_turn(generation, slot, step + (grads is not None))
         core = self._core
         assert core is not None
         version, published = core.current
         params = None
         if version != have_version:
-            params = published
+            params = published if have_version >= 0 or not core.frozen else {**published, **core.frozen_payload()}
             self._bytes_out += sum(t.numel() * t.element_size() for t in params.values())
         return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
@@ -257,7 +407,10 @@ class ParamShardGrain(Grain):
                 f"{self.key} is at generation {self._generation}, the call is of generation {generation}"
             )
 
-    async def _push(self, generation: int, slot: int, step: int, grads: dict[str, Payload], base: int) -> int:
+    async def _push(
+        self, generation: int, slot: int, step: int, grads: dict[str, Payload], base: int,
+        buffers: dict[str, torch.Tensor] | None, skip: bool,
+    ) -> int:  # fmt: skip
         if step < self._next[slot]:
             self._duplicates += 1
             return 0
@@ -275,8 +428,16 @@ class ParamShardGrain(Grain):
                 if first:
                     self._acc_step, self._acc_slots = step, set()
                 last = len(self._acc_slots | {slot}) == len(self._next)
-                # One thread hop: the push that completes the step also applies it.
-                await self.run_in_thread(core.push_sync, grads, first, 1.0 / len(self._next) if last else None)
+                scale = 1.0 / len(self._next)
+                if last and core.clip is not None:
+                    await self.run_in_thread(core.accumulate, grads, buffers, skip, first)
+                    mean, sq = await self.run_in_thread(core.pending_norm_sq, scale)
+                    total = await self._global_norm_sq(generation, step, sq)
+                    coef = clip_coefficient(math.sqrt(total), core.clip)
+                    await self.run_in_thread(core.finish_step, mean, scale, step + 1, coef)
+                else:
+                    # One thread hop: the push that completes the step also applies it.
+                    await self.run_in_thread(core.push_sync, grads, buffers, skip, first, scale if last else None, step)
                 self._acc_slots.add(slot)
                 self._applied[slot] = step + 1
                 if last:
@@ -287,13 +448,43 @@ class ParamShardGrain(Grain):
             async with self._lock:
                 self._check(generation)
                 staleness = core.version - base if base >= 0 else 0
-                await self.run_in_thread(core.apply, grads, 1.0)
                 self._applied[slot] = step + 1
+                await self.run_in_thread(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(staleness))
                 await self._maybe_snapshot(core)
         self._max_staleness = max(self._max_staleness, staleness)
         async with self._changed:
             self._changed.notify_all()
         return staleness
+
+    def _lr_scale(self, staleness: int) -> float:
+        """async / ssp: the factor on the learning rate of one push (1.0: the spec's rate)."""
+        return 1.0
+
+    async def _global_norm_sq(self, generation: int, step: int, sq: float) -> float:
+        """Sync clipping: the sum of every shard's squared norm of step ``step``'s mean gradient."""
+        cfg = self._cfg
+        assert cfg is not None
+        if len(cfg.shard_keys) == 1:
+            return sq
+        peers = [self.get_grain(ParamShardGrain, k) for i, k in enumerate(cfg.shard_keys) if i != cfg.index]
+        timeout = cfg.spec.step_timeout_s
+        await asyncio.gather(*(p.with_timeout(timeout).norm_part(generation, step, cfg.index, sq) for p in peers))  # type: ignore[attr-defined]
+        await self.norm_part(generation, step, cfg.index, sq)
+        async with self._changed:
+            while len(self._norms.get(step, {})) < len(cfg.shard_keys):
+                self._check(generation)
+                await self._changed.wait()
+        parts = self._norms.pop(step)
+        for old in [s for s in self._norms if s < step]:
+            del self._norms[old]
+        return sum(parts.values())
+
+    async def norm_part(self, generation: int, step: int, index: int, sq: float) -> None:
+        """A peer shard's squared norm of its part of step ``step``'s mean gradient (sync clipping)."""
+        self._check(generation)
+        async with self._changed:
+            self._norms.setdefault(step, {})[index] = sq
+            self._changed.notify_all()
 
     def _done_step(self) -> int:
         """Every push of a step below this is applied."""
@@ -301,13 +492,13 @@ class ParamShardGrain(Grain):
 
     async def _maybe_snapshot(self, core: _Core) -> None:
         # Called under self._lock, right after an apply: nothing else can change the tensors.
-        if not self._every or self._done_step() < self._next_ckpt:
+        if not self._next_ckpt or self._done_step() < self._next_ckpt:
             return
         if self._mode == "sync" and self._acc_step >= self._next_ckpt and len(self._acc_slots) < len(self._next):
             return  # a later step is half accumulated; cannot happen in sync, kept as a guard
         step = self._next_ckpt
         snap = await self.run_in_thread(core.snapshot, step)
-        self._next_ckpt += self._every
+        self._next_ckpt = self._checkpoint_after(step)
         generation = self._generation
         self.start_task(self._save(snap, generation), name=f"{self.key} checkpoint {step}")
 
@@ -324,10 +515,10 @@ class ParamShardGrain(Grain):
 
     async def _wait_for_checkpoint(self, generation: int, step: int) -> None:
         """async/ssp: a push of step >= the next checkpoint waits until that checkpoint is taken."""
-        if not self._every:
+        if not self._next_ckpt:
             return
         async with self._changed:
-            while step >= self._next_ckpt:
+            while self._next_ckpt and step >= self._next_ckpt:
                 self._check(generation)
                 await self._changed.wait()
 
@@ -367,12 +558,31 @@ class ParamShardGrain(Grain):
         )
 
     async def parameters(self) -> dict[str, torch.Tensor]:
-        """The fp32 master weights (a copy)."""
+        """The fp32 master weights, trainable and frozen (copies)."""
         core = self._core
         if core is None:
             return {}
         async with self._lock:
-            return {n: p.detach().to("cpu", copy=True) for n, p in core.params.items()}
+            out = {n: p.detach().to("cpu", copy=True) for n, p in core.params.items()}
+            out.update({n: t.detach().to("cpu", copy=True) for n, t in core.frozen.items()})
+            return out
+
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters (fp32) and buffers, copies: this shard's part of the model's state_dict."""
+        core = self._core
+        if core is None:
+            return {}
+        async with self._lock:
+            return await self.run_in_thread(core.tensors)
+
+    async def release(self) -> None:
+        """The job is over and its final checkpoint committed: free the tensors, deactivate."""
+        async with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+        async with self._lock:
+            self._core = None
+        self.deactivate_on_idle()
 
     async def export_state(self) -> ShardSnapshot | None:
         """Parameters and optimizer state as a checkpoint would hold them now."""

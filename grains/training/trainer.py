@@ -32,15 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
 from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
-from grains.training.datasets import Batches, load_dataset
+from grains.training.datasets import Batches, batch_samples, load_dataset
+from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
+from grains.training.program import NonFiniteLossError, Program, finite, is_fatal
 from grains.training.shard import ParamShardGrain
 from silo import errors
 
@@ -53,10 +54,38 @@ _RATE_WINDOW = 20
 @dataclass(slots=True)
 class StepResult:
     loss: float
-    correct: int
+    metrics: dict[str, float]
     samples: int
     grads: list[dict[str, Payload]]
-    """Compressed gradients, one dict per shard."""
+    """Compressed gradients of the trainable parameters, one dict per shard."""
+    buffers: list[dict[str, torch.Tensor]]
+    """This step's persistent buffers (BatchNorm statistics), one dict per shard."""
+    skip: bool = False
+    """Nothing of this step is to be applied (non-finite loss with on_nonfinite='skip', fp16 overflow)."""
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16 on a trainer that has no optimizer (its shards do).
+
+    The rule and defaults of ``torch.amp.GradScaler`` (scale 2**16, halved on an
+    overflow, doubled after 2000 clean steps), applied to the gradients before
+    they are sent: GradScaler itself only unscales into an optimizer's step.
+    """
+
+    def __init__(self, init: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale = init
+        self._clean = 0
+        self._interval = growth_interval
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= 0.5
+            self._clean = 0
+            return
+        self._clean += 1
+        if self._clean >= self._interval:
+            self.scale *= 2.0
+            self._clean = 0
 
 
 class Replica:
@@ -64,51 +93,80 @@ class Replica:
 
     def __init__(self, a: TrainerAssignment, device: str) -> None:
         self.a = a
-        self.model = build_model(a.spec).to(device)
+        spec = a.spec
+        self.model = build_model(spec).to(device)
+        self.model.train()
         self.params = dict(self.model.named_parameters())
-        self.batches = Batches(load_dataset(a.spec, "train"), device)
-        self.compressor = Compressor(parse_compression(a.spec.compression))
-        self.autocast = a.spec.autocast_bf16
+        self.trainable = [p for p in self.params.values() if p.requires_grad]
+        self.buffers = dict(persistent_buffers(self.model))
+        self.program = Program.of(spec, device)
+        self.shard_grads = [[n for n in names if n in self.params and self.params[n].requires_grad] for names in a.shard_names]
+        self.shard_buffers = [[n for n in names if n in self.buffers] for names in a.shard_names]
+        self.batches = Batches(load_dataset(spec, "train"), device, spec.loader_workers)
+        self._stream = self.batches.iterate(spec.batch_size, a.slots, a.slot, a.start_step, a.end_step, spec.seed)
+        self._next_step = a.start_step
+        self.compressor = Compressor(parse_compression(spec.compression))
+        self.scaler = LossScale() if spec.amp == "fp16" else None
+        # Sync mode clips the averaged gradient on the shards (one global norm); async and ssp
+        # apply each push alone, so each trainer clips its own.
+        self.clip = spec.clip_grad_norm if spec.mode != "sync" else None
         self.device = device
-        self._prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._prefetched: tuple[int, Any] | None = None
 
     def load(self, params: dict[str, torch.Tensor]) -> None:
-        # The pulled tensors become the weights, with no copy: the shard publishes fresh
+        # The pulled parameters become the weights, with no copy: the shard publishes fresh
         # tensors for each version and never writes to them again, and nothing here writes
         # to weights (the optimizer lives on the shards). fp16/bf16 pulls are converted.
-        for n, t in params.items():
-            p = self.params[n]
-            p.data = t.to(p.device, p.dtype).view_as(p)
+        # Buffers are copied in: the forward pass updates them in place.
+        with torch.no_grad():
+            for n, t in params.items():
+                p = self.params.get(n)
+                if p is not None:
+                    p.data = t.to(p.device, p.dtype).view_as(p)
+                else:
+                    self.buffers[n].copy_(t)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> Any:
         if self._prefetched is not None and self._prefetched[0] == step:
             return self._prefetched[1]
-        a = self.a
-        return self.batches.batch(a.spec.batch_size, a.slots, a.slot, step, a.spec.seed)
+        if step != self._next_step:
+            raise RuntimeError(f"trainer asked for the batch of step {step}, its stream is at {self._next_step}")
+        self._next_step += 1
+        return next(self._stream)
 
     def step(self, payloads: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         for payload in payloads:
             self.load(payload)
-        x, y = self.batch(step)
-        for p in self.params.values():
+        batch = self.batch(step)
+        for p in self.trainable:
             p.grad = None
-        ctx = (
-            torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
-            if self.autocast
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            out = self.model(x)
-            loss = F.cross_entropy(out.float(), y)
-        loss.backward()
-        grads = [
-            {n: self.compressor.compress(n, self._grad(n)) for n in names} for names in self.a.shard_names
-        ]
-        correct = int((out.detach().argmax(1) == y).sum())
+        loss, metrics = self.program.step(self.model, batch)
+        skip = False
+        if not finite(loss):
+            if self.a.spec.on_nonfinite == "fail":
+                raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
+            skip = True
+        else:
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+            if self.scaler is not None:
+                inv = 1.0 / self.scaler.scale
+                for p in self.trainable:
+                    if p.grad is not None:
+                        p.grad.mul_(inv)
+                overflow = not all(bool(torch.isfinite(p.grad).all()) for p in self.trainable if p.grad is not None)
+                self.scaler.update(overflow)
+                skip = overflow
+            if self.clip is not None and not skip:
+                torch.nn.utils.clip_grad_norm_(self.trainable, self.clip)
+        if skip:
+            grads = [{n: torch.zeros_like(self.params[n]) for n in names} for names in self.shard_grads]
+        else:
+            grads = [{n: self.compressor.compress(n, self._grad(n)) for n in names} for names in self.shard_grads]
+        buffers = [{n: self.buffers[n].detach().clone() for n in names} for names in self.shard_buffers]
+        samples = batch_samples(batch)
         if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
-            a = self.a
-            self._prefetched = (step + 1, self.batches.batch(a.spec.batch_size, a.slots, a.slot, step + 1, a.spec.seed))
-        return StepResult(float(loss.detach()), correct, len(y), grads)
+            self._prefetched = (step + 1, self.batch(step + 1))
+        return StepResult(float(loss.detach()), metrics, samples, grads, buffers, skip)
 
     def _grad(self, name: str) -> torch.Tensor:
         g = self.params[name].grad
@@ -185,6 +243,11 @@ class TrainerGrain(Grain):
         if self._p.status == "running":
             self._p.status = "idle"
 
+    async def release(self) -> None:
+        """The job is over: stop, drop the replica with the loop, and deactivate."""
+        await self._cancel()
+        self.deactivate_on_idle()
+
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current run, and the per-step points from ``since_step`` on."""
         points = [p for p in self._points if p.step >= since_step]
@@ -207,6 +270,15 @@ class TrainerGrain(Grain):
             log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._p.step, exc)
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
+            self._p.fatal = is_fatal(exc)
+
+    async def _compute(self, rep: Replica, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
+        """One step on the executor; a step longer than ``step_timeout_s`` fails this run (the
+        coordinator restarts the slot: a new replica; the late thread only touches the old one)."""
+        try:
+            return await asyncio.wait_for(self.run_in_thread(rep.step, payloads, step), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"step {step} took longer than step_timeout_s={timeout_s}") from None
 
     async def _train(self, a: TrainerAssignment) -> None:
         rep = await self.run_in_thread(Replica, a, self.device)
@@ -231,7 +303,7 @@ class TrainerGrain(Grain):
             for i, p in enumerate(payloads):
                 if p:
                     base[i] = versions[i]
-            r = await self.run_in_thread(rep.step, [p for p in payloads if p], step)
+            r = await self._compute(rep, [p for p in payloads if p], step, a.spec.step_timeout_s)
             payloads = [{} for _ in range(n)]
             if pending is not None:
                 payloads = self._take(await pending, versions)
@@ -241,7 +313,10 @@ class TrainerGrain(Grain):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, rep, step + 1)
             fut = asyncio.gather(
-                *(s.exchange(a.generation, a.slot, step, r.grads[i], base[i], versions[i]) for i, s in enumerate(shards))
+                *(
+                    s.exchange(a.generation, a.slot, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
+                    for i, s in enumerate(shards)
+                )
             )
             if pipelined and step + 1 < a.end_step:
                 pending = fut
@@ -305,7 +380,8 @@ class TrainerGrain(Grain):
             span = self._times[-1][0] - self._times[0][0]
             p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
         p.mean_staleness = self._staleness_sum / max(1, self._replies)
-        self._points.append(StepPoint(step=step, loss=r.loss, accuracy=r.correct / max(1, r.samples)))
+        p.skipped += r.skip
+        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics))
 
     def statistics(self) -> TrainerStatistics:
         p = self._p

@@ -39,6 +39,8 @@ CHROMIUM_ARGS = [
 
 
 async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) -> None:
+    """A classification job: training loss and batch accuracy each step, an evaluation
+    (loss, accuracy on the test split) every 10 steps."""
     addresses = [str(s.address) for s in silos]
     base = JobProgress(
         job=job,
@@ -48,16 +50,24 @@ async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) 
         shards=[Placement(key=f"{job}/shard-{i}", silo=addresses[(i + 1) % 2]) for i in range(2)],
     )
     now = time.time() - steps
+    evaluation: dict[str, float] = {}
     for step in range(1, steps + 1):
+        evaluated = step % 10 == 0
+        if evaluated:
+            evaluation = {"loss": 2.0 * math.exp(-step / 25) + 0.1, "accuracy": 1 - 0.8 * math.exp(-step / 20)}
         progress = base.model_copy(
             update={
                 "step": step,
-                "epoch": step // 20,
+                "epoch": step / 20,
                 "loss": 2.3 * math.exp(-step / 25) + 0.08,
-                "accuracy": 1 - 0.9 * math.exp(-step / 20),
+                "metrics": {"accuracy": 1 - 0.9 * math.exp(-step / 20)},
+                "eval_metrics": evaluation,
+                "eval_step": step - step % 10 if evaluation else None,
+                "accuracy": evaluation.get("accuracy"),
                 "samples_per_s": 5000 + 300 * math.sin(step / 5),
                 "bytes_per_step": 1_200_000,
-                "staleness": 0.8,
+                "max_staleness": 3.0,
+                "max_gap": 2.0,
                 "checkpoints": [
                     CheckpointInfo(snapshot=f"snap-{s}", step=s, at=now + s)
                     for s in range(25, step + 1, 25)
@@ -70,11 +80,28 @@ async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) 
                 "updated_at": now + step,
             }
         )
-        await publish_job_progress(redis, keys, progress)
+        await publish_job_progress(redis, keys, progress, evaluated=evaluated)
     # One more point published with an explicit JobPoint, as a coordinator may.
     await publish_job_progress(
         redis, keys, progress, point=JobPoint(step=steps + 1, loss=0.1, at=now + steps + 1)
     )
+
+
+async def publish_regression_job(redis, keys, job: str, steps: int) -> None:
+    """A regression job with the user's own metric names and no accuracy: training ``mse``,
+    evaluation ``mse`` and ``r2`` every 5 steps."""
+    for step in range(1, steps + 1):
+        evaluated = step % 5 == 0
+        progress = JobProgress(
+            job=job,
+            step=step,
+            total_steps=steps,
+            loss=1 / step,
+            metrics={"mse": 1 / step},
+            eval_metrics={"mse": 1.2 / step, "r2": 1 - 1 / step} if step >= 5 else {},
+            eval_step=step - step % 5 if step >= 5 else None,
+        )
+        await publish_job_progress(redis, keys, progress, evaluated=evaluated)
 
 
 async def test_pages_render_live_figures_and_curves(
@@ -88,6 +115,7 @@ async def test_pages_render_live_figures_and_curves(
     await asyncio.gather(*(client.get_grain(Echo, f"e{i % 20}").echo(i) for i in range(300)))
     await asyncio.gather(*(client.get_grain(Counter, f"c{i % 5}").add(1) for i in range(50)))
     await publish_synthetic_job(silos, silos[0].redis, silos[0].keys, "digits-1", steps=60)
+    await publish_regression_job(silos[0].redis, silos[0].keys, "regress-1", steps=40)
     for silo in silos:
         await silo.stats_publisher.publish()  # the figures below are in Redis now
 
@@ -140,15 +168,44 @@ async def test_pages_render_live_figures_and_curves(
             await page.wait_for_selector("[data-testid=grain-state]")
             assert "10" in (await page.text_content("[data-testid=grain-state]") or "")
 
+            await page.goto(board.url + "/#/training")
+            await page.wait_for_selector("[data-testid=jobs-table]")
+            listed = await page.text_content("[data-testid=jobs-table]") or ""
+            assert "r2 0.975" in listed and "accuracy 96.0 %" in listed  # each job's evaluation by name
+
             await page.goto(board.url + "/#/training/digits-1")
-            loss = page.locator("[data-testid=loss-curve] path.series")
+            curve = "[data-testid=metric-curve][data-metric={}] path.series[data-series={}]"
+            loss = page.locator(curve.format("loss", "train"))
             await loss.wait_for()
             assert int(await loss.get_attribute("data-points") or 0) == 61
+            # Evaluation points are their own series: one per evaluation, never a training point.
+            eval_loss = page.locator(curve.format("loss", "eval"))
+            assert int(await eval_loss.get_attribute("data-points") or 0) == 6
+            train_acc = page.locator(curve.format("accuracy", "train"))
+            eval_acc = page.locator(curve.format("accuracy", "eval"))
+            assert int(await train_acc.get_attribute("data-points") or 0) == 60
+            assert int(await eval_acc.get_attribute("data-points") or 0) == 6
+            eval_card = page.locator(".card[data-split=eval][data-metric=accuracy] .value")
+            assert await eval_card.text_content() == "96.0 %"  # 1 - 0.8 e^-3, at step 60
+            assert await page.text_content("[data-testid=job-epoch]") == "3.00"
+            assert await page.text_content("[data-testid=job-staleness]") == "3"
             assert await page.text_content("[data-testid=job-step]") == "60 / 200"
             assert await page.locator("[data-testid=trainers] tbody tr").count() == 4
             assert await page.locator("[data-testid=checkpoints] tbody tr").count() == 2
             assert "0.42 s" in (await page.text_content("[data-testid=recoveries]") or "")
             await page.screenshot(path=str(ARTIFACTS / "dashboard-training.png"), full_page=True)
+
+            await page.goto(board.url + "/#/training/regress-1")
+            r2 = page.locator(curve.format("r2", "eval"))
+            await r2.wait_for()
+            assert int(await r2.get_attribute("data-points") or 0) == 8
+            assert await page.locator(curve.format("r2", "train")).count() == 0
+            assert int(await page.locator(curve.format("mse", "train")).get_attribute("data-points") or 0) == 40
+            assert int(await page.locator(curve.format("mse", "eval")).get_attribute("data-points") or 0) == 8
+            assert await page.locator("[data-testid=metric-curve][data-metric=accuracy]").count() == 0
+            r2_card = page.locator(".card[data-split=eval][data-metric=r2] .value")
+            assert await r2_card.text_content() == "0.975"  # 1 - 1/40, 4 significant digits
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-training-regression.png"), full_page=True)
 
             await page.goto(board.url + "/#/events")
             await page.wait_for_selector("[data-testid=events-table] .pill.join")

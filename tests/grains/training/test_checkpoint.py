@@ -6,6 +6,8 @@ import torch
 
 from grains.training import CoordinatorGrain, ParamShardGrain, TrainingJob
 from grains.training.checkpointing import ShardSnapshot
+from grains.training.job import check_job
+from grains.training.ps_driver import split_by_bytes
 from grains.training.messages import ShardConfig
 from tests.grains.training.conftest import GRAINS, run_job
 
@@ -31,15 +33,23 @@ async def test_checkpoint_restores_parameters_and_adam_state_bit_exactly(cluster
                        batch_size=32, checkpoint_every=15, mode="async")  # fmt: skip
     st = await run_job(client, "ckpt", spec)
     assert st.status == "completed" and st.checkpoints == [15, 30], st
+    # The job's shards were released when it completed; its final checkpoint (30) is read
+    # whole, and a shard configured from 15 and then from 30 must hold exactly that.
+    coord = client.get_grain(CoordinatorGrain, "ckpt")
+    final = await coord.parameters()
+    layout = split_by_bytes(check_job(spec).sizes(), 2)  # as the driver split the model
     for i, key in enumerate(st.shard_keys):
         shard = client.get_grain(ParamShardGrain, key)
-        live = await shard.export_state()  # the job ended on a checkpoint step: this is checkpoint 30
-        cfg = ShardConfig(job="ckpt", index=i, spec=spec, names=list(live.params), shard_keys=st.shard_keys,
-                          slots=2, generation=st.generation + 1, run=st.run, restore_step=15)  # fmt: skip
+        names = layout[i]
+        cfg = ShardConfig(job="ckpt", index=i, spec=spec, names=names, shard_keys=st.shard_keys,
+                          slots=2, generation=st.generation + 1, run=st.run, restore_step=30)  # fmt: skip
         await shard.configure(cfg)
+        at_30 = await shard.export_state()
+        for n in at_30.params:
+            assert torch.equal(at_30.params[n], final[n]), n
+        await shard.configure(cfg.model_copy(update={"generation": st.generation + 2, "restore_step": 15}))
         at_15 = await shard.export_state()
-        assert at_15.version < live.version
-        assert not all(torch.equal(at_15.params[n], live.params[n]) for n in live.params)
-        await shard.configure(cfg.model_copy(update={"generation": st.generation + 2, "restore_step": 30}))
-        assert_identical(await shard.export_state(), live)
-    assert await client.get_grain(CoordinatorGrain, "ckpt").parameters()
+        assert at_15.version < at_30.version
+        assert not all(torch.equal(at_15.params[n], at_30.params[n]) for n in at_30.params)
+        await shard.configure(cfg.model_copy(update={"generation": st.generation + 3, "restore_step": 30}))
+        assert_identical(await shard.export_state(), at_30)

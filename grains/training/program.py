@@ -1,0 +1,153 @@
+"""The user's training program: their step and evaluation functions, run as the contract says.
+
+:func:`run_step` calls the job's step on one batch and checks what comes
+back (a scalar floating tensor that has a gradient, and metrics that are
+numbers); :func:`evaluate` runs the job's evaluation over a whole split in
+``eval()`` mode under ``torch.no_grad()``, each metric averaged weighted by
+the batch's samples. :func:`check_program` runs both once on one batch at
+submit, so a step that returns no scalar, a batch the model cannot take or a
+metric that is not a number fails there with a ConfigError, before anything
+is placed.
+
+Errors while a job runs: :class:`TrainingStepError` (the step broke its
+contract, or raised) and :class:`NonFiniteLossError` (``on_nonfinite =
+"fail"``) are *fatal*: the same batch would fail the same way again, so the
+job fails at once with the reason instead of restarting the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from grains.training.job import TrainingJob, resolve_path
+from silo.errors import ConfigError
+
+StepFn = Callable[[nn.Module, Any], Any]
+EvalFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+
+
+class TrainingStepError(RuntimeError):
+    """The job's step function raised or returned something other than its contract (fatal)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A step's loss was NaN or infinite and the job says ``on_nonfinite = "fail"`` (fatal)."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether retrying the same work would fail the same way (the job fails at once)."""
+    if isinstance(exc, (TrainingStepError, NonFiniteLossError, MemoryError)):
+        return True
+    return isinstance(exc, getattr(torch, "OutOfMemoryError", ()))  # CUDA and MPS out of memory
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """The resolved hooks of one job (resolve once per replica: imports are not free)."""
+
+    step_fn: StepFn
+    eval_fn: EvalFn
+    precision: str
+    device: str
+
+    @classmethod
+    def of(cls, spec: TrainingJob, device: str = "cpu") -> Program:
+        return cls(resolve_path(spec.step, "step"), resolve_path(spec.evaluate, "evaluate"), spec.amp, device)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast at the job's precision (fp32: none)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=dtype)
+
+    def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The job's step on ``batch`` under autocast: the loss (not yet backpropagated) and metrics."""
+        with self.autocast():
+            try:
+                out = self.step_fn(model, batch)
+            except (TrainingStepError, ConfigError):
+                raise
+            except Exception as exc:
+                raise TrainingStepError(f"the step function raised {type(exc).__name__}: {exc}") from exc
+        return split_result(out)
+
+
+def split_result(out: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """``loss`` or ``(loss, metrics)`` checked against the step contract."""
+    metrics: Mapping[str, Any] = {}
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        out, metrics = out
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
+        what = f"a tensor of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TrainingStepError(f"the step must return a scalar floating loss tensor (or (loss, metrics)), not {what}")
+    if not out.requires_grad:
+        raise TrainingStepError("the step's loss does not require grad: it was not computed from the model's parameters")
+    return out.reshape(()), numbers(metrics, "step")
+
+
+def numbers(metrics: Mapping[str, Any], what: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TrainingStepError(f"the {what} function's metric {k!r} is {type(v).__name__}, not a number")
+        out[k] = float(v)
+    return out
+
+
+def finite(loss: torch.Tensor) -> bool:
+    return math.isfinite(float(loss.detach()))
+
+
+def evaluate(program: Program, model: nn.Module, batches: Iterable[Any], samples: Callable[[Any], int]) -> dict[str, float]:
+    """The evaluation over ``batches`` in ``eval()`` mode: each metric's mean weighted by samples."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    try:
+        with torch.no_grad(), program.autocast():
+            for batch in batches:
+                n = samples(batch)
+                try:
+                    got = program.eval_fn(model, batch)
+                except Exception as exc:
+                    raise TrainingStepError(f"the evaluate function raised {type(exc).__name__}: {exc}") from exc
+                if not isinstance(got, Mapping):
+                    raise TrainingStepError(f"the evaluate function must return {{name: float}}, not {type(got).__name__}")
+                for k, v in numbers(got, "evaluate").items():
+                    sums[k] = sums.get(k, 0.0) + v * n
+                count += n
+    finally:
+        model.train(was_training)
+    return {k: v / max(1, count) for k, v in sums.items()}
+
+
+def first(items: Iterable[Any]) -> Any:
+    it: Iterator[Any] = iter(items)
+    try:
+        return next(it)
+    except StopIteration:
+        raise ConfigError("the dataset yields no batch") from None
+
+
+def check_program(program: Program, model: nn.Module, train_batch: Any, test_batch: Any, samples: Callable[[Any], int]) -> None:
+    """One step (forward, loss, backward) and one evaluation, as at submit: ConfigError saying why."""
+    try:
+        model.train()
+        loss, _ = program.step(model, train_batch)
+        loss.backward()
+        evaluate(program, model, [test_batch], samples)
+    except (TrainingStepError, NonFiniteLossError) as exc:
+        raise ConfigError(f"step {program.step_fn.__module__}.{getattr(program.step_fn, '__qualname__', '?')}: {exc}") from None
+    finally:
+        model.zero_grad(set_to_none=True)

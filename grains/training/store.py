@@ -1,0 +1,31 @@
+"""CheckpointStoreGrain: a job's checkpoints read and written whole, when no shard or trainer holds them.
+
+A finished job's trainers and shards deactivate and free their memory; what
+the job trained stays readable from its final checkpoint, which this grain
+reads for the coordinator (``parameters()``, ``state_dict()`` of a finished
+job). It also writes a job's starting weights (``init_from``) as step 0 of
+its run, a snapshot with this grain as its one member, which every mode
+restores like any other checkpoint. Its state is the checkpoint format's, so
+the snapshot codec decodes any job's members for it; it holds nothing between
+calls and is collected when idle.
+"""
+
+from __future__ import annotations
+
+from grains.base import Grain
+from grains.training import checkpointing
+from grains.training.checkpointing import ShardSnapshot, SnapshotState
+
+
+class CheckpointStoreGrain(Grain):
+    """Key: the job id."""
+
+    State = SnapshotState
+
+    async def save_whole(self, run: int, snapshot: ShardSnapshot, keep: int) -> bool:
+        """Save ``snapshot`` as the whole model at its step (True: the snapshot is complete)."""
+        return await checkpointing.save_whole(self, self.key, run, snapshot, keep)
+
+    async def read(self, run: int, step: int, names: list[str], extra: list[str]) -> ShardSnapshot:
+        """Trainable parameters ``names`` (with optimizer state) and ``extra`` at checkpoint ``step``."""
+        return await checkpointing.load_model(self, self.key, run, step, names, extra)
