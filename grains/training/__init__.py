@@ -21,11 +21,11 @@ from silo.lazy import lazy_exports
 if TYPE_CHECKING:
     from grains.training.allreduce import AllreduceTrainerGrain
     from grains.training.checkpointing import ShardSnapshot
-    from grains.training.store import CheckpointStoreGrain
     from grains.training.coordinator import CoordinatorGrain
     from grains.training.job import TrainingJob, load_job_file, parse_job
     from grains.training.messages import TrainingStatus
     from grains.training.shard import ParamShardGrain
+    from grains.training.store import CheckpointStoreGrain
     from grains.training.trainer import TrainerGrain
 
 _LAZY = {

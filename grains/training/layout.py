@@ -43,7 +43,7 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers ``state_dict()`` holds, by name, in model order."""
     out = []
     for module_name, module in model.named_modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in skip:
                 out.append((f"{module_name}.{name}" if module_name else name, buf))
@@ -98,7 +98,11 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     from grains.training.optim import build_optimizer, build_schedule, check_param_groups, trainable
     from grains.training.program import Program, check_program
 
-    train = Batches(load_dataset(spec, "train"))
+    from grains.training.datasets import dataset_size
+
+    train_set = load_dataset(spec, "train")
+    spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`
+    train = Batches(train_set, workers=spec.loader_workers)  # workers with a stream: refused here
     test = Batches(load_dataset(spec, "test"))
     model = build_model(spec)
     layout = layout_of(model)

@@ -181,12 +181,16 @@ class _Core:
             if held is None:
                 decompress_into(acc, grads[n], add=True)
                 continue
-            a, b = held[n], grads[n]
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype == acc.dtype:
-                torch.add(a, b, out=acc)
+            first_push: Payload = held[n]
+            second: Payload = grads[n]
+            if (
+                isinstance(first_push, torch.Tensor) and isinstance(second, torch.Tensor)
+                and first_push.dtype == second.dtype == acc.dtype
+            ):  # fmt: skip
+                torch.add(first_push, second, out=acc)
             else:
-                decompress_into(acc, a, add=False)
-                decompress_into(acc, b, add=True)
+                decompress_into(acc, first_push, add=False)
+                decompress_into(acc, second, add=True)
 
     def summed(self, scale: float) -> dict[str, torch.Tensor]:
         """The step's gradient sum times ``scale`` (a single push: that push), as gradients."""
@@ -247,13 +251,13 @@ class _Core:
                 g = grads[n]
                 p.grad = g.mul_(coef) if coef != 1.0 else g
             if lr_scale != 1.0:
-                lrs = [g["lr"] for g in self.opt.param_groups]
-                for g in self.opt.param_groups:
-                    g["lr"] = g["lr"] * lr_scale
+                lrs = [group["lr"] for group in self.opt.param_groups]
+                for group in self.opt.param_groups:
+                    group["lr"] = group["lr"] * lr_scale
             self.opt.step()
             if lr_scale != 1.0:
-                for g, lr in zip(self.opt.param_groups, lrs, strict=True):
-                    g["lr"] = lr
+                for group, lr in zip(self.opt.param_groups, lrs, strict=True):
+                    group["lr"] = lr
             for p in self.params.values():
                 p.grad = None
         while self.schedule_step < global_step:  # once per global step, whatever happened to it

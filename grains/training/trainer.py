@@ -158,6 +158,7 @@ class Replica:
                 skip = overflow
             if self.clip is not None and not skip:
                 torch.nn.utils.clip_grad_norm_(self.trainable, self.clip)
+        grads: list[dict[str, Payload]]
         if skip:
             grads = [{n: torch.zeros_like(self.params[n]) for n in names} for names in self.shard_grads]
         else:

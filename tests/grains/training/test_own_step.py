@@ -114,7 +114,7 @@ def nan_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss * float("nan") if torch.rand(()) < 2 else loss
 
 
-async def test_a_regression_job_with_an_mse_step_reports_its_metrics_by_name(cluster, client):
+async def test_a_regression_job_with_an_mse_step_reports_its_metrics_by_name(cluster, client, redis_url, cluster_name):
     await cluster(2, grains=GRAINS)
     spec = TrainingJob(model="grains.training.models:regressor", dataset="grains.training.datasets:regression",
                        step=f"{__name__}:mse_step", evaluate=f"{__name__}:regression_metrics", optimizer="adam",
@@ -127,6 +127,23 @@ async def test_a_regression_job_with_an_mse_step_reports_its_metrics_by_name(clu
     evals = [h.eval_metrics for h in history if h.eval_metrics is not None]
     assert evals and evals[0]["mse"] > st.eval_metrics["mse"], evals  # evaluation improved
     assert st.eval_metrics["mse"] < 0.1, st  # the targets' variance is about 1
+    # The dashboard and /metrics show the job's own metrics by name, training apart from evaluation.
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dashboard.app import create_app
+
+    with TestClient(create_app(redis_url, cluster_name, cache_s=0.0)) as api:
+        job = api.get("/api/jobs/regress").json()
+        assert job["metric_names"] == {"train": ["loss", "mse"], "eval": ["mae", "mse"]}, job["metric_names"]
+        points = {p["split"] for p in job["history"]}
+        assert points == {"train", "eval"}
+        samples = [
+            s for f in text_string_to_metric_families(api.get("/metrics").text) if f.name == "redgrain_job_metric"
+            for s in f.samples if s.labels["job"] == "regress"
+        ]  # fmt: skip
+        by = {(s.labels["split"], s.labels["name"]): s.value for s in samples}
+        assert by[("eval", "mae")] == pytest.approx(st.eval_metrics["mae"]) and ("train", "mse") in by, by
 
 
 async def test_a_transformer_on_dict_batches_whose_forward_returns_the_loss_learns(cluster, client):
@@ -257,3 +274,51 @@ async def test_saved_weights_start_a_new_job_and_a_frozen_layer_stays_bit_identi
     for k, v in ref.state_dict().items():
         assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), k
     assert torch.equal(got["body.weight"], sd["body.weight"])  # still frozen, still the first job's
+
+
+async def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+async def test_a_finished_job_frees_its_trainers_and_shards_and_stays_readable(cluster, client, mode):
+    silos = await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(mode=mode, trainers=2, shards=2, steps=12, checkpoint_every=0, batch_size=16)
+    st = await run_job(client, f"free-{mode}", spec)
+    assert st.status == "completed" and st.checkpoints == [12], st  # checkpoint_every 0: still the last step
+
+    def training_grains() -> list[str]:
+        return [a.grain_key for s in silos for a in s.catalog.activations()
+                if "Trainer" in a.grain_key or "ParamShard" in a.grain_key]  # fmt: skip
+
+    await wait_until(lambda: not training_grains())
+    coord = client.get_grain(CoordinatorGrain, f"free-{mode}")
+    sd = await coord.state_dict()  # read from the final checkpoint
+    assert set(sd) == set(build_model(spec).state_dict()) and not training_grains()
+
+
+def stream_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    return loss, {"tokens": float(batch["input_ids"].numel())}
+
+
+@pytest.mark.parametrize(("mode", "precision"), [("ssp", "bf16"), ("allreduce", "fp16")])
+async def test_an_iterable_dataset_trains_at_reduced_precision(cluster, client, mode, precision):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(model="grains.training.models:tiny_lm", dataset="grains.training.datasets:tokens_stream",
+                       dataset_args={"sequences": 256, "test_sequences": 32}, step=f"{__name__}:stream_step",
+                       evaluate=f"{__name__}:lm_metrics", optimizer="adamw", lr=3e-3, steps=60, batch_size=8,
+                       trainers=2, shards=2, mode=mode, precision=precision)  # fmt: skip
+    st = await run_job(client, f"stream-{mode}", spec, timeout_s=120)
+    assert st.status == "completed", st
+    assert st.metrics == {"tokens": 8 * 32.0}, st  # the step's own metric, averaged over trainers
+    assert st.eval_metrics["loss"] < 2.4, st  # from about ln(32) = 3.5
+    assert st.epoch == 0.0  # a stream has no length
+    with pytest.raises(errors.ConfigError, match="needs 'steps'"):
+        await client.get_grain(CoordinatorGrain, "stream-epochs").start(spec.model_copy(update={"steps": None, "epochs": 1.0}))
