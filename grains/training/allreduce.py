@@ -40,11 +40,9 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,14 +52,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, reentrant
 from grains.training import checkpointing
+from grains.training.allreduce_replica import GroupReplica, StepResult
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.datasets import Batches, batch_samples, load_dataset
-from grains.training.job import TrainingJob
-from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.messages import GroupAssignment, StepPoint, TrainerProgress
-from grains.training.models import build_model
-from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
-from grains.training.program import NonFiniteLossError, Program, finite, is_fatal
+from grains.training.program import is_fatal
 from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
 from silo import errors
 
@@ -164,138 +158,6 @@ def form_group(
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         pg = dist.ProcessGroupGloo(store, a.rank, a.world, opts)
     return Group(pg, _HOOKS[a.spec.compression])
-
-
-@dataclass(slots=True)
-class StepResult:
-    loss: float
-    metrics: dict[str, float]
-    samples: int
-    skipped: bool = False
-
-
-class GroupReplica:
-    """The model, optimizer and data of one trainer; every method runs on the executor.
-
-    ``held`` is ``(run, step)``: the state is that after ``step`` committed steps of
-    ``run``. A lock makes a step, a load and a snapshot exclusive.
-    """
-
-    def __init__(self, spec: TrainingJob, device: str) -> None:
-        self.spec = spec
-        self.device = device
-        self.model = build_model(spec).to(device)
-        self.model.train()
-        named = trainable(self.model)
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.frozen = dict(frozen_parameters(self.model))
-        self.buffers = dict(persistent_buffers(self.model))
-        self.float_buffers = [b for b in self.buffers.values() if b.is_floating_point()]
-        self.opt = build_optimizer(named, spec)
-        self.schedule = build_schedule(self.opt, spec)
-        self.program = Program.of(spec, device)
-        self.scaler = torch.amp.GradScaler(torch.device(device).type) if spec.amp == "fp16" else None
-        self.batches = Batches(load_dataset(spec, "train"), device)
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), device=device)
-        self.held = (-1, -1)
-        self._lock = threading.Lock()
-
-    def fresh(self, run: int) -> None:
-        """Start from the seeded weights: the constructor's; only valid before any step."""
-        self.held = (run, 0)
-
-    def load(self, snap: ShardSnapshot, run: int) -> None:
-        with self._lock, torch.no_grad():
-            for n, p in zip(self.names, self.params, strict=True):
-                p.copy_(snap.params[n])
-            for n, t in {**self.frozen, **self.buffers}.items():
-                t.copy_(snap.buffers[n])
-            # A fresh schedule stepped to the restored step, then the saved groups (their rates agree).
-            self.schedule = build_schedule(self.opt, self.spec)
-            advance(self.schedule, snap.step)
-            if snap.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snap.optimizer)
-            self.held = (run, snap.step)
-
-    def snapshot(self) -> ShardSnapshot:
-        """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""
-        with self._lock:
-            optimizer: dict[str, Any] = {}
-            if self.opt is not None:
-                sd = self.opt.state_dict()
-                state = {
-                    k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
-                    for k, s in sd["state"].items()
-                }
-                optimizer = {"state": state, "param_groups": sd["param_groups"]}
-            return ShardSnapshot(
-                step=self.held[1],
-                version=self.held[1],
-                params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
-                optimizer=optimizer,
-                buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()},
-            )
-
-    def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
-        """Forward/backward on this rank's slice of global step ``step``, average, apply.
-
-        A rank whose loss is non-finite (``on_nonfinite = "skip"``) sends NaN gradients, so
-        the mean is non-finite on every rank and all of them skip the update alike.
-        """
-        with self._lock:
-            if self.held[1] != step:
-                raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
-            batch = self.batches.batch(self.spec.batch_size, world, rank, step, self.spec.seed)
-            for p in self.params:
-                p.grad = None
-            loss, metrics = self.program.step(self.model, batch)
-            if finite(loss):
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-                torch.cat([g.reshape(-1) for g in grads], out=self.flat)
-            elif self.spec.on_nonfinite == "fail":
-                raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
-            else:
-                self.flat.fill_(math.nan)
-            mean = group.allreduce_mean(self.flat, abandon)
-            if self.float_buffers:  # BatchNorm statistics: the mean over the group, as in sync PS mode
-                bufs = torch.cat([b.detach().reshape(-1).float() for b in self.float_buffers])
-                bufs = group.allreduce_mean(bufs, abandon, raw=True)
-                offset = 0
-                with torch.no_grad():
-                    for b in self.float_buffers:
-                        b.copy_(bufs[offset : offset + b.numel()].view_as(b))
-                        offset += b.numel()
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
-                offset += n
-            skipped = self._apply(mean)
-            self.held = (self.held[0], step + 1)
-            return StepResult(float(loss.detach()), metrics, batch_samples(batch), skipped)
-
-    def _apply(self, mean: torch.Tensor) -> bool:
-        """The optimizer step on the mean gradient (clipped, unscaled); True when skipped."""
-        skipped = False
-        if self.opt is not None:
-            if self.scaler is not None:
-                if self.spec.clip_grad_norm is not None:
-                    self.scaler.unscale_(self.opt)
-                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
-                scale = self.scaler.get_scale()
-                self.scaler.step(self.opt)
-                self.scaler.update()
-                skipped = self.scaler.get_scale() < scale
-            elif self.spec.on_nonfinite == "skip" and not bool(torch.isfinite(mean).all()):
-                skipped = True
-            else:
-                if self.spec.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
-                self.opt.step()
-        step_schedule(self.schedule)
-        return skipped
 
 
 @immovable

@@ -92,13 +92,11 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     cannot be built, ``init_from`` does not fit the model, or the step or
     evaluation breaks its contract on the first batch.
     """
-    from grains.training.datasets import Batches, batch_samples, load_dataset
+    from grains.training.datasets import Batches, batch_samples, dataset_size, load_dataset
     from grains.training.init import read_init
     from grains.training.models import build_model
     from grains.training.optim import build_optimizer, build_schedule, check_param_groups, trainable
     from grains.training.program import Program, check_program
-
-    from grains.training.datasets import dataset_size
 
     train_set = load_dataset(spec, "train")
     spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`

@@ -1,0 +1,235 @@
+"""The tensors and the update rule of one parameter shard configuration (its grain: shard.py).
+
+:class:`ShardCore` holds a shard's fp32 master weights, its frozen
+parameters and buffers, the job's optimizer and schedule over its slice, the
+sum of the current sync step's pushes, and the published copy trainers pull.
+Its methods run on the silo's executor, one at a time (the grain holds its
+lock around each); the grain decides when to call them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from grains.training.checkpointing import ShardSnapshot
+from grains.training.compression import Payload, decompress_into, parse_compression
+from grains.training.layout import persistent_buffers
+from grains.training.messages import ShardConfig
+from grains.training.models import build_model
+from grains.training.optim import (
+    advance,
+    build_optimizer,
+    build_schedule,
+    squared_norm,
+    step_schedule,
+)
+
+
+class ShardCore:
+    """The tensors of one configuration; its methods run on the silo's executor."""
+
+    def __init__(self, cfg: ShardConfig, device: str, snapshot: ShardSnapshot | None) -> None:
+        spec = cfg.spec
+        model = build_model(spec)
+        named = dict(model.named_parameters())
+        buffers = dict(persistent_buffers(model))
+        own = set(cfg.names)
+        self.names = [n for n, p in named.items() if n in own and p.requires_grad]
+        """Trainable parameters, model order (the optimizer's order)."""
+        self.frozen_names = [n for n, p in named.items() if n in own and not p.requires_grad]
+        self.buffer_names = [n for n in buffers if n in own]
+        self.params = {n: nn.Parameter(named[n].detach().to(device, torch.float32).clone()) for n in self.names}
+        self.buffers = {n: _fp32(buffers[n]).to(device, copy=True) for n in self.buffer_names}
+        self.frozen = {n: _fp32(named[n].detach()).to(device, copy=True) for n in self.frozen_names}
+        self.opt = build_optimizer(list(self.params.items()), spec)
+        self.schedule = build_schedule(self.opt, spec)
+        self.schedule_step = 0
+        self.clip = spec.clip_grad_norm
+        self.pull_dtype = parse_compression(spec.compression).pull_dtype
+        self.acc: dict[str, torch.Tensor] = {}
+        self._held: dict[str, Payload] | None = None  # the step's first push, not yet summed
+        self.buf_acc: dict[str, torch.Tensor] = {}
+        self.skip = False
+        """A slot flagged the step being summed as skipped."""
+        self.skipped = 0
+        version = 0
+        if snapshot is not None:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(snapshot.params[n])
+                for n, t in {**self.buffers, **self.frozen}.items():
+                    t.copy_(snapshot.buffers[n])
+            # A fresh schedule stepped to the restored step gives the rate every holder has
+            # there; the optimizer's saved groups (loaded after) agree with it.
+            advance(self.schedule, snapshot.step)
+            self.schedule_step = snapshot.step
+            if snapshot.optimizer and self.opt is not None:
+                self.opt.load_state_dict(snapshot.optimizer)
+            version = snapshot.version
+        self.current: tuple[int, dict[str, torch.Tensor]] = (version, self.publish())
+        """The version and its parameters in the pull dtype, replaced in one assignment: updates
+        run on the executor while the event loop answers pulls, which must never pair a new
+        version with the old tensors (a sync trainer would then compute on stale weights)."""
+
+    @property
+    def version(self) -> int:
+        return self.current[0]
+
+    def publish(self) -> dict[str, torch.Tensor]:
+        """Fresh copies of the parameters in the pull dtype and of the buffers (callers may
+        hold them by reference)."""
+        out = {n: p.detach().to(self.pull_dtype, copy=True) for n, p in self.params.items()}
+        out.update({n: b.clone() for n, b in self.buffers.items()})
+        return out
+
+    def frozen_payload(self) -> dict[str, torch.Tensor]:
+        return {n: t.to(self.pull_dtype) if t.is_floating_point() else t for n, t in self.frozen.items()}
+
+    def accumulate(self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool) -> None:
+        if first:
+            self.skip, self.buf_acc = False, {}
+        self.skip = self.skip or skip
+        if buffers:
+            for n in self.buffer_names:
+                b = buffers[n]
+                if not b.is_floating_point():
+                    self.buf_acc[n] = b
+                elif n in self.buf_acc:
+                    self.buf_acc[n].add_(b.to(self.buf_acc[n].device, torch.float32))
+                else:
+                    self.buf_acc[n] = b.to(self.buffers[n].device, torch.float32, copy=True)
+        # The first push is only held (in sync mode its sender waits for the step, so
+        # nobody writes to it meanwhile); the second is summed with it in one pass.
+        if first:
+            self._held = grads
+            return
+        held, self._held = self._held, None
+        for n in self.names:
+            if n not in self.acc:
+                self.acc[n] = torch.zeros_like(self.params[n])
+            acc = self.acc[n]
+            if held is None:
+                decompress_into(acc, grads[n], add=True)
+                continue
+            first_push: Payload = held[n]
+            second: Payload = grads[n]
+            if (
+                isinstance(first_push, torch.Tensor) and isinstance(second, torch.Tensor)
+                and first_push.dtype == second.dtype == acc.dtype
+            ):  # fmt: skip
+                torch.add(first_push, second, out=acc)
+            else:
+                decompress_into(acc, first_push, add=False)
+                decompress_into(acc, second, add=True)
+
+    def summed(self, scale: float) -> dict[str, torch.Tensor]:
+        """The step's gradient sum times ``scale`` (a single push: that push), as gradients."""
+        held, self._held = self._held, None
+        if held is not None:  # one slot: nothing was summed
+            grads = {n: _as_grad(p, held[n]) for n, p in self.params.items()}
+            if scale != 1.0:
+                grads = {n: g * scale for n, g in grads.items()}
+            return grads
+        for g in self.acc.values():
+            if scale != 1.0:
+                g.mul_(scale)
+        return dict(self.acc)
+
+    def push_sync(
+        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool, scale: float | None, step: int
+    ) -> None:
+        """Add one slot's push to the step's sum; with ``scale`` (the last slot), apply the mean."""
+        self.accumulate(grads, buffers, skip, first)
+        if scale is not None:
+            self.finish_step(self.summed(scale), scale, step + 1)
+
+    def pending_norm_sq(self, scale: float) -> tuple[dict[str, torch.Tensor], float]:
+        """The step's mean gradient and its squared norm (this shard's part of the global norm)."""
+        grads = self.summed(scale)
+        return grads, (math.inf if self.skip else squared_norm(grads.values()))
+
+    def finish_step(self, grads: dict[str, torch.Tensor], buffer_scale: float, global_step: int, coef: float = 1.0) -> None:
+        """Apply a sync step: the mean gradient (times the clip coefficient) and the mean buffers."""
+        if not self.skip:
+            with torch.no_grad():
+                for n, b in self.buf_acc.items():
+                    if b.is_floating_point():
+                        self.buffers[n].copy_(b.mul_(buffer_scale))
+                    else:
+                        self.buffers[n].copy_(b)
+        self.buf_acc = {}
+        self.step_optimizer(grads, coef, skip=self.skip, global_step=global_step)
+
+    def apply_push(
+        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, global_step: int, lr_scale: float = 1.0
+    ) -> None:
+        """async / ssp: one push applied alone (its buffers replace the shard's)."""
+        if not skip and buffers:
+            with torch.no_grad():
+                for n in self.buffer_names:
+                    self.buffers[n].copy_(buffers[n])
+        dense = {n: _as_grad(p, grads[n]) for n, p in self.params.items()}
+        self.step_optimizer(dense, 1.0, skip=skip, global_step=global_step, lr_scale=lr_scale)
+
+    def step_optimizer(
+        self, grads: dict[str, torch.Tensor], coef: float, *, skip: bool, global_step: int, lr_scale: float = 1.0
+    ) -> None:
+        if skip:
+            self.skipped += 1
+        elif self.opt is not None:
+            for n, p in self.params.items():
+                g = grads[n]
+                p.grad = g.mul_(coef) if coef != 1.0 else g
+            if lr_scale != 1.0:
+                lrs = [group["lr"] for group in self.opt.param_groups]
+                for group in self.opt.param_groups:
+                    group["lr"] = group["lr"] * lr_scale
+            self.opt.step()
+            if lr_scale != 1.0:
+                for group, lr in zip(self.opt.param_groups, lrs, strict=True):
+                    group["lr"] = lr
+            for p in self.params.values():
+                p.grad = None
+        while self.schedule_step < global_step:  # once per global step, whatever happened to it
+            step_schedule(self.schedule)
+            self.schedule_step += 1
+        self.current = (self.current[0] + 1, self.publish())
+
+    def snapshot(self, step: int) -> ShardSnapshot:
+        if self.opt is not None:
+            sd = self.opt.state_dict()
+            state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
+            optimizer: dict[str, Any] = {"state": state, "param_groups": sd["param_groups"]}
+        else:
+            optimizer = {}
+        return ShardSnapshot(
+            step=step,
+            version=self.version,
+            params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
+            optimizer=optimizer,
+            buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.buffers, **self.frozen}.items()},
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """fp32 parameters (trainable and frozen) and buffers, CPU copies."""
+        out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        out.update({n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()})
+        return out
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32) if t.is_floating_point() else t.detach()
+
+
+def _as_grad(p: torch.Tensor, payload: Payload) -> torch.Tensor:
+    """A dense payload of the parameter's dtype and device is used as it is (torch's
+    optimizers only read gradients); anything else is decompressed into a new tensor."""
+    if isinstance(payload, torch.Tensor) and payload.dtype == p.dtype and payload.device == p.device and payload.is_contiguous():
+        return payload.view_as(p)
+    g = torch.empty_like(p)
+    decompress_into(g, payload, add=False)
+    return g
