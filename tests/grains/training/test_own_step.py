@@ -322,3 +322,13 @@ async def test_an_iterable_dataset_trains_at_reduced_precision(cluster, client, 
     assert st.epoch == 0.0  # a stream has no length
     with pytest.raises(errors.ConfigError, match="needs 'steps'"):
         await client.get_grain(CoordinatorGrain, "stream-epochs").start(spec.model_copy(update={"steps": None, "epochs": 1.0}))
+
+
+async def test_fp16_with_loss_scaling_trains_in_parameter_server_mode_as_fp32_does(cluster, client):
+    await cluster(2, grains=GRAINS)
+    spec = TrainingJob(steps=150, trainers=2, shards=2, batch_size=32, optimizer="momentum", lr=0.05)
+    full = await run_job(client, "fp32-ps", spec)
+    half = await run_job(client, "fp16-ps", spec.model_copy(update={"precision": "fp16"}))
+    assert full.status == half.status == "completed", (full, half)
+    assert full.accuracy is not None and half.accuracy is not None and full.accuracy >= 0.9, full
+    assert abs(half.accuracy - full.accuracy) <= 0.02, (half.accuracy, full.accuracy)
