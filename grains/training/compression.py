@@ -2,10 +2,13 @@
 
 ``none`` sends fp32 gradients; ``fp16`` / ``bf16`` send them rounded to half
 precision; ``topk:<ratio>`` sends only the largest ``ratio`` of each tensor's
-entries (values fp32, indices int32). Every lossy kind keeps the part it did
-not send (the residual) and adds it to the next step's gradient, so nothing is
-lost, only delayed: error feedback, which is what keeps top-k within a point of
-uncompressed accuracy.
+entries (values fp32, indices int32), and ``topk:<ratio>:fp16`` the same
+entries with their values rounded to fp16 (6 bytes per kept entry instead of
+8). Every lossy kind keeps the part it did not send (the residual) and adds it
+to the next step's gradient, so nothing is lost, only delayed: error feedback,
+which is what keeps top-k within a point of uncompressed accuracy. For top-k
+with fp16 values the residual keeps the entries not chosen and the rounding
+error of the ones sent, so the rounding is fed back like the rest.
 
 A trainer saves its residual at every checkpoint step and a trainer restarted
 from that checkpoint resumes with it, so a run rolled back to a checkpoint
@@ -13,7 +16,8 @@ replays exactly as it first ran (see trainer.py).
 
 Pulls follow the push kind: with any compression the shard sends parameters as
 fp16 (bf16 for ``bf16``) instead of fp32. Pushes shrink with the compression
-and pulls halve, so top-k 1% moves about a quarter of the bytes of ``none``.
+and pulls halve, so top-k 1% moves about a quarter of the bytes of ``none``
+(the pulls then dominate: fp16 values shave only the pushes' quarter of that).
 """
 
 from __future__ import annotations
@@ -29,10 +33,19 @@ Payload = torch.Tensor | list[torch.Tensor]
 """One tensor's gradient on the wire: a dense tensor, or ``[values, indices]`` for top-k."""
 
 
+# The largest finite fp16: a top-k value beyond it is sent clamped (the excess stays in
+# the residual) rather than as inf, which would poison the shard's parameters.
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
 @dataclass(frozen=True, slots=True)
 class CompressionSpec:
     kind: Literal["none", "fp16", "bf16", "topk"]
     ratio: float = 1.0
+    """Share of each tensor's entries top-k sends (1.0 for the dense kinds)."""
+    value_dtype: torch.dtype = torch.float32
+    """The dtype top-k's values travel in (``topk:<ratio>:fp16``: float16); the dense
+    kinds' dtype follows from ``kind``."""
 
     @property
     def pull_dtype(self) -> torch.dtype:
@@ -41,19 +54,22 @@ class CompressionSpec:
 
 
 def parse_compression(text: str) -> CompressionSpec:
-    """``none`` | ``fp16`` | ``bf16`` | ``topk:<ratio>`` with 0 < ratio <= 1; ConfigError otherwise."""
+    """``none`` | ``fp16`` | ``bf16`` | ``topk:<ratio>`` | ``topk:<ratio>:fp16`` with
+    0 < ratio <= 1; ConfigError otherwise."""
     t = text.strip().lower()
     if t in ("none", "fp16", "bf16"):
         return CompressionSpec(t)  # type: ignore[arg-type]
-    if t.startswith("topk:"):
+    parts = [p.strip() for p in t.split(":")]
+    if parts[0] == "topk" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == "fp16"):
         try:
-            ratio = float(t[5:])
+            ratio = float(parts[1])
         except ValueError:
             ratio = -1.0
-        if 0.0 < ratio <= 1.0:
-            return CompressionSpec("topk", ratio)
+        if 0.0 < ratio <= 1.0:  # also false for nan
+            return CompressionSpec("topk", ratio, torch.float16 if len(parts) == 3 else torch.float32)
     raise ConfigError(
-        f"bad compression {text!r}: use none, fp16, bf16 or topk:<ratio> with 0 < ratio <= 1 (e.g. topk:0.01)"
+        f"bad compression {text!r}: use none, fp16, bf16, topk:<ratio> or topk:<ratio>:fp16"
+        " with 0 < ratio <= 1 (e.g. topk:0.01)"
     )
 
 
@@ -98,13 +114,19 @@ class Compressor:
         k = max(1, int(flat.numel() * self.spec.ratio))
         idx = torch.topk(flat.abs(), k, sorted=False).indices
         values = flat[idx]
-        flat[idx] = 0.0  # what was sent leaves the residual
+        if self.spec.value_dtype == torch.float32:
+            flat[idx] = 0.0  # what was sent leaves the residual
+            sent = values
+        else:
+            sent = values.clamp(-_FP16_MAX, _FP16_MAX).to(self.spec.value_dtype)
+            flat[idx] = values - sent.float()  # only the rounding error stays behind
         self._residual[name] = g
-        return [values, idx.to(torch.int32)]
+        return [sent, idx.to(torch.int32)]
 
 
 def decompress_into(target: torch.Tensor, payload: Payload, *, add: bool) -> None:
-    """Write (``add=False``) or add (``add=True``) a gradient payload into a dense fp32 tensor."""
+    """Write (``add=False``) or add (``add=True``) a gradient payload into a dense fp32 tensor;
+    values of any float dtype (fp32, fp16, bf16) are converted to the target's."""
     if isinstance(payload, torch.Tensor):
         src = payload.to(target.device, target.dtype).view_as(target)
         target.add_(src) if add else target.copy_(src)

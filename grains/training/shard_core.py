@@ -9,7 +9,9 @@ lock around each); the grain decides when to call them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -184,14 +186,8 @@ class ShardCore:
             for n, p in self.params.items():
                 g = grads[n]
                 p.grad = g.mul_(coef) if coef != 1.0 else g
-            if lr_scale != 1.0:
-                lrs = [group["lr"] for group in self.opt.param_groups]
-                for group in self.opt.param_groups:
-                    group["lr"] = group["lr"] * lr_scale
-            self.opt.step()
-            if lr_scale != 1.0:
-                for group, lr in zip(self.opt.param_groups, lrs, strict=True):
-                    group["lr"] = lr
+            with scaled_lr(self.opt, lr_scale):
+                self.opt.step()
             for p in self.params.values():
                 p.grad = None
         while self.schedule_step < global_step:  # once per global step, whatever happened to it
@@ -219,6 +215,23 @@ class ShardCore:
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         out.update({n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()})
         return out
+
+
+@contextlib.contextmanager
+def scaled_lr(opt: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every param group's lr times ``factor`` for one step, restored after (also on an error):
+    the schedule and the checkpoints see the job's rate."""
+    if factor == 1.0:
+        yield
+        return
+    lrs = [group["lr"] for group in opt.param_groups]
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,18 @@ def test_training_benchmark_quick_mode_runs_and_writes_its_results():
     data = json.loads((REPO / "benchmarks" / "results" / "training_quick.json").read_text())
     rows = data["results"]["medium"]
     assert rows["2 trainers, 2 silos, sync, topk:0.01"]["bytes_per_step"] * 3 < rows["2 trainers, 2 silos, sync"]["bytes_per_step"]
+    # The communication table: fp16 values shrink top-k's pushes by a quarter (8 -> 6 bytes per
+    # entry; the fp16 pulls are the same), so the step's bytes fall, but by less than that.
+    comm = rows["communication"]
+    assert list(comm) == ["none", "fp16", "topk:0.01", "topk:0.01:fp16"]
+    assert comm["topk:0.01"]["bytes_per_step"] * 0.75 < comm["topk:0.01:fp16"]["bytes_per_step"] < comm["topk:0.01"]["bytes_per_step"]
+    assert all(isinstance(c["exchange_ms"], float) for c in comm.values()), comm
+    assert "exchange ms/step = ms/step -" in out.stdout and rows["plain"]["cpu_ms"] > 0
+    # The scaling row: 1, 2 and 4 trainers, with the ceiling stated.
+    scaling = rows["scaling"]
+    assert list(scaling) == ["1", "2", "4"] and all(s["samples_per_s"] > 0 for s in scaling.values()), scaling
+    assert scaling["4"]["row"] == "4 trainers, 2 silos, sync"
+    assert "ceiling: this machine has" in out.stdout
     ps = data["recovery"]["redgrain PS"]  # both kills recovered, with the times on record
     assert set(ps) == {"trainer", "shard"} and all(r["recovery_s"] > 0 for r in ps.values()), ps
     assert "slowest parameter-server recovery" in out.stdout
