@@ -4,15 +4,33 @@
 Two configurations: small (MLP on digits, batch 64) and medium (synthetic
 784 -> 1024 -> 1024 -> 10, batch 256). Rows: a plain single-process loop;
 redgrain with 1 trainer and its shard on 1 silo; 2 trainers on 2 silos (sync,
-async, allreduce) beside torchrun + DDP with 2 workers on the same model; bytes per
-step for none / fp16 / topk:0.01; final accuracy of each; recovery from SIGKILL
-of a trainer (allreduce re-forming its group vs torchrun restarting from a
+async, allreduce) beside torchrun + DDP with 2 workers on the same model; 4
+trainers on 2 silos (sync); final accuracy of each; recovery from SIGKILL of a
+trainer (allreduce re-forming its group vs torchrun restarting from a
 checkpoint, benchmarks/training_allreduce.py).
 Samples/s are measured between 20% of the steps and the end (startup excluded).
 Ray's parameter-server pattern (one PS actor, 1 or 2 worker actors, sync) runs
 the same models and batches when ray is installed (benchmarks/ray_training.py).
-"plain loop, 2 processes at once" is the ceiling for every 2-trainer row: two
-independent loops with no communication, on the same cores.
+"plain loop, 2 processes at once" is the ceiling for every row with 2 or more
+trainers: two independent loops with no communication, on the same cores (this
+machine has 2; 4 trainers on 2 silos share them, two to a core).
+
+Two tables per configuration are read off the same rows:
+
+- communication (2 trainers, 2 shards, 2 silos, sync) for none / fp16 /
+  topk:0.01 / topk:0.01:fp16: bytes per step (gradients pushed plus parameters
+  pulled, all trainers) and the exchange time per step, which is the step time
+  of the row minus the compute of one step: the plain loop's CPU time per step
+  (its thread's CPU time, so other processes on the machine do not inflate it;
+  the two trainers compute their steps in parallel, one per core). That is
+  everything a step costs beyond the forward, backward and optimizer step:
+  compressing and decompressing, encoding, the transport, the shards' sum, and
+  the wait for the slower trainer. The trainer does not time its exchange
+  itself, so this is read from outside; it bounds the time on the wire from
+  above. Wall-clock step times still grow with the machine's load (the header
+  prints it).
+- scaling (sync): 1 trainer on 1 silo, 2 on 2, 4 on 2; samples/s, the ratio to
+  1 trainer, and the share of the ceiling reached.
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -52,6 +71,14 @@ COMMON: dict[str, Any] = {"optimizer": "momentum", "lr": 0.05, "checkpoint_every
 # run-to-run spread of a row (±3-5% here), and scaled to the default interval.
 CKPT_EVERY = 10
 CKPT = f"2 trainers, 2 silos, sync, checkpoint every {CKPT_EVERY}"
+# The communication table's rows: each compression kind on the 2-trainer sync job.
+COMPRESSIONS = ("none", "fp16", "topk:0.01", "topk:0.01:fp16")
+SYNC2 = "2 trainers, 2 silos, sync"
+SCALING = {1: "1 trainer, 1 silo", 2: SYNC2, 4: "4 trainers, 2 silos, sync"}
+
+
+def comm_label(compression: str) -> str:
+    return SYNC2 if compression == "none" else f"{SYNC2}, {compression}"
 
 
 def default_checkpoint_every() -> int:
@@ -76,20 +103,20 @@ def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
     opt = make_optimizer(list(model.parameters()), spec)
     data = Batches(load_dataset(spec, "train"))
     warm = max(1, steps // 5)
-    start = 0.0
+    start = cpu = 0.0
     for t in range(steps):
         if t == warm:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
         x, y = data.batch(spec.batch_size, 1, 0, t, spec.seed)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
     tx, ty = Batches(load_dataset(spec, "test")).all()
     with torch.no_grad():
         acc = float((model(tx).argmax(1) == ty).float().mean())
     return {"samples_per_s": (steps - warm) * spec.batch_size / elapsed, "step_ms": 1000 * elapsed / (steps - warm),
-            "accuracy": acc, "bytes_per_step": 0}  # fmt: skip
+            "cpu_ms": 1000 * cpu / (steps - warm), "accuracy": acc, "bytes_per_step": 0}  # fmt: skip
 
 
 PAIR = "plain loop, 2 processes at once"
@@ -179,10 +206,12 @@ async def measure(quick: bool) -> dict[str, Any]:
                 out[name][CKPT] = await run_job(
                     client, f"{name}-2-ckpt", cfg, n, trainers=2, shards=2, checkpoint_every=CKPT_EVERY
                 )
-                for comp in ("fp16", "topk:0.01"):
-                    out[name][f"2 trainers, 2 silos, sync, {comp}"] = await run_job(
+                for comp in COMPRESSIONS[1:]:
+                    out[name][comm_label(comp)] = await run_job(
                         client, f"{name}-2-{comp.replace(':', '')}", cfg, n, trainers=2, shards=2, compression=comp
                     )
+                # Scaling: two trainers per silo, each silo holding one shard.
+                out[name][SCALING[4]] = await run_job(client, f"{name}-4", cfg, n, trainers=4, shards=2)
                 out[name]["2 trainers, 2 silos, allreduce"] = await run_job(
                     client, f"{name}-2-ar", cfg, n, trainers=2, mode="allreduce"
                 )
@@ -234,16 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in results.items():
         plain = rows["plain"]["samples_per_s"]
         one = rows["1 trainer, 1 silo"]["samples_per_s"]
-        none_bytes = rows["2 trainers, 2 silos, sync"]["bytes_per_step"]
+        none_bytes = rows[SYNC2]["bytes_per_step"]
         print(f"\n## {name}")
         table = []
         ray_note = rows.pop("ray_note", None)
         for label, r in rows.items():
             table.append([
                 label, f"{r['samples_per_s']:,.0f}", ratio(r["samples_per_s"], plain),
-                ratio(r["samples_per_s"], one) if label.startswith(("2", "torchrun")) else "",
+                ratio(r["samples_per_s"], one) if label.startswith(("2", "4", "torchrun")) else "",
                 f"{r['step_ms']:.2f}", f"{r['bytes_per_step'] / 1024:,.1f}",
-                ratio(none_bytes, r["bytes_per_step"]) if label.startswith("2") else "",
+                ratio(none_bytes, r["bytes_per_step"]) if label.startswith(("2", "4")) else "",
                 f"{(r['accuracy'] or 0):.2%}",
             ])  # fmt: skip
         print_table(["run", "samples/s", "vs plain", "vs 1 trainer", "ms/step", "KB/step", "bytes cut", "accuracy"], table)
@@ -272,12 +301,52 @@ def main(argv: list[str] | None = None) -> int:
         rows["checkpoint_cost"] = cost  # type: ignore[assignment]
         ar, ddp = rows["2 trainers, 2 silos, allreduce"]["samples_per_s"], rows["torchrun DDP, 2 workers"]["samples_per_s"]
         print(f"allreduce samples/s vs torchrun DDP: {ratio(ar, ddp)} (goal: at least 0.90x)")
+        rows["communication"] = print_communication(name, rows)  # type: ignore[assignment]
+        rows["scaling"] = print_scaling(name, rows)  # type: ignore[assignment]
     print_recovery(recovery)
     write_result(
         "training" + ("_quick" if args.quick else ""),
         {"machine": facts, "quick": args.quick, "results": results, "recovery": recovery},
     )
     return 0
+
+
+def print_communication(name: str, rows: dict[str, Any]) -> dict[str, Any]:
+    """The communication table; returns its figures by compression kind (for the results file)."""
+    compute_ms = rows["plain"]["cpu_ms"]
+    none_bytes = rows[SYNC2]["bytes_per_step"]
+    print(f"\n## {name}: communication (2 trainers, 2 shards, 2 silos, sync)")
+    table, figures = [], {}
+    for comp in COMPRESSIONS:
+        r = rows[comm_label(comp)]
+        exchange_ms = r["step_ms"] - compute_ms
+        figures[comp] = {"row": comm_label(comp), "bytes_per_step": r["bytes_per_step"], "exchange_ms": exchange_ms,
+                         "samples_per_s": r["samples_per_s"], "accuracy": r["accuracy"]}  # fmt: skip
+        table.append([
+            comp, f"{r['bytes_per_step'] / 1024:,.1f}", ratio(none_bytes, r["bytes_per_step"]),
+            f"{exchange_ms:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}", f"{(r['accuracy'] or 0):.2%}",
+        ])  # fmt: skip
+    print_table(["compression", "KB/step", "bytes cut", "exchange ms/step", "ms/step", "samples/s", "accuracy"], table)
+    print(f"exchange ms/step = ms/step - {compute_ms:.2f} ms, the plain loop's CPU time per step"
+          " (forward, backward, optimizer step; the 2 trainers compute theirs in parallel)")  # fmt: skip
+    return figures
+
+
+def print_scaling(name: str, rows: dict[str, Any]) -> dict[str, Any]:
+    """The scaling row (sync, 1 / 2 / 4 trainers) against this machine's ceiling."""
+    one, ceiling = rows[SCALING[1]]["samples_per_s"], rows[PAIR]["samples_per_s"]
+    plain = rows["plain"]["samples_per_s"]
+    print(f"\n## {name}: scaling (sync)")
+    table, figures = [], {}
+    for n, label in SCALING.items():
+        rate = rows[label]["samples_per_s"]
+        figures[str(n)] = {"row": label, "samples_per_s": rate, "vs_1": rate / one if one else None,
+                           "vs_ceiling": rate / ceiling if ceiling else None}  # fmt: skip
+        table.append([str(n), label, f"{rate:,.0f}", ratio(rate, one), ratio(rate, ceiling)])
+    print_table(["trainers", "run", "samples/s", "vs 1 trainer", "vs ceiling"], table)
+    print(f"ceiling: this machine has {os.cpu_count()} cores; '{PAIR}' ({ceiling:,.0f} samples/s, {ratio(ceiling, plain)}"
+          " of one plain loop) is the most 2 or 4 trainers can reach here, with no communication at all")  # fmt: skip
+    return figures
 
 
 def recovery_spec(quick: bool) -> tuple[dict[str, Any], int]:

@@ -107,7 +107,9 @@ class Compressor:
         res = self._residual.get(name)
         g = grad if res is None else grad.add_(res)
         if kind in ("fp16", "bf16"):
-            sent = g.to(torch.float16 if kind == "fp16" else torch.bfloat16)
+            # fp16 overflows to inf past 65504, and an inf would stay in the residual for good:
+            # clamp, and the excess waits in the residual like any rounding error.
+            sent = g.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16) if kind == "fp16" else g.to(torch.bfloat16)
             self._residual[name] = g.sub_(sent.float())
             return sent
         flat = g.reshape(-1)

@@ -86,7 +86,7 @@ class TrainingJob(BaseModel):
     )
     staleness: int = Field(2, ge=0, description="ssp: how many steps a trainer may run ahead of the slowest.")
     compression: str = Field(
-        "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio> (allreduce: none | fp16 | bf16)."
+        "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio>[:fp16] (allreduce: none | fp16 | bf16)."
     )
     precision: Precision = Field(
         "fp32", description="fp32 | bf16 | fp16: autocast on trainers (fp16 with a gradient scaler on CUDA)."

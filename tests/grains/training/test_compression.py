@@ -124,3 +124,12 @@ async def test_topk_with_error_feedback_reaches_within_a_point_of_uncompressed_a
     assert topk.accuracy >= dense.accuracy - 0.01, (topk.accuracy, dense.accuracy)
     # ... while pushing 1% of the gradient entries (plus their indices) and pulling fp16.
     assert topk.bytes_per_step * 3 < dense.bytes_per_step, (topk.bytes_per_step, dense.bytes_per_step)
+
+
+def test_dense_fp16_clamps_a_huge_gradient_and_keeps_the_excess_for_later():
+    from grains.training.compression import Compressor, parse_compression
+
+    c = Compressor(parse_compression("fp16"))
+    sent = c.compress("w", torch.tensor([1e6, 1.0]))
+    assert isinstance(sent, torch.Tensor) and torch.isfinite(sent).all()
+    assert float(sent[0]) == 65504.0 and float(c.residual()["w"][0]) == 1e6 - 65504.0
