@@ -22,7 +22,7 @@ def test_demo_trains_digits_to_95_percent_and_survives_a_silo_kill(tmp_path: Pat
     assert proc.returncode == 0, out
     assert "dashboard: http://127.0.0.1:" in out
     assert "chaos: SIGKILL silo" in out and "survived the SIGKILL of silo" in out
-    acc = float(re.search(r"test accuracy ([0-9.]+)%", out).group(1))  # type: ignore[union-attr]
+    acc = float(re.search(r"test split:.*?accuracy ([0-9.]+)%", out, re.S).group(1))  # type: ignore[union-attr]
     assert acc >= 95.0, out
     assert "checkpoints (steps" in out
     assert "stopped: silos, dashboard and Redis are gone" in out
