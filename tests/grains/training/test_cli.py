@@ -44,3 +44,23 @@ def test_the_dashboard_record_lists_the_jobs_recoveries():
     ]  # fmt: skip
     rec = job_progress(TrainingStatus(job="j", status="running", changes=changes), None, [], []).recoveries
     assert [(r.start_step, r.trainers, r.back_after_s) for r in rec] == [(40, 1, pytest.approx(0.3)), (50, 0, None)]
+
+
+async def test_train_with_save_writes_a_state_dict_the_model_loads_strictly(cluster, redis_url, cluster_name, tmp_path):
+    import torch
+
+    from grains.cli.main import build_parser
+    from grains.training import TrainingJob
+    from grains.training.console import run
+    from grains.training.models import build_model
+    from tests.grains.training.conftest import GRAINS
+
+    await cluster(2, grains=GRAINS)
+    job = tmp_path / "small.toml"
+    job.write_text('job = "saved"\nmodel = "grains.training.models:cnn_bn"\nsteps = 30\nbatch_size = 16\n')
+    target = tmp_path / "model.pt"
+    args = build_parser().parse_args(["train", str(job), "--save", str(target), "--timeout", "120"])
+    assert await run(args, redis_url, cluster_name) == 0
+    model = build_model(TrainingJob(model="grains.training.models:cnn_bn"))
+    model.load_state_dict(torch.load(target, weights_only=True), strict=True)
+    assert int(model.state_dict()["2.num_batches_tracked"]) == 30  # BatchNorm's counter came back too
