@@ -55,7 +55,7 @@ from grains.training import checkpointing
 from grains.training.allreduce_replica import GroupReplica, StepResult
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
 from grains.training.messages import GroupAssignment, StepPoint, TrainerProgress
-from grains.training.program import is_fatal
+from grains.training.program import is_fatal, is_out_of_memory
 from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
 from silo import errors
 
@@ -299,6 +299,7 @@ class AllreduceTrainerGrain(Grain):
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
             self._p.fatal = is_fatal(exc)
+            self._p.out_of_memory = is_out_of_memory(exc)
         finally:
             if group is not None:
                 group.release()

@@ -50,7 +50,7 @@ class AllreduceDriver(Driver):
         assert spec is not None
         coord = self.coord
         await coord.run_in_thread(check_job, spec)
-        look = self.silos.look(coord)
+        look = self.look()
         if not look.eligible:
             raise errors.ConfigError(
                 "no active silo hosts the training grains (start silos with --grains grains.training)"
@@ -67,7 +67,7 @@ class AllreduceDriver(Driver):
 
     async def tick(self) -> None:
         s = self.state
-        look = self.silos.look(self.coord)
+        look = self.look()
         alive = look.alive
         lost = [k for k, silo in zip(s.trainer_keys, s.trainer_silos, strict=True) if silo not in alive]
         refs = [self.ref(AllreduceTrainerGrain, k) for k in s.trainer_keys]
@@ -77,7 +77,9 @@ class AllreduceDriver(Driver):
         for rank, r in enumerate(results):
             if isinstance(r, BaseException):
                 continue  # busy or dying: membership (or the next tick) tells
-            if r.generation == s.generation and r.status == "failed" and r.fatal:
+            # A fatal failure would repeat if retried; out of memory on one silo need not elsewhere.
+            fatal = r.generation == s.generation and r.status == "failed" and r.fatal
+            if fatal and not (r.out_of_memory and self.shed(s.trainer_silos[rank], r.error)):
                 raise RuntimeError(f"trainer {s.trainer_keys[rank]}: {r.error}")
             if r.generation != s.generation or r.status in ("idle", "failed"):
                 broken.append(f"{s.trainer_keys[rank]} {r.status}{': ' + r.error[:200] if r.error else ''}")
@@ -132,7 +134,7 @@ class AllreduceDriver(Driver):
         spec = s.spec
         assert spec is not None
         watch = self.silos
-        look = watch.look(self.coord)
+        look = self.look()
         s.generation += 1
         await self.coord._write()
         # Stop the old members first (never calling one whose silo is gone: that would
@@ -151,7 +153,7 @@ class AllreduceDriver(Driver):
             else:
                 log.warning("%s: trainer %s on %s did not answer (%s); leaving it out", self.key, key, silo, r)
                 watch.quarantine(silo)
-        look = watch.look(self.coord)
+        look = self.look()
         eligible = {r.address for r in look.eligible}
         want = self._wanted(look)
         members: list[tuple[str, str]] = []

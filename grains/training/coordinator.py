@@ -148,6 +148,8 @@ class CoordinatorGrain(Grain):
         train_size: int | None = None
         """Samples in the training split (None: a dataset without a length); for the epoch."""
         resumed_from: int | None = None
+        shed_silos: list[str] = Field(default_factory=list)
+        """Trainer silos this job stopped using after a trainer ran out of memory there."""
         released: bool = False
         """The job's grains were told to free their memory: its tensors are read from its last checkpoint."""
         started_at: float = 0.0

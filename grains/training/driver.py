@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from grains.base import Grain
-from grains.training.elastic import TrainerSilos
+from grains.training.elastic import SiloLook, TrainerSilos
 from grains.training.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
 
 if TYPE_CHECKING:
@@ -118,6 +118,22 @@ class Driver(abc.ABC):
     def ref(self, cls: type[Grain], key: str, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         ref: Any = self.coord.get_grain(cls, key)
         return ref.with_timeout(timeout_s)
+
+    def look(self) -> SiloLook:
+        """Membership for this job: trainer silos, less those it shed (out of memory there)."""
+        return self.silos.look(self.coord).excluding(self.state.shed_silos)
+
+    def shed(self, silo: str, why: str) -> bool:
+        """An elastic job (``trainers = "auto"``) stops placing trainers on ``silo`` after a trainer
+        ran out of memory there; False when the job cannot shed it (fixed trainer count, or the
+        last trainer silo): then the job fails with ``why``."""
+        s = self.state
+        assert s.spec is not None
+        if s.spec.trainers != "auto" or silo in s.shed_silos or len(self.look().eligible) <= 1:
+            return False
+        log.warning("%s: shedding trainer silo %s: %s", self.key, silo, why[:200])
+        s.shed_silos = [*s.shed_silos, silo]
+        return True
 
     def trainers(self) -> list[Any]:
         return [self.ref(self.trainer_type, k) for k in self.state.trainer_keys]

@@ -40,6 +40,13 @@ class SiloLook:
         taken = set(placed)
         return [r for r in self.eligible if r.address not in taken]
 
+    def excluding(self, silos: Sequence[str]) -> SiloLook:
+        """This look without ``silos`` as trainer silos (a job shed them: out of memory there)."""
+        if not silos:
+            return self
+        out = set(silos)
+        return SiloLook(eligible=[r for r in self.eligible if r.address not in out], hosting=self.hosting)
+
     def all_gpu(self, silos: Sequence[str]) -> bool:
         roles = {r.address: r.roles for r in self.hosting}
         return bool(silos) and all("gpu" in roles.get(s, ()) for s in silos)

@@ -130,6 +130,8 @@ class TrainerProgress(BaseModel):
     fatal: bool = False
     """The failure would repeat if retried (the step broke its contract, a non-finite loss with
     on_nonfinite='fail', out of memory): the job fails at once with ``error``."""
+    out_of_memory: bool = False
+    """The failure was out of memory: an elastic job sheds this trainer's silo instead of failing."""
     skipped: int = 0
     """Steps whose update was skipped (non-finite loss with on_nonfinite='skip', fp16 overflow)."""
     first_step_at: float | None = None

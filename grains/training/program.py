@@ -41,6 +41,17 @@ class NonFiniteLossError(RuntimeError):
     """A step's loss was NaN or infinite and the job says ``on_nonfinite = "fail"`` (fatal)."""
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory, raised directly or from inside the user's step."""
+    oom = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, oom):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def is_fatal(exc: BaseException) -> bool:
     """Whether retrying the same work would fail the same way (the job fails at once)."""
     if isinstance(exc, (TrainingStepError, NonFiniteLossError, MemoryError)):

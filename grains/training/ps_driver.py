@@ -148,7 +148,11 @@ class ParameterServerDriver(Driver):
                 continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
             why = r.error or r.status
             if r.status == "failed" and r.fatal:
-                # Retrying would fail the same way (the step's contract, a non-finite loss, memory).
+                # Retrying would fail the same way (the step's contract, a non-finite loss, memory);
+                # out of memory on one silo need not elsewhere: an elastic job sheds that trainer.
+                if r.out_of_memory and len(s.trainer_silos) == s.slots and self.shed(s.trainer_silos[j], why):
+                    await self._drop_slot(j, why)
+                    return
                 raise RuntimeError(f"trainer slot {j}: {why}")
             if r.status == "failed" and r.generation == s.generation:
                 self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
@@ -272,7 +276,7 @@ class ParameterServerDriver(Driver):
         s = self.state
         if len(s.trainer_silos) != len(s.trainer_keys):
             return  # placed by an older version: where the trainers are is not known
-        look = self.silos.look(self.coord)
+        look = self.look()
         joined = look.without_trainer(s.trainer_silos)
         if not joined:
             return
@@ -287,6 +291,21 @@ class ParameterServerDriver(Driver):
             await self._rollback(why)
         except errors.RedgrainError as exc:
             log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
+
+    async def _drop_slot(self, slot: int, why: str) -> None:
+        """Go on without trainer ``slot``: the others roll back to the last checkpoint with the
+        data re-split over one slot fewer (as a joining trainer is taken in, in reverse)."""
+        s = self.state
+        key, silo = s.trainer_keys.pop(slot), s.trainer_silos.pop(slot)
+        s.slots = len(s.trainer_keys)
+        with contextlib.suppress(errors.RedgrainError):
+            await self.ref(TrainerGrain, key).release()
+        self.progress.clear()
+        self._slot_failures.clear()
+        try:
+            await self._rollback(f"trainer slot {slot} on {silo} shed ({why[:200]})")
+        except errors.RedgrainError as exc:
+            log.warning("%s: shrinking to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
 
     def _note_first_step(self) -> None:
         """Fill in when the current change's restarted slots all committed a step (recovery time)."""

@@ -41,7 +41,7 @@ from grains.training.datasets import Batches, batch_samples, load_dataset
 from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
-from grains.training.program import NonFiniteLossError, Program, finite, is_fatal
+from grains.training.program import NonFiniteLossError, Program, finite, is_fatal, is_out_of_memory
 from grains.training.shard import ParamShardGrain
 from silo import errors
 
@@ -272,6 +272,7 @@ class TrainerGrain(Grain):
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
             self._p.fatal = is_fatal(exc)
+            self._p.out_of_memory = is_out_of_memory(exc)
 
     async def _compute(self, rep: Replica, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
         """One step on the executor; a step longer than ``step_timeout_s`` fails this run (the

@@ -332,3 +332,31 @@ async def test_fp16_with_loss_scaling_trains_in_parameter_server_mode_as_fp32_do
     assert full.status == half.status == "completed", (full, half)
     assert full.accuracy is not None and half.accuracy is not None and full.accuracy >= 0.9, full
     assert abs(half.accuracy - full.accuracy) <= 0.02, (half.accuracy, full.accuracy)
+
+
+_OOM_ONCE = {"left": 1}
+
+
+def oom_once_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Out of memory on the first trainer to get past step 5 (one process: the in-process silos)."""
+    x, y = batch
+    if _OOM_ONCE["left"] and not torch.is_inference_mode_enabled():
+        steps = getattr(model, "_rg_calls", 0) + 1
+        model._rg_calls = steps  # type: ignore[assignment]
+        if steps > 5:
+            _OOM_ONCE["left"] = 0
+            raise MemoryError("simulated: no memory for this batch")
+    return F.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize(("mode", "trainers"), [("sync", "auto"), ("allreduce", "auto"), ("sync", 2)])
+async def test_out_of_memory_sheds_the_trainer_of_an_elastic_job_and_fails_a_fixed_one(cluster, client, mode, trainers):
+    _OOM_ONCE["left"] = 1
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(step=f"{__name__}:oom_once_step", mode=mode, trainers=trainers, steps=40, checkpoint_every=10)
+    st = await run_job(client, f"oom-{mode}-{trainers}", spec, timeout_s=120)
+    if trainers == "auto":
+        assert st.status == "completed" and st.trainers == 1, st  # went on without the shed trainer
+        assert any("shed" in c.reason or "broken" in c.reason for c in st.changes), st.changes
+    else:
+        assert st.status == "failed" and "MemoryError" in st.error and st.restarts == 0, st
