@@ -148,6 +148,9 @@ class CoordinatorGrain(Grain):
         train_size: int | None = None
         """Samples in the training split (None: a dataset without a length); for the epoch."""
         resumed_from: int | None = None
+        steps_run: float = 0.0
+        """Global steps executed, redone ones included (never decreases)."""
+        samples_run: int = 0
         shed_silos: list[str] = Field(default_factory=list)
         """Trainer silos this job stopped using after a trainer ran out of memory there."""
         released: bool = False
@@ -168,11 +171,16 @@ class CoordinatorGrain(Grain):
         self._last_eval_step = 0
         self._last_publish_failed = False
         self._silos: TrainerSilos | None = None
+        self._counted: dict[str, int] = {}
+        """Steps already counted of each trainer run (activation/generation/slot -> steps_done)."""
+        self._count_from_now = False
+        """Re-activated: the runs found at the first tick were counted by the previous activation."""
 
     async def on_activate(self) -> None:
         self._live = self._status_from_state()
         if self.state.status in ("starting", "running"):
             log.info("%s: re-activated with the job running; resuming", self.key)
+            self._count_from_now = True
             self._loop = self.start_task(self._drive(resume=True), name=f"{self.key} driver")
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
@@ -214,6 +222,7 @@ class CoordinatorGrain(Grain):
             self.state.committed_at = {0: time.time()}
         await self._write()
         self._last_eval_step = 0
+        self._counted, self._count_from_now = {}, False
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
         return await self.status()
@@ -318,6 +327,7 @@ class CoordinatorGrain(Grain):
             s.step = min(p.step for p in ps) if len(ps) == s.slots else s.step
             s.loss = sum(p.loss for p in ps) / len(ps)
             s.metrics = _mean_metrics([p.points[-1].metrics for p in ps if p.points]) or s.metrics
+        self._count(ps)
         rate = sum(p.samples_per_s for p in ps)
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
         evaluated = False
@@ -340,6 +350,21 @@ class CoordinatorGrain(Grain):
         if await self._publish(evaluated=evaluated):
             log.info("%s: cancel requested through the dashboard", self.key)
             await self._finish("cancelled")
+
+    def _count(self, ps: list[TrainerProgress]) -> None:
+        """Add the trainers' new steps since the last tick to the job's counters."""
+        s = self.state
+        assert s.spec is not None
+        new = 0
+        for p in ps:
+            run = f"{p.activation_id}/{p.generation}/{p.slot}"
+            before = self._counted.get(run, p.steps_done if self._count_from_now else 0)
+            new += max(0, p.steps_done - before)
+            self._counted[run] = p.steps_done
+        self._count_from_now = False
+        if new and s.slots:
+            s.steps_run += new / s.slots
+            s.samples_run += new * s.spec.batch_size
 
     async def _finish(self, status: JobStatus) -> None:
         s = self.state
@@ -401,7 +426,7 @@ class CoordinatorGrain(Grain):
         return TrainingStatus(
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
             accuracy=s.accuracy, metrics=dict(s.metrics), eval_metrics=dict(s.eval_metrics), eval_step=s.eval_step,
-            epoch=self._epoch(), trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
+            epoch=self._epoch(), steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),

@@ -196,6 +196,10 @@ class TrainingStatus(BaseModel):
     """The step the latest evaluation ran at."""
     epoch: float = 0.0
     """Passes over the training set so far (0 for a dataset without a length)."""
+    steps_run: float = 0.0
+    """Global steps executed so far, redone ones included (a counter: never goes back on a rollback)."""
+    samples_run: int = 0
+    """Training samples processed so far, redone steps included (a counter)."""
     samples_per_s: float = 0.0
     bytes_per_step: float = 0.0
     """Bytes of tensors on the wire per global step (pushes + pulls of all trainers)."""

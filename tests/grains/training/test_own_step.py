@@ -123,6 +123,7 @@ async def test_a_regression_job_with_an_mse_step_reports_its_metrics_by_name(clu
     assert st.status == "completed", st
     assert set(st.metrics) == {"mse"} and set(st.eval_metrics) == {"mse", "mae"}, st
     assert st.accuracy is None
+    assert (st.steps_run, st.samples_run) == (150, 150 * 32 * 2), st  # counters: every executed step
     history = await client.get_grain(CoordinatorGrain, "regress").history()
     evals = [h.eval_metrics for h in history if h.eval_metrics is not None]
     assert evals and evals[0]["mse"] > st.eval_metrics["mse"], evals  # evaluation improved
