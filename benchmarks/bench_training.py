@@ -93,7 +93,8 @@ def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from grains.training.datasets import Batches, load_dataset
+    from grains.training.batches import Batches
+    from grains.training.datasets import load_dataset
     from grains.training.job import TrainingJob
     from grains.training.models import build_model
     from grains.training.shard import make_optimizer

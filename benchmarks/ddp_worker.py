@@ -37,7 +37,8 @@ def main() -> int:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from grains.training.datasets import Batches, load_dataset
+    from grains.training.batches import Batches
+    from grains.training.datasets import load_dataset
     from grains.training.job import TrainingJob
     from grains.training.models import build_model
     from grains.training.shard import make_optimizer

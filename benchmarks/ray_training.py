@@ -35,7 +35,8 @@ def measure(runs: list[dict[str, Any]]) -> dict[str, Any]:
     import ray
     import torch
 
-    from grains.training.datasets import Batches, load_dataset
+    from grains.training.batches import Batches
+    from grains.training.datasets import load_dataset
     from grains.training.job import TrainingJob
     from grains.training.models import build_model
     from grains.training.shard import make_optimizer

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grains.training.batches import Batches, batch_samples
 from grains.training.checkpointing import ShardSnapshot
-from grains.training.datasets import Batches, batch_samples, load_dataset
+from grains.training.datasets import load_dataset
 from grains.training.job import TrainingJob
 from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.models import build_model

@@ -41,8 +41,9 @@ from pydantic import BaseModel, Field
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training.allreduce_driver import AllreduceDriver
+from grains.training.batches import Batches, batch_samples, steps_per_epoch
 from grains.training.checkpointing import ShardSnapshot
-from grains.training.datasets import Batches, batch_samples, load_dataset, steps_per_epoch
+from grains.training.datasets import load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
 from grains.training.init import read_init

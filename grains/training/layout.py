@@ -92,7 +92,8 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     cannot be built, ``init_from`` does not fit the model, or the step or
     evaluation breaks its contract on the first batch.
     """
-    from grains.training.datasets import Batches, batch_samples, dataset_size, load_dataset
+    from grains.training.batches import Batches, batch_samples
+    from grains.training.datasets import dataset_size, load_dataset
     from grains.training.init import read_init
     from grains.training.models import build_model
     from grains.training.optim import build_optimizer, build_schedule, check_param_groups, trainable

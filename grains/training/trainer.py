@@ -36,8 +36,9 @@ from pydantic import BaseModel, ConfigDict
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
+from grains.training.batches import Batches, batch_samples
 from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
-from grains.training.datasets import Batches, batch_samples, load_dataset
+from grains.training.datasets import load_dataset
 from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model

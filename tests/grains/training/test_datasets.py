@@ -10,18 +10,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from grains.training.datasets import (
-    Batches,
-    batch_indices,
-    batch_samples,
-    collate,
-    dataset_size,
-    load_dataset,
-    regression,
-    to_device,
-    tokens,
-    tokens_stream,
-)
+from grains.training.batches import Batches, batch_indices, batch_samples, collate, to_device
+from grains.training.datasets import dataset_size, load_dataset, regression, tokens, tokens_stream
 from grains.training.job import TrainingJob
 from grains.training.models import cnn_bn, regressor, tiny_lm
 from silo.errors import ConfigError
