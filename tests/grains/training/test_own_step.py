@@ -361,3 +361,17 @@ async def test_out_of_memory_sheds_the_trainer_of_an_elastic_job_and_fails_a_fix
         assert any("shed" in c.reason or "broken" in c.reason for c in st.changes), st.changes
     else:
         assert st.status == "failed" and "MemoryError" in st.error and st.restarts == 0, st
+
+
+async def test_loader_workers_give_the_same_training_as_loading_in_the_trainer(cluster, client):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    from samples.custom_model import JOB
+
+    spec = TrainingJob.model_validate({**JOB, "epochs": None, "steps": 20, "checkpoint_every": 0})
+    plain = await run_job(client, "load-plain", spec)
+    workers = await run_job(client, "load-workers", spec.model_copy(update={"loader_workers": 2}))
+    assert plain.status == workers.status == "completed", (plain, workers)
+    a = await client.get_grain(CoordinatorGrain, "load-plain").parameters()
+    b = await client.get_grain(CoordinatorGrain, "load-workers").parameters()
+    for name in a:  # the same batches in the same order: the same sync training
+        assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6), name
