@@ -25,10 +25,11 @@ Two tables per configuration are read off the same rows:
   the two trainers compute their steps in parallel, one per core). That is
   everything a step costs beyond the forward, backward and optimizer step:
   compressing and decompressing, encoding, the transport, the shards' sum, and
-  the wait for the slower trainer. The trainer does not time its exchange
-  itself, so this is read from outside; it bounds the time on the wire from
-  above. Wall-clock step times still grow with the machine's load (the header
-  prints it).
+  the wait for the slower trainer; it bounds the time on the wire from above.
+  Beside it, "waited ms/step" is what the trainers themselves timed
+  (``TrainingStatus.exchange_ms_per_step``: a step's wait for the shards'
+  replies after its compute, mean over trainers). Wall-clock step times still
+  grow with the machine's load (the header prints it).
 - scaling (sync): 1 trainer on 1 silo, 2 on 2, 4 on 2; samples/s, the ratio to
   1 trainer, and the share of the ceiling reached.
 """
@@ -178,7 +179,7 @@ async def run_job(client: Any, name: str, cfg: dict[str, Any], steps: int, **kw:
     t0, s0 = mark or (now, 0)
     rate = (steps - s0) * spec.batch_size * trainers / max(1e-9, now - t0)
     return {"samples_per_s": rate, "step_ms": 1000 * (now - t0) / max(1, steps - s0), "accuracy": st.accuracy,
-            "bytes_per_step": st.bytes_per_step}  # fmt: skip
+            "bytes_per_step": st.bytes_per_step, "waited_ms": getattr(st, "exchange_ms_per_step", 0.0)}  # fmt: skip
 
 
 async def measure(quick: bool) -> dict[str, Any]:
@@ -321,13 +322,18 @@ def print_communication(name: str, rows: dict[str, Any]) -> dict[str, Any]:
     for comp in COMPRESSIONS:
         r = rows[comm_label(comp)]
         exchange_ms = r["step_ms"] - compute_ms
+        waited = r.get("waited_ms", 0.0)
         figures[comp] = {"row": comm_label(comp), "bytes_per_step": r["bytes_per_step"], "exchange_ms": exchange_ms,
-                         "samples_per_s": r["samples_per_s"], "accuracy": r["accuracy"]}  # fmt: skip
+                         "waited_ms": waited, "samples_per_s": r["samples_per_s"], "accuracy": r["accuracy"]}  # fmt: skip
         table.append([
             comp, f"{r['bytes_per_step'] / 1024:,.1f}", ratio(none_bytes, r["bytes_per_step"]),
-            f"{exchange_ms:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}", f"{(r['accuracy'] or 0):.2%}",
+            f"{exchange_ms:.2f}", f"{waited:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}",
+            f"{(r['accuracy'] or 0):.2%}",
         ])  # fmt: skip
-    print_table(["compression", "KB/step", "bytes cut", "exchange ms/step", "ms/step", "samples/s", "accuracy"], table)
+    print_table(
+        ["compression", "KB/step", "bytes cut", "exchange ms/step", "waited ms/step", "ms/step", "samples/s", "accuracy"],
+        table,
+    )
     print(f"exchange ms/step = ms/step - {compute_ms:.2f} ms, the plain loop's CPU time per step"
           " (forward, backward, optimizer step; the 2 trainers compute theirs in parallel)")  # fmt: skip
     return figures

@@ -364,4 +364,5 @@ class AllreduceTrainerGrain(Grain):
             size = self._rep.flat.numel() * (4 if self._rep.spec.compression == "none" else 2)
             p.bytes_pushed += int(2 * (p.world - 1) / p.world * size)
         p.skipped += r.skipped
+        p.exchange_s += r.exchange_s
         self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=time.time()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ class StepResult:
     metrics: dict[str, float]
     samples: int
     skipped: bool = False
+    exchange_s: float = 0.0
+    """Time in the step's collectives."""
 
 
 class GroupReplica:
@@ -123,6 +126,7 @@ class GroupReplica:
                 raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
             else:
                 self.flat.fill_(math.nan)
+            t0 = time.perf_counter()
             mean = group.allreduce_mean(self.flat, abandon)
             if self.float_buffers:  # BatchNorm statistics: the mean over the group, as in sync PS mode
                 bufs = torch.cat([b.detach().reshape(-1).float() for b in self.float_buffers])
@@ -137,9 +141,10 @@ class GroupReplica:
                 n = p.numel()
                 p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
                 offset += n
+            exchange_s = time.perf_counter() - t0
             skipped = self._apply(mean)
             self.held = (self.held[0], step + 1)
-            return StepResult(float(loss.detach()), metrics, batch_samples(batch), skipped)
+            return StepResult(float(loss.detach()), metrics, batch_samples(batch), skipped, exchange_s)
 
     def _apply(self, mean: torch.Tensor) -> bool:
         """The optimizer step on the mean gradient (clipped, unscaled); True when skipped."""

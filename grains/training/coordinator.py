@@ -331,6 +331,8 @@ class CoordinatorGrain(Grain):
         self._count(ps)
         rate = sum(p.samples_per_s for p in ps)
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
+        waits = [p.exchange_s / p.steps_done for p in ps if p.steps_done]
+        exchange_ms = 1000 * sum(waits) / len(waits) if waits else 0.0
         evaluated = False
         if spec.eval_every and s.step - self._last_eval_step >= spec.eval_every:
             self._last_eval_step = s.step
@@ -343,6 +345,7 @@ class CoordinatorGrain(Grain):
         self._live = self._status_from_state(
             samples_per_s=rate,
             bytes_per_step=per_step,
+            exchange_ms_per_step=exchange_ms,
             max_staleness=max([p.max_staleness for p in ps] + [st.max_staleness for st in statuses] + [0]),
             max_gap=max([p.max_gap for p in ps] + [st.max_gap for st in statuses] + [0]),
             trainer_silos=[progress[j].silo if j in progress else "" for j in range(s.slots)],
@@ -385,6 +388,7 @@ class CoordinatorGrain(Grain):
         self._live = self._status_from_state(
             samples_per_s=self._live.samples_per_s,
             bytes_per_step=self._live.bytes_per_step,
+            exchange_ms_per_step=self._live.exchange_ms_per_step,
             max_staleness=self._live.max_staleness,
             max_gap=self._live.max_gap,
             trainer_silos=self._live.trainer_silos,

@@ -130,6 +130,9 @@ class TrainerProgress(BaseModel):
     fatal: bool = False
     """The failure would repeat if retried (the step broke its contract, a non-finite loss with
     on_nonfinite='fail', out of memory): the job fails at once with ``error``."""
+    exchange_s: float = 0.0
+    """Time this run waited for its exchanges (parameter server: the shards' replies, after the
+    step's compute; allreduce: the collectives)."""
     out_of_memory: bool = False
     """The failure was out of memory: an elastic job sheds this trainer's silo instead of failing."""
     skipped: int = 0
@@ -203,6 +206,8 @@ class TrainingStatus(BaseModel):
     samples_per_s: float = 0.0
     bytes_per_step: float = 0.0
     """Bytes of tensors on the wire per global step (pushes + pulls of all trainers)."""
+    exchange_ms_per_step: float = 0.0
+    """Mean over trainers of the time a step waited for its exchange (wire, shards, slower peers)."""
     max_staleness: int = 0
     max_gap: int = 0
     trainers: int = 0

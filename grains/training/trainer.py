@@ -309,7 +309,7 @@ class TrainerGrain(Grain):
             r = await self._compute(rep, [p for p in payloads if p], step, a.spec.step_timeout_s)
             payloads = [{} for _ in range(n)]
             if pending is not None:
-                payloads = self._take(await pending, versions)
+                payloads = self._take(await self._timed(pending), versions)
                 pending = None
             self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
             if every and (step + 1) % every == 0:
@@ -324,11 +324,19 @@ class TrainerGrain(Grain):
             if pipelined and step + 1 < a.end_step:
                 pending = fut
             else:
-                payloads = self._take(await fut, versions)
+                payloads = self._take(await self._timed(fut), versions)
             self._record(step, r)
             step += 1
         if pending is not None:
             self._take(await pending, versions)
+
+    async def _timed(self, exchange: asyncio.Future[list[ExchangeReply]]) -> list[ExchangeReply]:
+        """Wait for an exchange, adding the wait to this run's exchange time."""
+        t0 = time.perf_counter()
+        try:
+            return await exchange
+        finally:
+            self._p.exchange_s += time.perf_counter() - t0
 
     async def _save_residual(self, a: TrainerAssignment, rep: Replica, step: int) -> None:
         residual = {n: t.to("cpu") for n, t in rep.compressor.residual().items()}

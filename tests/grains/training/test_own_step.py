@@ -375,3 +375,10 @@ async def test_loader_workers_give_the_same_training_as_loading_in_the_trainer(c
     b = await client.get_grain(CoordinatorGrain, "load-workers").parameters()
     for name in a:  # the same batches in the same order: the same sync training
         assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6), name
+
+
+async def test_trainers_time_their_exchanges(cluster, client):
+    await cluster(2, grains=GRAINS)
+    st = await run_job(client, "waits", TrainingJob(steps=30, trainers=2, shards=2, batch_size=16))
+    # In sync mode a step waits for both trainers' pushes: never nothing, never a whole second.
+    assert st.status == "completed" and 0 < st.exchange_ms_per_step < 1000, st
