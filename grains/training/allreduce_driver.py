@@ -30,7 +30,6 @@ from grains.training.checkpointing import ShardSnapshot
 from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import SiloLook
-from grains.training.job import check_job
 from grains.training.messages import GroupAssignment, TrainerProgress
 from silo import errors
 
@@ -49,7 +48,6 @@ class AllreduceDriver(Driver):
         spec = s.spec
         assert spec is not None
         coord = self.coord
-        await coord.run_in_thread(check_job, spec)
         look = self.look()
         if not look.eligible:
             raise errors.ConfigError(

@@ -65,6 +65,13 @@ def layout_of(model: nn.Module) -> ModelLayout:
     )
 
 
+def model_layout(spec: TrainingJob) -> ModelLayout:
+    """The layout of the job's model (built once; no step run: ``check_job`` did that at submit)."""
+    from grains.training.models import build_model
+
+    return layout_of(build_model(spec))
+
+
 def load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy parameters and buffers by name into ``model`` (names it lacks are an error)."""
     own = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}

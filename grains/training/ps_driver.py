@@ -33,7 +33,7 @@ from grains.training import checkpointing, cluster
 from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
-from grains.training.job import check_job
+from grains.training.layout import model_layout
 from grains.training.messages import (
     JobStatus,
     ShardConfig,
@@ -80,7 +80,7 @@ class ParameterServerDriver(Driver):
         spec = self.state.spec
         assert spec is not None
         coord = self.coord
-        layout = await coord.run_in_thread(check_job, spec)
+        layout = await coord.run_in_thread(model_layout, spec)  # start() ran check_job
         shard_rows = cluster.hosting_silos(coord, "ParamShardGrain")
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
         if not trainer_rows or not shard_rows:
