@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from grains.training.job import TrainingJob, load_job_file, parse_job
     from grains.training.messages import TrainingStatus
     from grains.training.shard import ParamShardGrain
+    from grains.training.stage import PipelineStageGrain
     from grains.training.store import CheckpointStoreGrain
     from grains.training.trainer import TrainerGrain
 
@@ -33,6 +34,7 @@ _LAZY = {
     "CheckpointStoreGrain": "grains.training.store",
     "CoordinatorGrain": "grains.training.coordinator",
     "ParamShardGrain": "grains.training.shard",
+    "PipelineStageGrain": "grains.training.stage",
     "ShardSnapshot": "grains.training.checkpointing",
     "TrainerGrain": "grains.training.trainer",
     "TrainingJob": "grains.training.job",
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointStoreGrain",
     "CoordinatorGrain",
     "ParamShardGrain",
+    "PipelineStageGrain",
     "ShardSnapshot",
     "TrainerGrain",
     "TrainingJob",

@@ -51,8 +51,9 @@ def group(job: str, run: int) -> str:
     return f"training.{job}.r{run}"
 
 
-def member(shard_key: str) -> str:
-    return f"ParamShardGrain/{shard_key}"
+def member(key: str, type_name: str = "ParamShardGrain") -> str:
+    """The snapshot member id of a job's part-holder (a parameter shard, or a pipeline stage)."""
+    return f"{type_name}/{key}"
 
 
 async def save(
@@ -63,7 +64,8 @@ async def save(
     try:
         # save_snapshot encodes the state before its first await, so saves of
         # two steps may overlap safely.
-        return await shard.save_snapshot(group(job, run), snapshot.step, [member(k) for k in shard_keys], keep=keep)
+        members = [member(k, type(shard).__name__) for k in shard_keys]
+        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep)
     finally:
         shard.state.snapshot = None
 
@@ -157,7 +159,7 @@ async def load(
     may switch modes."""
     if names is not None:
         info = await shard.snapshot_info(group(job, run), step)
-        if info is not None and member(shard.key) not in info.members:
+        if info is not None and member(shard.key, type(shard).__name__) not in info.members:
             return await load_model(shard, job, run, step, names, extra)
     await shard.load_snapshot(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None

@@ -64,6 +64,7 @@ from grains.training.messages import (
 )
 from grains.training.models import build_model
 from grains.training.optim import trainable
+from grains.training.pipeline_driver import PipelineDriver
 from grains.training.program import Program, evaluate
 from grains.training.ps_driver import ParameterServerDriver
 from grains.training.store import CheckpointStoreGrain
@@ -285,7 +286,10 @@ class CoordinatorGrain(Grain):
         if self._driver is None:
             spec = self.state.spec
             assert spec is not None
-            cls = AllreduceDriver if spec.mode == "allreduce" else ParameterServerDriver
+            drivers: dict[str, type[AllreduceDriver | PipelineDriver | ParameterServerDriver]] = {
+                "allreduce": AllreduceDriver, "pipeline": PipelineDriver,
+            }  # fmt: skip
+            cls = drivers.get(spec.mode, ParameterServerDriver)
             name = cls.trainer_type.__name__
             if self._silos is None or self._silos.type_name != name or self._silos.role != spec.trainer_role:
                 self._silos = TrainerSilos(name, spec.trainer_role)
@@ -318,7 +322,9 @@ class CoordinatorGrain(Grain):
             await self._finish("failed")
 
     # --- what the drivers hand back -------------------------------------------
-    async def _report(self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus]) -> None:
+    async def _report(
+        self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus], trainer_silos: list[str] | None = None
+    ) -> None:
         """This tick's trainer progress (by slot or rank) and shard statuses into the job's status."""
         s = self.state
         spec = s.spec
@@ -348,7 +354,7 @@ class CoordinatorGrain(Grain):
             exchange_ms_per_step=exchange_ms,
             max_staleness=max([p.max_staleness for p in ps] + [st.max_staleness for st in statuses] + [0]),
             max_gap=max([p.max_gap for p in ps] + [st.max_gap for st in statuses] + [0]),
-            trainer_silos=[progress[j].silo if j in progress else "" for j in range(s.slots)],
+            trainer_silos=trainer_silos or [progress[j].silo if j in progress else "" for j in range(s.slots)],
             shard_silos=[st.silo for st in statuses],
         )
         if await self._publish(evaluated=evaluated):

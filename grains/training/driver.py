@@ -160,9 +160,9 @@ class Driver(abc.ABC):
         await self.coord._write()
         return True
 
-    async def report(self, shards: list[ShardStatus]) -> None:
+    async def report(self, shards: list[ShardStatus], trainer_silos: list[str] | None = None) -> None:
         """Hand this tick's progress to the coordinator's status; ask for newer points next time."""
         steps = [pt.step for p in self.progress.values() for pt in p.points]
         if steps:
             self.cursor = max(steps) + 1
-        await self.coord._report(self.progress, shards)
+        await self.coord._report(self.progress, shards, trainer_silos)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grains.training.compression import parse_compression
 from silo.errors import ConfigError
 
-Mode = Literal["sync", "async", "ssp", "allreduce"]
+Mode = Literal["sync", "async", "ssp", "allreduce", "pipeline"]
 Precision = Literal["fp32", "bf16", "fp16"]
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 """Short optimizer names; anything else must be the import path of a torch.optim.Optimizer subclass."""
@@ -82,9 +82,13 @@ class TrainingJob(BaseModel):
     shards: int = Field(1, gt=0, description="Parameter shards (parameters split by tensor, balanced by bytes).")
     mode: Mode = Field(
         "sync",
-        description="sync | async | ssp (parameter server) | allreduce (torch.distributed group of trainers, no shards).",
+        description="sync | async | ssp (parameter server) | allreduce (torch.distributed group of trainers, no shards)"
+        " | pipeline (the model cut into stages on different silos).",
     )
     staleness: int = Field(2, ge=0, description="ssp: how many steps a trainer may run ahead of the slowest.")
+    stages: int = Field(2, ge=1, description="pipeline: stages the model (an nn.Sequential) is cut into.")
+    microbatches: int = Field(4, ge=1, description="pipeline: micro-batches per step (they must divide batch_size).")
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline: gpipe (all forwards, then all backwards) or 1f1b.")
     compression: str = Field(
         "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio>[:fp16] (allreduce: none | fp16 | bf16)."
     )
@@ -148,6 +152,15 @@ class TrainingJob(BaseModel):
     def _length(self) -> TrainingJob:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
+        if self.mode == "pipeline":
+            if self.batch_size % self.microbatches:
+                raise ValueError(f"pipeline: microbatches={self.microbatches} does not divide batch_size={self.batch_size}")
+            if self.trainers not in (1, "auto"):
+                raise ValueError("pipeline: replicas of the pipeline (trainers > 1, hybrid parallelism) are not built yet")
+            if self.step != DEFAULT_STEP:
+                raise ValueError("pipeline: the loss runs on the last stage; a custom step is not supported there yet")
+            if self.compression != "none" or self.amp != "fp32":
+                raise ValueError("pipeline: compression and reduced precision are not supported yet")
         if self.autocast_bf16 and self.precision == "fp16":
             raise ValueError("autocast_bf16 and precision='fp16' disagree; use precision alone")
         if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):

@@ -112,6 +112,10 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     test = Batches(load_dataset(spec, "test"))
     model = build_model(spec)
     layout = layout_of(model)
+    if spec.mode == "pipeline":
+        from grains.training.pipeline import stage_layers
+
+        stage_layers(model, spec.stages)  # an nn.Sequential with at least `stages` layers
     check_param_groups(model, spec)
     opt = build_optimizer(trainable(model), spec)
     build_schedule(opt, spec)

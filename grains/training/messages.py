@@ -232,3 +232,42 @@ class TrainingStatus(BaseModel):
     shard_keys: list[str] = Field(default_factory=list)
     trainer_silos: list[str] = Field(default_factory=list)
     shard_silos: list[str] = Field(default_factory=list)
+
+
+class StageConfig(BaseModel):
+    """A pipeline stage's part of the job (mode ``pipeline``); sent with a new generation."""
+
+    job: str
+    run: int
+    index: int
+    spec: TrainingJob
+    layers: tuple[int, int]
+    """The slice ``[start, end)`` of the model's ``nn.Sequential`` children this stage runs."""
+    stage_keys: list[str]
+    """Keys of every stage, in pipeline order (the members of the job's checkpoints)."""
+    generation: int
+    start_step: int = 0
+    end_step: int = 0
+    restore_step: int | None = None
+    """Committed checkpoint to restore (None: the seeded initial weights)."""
+
+
+class StageStatus(BaseModel):
+    activation_id: str
+    generation: int
+    silo: str = ""
+    status: Literal["idle", "running", "done", "failed"] = "idle"
+    """Stage 0 runs the job's steps; the others report ``running`` while configured."""
+    step: int = 0
+    """Steps applied (the next step to run)."""
+    loss: float = 0.0
+    saved_steps: list[int] = Field(default_factory=list)
+    error: str = ""
+    fatal: bool = False
+    forward_ms: float = 0.0
+    """Mean compute time of one micro-batch's forward on this stage."""
+    backward_ms: float = 0.0
+    points: list[StepPoint] = Field(default_factory=list)
+    """Stage 0: per-step loss points from the asked step on."""
+    samples_per_s: float = 0.0
+    steps_done: int = 0

@@ -1,0 +1,168 @@
+"""The pipeline driver (mode pipeline): stages on silos, stage 0 runs the steps, rollbacks.
+
+The driver cuts the model into ``stages`` (:mod:`grains.training.pipeline`),
+places one :class:`~grains.training.stage.PipelineStageGrain` per stage, on
+distinct silos where there are enough (the trainer silos first), and
+configures them; stage 0 then runs every step (see
+:mod:`grains.training.stage`). Each tick asks every stage how it is doing:
+
+- a stage lost (its activation changed, or it refuses our generation) or
+  stage 0's run failed: a *rollback*, as for a lost parameter shard: a new
+  generation, every stage restores the last committed checkpoint (all stages
+  are checkpointed at the same step), stage 0 runs on from there;
+- a failure that would repeat (stage 0 reports it fatal) fails the job.
+
+Checkpoint ``c`` is committed once every stage has saved it. The stages'
+keys are the job's ``trainer_keys`` (the status and dashboard list them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from grains.training import checkpointing, cluster
+from grains.training.datasets import dataset_size, load_dataset
+from grains.training.driver import Driver
+from grains.training.elastic import TrainerSilos
+from grains.training.messages import StageConfig, StageStatus, TrainerProgress
+from grains.training.models import build_model
+from grains.training.pipeline import stage_layers
+from grains.training.stage import PipelineStageGrain
+from silo import errors
+
+if TYPE_CHECKING:
+    from grains.training.coordinator import CoordinatorGrain
+
+log = logging.getLogger("redgrain.training.coordinator")
+
+_MAX_FAILURES = 5
+
+
+class PipelineDriver(Driver):
+    trainer_type = PipelineStageGrain
+
+    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
+        super().__init__(coord, silos)
+        self._layers: list[tuple[int, int]] = []
+        self._activations: list[str] = []
+        self._failures = 0
+
+    def placed(self) -> bool:
+        return bool(self.state.trainer_keys)
+
+    async def place_and_start(self) -> None:
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        coord = self.coord
+        model = await coord.run_in_thread(build_model, spec)
+        layers = stage_layers(model, spec.stages)
+        look = self.look()
+        rows = look.eligible or look.hosting
+        if not rows:
+            raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
+        s.trainer_keys = [
+            cluster.key_on("PipelineStageGrain", f"{self.key}/stage-{i}", rows[i % len(rows)].silo, look.hosting)
+            for i in range(len(layers))
+        ]
+        s.trainer_silos = [rows[i % len(rows)].address for i in range(len(layers))]
+        s.slots = 1
+        s.train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
+        s.total_steps = spec.total_steps(s.train_size, 1)
+        restore = s.committed[-1] if s.committed else None
+        s.resumed_from = restore
+        self._layers = layers
+        await self._configure(restore)
+        s.status = "running"
+        await coord._write()
+
+    async def tick(self) -> None:
+        s = self.state
+        if not self._layers:  # re-activated: the cut is the same as at the start
+            self._layers = stage_layers(await self.coord.run_in_thread(build_model, s.spec), len(s.trainer_keys))
+        stages = [self.ref(PipelineStageGrain, k) for k in s.trainer_keys]
+        results = await asyncio.gather(*(st.status(self.cursor) for st in stages), return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in results):
+            return  # unreachable is not lost: a dead silo's stage re-activates on the next call
+        statuses: list[StageStatus] = results  # type: ignore[assignment]
+        head = statuses[0]
+        lost = [
+            s.trainer_keys[i] for i, st in enumerate(statuses)
+            if st.generation != s.generation or (self._activations and st.activation_id != self._activations[i])
+        ]  # fmt: skip
+        if head.status == "failed" and head.generation == s.generation:
+            if head.fatal:
+                raise RuntimeError(f"pipeline stage failed: {head.error}")
+            self._failures += 1
+            if self._failures > _MAX_FAILURES:
+                raise RuntimeError(f"the pipeline keeps failing: {head.error}")
+            lost.append(f"stage 0's run ({head.error[:200]})")
+        if lost:
+            try:
+                await self._rollback(f"{', '.join(lost)} lost or failed")
+            except errors.RedgrainError as exc:
+                log.warning("%s: rollback incomplete (%s); retrying", self.key, exc)
+            return
+        if head.steps_done:
+            self._failures = 0
+        self.progress = {0: self._progress(head)}
+        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
+        for step in sorted(c for c in common if c > (s.committed[-1] if s.committed else -1)):
+            await self.commit_step(step)
+        await self.report([], [st.silo for st in statuses])  # every stage's silo, in pipeline order
+        if head.status == "done" and self.final_committed():
+            await self.coord._finish("completed")
+
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for part in await asyncio.gather(*(self.ref(PipelineStageGrain, k).tensors() for k in self.state.trainer_keys)):
+            out.update(part)
+        return out
+
+    # --- placement and repair -------------------------------------------------
+    def _progress(self, head: StageStatus) -> TrainerProgress:
+        """Stage 0's figures as the one trainer of the job (what the status and history read)."""
+        return TrainerProgress(
+            activation_id=head.activation_id, silo=head.silo, generation=head.generation, slot=0,
+            status=head.status if head.status != "failed" else "running", step=head.step, loss=head.loss,  # type: ignore[arg-type]
+            samples_per_s=head.samples_per_s, steps_done=head.steps_done, points=head.points,
+        )  # fmt: skip
+
+    async def _configure(self, restore: int | None) -> None:
+        s = self.state
+        assert s.spec is not None
+        cfgs = [
+            StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=s.trainer_keys,
+                        generation=s.generation, start_step=restore or 0, end_step=s.total_steps, restore_step=restore)
+            for i, layers in enumerate(self._layers)
+        ]  # fmt: skip
+        refs = [self.ref(PipelineStageGrain, k, 120.0) for k in s.trainer_keys]
+        # The later stages first: stage 0 starts sending as soon as it is configured.
+        tail: list[StageStatus] = await asyncio.gather(*(r.configure(c) for r, c in zip(refs[1:], cfgs[1:], strict=True)))
+        head: StageStatus = await refs[0].configure(cfgs[0])
+        self._activations = [head.activation_id, *(t.activation_id for t in tail)]
+
+    async def _rollback(self, why: str) -> None:
+        s = self.state
+        s.generation += 1
+        s.rollbacks += 1
+        restore = s.committed[-1] if s.committed else None
+        if restore is None or not await checkpointing.exists(self.coord, self.key, s.run, restore):
+            newest = await checkpointing.newest_step(self.coord, self.key, s.run)
+            if newest is not None:
+                await self.commit_step(newest)
+                restore = newest
+        await checkpointing.drop_after(self.coord, self.key, s.run, restore)
+        log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
+                    f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
+        self.note_change(s.generation, why, len(s.trainer_keys), restore or 0)
+        await self.coord._write()
+        await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
+        self.progress.clear()
+        self.cursor = restore or 0
+        await self._configure(restore)
+        await self.coord._write()

@@ -1,0 +1,149 @@
+"""One pipeline stage's module, optimizer and micro-batch activations (its grain: stage.py).
+
+Runs on the silo's executor, one operation at a time (a lock): a forward
+keeps the micro-batch's input and output (the autograd graph) until its
+backward, which accumulates the parameters' gradients and returns the
+gradient of the input for the previous stage. The last stage computes the
+loss: cross-entropy on the stage's output and the batch's labels, scaled by
+``1 / microbatches``, so the accumulated gradient of a step is that of the
+whole batch, as one process computes it. ``apply`` then runs the job's
+optimizer and schedule on this stage's parameters only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grains.training.checkpointing import ShardSnapshot
+from grains.training.layout import persistent_buffers
+from grains.training.messages import StageConfig
+from grains.training.models import build_model
+from grains.training.optim import (
+    advance,
+    build_optimizer,
+    build_schedule,
+    squared_norm,
+    step_schedule,
+)
+
+
+class StageCore:
+    def __init__(self, cfg: StageConfig, device: str, snapshot: ShardSnapshot | None) -> None:
+        spec = cfg.spec
+        model = build_model(spec)
+        a, b = cfg.layers
+        children = list(model.children())
+        self.module = nn.Sequential(*children[a:b]).to(device)
+        self.module.train()
+        self.offset = a
+        self.device = device
+        self.last = cfg.index == len(cfg.stage_keys) - 1
+        self.scale = 1.0 / spec.microbatches
+        named = [(self.full(n), p) for n, p in self.module.named_parameters()]
+        self.params = dict(named)
+        self.trainable = [(n, p) for n, p in named if p.requires_grad]
+        self.buffers = {self.full(n): t for n, t in persistent_buffers(self.module)}
+        self.opt = build_optimizer(self.trainable, spec)
+        self.schedule = build_schedule(self.opt, spec)
+        self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.step = cfg.start_step
+        self.lock = threading.Lock()
+        self.forward_s = self.backward_s = 0.0
+        self.forwards = self.backwards = 0
+        if snapshot is not None:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(snapshot.params[n] if n in snapshot.params else snapshot.buffers[n])
+                for n, t in self.buffers.items():
+                    t.copy_(snapshot.buffers[n])
+            advance(self.schedule, snapshot.step)
+            if snapshot.optimizer and self.opt is not None:
+                self.opt.load_state_dict(snapshot.optimizer)
+            self.step = snapshot.step
+
+    def full(self, local: str) -> str:
+        head, _, rest = local.partition(".")
+        return f"{int(head) + self.offset}.{rest}"
+
+    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's forward; its graph is kept for the backward. Returns the output, detached."""
+        with self.lock:
+            t0 = time.perf_counter()
+            x = x.to(self.device)
+            if x.is_floating_point() and self.offset > 0:
+                x.requires_grad_(True)
+            y = self.module(x)
+            self.acts[mb] = (x, y)
+            self.forward_s += time.perf_counter() - t0
+            self.forwards += 1
+            return y.detach()
+
+    def loss_backward(self, mb: int, target: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """Last stage: the micro-batch's loss and its backward; the loss and the input's gradient."""
+        with self.lock:
+            t0 = time.perf_counter()
+            x, y = self.acts.pop(mb)
+            loss = F.cross_entropy(y.float(), target.to(self.device))
+            (loss * self.scale).backward()
+            self.backward_s += time.perf_counter() - t0
+            self.backwards += 1
+            return float(loss.detach()), x.grad
+
+    def backward(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """A micro-batch's backward from the next stage's input gradient; the input's gradient."""
+        with self.lock:
+            t0 = time.perf_counter()
+            x, y = self.acts.pop(mb)
+            y.backward(grad.to(self.device))
+            self.backward_s += time.perf_counter() - t0
+            self.backwards += 1
+            return x.grad if x.requires_grad else None
+
+    def norm_sq(self) -> float:
+        with self.lock:
+            return squared_norm(p.grad for _, p in self.trainable if p.grad is not None)
+
+    def apply(self, coef: float) -> None:
+        """The step's optimizer update on this stage (gradients times the clip coefficient)."""
+        with self.lock:
+            if self.opt is not None:
+                if coef != 1.0:
+                    for _, p in self.trainable:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            step_schedule(self.schedule)
+            self.acts.clear()
+            self.step += 1
+
+    def snapshot(self) -> ShardSnapshot:
+        with self.lock:
+            optimizer: dict[str, Any] = {}
+            if self.opt is not None:
+                sd = self.opt.state_dict()
+                state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
+                optimizer = {"state": state, "param_groups": sd["param_groups"]}
+            trainable = {n for n, _ in self.trainable}
+            return ShardSnapshot(
+                step=self.step,
+                version=self.step,
+                params={n: p.detach().to("cpu", copy=True) for n, p in self.trainable},
+                optimizer=optimizer,
+                buffers={
+                    n: t.detach().to("cpu", copy=True)
+                    for n, t in {**{n: p for n, p in self.params.items() if n not in trainable}, **self.buffers}.items()
+                },
+            )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+            out.update({n: t.detach().to("cpu", copy=True) for n, t in self.buffers.items()})
+            return out

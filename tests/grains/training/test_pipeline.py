@@ -1,0 +1,98 @@
+"""Pipeline parallelism: a model cut into stage grains on different silos trains as one process does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grains.training import CoordinatorGrain, TrainingJob
+from grains.training.models import build_model
+from grains.training.pipeline import stage_layers
+from silo import errors
+from silo.settings import MembershipSettings
+from tests.grains.training.conftest import GRAINS, run_job
+from tests.grains.training.test_own_step import global_batches
+
+DEEP = {"model_args": {"hidden": [64, 64]}}  # Flatten, (Linear, ReLU) x 2, Linear: 6 layers
+
+
+def plain_loop(spec: TrainingJob, steps: int) -> dict[str, torch.Tensor]:
+    model = build_model(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    for x, y in global_batches(spec, 1, steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("stages", "schedule"), [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+async def test_stages_with_four_microbatches_equal_the_single_process_loop(cluster, client, stages, schedule):
+    await cluster(3, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=1, stages=stages, microbatches=4, schedule=schedule,
+                       batch_size=32, steps=24, optimizer="momentum", lr=0.05, weight_decay=1e-4,
+                       clip_grad_norm=1.0, checkpoint_every=10, seed=4)  # fmt: skip
+    st = await run_job(client, f"pipe-{stages}-{schedule}", spec, timeout_s=120)
+    assert st.status == "completed", st
+    assert st.checkpoints[-2:] == [20, 24] and len(set(st.trainer_silos)) == stages, st  # one stage a silo
+    got = await client.get_grain(CoordinatorGrain, f"pipe-{stages}-{schedule}").state_dict()
+    want = plain_loop(spec, 24)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        # Micro-batch gradients summed in another order than the full batch's: float tolerance.
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+
+
+async def test_the_digits_mlp_in_three_stages_reaches_sync_accuracy(cluster, client):
+    await cluster(3, grains=GRAINS)
+    common = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "steps": 300, "checkpoint_every": 100, **DEEP}
+    piped = await run_job(client, "pipe-acc", TrainingJob(**common, mode="pipeline", trainers=1, stages=3), timeout_s=180)
+    sync = await run_job(client, "sync-acc", TrainingJob(**common, mode="sync", trainers=1, shards=1))
+    assert piped.status == sync.status == "completed", (piped, sync)
+    assert piped.accuracy is not None and sync.accuracy is not None and piped.accuracy >= 0.9, piped
+    assert abs(piped.accuracy - sync.accuracy) <= 0.01, (piped.accuracy, sync.accuracy)
+
+
+def test_a_model_that_cannot_be_cut_as_asked_is_refused():
+    with pytest.raises(errors.ConfigError, match="only 4 layers"):
+        stage_layers(build_model(TrainingJob()), 5)  # the default MLP: Flatten, Linear, ReLU, Linear
+    with pytest.raises(errors.ConfigError, match="nn.Sequential"):
+        stage_layers(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(Exception, match="does not divide"):
+        TrainingJob(mode="pipeline", trainers=1, batch_size=30, microbatches=4)
+    assert stage_layers(build_model(TrainingJob(**DEEP)), 3) == [(0, 2), (2, 4), (4, 6)]
+
+
+async def test_bad_pipeline_specs_fail_at_submit(cluster, client):
+    await cluster(1, grains=GRAINS)
+    with pytest.raises(errors.ConfigError, match="only 4 layers"):
+        await client.get_grain(CoordinatorGrain, "pipe-bad").start(TrainingJob(mode="pipeline", trainers=1, stages=5))
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_stage_silo_rolls_the_pipeline_back_and_it_finishes_as_undisturbed(silo_processes, client):
+    from grains.training.cluster import key_on
+    from tests.grains.training.conftest import training_silos
+    from tests.grains.training.test_faults import process_of, status_when
+
+    procs = silo_processes(3, grains="grains.training")
+    rows = await training_silos(client, 3)
+    job = key_on("CoordinatorGrain", "pipe-kill", rows[2].silo, rows)  # the coordinator away from both stages
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=1, stages=2, microbatches=4, batch_size=32, steps=400,
+                       optimizer="momentum", lr=0.05, clip_grad_norm=1.0, checkpoint_every=50)  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, job)
+    await coord.start(spec)
+    st = await status_when(coord, lambda s: s.status == "running" and s.checkpoints and s.step >= 100)
+    assert st.step < 350, "the job ran too fast to be killed mid-run"
+    victim = st.trainer_silos[1]
+    assert victim not in (st.trainer_silos[0], st.coordinator_silo), st
+    process_of(procs, victim).kill()
+    final = await status_when(coord, lambda s: s.status == "completed", timeout_s=120)
+    assert final.rollbacks >= 1 and final.step == 400, final
+    assert victim not in final.trainer_silos, final
+    # Restored from a checkpoint of every stage at one step, the run replays exactly.
+    got = await coord.state_dict()
+    for k, v in plain_loop(spec, 400).items():
+        assert torch.allclose(got[k], v, rtol=1e-3, atol=1e-4), k
