@@ -155,8 +155,6 @@ class TrainingJob(BaseModel):
         if self.mode == "pipeline":
             if self.batch_size % self.microbatches:
                 raise ValueError(f"pipeline: microbatches={self.microbatches} does not divide batch_size={self.batch_size}")
-            if self.trainers not in (1, "auto"):
-                raise ValueError("pipeline: replicas of the pipeline (trainers > 1, hybrid parallelism) are not built yet")
             if self.step != DEFAULT_STEP:
                 raise ValueError("pipeline: the loss runs on the last stage; a custom step is not supported there yet")
             if self.compression != "none" or self.amp != "fp32":

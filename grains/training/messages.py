@@ -244,7 +244,13 @@ class StageConfig(BaseModel):
     layers: tuple[int, int]
     """The slice ``[start, end)`` of the model's ``nn.Sequential`` children this stage runs."""
     stage_keys: list[str]
-    """Keys of every stage, in pipeline order (the members of the job's checkpoints)."""
+    """Keys of this replica's stages, in pipeline order (replica 0's: the members of the job's checkpoints)."""
+    replica: int = 0
+    """Which copy of the whole pipeline this stage belongs to (hybrid parallelism: ``trainers`` copies)."""
+    peer_keys: list[str] = Field(default_factory=list)
+    """This stage in every replica, by replica (one entry: no replicas)."""
+    checkpoint_keys: list[str] = Field(default_factory=list)
+    """Replica 0's stage keys: the members of the job's checkpoints."""
     generation: int
     start_step: int = 0
     end_step: int = 0

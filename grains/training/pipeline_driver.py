@@ -65,14 +65,19 @@ class PipelineDriver(Driver):
         rows = look.eligible or look.hosting
         if not rows:
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
-        s.trainer_keys = [
-            cluster.key_on("PipelineStageGrain", f"{self.key}/stage-{i}", rows[i % len(rows)].silo, look.hosting)
-            for i in range(len(layers))
-        ]
-        s.trainer_silos = [rows[i % len(rows)].address for i in range(len(layers))]
-        s.slots = 1
+        stages = len(layers)
+        replicas = max(1, len(rows) // stages) if spec.trainers == "auto" else int(spec.trainers)
+        keys, silos = [], []
+        for r in range(replicas):
+            for i in range(stages):
+                row = rows[(r * stages + i) % len(rows)]
+                base = f"{self.key}/stage-{i}" if replicas == 1 else f"{self.key}/r{r}/stage-{i}"
+                keys.append(cluster.key_on("PipelineStageGrain", base, row.silo, look.hosting))
+                silos.append(row.address)
+        s.trainer_keys, s.trainer_silos = keys, silos
+        s.slots = replicas
         s.train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
-        s.total_steps = spec.total_steps(s.train_size, 1)
+        s.total_steps = spec.total_steps(s.train_size, replicas)
         restore = s.committed[-1] if s.committed else None
         s.resumed_from = restore
         self._layers = layers
@@ -83,51 +88,60 @@ class PipelineDriver(Driver):
     async def tick(self) -> None:
         s = self.state
         if not self._layers:  # re-activated: the cut is the same as at the start
-            self._layers = stage_layers(await self.coord.run_in_thread(build_model, s.spec), len(s.trainer_keys))
-        stages = [self.ref(PipelineStageGrain, k) for k in s.trainer_keys]
-        results = await asyncio.gather(*(st.status(self.cursor) for st in stages), return_exceptions=True)
+            self._layers = stage_layers(await self.coord.run_in_thread(build_model, s.spec), self._stages())
+        refs = [self.ref(PipelineStageGrain, k) for k in s.trainer_keys]
+        results = await asyncio.gather(*(st.status(self.cursor) for st in refs), return_exceptions=True)
         if any(isinstance(r, BaseException) for r in results):
             return  # unreachable is not lost: a dead silo's stage re-activates on the next call
         statuses: list[StageStatus] = results  # type: ignore[assignment]
-        head = statuses[0]
+        stages = len(self._layers)
+        heads = statuses[::stages]  # stage 0 of each replica
         lost = [
             s.trainer_keys[i] for i, st in enumerate(statuses)
             if st.generation != s.generation or (self._activations and st.activation_id != self._activations[i])
         ]  # fmt: skip
-        if head.status == "failed" and head.generation == s.generation:
-            if head.fatal:
-                raise RuntimeError(f"pipeline stage failed: {head.error}")
-            self._failures += 1
-            if self._failures > _MAX_FAILURES:
-                raise RuntimeError(f"the pipeline keeps failing: {head.error}")
-            lost.append(f"stage 0's run ({head.error[:200]})")
+        for r, head in enumerate(heads):
+            if head.status == "failed" and head.generation == s.generation:
+                if head.fatal:
+                    raise RuntimeError(f"pipeline stage failed: {head.error}")
+                self._failures += 1
+                if self._failures > _MAX_FAILURES:
+                    raise RuntimeError(f"the pipeline keeps failing: {head.error}")
+                lost.append(f"replica {r}'s run ({head.error[:200]})")
         if lost:
             try:
                 await self._rollback(f"{', '.join(lost)} lost or failed")
             except errors.RedgrainError as exc:
                 log.warning("%s: rollback incomplete (%s); retrying", self.key, exc)
             return
-        if head.steps_done:
+        if all(h.steps_done for h in heads):
             self._failures = 0
-        self.progress = {0: self._progress(head)}
-        common = set(statuses[0].saved_steps).intersection(*(st.saved_steps for st in statuses[1:]))
+        self.progress = {r: self._progress(h, r) for r, h in enumerate(heads)}
+        first = statuses[:stages]  # replica 0's stages hold the checkpoints
+        common = set(first[0].saved_steps).intersection(*(st.saved_steps for st in first[1:]))
         for step in sorted(c for c in common if c > (s.committed[-1] if s.committed else -1)):
             await self.commit_step(step)
         await self.report([], [st.silo for st in statuses])  # every stage's silo, in pipeline order
-        if head.status == "done" and self.final_committed():
+        if all(h.status == "done" for h in heads) and self.final_committed():
             await self.coord._finish("completed")
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for part in await asyncio.gather(*(self.ref(PipelineStageGrain, k).tensors() for k in self.state.trainer_keys)):
+        first = self.state.trainer_keys[: self._stages()]  # replica 0: every replica holds the same
+        for part in await asyncio.gather(*(self.ref(PipelineStageGrain, k).tensors() for k in first)):
             out.update(part)
         return out
 
     # --- placement and repair -------------------------------------------------
-    def _progress(self, head: StageStatus) -> TrainerProgress:
-        """Stage 0's figures as the one trainer of the job (what the status and history read)."""
+    def _stages(self) -> int:
+        s = self.state
+        assert s.spec is not None
+        return len(s.trainer_keys) // max(1, s.slots)
+
+    def _progress(self, head: StageStatus, replica: int) -> TrainerProgress:
+        """A replica's stage 0 figures as one trainer of the job (what the status and history read)."""
         return TrainerProgress(
-            activation_id=head.activation_id, silo=head.silo, generation=head.generation, slot=0,
+            activation_id=head.activation_id, silo=head.silo, generation=head.generation, slot=replica,
             status=head.status if head.status != "failed" else "running", step=head.step, loss=head.loss,  # type: ignore[arg-type]
             samples_per_s=head.samples_per_s, steps_done=head.steps_done, points=head.points,
         )  # fmt: skip
@@ -135,16 +149,23 @@ class PipelineDriver(Driver):
     async def _configure(self, restore: int | None) -> None:
         s = self.state
         assert s.spec is not None
+        stages, replicas = len(self._layers), max(1, s.slots)
+        chains = [s.trainer_keys[r * stages : (r + 1) * stages] for r in range(replicas)]
         cfgs = [
-            StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=s.trainer_keys,
+            StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=chains[r],
+                        replica=r, peer_keys=[c[i] for c in chains], checkpoint_keys=chains[0],
                         generation=s.generation, start_step=restore or 0, end_step=s.total_steps, restore_step=restore)
-            for i, layers in enumerate(self._layers)
+            for r in range(replicas) for i, layers in enumerate(self._layers)
         ]  # fmt: skip
         refs = [self.ref(PipelineStageGrain, k, 120.0) for k in s.trainer_keys]
-        # The later stages first: stage 0 starts sending as soon as it is configured.
-        tail: list[StageStatus] = await asyncio.gather(*(r.configure(c) for r, c in zip(refs[1:], cfgs[1:], strict=True)))
-        head: StageStatus = await refs[0].configure(cfgs[0])
-        self._activations = [head.activation_id, *(t.activation_id for t in tail)]
+        # The later stages first: a replica's stage 0 starts sending as soon as it is configured.
+        later = [j for j in range(len(refs)) if j % stages]
+        heads = [j for j in range(len(refs)) if not j % stages]
+        done: dict[int, StageStatus] = {}
+        for group in (later, heads):
+            for j, st in zip(group, await asyncio.gather(*(refs[j].configure(cfgs[j]) for j in group)), strict=True):
+                done[j] = st
+        self._activations = [done[j].activation_id for j in range(len(refs))]
 
     async def _rollback(self, why: str) -> None:
         s = self.state
@@ -159,7 +180,7 @@ class PipelineDriver(Driver):
         await checkpointing.drop_after(self.coord, self.key, s.run, restore)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
-        self.note_change(s.generation, why, len(s.trainer_keys), restore or 0)
+        self.note_change(s.generation, why, s.slots, restore or 0)
         await self.coord._write()
         await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         self.progress.clear()

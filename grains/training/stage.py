@@ -87,6 +87,9 @@ class PipelineStageGrain(Grain):
         self._arrived: dict[int, int] = {}  # gpipe, last stage: forwards received per step
         self._steps_done = 0
         self._rate = 0.0
+        self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # hybrid leader: step -> replica -> part
+        self._means: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # step -> (mean, fetches left)
+        self._reduced = asyncio.Condition()
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
         await self._stop_loop()
@@ -107,6 +110,9 @@ class PipelineStageGrain(Grain):
         self._arrived = {}
         self._steps_done = 0
         self._back, self._failed = asyncio.Queue(), asyncio.Event()
+        self._parts, self._means = {}, {}
+        async with self._reduced:
+            self._reduced.notify_all()  # contributions of an older generation give up
         if first:
             self._loop = self.start_task(self._run(cfg), name=f"{self.key} steps g{cfg.generation}")
         return await self.status()
@@ -149,6 +155,49 @@ class PipelineStageGrain(Grain):
         self._check(generation)
         self.start_task(self._guard(generation, self._backward(generation, step, mb, grad)), name=f"{self.key} b{step}.{mb}")
 
+    async def reduce(self, generation: int, step: int) -> None:
+        """Hybrid: average this stage's gradients and buffers of ``step`` over the replicas."""
+        self._check(generation)
+        cfg, core = self._cfg, self._core
+        assert cfg is not None and core is not None
+        replicas = len(cfg.peer_keys)
+        if replicas <= 1:
+            return
+        part = await self.run_in_thread(core.local_part)
+        if cfg.replica == 0:
+            mean = await self._collect(generation, step, 0, part, replicas)
+        else:
+            leader: Any = self.get_grain(PipelineStageGrain, cfg.peer_keys[0])
+            mean = await leader.with_timeout(cfg.spec.step_timeout_s).contribute(generation, step, cfg.replica, part)
+        await self.run_in_thread(core.take_mean, mean)
+
+    async def contribute(self, generation: int, step: int, replica: int, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hybrid, replica 0's stage: another replica's part of ``step``; returns the replicas' mean."""
+        self._check(generation)
+        cfg = self._cfg
+        assert cfg is not None
+        return await self._collect(generation, step, replica, part, len(cfg.peer_keys))
+
+    async def _collect(
+        self, generation: int, step: int, replica: int, part: dict[str, torch.Tensor], replicas: int
+    ) -> dict[str, torch.Tensor]:
+        async with self._reduced:
+            self._parts.setdefault(step, {})[replica] = part
+            if len(self._parts[step]) == replicas:
+                parts = self._parts.pop(step)
+                mean = await self.run_in_thread(StageCore.mean_of, [parts[r] for r in sorted(parts)])
+                self._means[step] = (mean, replicas)
+                self._reduced.notify_all()
+            while step not in self._means:
+                self._check(generation)
+                await self._reduced.wait()
+            mean, left = self._means[step]
+            if left <= 1:
+                del self._means[step]
+            else:
+                self._means[step] = (mean, left - 1)
+            return mean
+
     async def norm_sq(self, generation: int) -> float:
         self._check(generation)
         core = self._core
@@ -166,7 +215,7 @@ class PipelineStageGrain(Grain):
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
         self._losses = []
         every = cfg.spec.checkpoint_every
-        if (every and core.step % every == 0) or core.step == cfg.end_step:
+        if cfg.replica == 0 and ((every and core.step % every == 0) or core.step == cfg.end_step):
             snap = await self.run_in_thread(core.snapshot)
             self.start_task(self._save(cfg, snap, generation), name=f"{self.key} checkpoint {snap.step}")
         return loss
@@ -219,7 +268,8 @@ class PipelineStageGrain(Grain):
     async def _loss_backward(self, generation: int, step: int, mb: int) -> None:
         core, cfg, batches = self._core, self._cfg, self._batches
         assert core is not None and cfg is not None and batches is not None
-        _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, 1, 0, step, cfg.spec.seed)
+        replicas = max(1, len(cfg.peer_keys))
+        _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed)
         target = labels.chunk(cfg.spec.microbatches)[mb]
         loss, grad = await self.run_in_thread(core.loss_backward, mb, target)
         if not math.isfinite(loss):
@@ -260,11 +310,12 @@ class PipelineStageGrain(Grain):
         assert core is not None and batches is not None
         spec, gen, m = cfg.spec, cfg.generation, cfg.spec.microbatches
         stages = len(cfg.stage_keys)
+        replicas = max(1, len(cfg.peer_keys))
         others = [self._peer(i) for i in range(1, stages)]
         last = self._peer(stages - 1) if stages > 1 else None
         t_first: float | None = None
         for step in range(core.step, cfg.end_step):
-            x, _ = await self.run_in_thread(batches.batch, spec.batch_size, 1, 0, step, spec.seed)
+            x, _ = await self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed)
             chunks = x.chunk(m)
             self._window = asyncio.Semaphore(stages if spec.schedule == "1f1b" else m)
             for mb, chunk in enumerate(chunks):
@@ -276,6 +327,8 @@ class PipelineStageGrain(Grain):
                     await others[0].forward(gen, step, mb, y)
             for _ in range(m):
                 await self._next_back(spec.step_timeout_s)
+            if replicas > 1:  # hybrid: each stage's gradients averaged over the replicas first
+                await asyncio.gather(self.reduce(gen, step), *(p.reduce(gen, step) for p in others))
             coef = 1.0
             if spec.clip_grad_norm is not None:
                 parts = await asyncio.gather(self.norm_sq(gen), *(p.norm_sq(gen) for p in others))
@@ -286,7 +339,7 @@ class PipelineStageGrain(Grain):
             t_first = t_first or now
             self._steps_done += 1
             if self._steps_done > 1:
-                self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)
+                self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)  # this replica
             self._points.append(StepPoint(step=step, loss=self._loss, at=time.time()))
 
     async def _acquire(self, window: asyncio.Semaphore, timeout_s: float) -> None:
@@ -321,7 +374,7 @@ class PipelineStageGrain(Grain):
 
     async def _save(self, cfg: StageConfig, snap: ShardSnapshot, generation: int) -> None:
         try:
-            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.stage_keys, cfg.spec.keep_checkpoints)
+            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, cfg.spec.keep_checkpoints)
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

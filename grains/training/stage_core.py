@@ -105,6 +105,30 @@ class StageCore:
             self.backwards += 1
             return x.grad if x.requires_grad else None
 
+    def local_part(self) -> dict[str, torch.Tensor]:
+        """Hybrid: this replica's accumulated gradients and floating buffers, to be averaged."""
+        with self.lock:
+            out = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in self.trainable}
+            out.update({n: t.detach().clone() for n, t in self.buffers.items() if t.is_floating_point()})
+            return out
+
+    @staticmethod
+    def mean_of(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        out = {n: t.clone() for n, t in parts[0].items()}
+        for part in parts[1:]:
+            for n, t in part.items():
+                out[n].add_(t.to(out[n].device))
+        return {n: t.div_(len(parts)) for n, t in out.items()}
+
+    def take_mean(self, mean: dict[str, torch.Tensor]) -> None:
+        """Hybrid: the replicas' mean gradient and buffers replace this replica's own."""
+        with self.lock, torch.no_grad():
+            for n, p in self.trainable:
+                p.grad = mean[n].to(p.device, p.dtype).clone()
+            for n, t in self.buffers.items():
+                if n in mean:
+                    t.copy_(mean[n])
+
     def norm_sq(self) -> float:
         with self.lock:
             return squared_norm(p.grad for _, p in self.trainable if p.grad is not None)

@@ -96,3 +96,26 @@ async def test_sigkill_of_a_stage_silo_rolls_the_pipeline_back_and_it_finishes_a
     got = await coord.state_dict()
     for k, v in plain_loop(spec, 400).items():
         assert torch.allclose(got[k], v, rtol=1e-3, atol=1e-4), k
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+async def test_hybrid_two_replicas_of_two_stages_equal_data_parallel_training(cluster, client, schedule):
+    # trainers = 2: two copies of the 2-stage pipeline, each on half of the global batch; each
+    # stage's gradients (and buffers) averaged over its replicas: plain training on the global batch.
+    await cluster(4, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=2, stages=2, microbatches=4, schedule=schedule,
+                       batch_size=32, steps=20, optimizer="momentum", lr=0.05, clip_grad_norm=1.0,
+                       checkpoint_every=10, seed=6)  # fmt: skip
+    st = await run_job(client, f"hybrid-{schedule}", spec, timeout_s=120)
+    assert st.status == "completed" and st.trainers == 2 and len(st.trainer_keys) == 4, st
+    assert len(set(st.trainer_silos)) == 4, st  # every stage of every replica on its own silo
+    got = await client.get_grain(CoordinatorGrain, f"hybrid-{schedule}").state_dict()
+    model = build_model(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in global_batches(spec, 2, 20):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
