@@ -157,8 +157,10 @@ class TrainingJob(BaseModel):
                 raise ValueError(f"pipeline: microbatches={self.microbatches} does not divide batch_size={self.batch_size}")
             if self.step != DEFAULT_STEP:
                 raise ValueError("pipeline: the loss runs on the last stage; a custom step is not supported there yet")
-            if self.compression != "none" or self.amp != "fp32":
-                raise ValueError("pipeline: compression and reduced precision are not supported yet")
+            if self.compression not in ("none", "fp16", "bf16"):
+                raise ValueError("pipeline: compression compresses activations and their gradients: none, fp16 or bf16")
+            if self.amp == "fp16":
+                raise ValueError("pipeline: precision fp16 needs one loss scale across stages, not built yet; use bf16")
         if self.autocast_bf16 and self.precision == "fp16":
             raise ValueError("autocast_bf16 and precision='fp16' disagree; use precision alone")
         if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):

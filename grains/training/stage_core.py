@@ -45,6 +45,9 @@ class StageCore:
         self.device = device
         self.last = cfg.index == len(cfg.stage_keys) - 1
         self.scale = 1.0 / spec.microbatches
+        self.wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.compression)
+        """Activations and their gradients travel in this dtype (None: as computed)."""
+        self.autocast = spec.amp == "bf16"
         named = [(self.full(n), p) for n, p in self.module.named_parameters()]
         self.params = dict(named)
         self.trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -77,12 +80,20 @@ class StageCore:
             t0 = time.perf_counter()
             x = x.to(self.device)
             if x.is_floating_point() and self.offset > 0:
-                x.requires_grad_(True)
-            y = self.module(x)
+                x = x.float().requires_grad_(True)  # a compressed activation computes in fp32
+            with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+                y = self.module(x)
             self.acts[mb] = (x, y)
             self.forward_s += time.perf_counter() - t0
             self.forwards += 1
-            return y.detach()
+            return self.to_wire(y.detach())
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it is sent to the next (or previous) stage: compressed when the job says so."""
+        return t.to(self.wire) if self.wire is not None and t.is_floating_point() else t
+
+    def on_wire(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else self.to_wire(t)
 
     def loss_backward(self, mb: int, target: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: the micro-batch's loss and its backward; the loss and the input's gradient."""
@@ -93,17 +104,17 @@ class StageCore:
             (loss * self.scale).backward()
             self.backward_s += time.perf_counter() - t0
             self.backwards += 1
-            return float(loss.detach()), x.grad
+            return float(loss.detach()), self.on_wire(x.grad)
 
     def backward(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's backward from the next stage's input gradient; the input's gradient."""
         with self.lock:
             t0 = time.perf_counter()
             x, y = self.acts.pop(mb)
-            y.backward(grad.to(self.device))
+            y.backward(grad.to(self.device, y.dtype))
             self.backward_s += time.perf_counter() - t0
             self.backwards += 1
-            return x.grad if x.requires_grad else None
+            return self.on_wire(x.grad) if x.requires_grad else None
 
     def local_part(self) -> dict[str, torch.Tensor]:
         """Hybrid: this replica's accumulated gradients and floating buffers, to be averaged."""

@@ -119,3 +119,18 @@ async def test_hybrid_two_replicas_of_two_stages_equal_data_parallel_training(cl
         opt.step()
     for k, v in model.state_dict().items():
         assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+
+
+async def test_activations_compressed_to_fp16_and_bf16_autocast_train_as_well(cluster, client):
+    await cluster(2, grains=GRAINS)
+    common = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "steps": 200, "checkpoint_every": 0, **DEEP,
+              "mode": "pipeline", "trainers": 1, "stages": 2}  # fmt: skip
+    full = await run_job(client, "pipe-fp32", TrainingJob(**common))
+    half = await run_job(client, "pipe-fp16", TrainingJob(**common, compression="fp16"))
+    bf16 = await run_job(client, "pipe-bf16", TrainingJob(**common, precision="bf16"))
+    assert full.status == half.status == bf16.status == "completed", (full, half, bf16)
+    assert full.accuracy is not None and full.accuracy >= 0.9, full
+    for st in (half, bf16):
+        assert st.accuracy is not None and abs(st.accuracy - full.accuracy) <= 0.02, (st.job, st.accuracy, full.accuracy)
+    with pytest.raises(Exception, match="activations"):
+        TrainingJob(**{**common, "compression": "topk:0.01"})
