@@ -153,6 +153,8 @@ class CoordinatorGrain(Grain):
         steps_run: float = 0.0
         """Global steps executed, redone ones included (never decreases)."""
         samples_run: int = 0
+        stage_layers: list[tuple[int, int]] = Field(default_factory=list)
+        """Pipeline mode: the model's child slice each stage runs (the cut is made once per start)."""
         shed_silos: list[str] = Field(default_factory=list)
         """Trainer silos this job stopped using after a trainer ran out of memory there."""
         released: bool = False

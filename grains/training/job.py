@@ -89,6 +89,9 @@ class TrainingJob(BaseModel):
     stages: int = Field(2, ge=1, description="pipeline: stages the model (an nn.Sequential) is cut into.")
     microbatches: int = Field(4, ge=1, description="pipeline: micro-batches per step (they must divide batch_size).")
     schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline: gpipe (all forwards, then all backwards) or 1f1b.")
+    balance: Literal["bytes", "time"] = Field(
+        "bytes", description="pipeline: balance the stages by parameter bytes, or by each layer's measured time."
+    )
     compression: str = Field(
         "none", description="Gradient compression: none | fp16 | bf16 | topk:<ratio>[:fp16] (allreduce: none | fp16 | bf16)."
     )

@@ -28,9 +28,10 @@ from grains.training import checkpointing, cluster
 from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
+from grains.training.job import TrainingJob
 from grains.training.messages import StageConfig, StageStatus, TrainerProgress
 from grains.training.models import build_model
-from grains.training.pipeline import stage_layers
+from grains.training.pipeline import measured_costs, stage_layers
 from grains.training.stage import PipelineStageGrain
 from silo import errors
 
@@ -40,6 +41,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("redgrain.training.coordinator")
 
 _MAX_FAILURES = 5
+
+
+def cut(spec: TrainingJob) -> list[tuple[int, int]]:
+    """The job's stages: by parameter bytes, or by layer times measured on one micro-batch."""
+    model = build_model(spec)
+    costs = None
+    if spec.balance == "time":
+        from grains.training.batches import Batches
+
+        x, _ = Batches(load_dataset(spec, "train")).batch(spec.batch_size // spec.microbatches, 1, 0, 0, spec.seed)
+        costs = measured_costs(model, x)
+    return stage_layers(model, spec.stages, costs)
 
 
 class PipelineDriver(Driver):
@@ -59,8 +72,8 @@ class PipelineDriver(Driver):
         spec = s.spec
         assert spec is not None
         coord = self.coord
-        model = await coord.run_in_thread(build_model, spec)
-        layers = stage_layers(model, spec.stages)
+        layers = await coord.run_in_thread(cut, spec)
+        s.stage_layers = layers
         look = self.look()
         rows = look.eligible or look.hosting
         if not rows:
@@ -87,8 +100,8 @@ class PipelineDriver(Driver):
 
     async def tick(self) -> None:
         s = self.state
-        if not self._layers:  # re-activated: the cut is the same as at the start
-            self._layers = stage_layers(await self.coord.run_in_thread(build_model, s.spec), self._stages())
+        if not self._layers:  # re-activated: the cut made at the start
+            self._layers = [tuple(x) for x in s.stage_layers]  # type: ignore[misc]
         refs = [self.ref(PipelineStageGrain, k) for k in s.trainer_keys]
         results = await asyncio.gather(*(st.status(self.cursor) for st in refs), return_exceptions=True)
         if any(isinstance(r, BaseException) for r in results):

@@ -134,3 +134,23 @@ async def test_activations_compressed_to_fp16_and_bf16_autocast_train_as_well(cl
         assert st.accuracy is not None and abs(st.accuracy - full.accuracy) <= 0.02, (st.job, st.accuracy, full.accuracy)
     with pytest.raises(Exception, match="activations"):
         TrainingJob(**{**common, "compression": "topk:0.01"})
+
+
+def test_a_cut_by_measured_time_follows_the_costs_not_the_bytes():
+    from grains.training.pipeline import measured_costs
+
+    model = build_model(TrainingJob(**DEEP))  # Flatten, Linear(64, 64), ReLU, Linear(64, 64), ReLU, Linear(64, 10)
+    costs = measured_costs(model, torch.randn(16, 64))
+    assert len(costs) == 6 and all(c > 0 for c in costs)
+    # By bytes the cut falls after the second Linear; costs that sit elsewhere move it.
+    assert stage_layers(model, 2) == [(0, 4), (4, 6)]
+    assert stage_layers(model, 2, [1.0, 1.0, 1.0, 1.0, 1.0, 20.0]) == [(0, 5), (5, 6)]
+    assert stage_layers(model, 3, [5.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == [(0, 1), (1, 3), (3, 6)]
+
+
+async def test_a_job_cut_by_measured_time_trains(cluster, client):
+    await cluster(2, grains=GRAINS)
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=1, stages=2, balance="time", steps=30, batch_size=32)
+    st = await run_job(client, "pipe-time", spec)
+    assert st.status == "completed" and len(st.trainer_keys) == 2, st
+    assert set(await client.get_grain(CoordinatorGrain, "pipe-time").state_dict()) == set(build_model(spec).state_dict())
