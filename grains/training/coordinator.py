@@ -205,7 +205,8 @@ class CoordinatorGrain(Grain):
         if job.resume and not old.committed:
             raise errors.ConfigError(f"job {self.key} has no committed checkpoint to resume from")
         self.state = self.State(
-            spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time()
+            spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time(),
+            steps_run=old.steps_run, samples_run=old.samples_run,  # counters of the job id: they only grow
         )
         if job.resume:
             # Same run, so the same checkpoint group: the new start (in any mode) restores
