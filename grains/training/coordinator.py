@@ -67,6 +67,7 @@ from grains.training.optim import trainable
 from grains.training.pipeline_driver import PipelineDriver
 from grains.training.program import Program, evaluate
 from grains.training.ps_driver import ParameterServerDriver
+from grains.training.records import StageInfo
 from grains.training.store import CheckpointStoreGrain
 from silo import errors
 
@@ -326,7 +327,11 @@ class CoordinatorGrain(Grain):
 
     # --- what the drivers hand back -------------------------------------------
     async def _report(
-        self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus], trainer_silos: list[str] | None = None
+        self,
+        progress: dict[int, TrainerProgress],
+        statuses: list[ShardStatus],
+        trainer_silos: list[str] | None = None,
+        stages: list[StageInfo] | None = None,
     ) -> None:
         """This tick's trainer progress (by slot or rank) and shard statuses into the job's status."""
         s = self.state
@@ -358,6 +363,7 @@ class CoordinatorGrain(Grain):
             max_staleness=max([p.max_staleness for p in ps] + [st.max_staleness for st in statuses] + [0]),
             max_gap=max([p.max_gap for p in ps] + [st.max_gap for st in statuses] + [0]),
             trainer_silos=trainer_silos or [progress[j].silo if j in progress else "" for j in range(s.slots)],
+            stages=stages or [],
             shard_silos=[st.silo for st in statuses],
         )
         if await self._publish(evaluated=evaluated):
@@ -398,6 +404,7 @@ class CoordinatorGrain(Grain):
             samples_per_s=self._live.samples_per_s,
             bytes_per_step=self._live.bytes_per_step,
             exchange_ms_per_step=self._live.exchange_ms_per_step,
+            stages=self._live.stages,
             max_staleness=self._live.max_staleness,
             max_gap=self._live.max_gap,
             trainer_silos=self._live.trainer_silos,

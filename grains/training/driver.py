@@ -40,6 +40,7 @@ import torch
 from grains.base import Grain
 from grains.training.elastic import SiloLook, TrainerSilos
 from grains.training.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
+from grains.training.records import StageInfo
 
 if TYPE_CHECKING:
     from grains.training.coordinator import CoordinatorGrain
@@ -160,9 +161,11 @@ class Driver(abc.ABC):
         await self.coord._write()
         return True
 
-    async def report(self, shards: list[ShardStatus], trainer_silos: list[str] | None = None) -> None:
+    async def report(
+        self, shards: list[ShardStatus], trainer_silos: list[str] | None = None, stages: list[StageInfo] | None = None
+    ) -> None:
         """Hand this tick's progress to the coordinator's status; ask for newer points next time."""
         steps = [pt.step for p in self.progress.values() for pt in p.points]
         if steps:
             self.cursor = max(steps) + 1
-        await self.coord._report(self.progress, shards, trainer_silos)
+        await self.coord._report(self.progress, shards, trainer_silos, stages)

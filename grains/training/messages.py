@@ -8,6 +8,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grains.training.job import TrainingJob
+from grains.training.records import MicroBatchSpan, StageInfo
 
 JobStatus = Literal["idle", "starting", "running", "completed", "failed", "cancelled"]
 
@@ -228,6 +229,8 @@ class TrainingStatus(BaseModel):
     changes: list[GroupChange] = Field(default_factory=list)
     """All-reduce group re-formings and elastic trainer additions, oldest first (last 20)."""
     coordinator_silo: str = ""
+    stages: list[StageInfo] = Field(default_factory=list)
+    """Pipeline mode: every stage's silo, per-micro-batch times and latest step's timeline."""
     trainer_keys: list[str] = Field(default_factory=list)
     shard_keys: list[str] = Field(default_factory=list)
     trainer_silos: list[str] = Field(default_factory=list)
@@ -273,6 +276,8 @@ class StageStatus(BaseModel):
     forward_ms: float = 0.0
     """Mean compute time of one micro-batch's forward on this stage."""
     backward_ms: float = 0.0
+    timeline: list[MicroBatchSpan] = Field(default_factory=list)
+    """This stage's spans in its latest applied step."""
     points: list[StepPoint] = Field(default_factory=list)
     """Stage 0: per-step loss points from the asked step on."""
     samples_per_s: float = 0.0

@@ -32,6 +32,7 @@ from grains.training.job import TrainingJob
 from grains.training.messages import StageConfig, StageStatus, TrainerProgress
 from grains.training.models import build_model
 from grains.training.pipeline import measured_costs, stage_layers
+from grains.training.records import StageInfo
 from grains.training.stage import PipelineStageGrain
 from silo import errors
 
@@ -134,7 +135,12 @@ class PipelineDriver(Driver):
         common = set(first[0].saved_steps).intersection(*(st.saved_steps for st in first[1:]))
         for step in sorted(c for c in common if c > (s.committed[-1] if s.committed else -1)):
             await self.commit_step(step)
-        await self.report([], [st.silo for st in statuses])  # every stage's silo, in pipeline order
+        stage_info = [
+            StageInfo(key=s.trainer_keys[j], silo=st.silo, replica=j // stages, index=j % stages,
+                      forward_ms=st.forward_ms, backward_ms=st.backward_ms, timeline=st.timeline)
+            for j, st in enumerate(statuses)
+        ]  # fmt: skip
+        await self.report([], [st.silo for st in statuses], stage_info)  # every stage's silo, in pipeline order
         if all(h.status == "done" for h in heads) and self.final_committed():
             await self.coord._finish("completed")
 

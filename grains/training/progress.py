@@ -42,6 +42,8 @@ def job_progress(
         step=st.step,
         total_steps=st.total_steps or None,
         epoch=st.epoch,
+        steps_run=st.steps_run,
+        samples_run=st.samples_run,
         loss=st.loss,
         metrics=st.metrics,
         eval_metrics=st.eval_metrics,
@@ -55,6 +57,7 @@ def job_progress(
         mode=mode,
         trainers=[Placement(key=k, silo=s) for k, s in zip(trainer_keys, st.trainer_silos + [""] * len(trainer_keys))],
         shards=[Placement(key=k, silo=s) for k, s in zip(shard_keys, st.shard_silos + [""] * len(shard_keys))],
+        stages=list(st.stages),
         checkpoints=[CheckpointInfo(snapshot=str(c), step=c, at=when.get(c, 0.0)) for c in st.checkpoints],
         recoveries=[
             RecoveryInfo(

@@ -61,6 +61,28 @@ class Placement(BaseModel):
     silo: str = ""
 
 
+class MicroBatchSpan(BaseModel):
+    """One micro-batch's forward (``F``) or backward (``B``) on one pipeline stage."""
+
+    mb: int
+    kind: str = Field(description="F (forward) or B (backward).")
+    start: float = Field(description="Unix seconds.")
+    end: float
+
+
+class StageInfo(BaseModel):
+    """A pipeline stage of a job (mode pipeline): where it runs, what a micro-batch costs there,
+    and its spans in the job's latest step (the micro-batch timeline)."""
+
+    key: str
+    silo: str = ""
+    replica: int = 0
+    index: int = 0
+    forward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's forward.")
+    backward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's backward.")
+    timeline: list[MicroBatchSpan] = Field(default_factory=list)
+
+
 class CheckpointInfo(BaseModel):
     snapshot: str
     step: int
@@ -110,6 +132,14 @@ class JobProgress(BaseModel):
         description="Evaluation (test split) accuracy: eval_metrics['accuracy'] when the evaluation "
         "reports one.",
     )
+    steps_run: float = Field(
+        default=0.0,
+        description="Global steps executed by this start of the job, redone ones included: a counter "
+        "(a rollback re-runs steps and counts them again, so it never goes back while the job runs).",
+    )
+    samples_run: int = Field(
+        default=0, description="Training samples processed by this start of the job, redone steps included."
+    )
     samples_per_s: float = 0.0
     bytes_per_step: int = Field(
         default=0, description="Bytes on the wire per step, all trainers and shards."
@@ -127,9 +157,10 @@ class JobProgress(BaseModel):
         description="Deprecated, for readers of earlier records: max_gap in ssp mode, else "
         "max_staleness (a maximum, whatever earlier descriptions said).",
     )
-    mode: str = Field(default="sync", description="sync, async, ssp or allreduce.")
+    mode: str = Field(default="sync", description="sync, async, ssp, allreduce or pipeline.")
     trainers: list[Placement] = Field(default_factory=list)
     shards: list[Placement] = Field(default_factory=list)
+    stages: list[StageInfo] = Field(default_factory=list, description="Pipeline mode: the stages, by replica then index.")
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
     recoveries: list[RecoveryInfo] = Field(default_factory=list)
     updated_at: float = 0.0

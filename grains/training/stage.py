@@ -51,6 +51,7 @@ from grains.training.messages import StageConfig, StageStatus, StepPoint
 from grains.training.models import build_model
 from grains.training.optim import clip_coefficient
 from grains.training.program import is_fatal
+from grains.training.records import MicroBatchSpan
 from grains.training.shard import StaleGenerationError
 from grains.training.stage_core import StageCore
 
@@ -137,6 +138,7 @@ class PipelineStageGrain(Grain):
             fatal=self._fatal, forward_ms=1000 * core.forward_s / max(1, core.forwards) if core else 0.0,
             backward_ms=1000 * core.backward_s / max(1, core.backwards) if core else 0.0,
             points=[p for p in self._points if p.step >= since_step], samples_per_s=self._rate,
+            timeline=[MicroBatchSpan(mb=m, kind=k, start=a, end=b) for m, k, a, b in (core.last_spans if core else [])],
             steps_done=self._steps_done,
         )  # fmt: skip
 

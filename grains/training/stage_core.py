@@ -59,6 +59,9 @@ class StageCore:
         self.lock = threading.Lock()
         self.forward_s = self.backward_s = 0.0
         self.forwards = self.backwards = 0
+        self.spans: list[tuple[int, str, float, float]] = []
+        """The current step's micro-batch spans (mb, F/B, start, end; unix seconds)."""
+        self.last_spans: list[tuple[int, str, float, float]] = []
         if snapshot is not None:
             with torch.no_grad():
                 for n, p in self.params.items():
@@ -84,9 +87,18 @@ class StageCore:
             with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
                 y = self.module(x)
             self.acts[mb] = (x, y)
-            self.forward_s += time.perf_counter() - t0
+            self._span(mb, "F", t0)
             self.forwards += 1
             return self.to_wire(y.detach())
+
+    def _span(self, mb: int, kind: str, t0: float) -> None:
+        took = time.perf_counter() - t0
+        if kind == "F":
+            self.forward_s += took
+        else:
+            self.backward_s += took
+        end = time.time()
+        self.spans.append((mb, kind, end - took, end))
 
     def to_wire(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as it is sent to the next (or previous) stage: compressed when the job says so."""
@@ -102,7 +114,7 @@ class StageCore:
             x, y = self.acts.pop(mb)
             loss = F.cross_entropy(y.float(), target.to(self.device))
             (loss * self.scale).backward()
-            self.backward_s += time.perf_counter() - t0
+            self._span(mb, "B", t0)
             self.backwards += 1
             return float(loss.detach()), self.on_wire(x.grad)
 
@@ -112,7 +124,7 @@ class StageCore:
             t0 = time.perf_counter()
             x, y = self.acts.pop(mb)
             y.backward(grad.to(self.device, y.dtype))
-            self.backward_s += time.perf_counter() - t0
+            self._span(mb, "B", t0)
             self.backwards += 1
             return self.on_wire(x.grad) if x.requires_grad else None
 
@@ -156,6 +168,7 @@ class StageCore:
                 self.opt.zero_grad(set_to_none=True)
             step_schedule(self.schedule)
             self.acts.clear()
+            self.last_spans, self.spans = self.spans, []
             self.step += 1
 
     def snapshot(self) -> ShardSnapshot:

@@ -37,6 +37,12 @@ async def test_stages_with_four_microbatches_equal_the_single_process_loop(clust
     st = await run_job(client, f"pipe-{stages}-{schedule}", spec, timeout_s=120)
     assert st.status == "completed", st
     assert st.checkpoints[-2:] == [20, 24] and len(set(st.trainer_silos)) == stages, st  # one stage a silo
+    # Each stage's place, its times and the latest step's micro-batch timeline, for the dashboard.
+    assert [(g.index, g.silo) for g in st.stages] == list(enumerate(st.trainer_silos)), st.stages
+    for g in st.stages:
+        assert g.forward_ms > 0 and g.backward_ms > 0, g
+        assert sorted((sp.kind, sp.mb) for sp in g.timeline) == [(k, m) for k in "BF" for m in range(4)], g.timeline
+        assert all(sp.start <= sp.end for sp in g.timeline)
     got = await client.get_grain(CoordinatorGrain, f"pipe-{stages}-{schedule}").state_dict()
     want = plain_loop(spec, 24)
     assert set(got) == set(want)
