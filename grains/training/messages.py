@@ -259,6 +259,9 @@ class StageConfig(BaseModel):
     end_step: int = 0
     restore_step: int | None = None
     """Committed checkpoint to restore (None: the seeded initial weights)."""
+    keep: bool = False
+    """Go on from the state this stage holds (at ``start_step``): the pipeline shrank to fewer
+    replicas without a rollback."""
 
 
 class StageStatus(BaseModel):

@@ -114,6 +114,9 @@ class PipelineDriver(Driver):
             s.trainer_keys[i] for i, st in enumerate(statuses)
             if st.generation != s.generation or (self._activations and st.activation_id != self._activations[i])
         ]  # fmt: skip
+        gone = sorted({s.trainer_keys.index(k) // stages for k in lost})
+        if lost and 0 < len(gone) < s.slots and await self._shrink(gone, f"{', '.join(lost)} lost"):
+            return
         for r, head in enumerate(heads):
             if head.status == "failed" and head.generation == s.generation:
                 if head.fatal:
@@ -165,7 +168,7 @@ class PipelineDriver(Driver):
             samples_per_s=head.samples_per_s, steps_done=head.steps_done, points=head.points,
         )  # fmt: skip
 
-    async def _configure(self, restore: int | None) -> None:
+    async def _configure(self, restore: int | None, keep_from: int | None = None) -> None:
         s = self.state
         assert s.spec is not None
         stages, replicas = len(self._layers), max(1, s.slots)
@@ -173,7 +176,8 @@ class PipelineDriver(Driver):
         cfgs = [
             StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=chains[r],
                         replica=r, peer_keys=[c[i] for c in chains], checkpoint_keys=chains[0],
-                        generation=s.generation, start_step=restore or 0, end_step=s.total_steps, restore_step=restore)
+                        generation=s.generation, start_step=keep_from if keep_from is not None else restore or 0,
+                        end_step=s.total_steps, restore_step=restore, keep=keep_from is not None)
             for r in range(replicas) for i, layers in enumerate(self._layers)
         ]  # fmt: skip
         refs = [self.ref(PipelineStageGrain, k, 120.0) for k in s.trainer_keys]
@@ -185,6 +189,37 @@ class PipelineDriver(Driver):
             for j, st in zip(group, await asyncio.gather(*(refs[j].configure(cfgs[j]) for j in group)), strict=True):
                 done[j] = st
         self._activations = [done[j].activation_id for j in range(len(refs))]
+
+    async def _shrink(self, gone: list[int], why: str) -> bool:
+        """Hybrid: go on with the replicas that lost nothing, from the step they hold, without a
+        rollback; False when their stages do not all hold the same step (then roll back)."""
+        s = self.state
+        stages = len(self._layers)
+        keep = [r for r in range(s.slots) if r not in gone]
+        keys = [s.trainer_keys[r * stages + i] for r in keep for i in range(stages)]
+        silos = [s.trainer_silos[r * stages + i] for r in keep for i in range(stages)]
+        s.generation += 1
+        await self.coord._write()
+        refs = [self.ref(PipelineStageGrain, k) for k in keys]
+        await asyncio.gather(*(r.stop() for r in refs), return_exceptions=True)
+        held = await asyncio.gather(*(r.status() for r in refs), return_exceptions=True)
+        steps = {h.step for h in held if isinstance(h, StageStatus)}
+        if len(steps) != 1 or any(isinstance(h, BaseException) for h in held):
+            log.warning("%s: %s; the surviving replicas hold steps %s: rolling back", self.key, why, sorted(steps))
+            return False
+        (step,) = steps
+        lost_keys = [k for r in gone for k in s.trainer_keys[r * stages : (r + 1) * stages]]
+        s.trainer_keys, s.trainer_silos, s.slots = keys, silos, len(keep)
+        log.warning("%s: %s; going on with %d replica(s) from step %d (generation %d)", self.key, why, s.slots,
+                    step, s.generation)  # fmt: skip
+        self.note_change(s.generation, f"{why}; shrank to {s.slots} replica(s)", s.slots, step)
+        await self.coord._write()
+        await asyncio.gather(*(self.ref(PipelineStageGrain, k).release() for k in lost_keys), return_exceptions=True)
+        self.progress.clear()
+        self.cursor = step
+        await self._configure(None, keep_from=step)
+        await self.coord._write()
+        return True
 
     async def _rollback(self, why: str) -> None:
         s = self.state

@@ -100,13 +100,21 @@ class PipelineStageGrain(Grain):
         """Start (or restart) this stage for a generation; stage 0 starts running the steps."""
         await self._stop_loop()
         self._generation = cfg.generation
-        snapshot = await self._restore(cfg) if cfg.restore_step is not None else None
-        self._core = await self.run_in_thread(StageCore, cfg, self.device, snapshot)
+        core = self._core
+        if cfg.keep:
+            if core is None or self._cfg is None or self._cfg.layers != cfg.layers or core.step != cfg.start_step:
+                held = None if core is None else core.step
+                raise StaleGenerationError(f"{self.key} cannot go on from step {cfg.start_step}: it holds {held}")
+            await self.run_in_thread(core.discard_step)
+        else:
+            snapshot = await self._restore(cfg) if cfg.restore_step is not None else None
+            self._core = await self.run_in_thread(StageCore, cfg, self.device, snapshot)
         self._cfg = cfg
         first, last = cfg.index == 0, cfg.index == len(cfg.stage_keys) - 1
         self._batches = await self.run_in_thread(Batches, load_dataset(cfg.spec, "train"), self.device) if first or last else None
         self._status, self._error, self._fatal = "running", "", False
-        self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
+        if not cfg.keep:
+            self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
         self._points.clear()
         self._arrived = {}
         self._steps_done = 0

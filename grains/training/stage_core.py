@@ -152,6 +152,14 @@ class StageCore:
                 if n in mean:
                     t.copy_(mean[n])
 
+    def discard_step(self) -> None:
+        """Drop the unfinished step (its activations and gradients); the applied state stays."""
+        with self.lock:
+            self.acts.clear()
+            self.spans = []
+            if self.opt is not None:
+                self.opt.zero_grad(set_to_none=True)
+
     def norm_sq(self) -> float:
         with self.lock:
             return squared_norm(p.grad for _, p in self.trainable if p.grad is not None)

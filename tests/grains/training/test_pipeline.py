@@ -160,3 +160,27 @@ async def test_a_job_cut_by_measured_time_trains(cluster, client):
     st = await run_job(client, "pipe-time", spec)
     assert st.status == "completed" and len(st.trainer_keys) == 2, st
     assert set(await client.get_grain(CoordinatorGrain, "pipe-time").state_dict()) == set(build_model(spec).state_dict())
+
+
+@pytest.mark.slow
+async def test_a_lost_replica_shrinks_the_hybrid_job_without_a_rollback(silo_processes, client):
+    from grains.training.cluster import key_on
+    from tests.grains.training.conftest import training_silos
+    from tests.grains.training.test_faults import process_of, status_when
+
+    procs = silo_processes(4, grains="grains.training")
+    rows = await training_silos(client, 4)
+    job = key_on("CoordinatorGrain", "hybrid-kill", rows[0].silo, rows)  # with replica 0's first stage
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=2, stages=2, microbatches=2, batch_size=32, steps=400,
+                       optimizer="momentum", lr=0.05, checkpoint_every=50)  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, job)
+    await coord.start(spec)
+    st = await status_when(coord, lambda s: s.status == "running" and s.step >= 100)
+    assert st.step < 350 and len(st.trainer_silos) == 4, st
+    victim = st.trainer_silos[3]  # replica 1's last stage
+    assert victim not in (*st.trainer_silos[:3], st.coordinator_silo), st
+    process_of(procs, victim).kill()
+    final = await status_when(coord, lambda s: s.status == "completed", timeout_s=120)
+    assert final.step == 400 and final.rollbacks == 0 and final.trainers == 1, final
+    assert any("shrank to 1 replica" in c.reason for c in final.changes), final.changes
+    assert final.accuracy is not None and final.accuracy >= 0.9, final
