@@ -281,6 +281,8 @@ class StageStatus(BaseModel):
     backward_ms: float = 0.0
     timeline: list[MicroBatchSpan] = Field(default_factory=list)
     """This stage's spans in its latest applied step."""
+    param_bytes: int = 0
+    """Bytes of the parameters this stage holds (its share of the model)."""
     points: list[StepPoint] = Field(default_factory=list)
     """Stage 0: per-step loss points from the asked step on."""
     samples_per_s: float = 0.0

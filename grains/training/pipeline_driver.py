@@ -134,13 +134,15 @@ class PipelineDriver(Driver):
         if all(h.steps_done for h in heads):
             self._failures = 0
         self.progress = {r: self._progress(h, r) for r, h in enumerate(heads)}
+        self._note_first_step(heads)
         first = statuses[:stages]  # replica 0's stages hold the checkpoints
         common = set(first[0].saved_steps).intersection(*(st.saved_steps for st in first[1:]))
         for step in sorted(c for c in common if c > (s.committed[-1] if s.committed else -1)):
             await self.commit_step(step)
         stage_info = [
             StageInfo(key=s.trainer_keys[j], silo=st.silo, replica=j // stages, index=j % stages,
-                      forward_ms=st.forward_ms, backward_ms=st.backward_ms, timeline=st.timeline)
+                      forward_ms=st.forward_ms, backward_ms=st.backward_ms, timeline=st.timeline,
+                      param_bytes=st.param_bytes)
             for j, st in enumerate(statuses)
         ]  # fmt: skip
         await self.report([], [st.silo for st in statuses], stage_info)  # every stage's silo, in pipeline order
@@ -189,6 +191,16 @@ class PipelineDriver(Driver):
             for j, st in zip(group, await asyncio.gather(*(refs[j].configure(cfgs[j]) for j in group)), strict=True):
                 done[j] = st
         self._activations = [done[j].activation_id for j in range(len(refs))]
+
+    def _note_first_step(self, heads: list[StageStatus]) -> None:
+        """Fill in when every replica committed the first step after the latest change (recovery time)."""
+        s = self.state
+        if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
+            return
+        change = s.changes[-1]
+        times = [pt.at for h in heads for pt in h.points if pt.step == change.start_step]
+        if len(times) == len(heads):
+            change.first_step_at = max(times)
 
     async def _shrink(self, gone: list[int], why: str) -> bool:
         """Hybrid: go on with the replicas that lost nothing, from the step they hold, without a

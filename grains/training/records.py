@@ -80,6 +80,7 @@ class StageInfo(BaseModel):
     index: int = 0
     forward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's forward.")
     backward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's backward.")
+    param_bytes: int = Field(default=0, description="Bytes of the parameters the stage holds.")
     timeline: list[MicroBatchSpan] = Field(default_factory=list)
 
 

@@ -147,6 +147,7 @@ class PipelineStageGrain(Grain):
             backward_ms=1000 * core.backward_s / max(1, core.backwards) if core else 0.0,
             points=[p for p in self._points if p.step >= since_step], samples_per_s=self._rate,
             timeline=[MicroBatchSpan(mb=m, kind=k, start=a, end=b) for m, k, a, b in (core.last_spans if core else [])],
+            param_bytes=sum(p.numel() * p.element_size() for p in core.params.values()) if core else 0,
             steps_done=self._steps_done,
         )  # fmt: skip
 

@@ -98,6 +98,9 @@ async def test_sigkill_of_a_stage_silo_rolls_the_pipeline_back_and_it_finishes_a
     final = await status_when(coord, lambda s: s.status == "completed", timeout_s=120)
     assert final.rollbacks >= 1 and final.step == 400, final
     assert victim not in final.trainer_silos, final
+    change = final.changes[-1]  # the rollback, and when the pipeline committed its next step
+    assert change.first_step_at is not None and change.first_step_at > change.at, change
+    print(f"pipeline back {change.first_step_at - change.at:.2f} s after the decision")
     # Restored from a checkpoint of every stage at one step, the run replays exactly.
     got = await coord.state_dict()
     for k, v in plain_loop(spec, 400).items():
@@ -184,3 +187,17 @@ async def test_a_lost_replica_shrinks_the_hybrid_job_without_a_rollback(silo_pro
     assert final.step == 400 and final.rollbacks == 0 and final.trainers == 1, final
     assert any("shrank to 1 replica" in c.reason for c in final.changes), final.changes
     assert final.accuracy is not None and final.accuracy >= 0.9, final
+
+
+async def test_each_stage_holds_its_share_of_the_parameters_only(cluster, client):
+    await cluster(2, grains=GRAINS)
+    # Four equal Linear(64, 64) layers (10 of the 64 outputs are the digits' classes): 2 stages of 2.
+    spec = TrainingJob(model_args={"hidden": [64, 64, 64], "classes": 64}, mode="pipeline", trainers=1, stages=2,
+                       steps=10, batch_size=32)  # fmt: skip
+    st = await run_job(client, "pipe-mem", spec)
+    assert st.status == "completed", st
+    total = sum(p.numel() * p.element_size() for p in build_model(spec).parameters())
+    shares = [g.param_bytes / total for g in st.stages]
+    print("stage parameter shares:", [f"{x:.1%}" for x in shares])
+    assert sum(g.param_bytes for g in st.stages) == total
+    assert all(abs(x - 1 / 2) <= 0.2 / 2 for x in shares), shares  # each within 20% of 1/p
