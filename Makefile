@@ -11,6 +11,8 @@ ARGS ?=
 # The dashboard's browser test drives Debian's chromium (never a downloaded browser);
 # `make test` installs it where it is missing (apt-get, as root), so a fresh machine needs nothing by hand.
 CHROMIUM := /usr/bin/chromium
+# tests/dashboard/test_promtool.py lints /metrics with promtool, from Debian's prometheus package (same rule).
+PROMTOOL := /usr/bin/promtool
 
 .PHONY: install test demo bench soak lint typecheck clean partition-test
 
@@ -28,7 +30,12 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
-test: $(STAMP) $(CHROMIUM)
+$(PROMTOOL):
+	@if [ "$$(id -u)" != 0 ]; then echo "the metrics lint test needs Debian's promtool: run 'sudo apt-get install -y --no-install-recommends prometheus'" >&2; exit 1; fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+
+test: $(STAMP) $(CHROMIUM) $(PROMTOOL)
 	$(PY) -m pytest -q -m "not soak" $(ARGS)
 
 demo: $(STAMP)

@@ -10,6 +10,9 @@ In one run, each measurement warmed up and repeated (median and spread):
   and a 64 MB tensor echo client → grain (both directions counted);
 * client→grain 100 B calls with the dashboard open and polling vs without
   (bench_dashboard.py's alternating phases), with the silos' CPU per call;
+* tracing off vs on (every call sampled, spans batched to an exporter that
+  drops them): client→grain and grain→grain across two silos of this process,
+  phases alternating, and the off path's own checks timed alone;
 * the same shapes on Ray (sync actor, async actor, actor → actor ObjectRef)
   when ``ray`` is installed (``pip install ".[bench]"``), in a subprocess.
 
@@ -184,6 +187,99 @@ async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str,
     return out
 
 
+async def measure_tracing(redis_url: str, sz: Sizes) -> dict[str, Any]:
+    """Sequential 100 B calls with tracing off and on, alternating, on two silos of this process.
+
+    The silos run here (not as subprocesses) so that tracing can be switched on and off
+    between phases on the same activations; a traced call makes a CLIENT span (the client's)
+    and a SERVER span (the silo's), and a grain→grain call one SERVER span.
+    """
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from benchmarks.grains import BenchDriver, BenchEcho
+    from grains.ids import GrainId
+    from grains.placement import grain_options
+    from silo.client import ClusterClient
+    from silo.settings import RebalancerSettings, SiloSettings
+    from silo.silo import Silo
+    from silo.tracing import Tracing
+
+    class Discard(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()  # the default sampler records every span
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    tracing = Tracing(provider)
+    settings = SiloSettings(
+        redis_url=redis_url, cluster="bench-tracing", grains=("benchmarks.grains",),
+        rebalancer=RebalancerSettings(max_moves_per_period=0),
+    )  # fmt: skip
+    silos = [await Silo(settings).start() for _ in range(2)]
+    try:
+        for s in silos:
+            await s.view.refresh()
+        one, two = silos
+        echo_type, driver_type = grain_options(BenchEcho).type_name, grain_options(BenchDriver).type_name
+        await one.router.activate(GrainId(driver_type, "d"), target=one.address)
+        await two.router.activate(GrainId(echo_type, "e"), target=two.address)
+        plain = await ClusterClient.connect(redis_url, cluster="bench-tracing")
+        traced = await ClusterClient.connect(redis_url, cluster="bench-tracing", tracing=tracing)
+        try:
+            samples: dict[str, list[float]] = {}
+            n = sz.seq * 2
+            for _ in range(2 if sz.quick else 5):
+                for on in (False, True):
+                    for s in silos:
+                        s.router.tracing = s.dispatcher.tracing = tracing if on else None
+                    client = traced if on else plain
+                    echo, driver = client.get_grain(BenchEcho, "e"), client.get_grain(BenchDriver, "d")
+                    state = "on" if on else "off"
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        await echo.echo(SMALL)
+                    samples.setdefault(f"client_grain_{state}", []).append(n / (time.perf_counter() - t0))
+                    lat = await driver.sequential("e", n, SMALL)
+                    samples.setdefault(f"grain_grain_{state}", []).append(len(lat) / sum(lat))
+        finally:
+            await plain.close()
+            await traced.close()
+    finally:
+        for s in reversed(silos):
+            await s.stop(graceful=False)
+        provider.shutdown()
+    out: dict[str, Any] = {k: common.summarize(v[1:] if len(v) > 2 else v) for k, v in samples.items()}
+    for s in silos:
+        s.router.tracing = s.dispatcher.tracing = None
+    out["off_checks_ns"] = _off_checks_ns(silos[0])
+    return out
+
+
+def _off_checks_ns(silo: Any) -> float:
+    """What tracing off adds to a call, timed alone: the router's and the dispatcher's tests."""
+    import timeit
+
+    router, dispatcher, header = silo.router, silo.dispatcher, [1, 1, "T", "k", "m", 1000, [], 0]
+
+    def checks() -> None:
+        _ = None if router.tracing is None else router.tracing.current_carrier()
+        _ = len(header) > 8
+        _ = None if dispatcher.tracing is None else dispatcher
+
+    number = 200_000
+    return min(timeit.repeat(checks, number=number, repeat=5)) / number * 1e9
+
+
+def tracing_table(tr: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for shape, name in (("client_grain", "client→grain sequential 100B"), ("grain_grain", "grain→grain across silos sequential 100B")):
+        off, on = _med(tr, f"{shape}_off"), _med(tr, f"{shape}_on")
+        cost = f"+{(1 / on - 1 / off) * 1e6:.1f} µs/call" if off and on else "-"
+        rows.append([name, f"{off:,.0f} /s" if off else "-", f"{on:,.0f} /s" if on else "-", common.ratio(on, off), cost])
+    return rows
+
+
 def measure_ray(sz: Sizes) -> dict[str, Any] | str:
     """Ray's numbers from a subprocess (its own event loops and workers), or why not."""
     try:
@@ -283,6 +379,7 @@ def main(argv: list[str]) -> int:
         # Issue 6's row: the same calls with the dashboard open and polling, phases alternating.
         rounds, seconds = (1, 0.3) if args.quick else (4, 2.0)
         board, board_cpu = common.run(dashboard_phases(cluster, rounds, seconds))
+        traces = common.run(measure_tracing(cluster.redis_url, sz))
     # The same machine's loopback TCP, for the same-host Unix socket rows.
     with common.BenchCluster(2, env={**PINNED, "REDGRAIN_TRANSPORT__LOCAL_SOCKETS": "false"}) as cluster:
         tcp = common.run(measure_tcp(cluster, sz))
@@ -306,9 +403,16 @@ def main(argv: list[str]) -> int:
     print()
     common.print_table(["same host, two silos", "Unix socket (default)", "loopback TCP", "socket/TCP"],
                        local_socket_table(rg, tcp))  # fmt: skip
+    print()
+    common.print_table(["tracing (silos in one process)", "off", "on, 100% sampled", "on/off", "cost"],
+                       tracing_table(traces))  # fmt: skip
+    print(f"# tracing off: its checks on a call's path take {traces['off_checks_ns']:.0f} ns (timed alone);"
+          " on: a CLIENT and a SERVER span per client call, a SERVER span per grain call, batched to a"
+          " discarding exporter")  # fmt: skip
     common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
                                   "ray": ray, "ray_note": ray_note, "dashboard": board_out, "dashboard_added_cpu": board["added_cpu"],
-                                  "dashboard_cpu_percent": board_cpu, "tcp": tcp})  # fmt: skip
+                                  "dashboard_cpu_percent": board_cpu, "tcp": tcp,
+                                  "tracing": traces})  # fmt: skip
     return 0
 
 

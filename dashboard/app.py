@@ -31,7 +31,15 @@ from grains.ids import GrainId
 from grains.training.records import JobPoint, JobProgress
 from silo import errors
 from silo.keys import Keys
-from silo.records import LIVE, EventLog, read_events, request_cancel, request_drain
+from silo.records import (
+    LIVE,
+    EventLog,
+    read_events,
+    read_logs,
+    read_reminders,
+    request_cancel,
+    request_drain,
+)
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore
@@ -266,6 +274,36 @@ def create_app(
         if kind is not None:
             found = [e for e in found if e.kind == kind][:count]
         return m.EventList(events=found)
+
+    @app.get("/api/reminders", response_model=m.ReminderList, tags=["grains"])
+    async def reminders(
+        r: Reader,
+        type: str | None = Query(None, description="Only reminders of this grain type."),
+    ) -> m.ReminderList:
+        """Every reminder: period, next due, and when and on which silo its last tick ran."""
+        every = await read_reminders(r.redis, keys)
+        return m.ReminderList(
+            reminders=[x for x in every if type is None or x.type == type],
+            types=sorted({x.type for x in every}),
+        )
+
+    @app.get("/api/logs", response_model=m.LogList, tags=["cluster"])
+    async def logs(
+        r: Reader,
+        since: str | None = Query(
+            None,
+            pattern=r"^\d+(-\d+)?$",
+            description="A stream id (entries after it) or unix milliseconds (entries from then).",
+        ),
+        silo: str | None = Query(None, description="Only records of this silo."),
+        level: str | None = Query(None, description="This level and above: DEBUG ... CRITICAL."),
+        limit: int = Query(200, ge=1, le=2000),
+    ) -> m.LogList:
+        """Silos' published log records, newest last; tail with ``since`` = the last ``last_id``."""
+        entries, last = await read_logs(
+            r.redis, keys, since=since, silo=silo, level=level, limit=limit
+        )
+        return m.LogList(entries=entries, last_id=last)
 
     # --- admin ----------------------------------------------------------------
 

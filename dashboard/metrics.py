@@ -2,6 +2,14 @@
 
 No global default registry: each app owns a ``CollectorRegistry`` holding one
 ``ClusterCollector``, so several dashboards (or tests) share a process.
+
+Every figure comes from a record silos or coordinators already published, so
+a scrape costs the cluster nothing: counters are the records' own cumulative
+counts (a silo's since it started, a job's since this start of it), which
+Prometheus' ``rate()`` reads across a restart as a counter reset. A silo
+without a GPU publishes none, and the GPU families are then left out of the
+text altogether: absent, not zeros. ``docs/dashboard.md`` lists the metrics;
+``tests/dashboard/test_promtool.py`` holds the text to ``promtool check metrics``.
 """
 
 from __future__ import annotations
@@ -69,6 +77,38 @@ class ClusterCollector(Collector):
         errs = CounterMetricFamily(
             "redgrain_call_errors", "Grain calls that raised.", labels=["grain_type", "method"]
         )
+        gpu_util = GaugeMetricFamily(
+            "redgrain_silo_gpu_utilization_ratio",
+            "Fraction of the last sample period a GPU was busy, 0..1 (NVML; absent without it).",
+            labels=["silo", "gpu"],
+        )
+        gpu_used = GaugeMetricFamily(
+            "redgrain_silo_gpu_memory_used_bytes",
+            "GPU memory in use on a silo's device, all processes (NVML; else torch: total - free).",
+            labels=["silo", "gpu"],
+        )
+        gpu_total = GaugeMetricFamily(
+            "redgrain_silo_gpu_memory_total_bytes",
+            "GPU memory of a silo's device.",
+            labels=["silo", "gpu"],
+        )
+        reminders = {
+            "registered": CounterMetricFamily(
+                "redgrain_reminders_registered",
+                "Reminders registered through a silo.",
+                labels=["silo"],
+            ),
+            "delivered": CounterMetricFamily(
+                "redgrain_reminder_ticks_delivered",
+                "Reminder ticks whose receive_reminder ran to completion on a silo.",
+                labels=["silo"],
+            ),
+            "failed": CounterMetricFamily(
+                "redgrain_reminder_ticks_failed",
+                "Reminder ticks whose delivery or receive_reminder failed on a silo.",
+                labels=["silo"],
+            ),
+        }
         latency = HistogramMetricFamily("redgrain_call_duration_seconds", "Grain call duration (queueing included).",
                                         labels=["grain_type", "method"])  # fmt: skip
         merged: dict[tuple[str, str], tuple[int, int, float, list[int]]] = {}
@@ -81,6 +121,16 @@ class ClusterCollector(Collector):
             tr = rec.components.get("transport", {})
             transport.add_metric([rec.address, "in"], float(tr.get("bytes_in", 0)))
             transport.add_metric([rec.address, "out"], float(tr.get("bytes_out", 0)))
+            for gpu in rec.gpus:
+                labels = [rec.address, str(gpu.index)]
+                if gpu.utilization is not None:
+                    gpu_util.add_metric(labels, gpu.utilization)
+                gpu_used.add_metric(labels, gpu.memory_used_bytes)
+                gpu_total.add_metric(labels, gpu.memory_total_bytes)
+            rem = rec.components.get("reminders", {})
+            for field, family in reminders.items():
+                if isinstance(rem.get(field), int | float):
+                    family.add_metric([rec.address], float(rem[field]))
             for x in rec.methods:
                 c, e, total, hist = merged.get((x.grain_type, x.method), (0, 0, 0.0, dense({})))
                 hist = [a + b for a, b in zip(hist, dense(x.hist), strict=True)]
@@ -92,6 +142,9 @@ class ClusterCollector(Collector):
                 )
         yield from gauges.values()
         yield transport
+        # Not even HELP lines without a GPU: absent, not zero.
+        yield from (f for f in (gpu_util, gpu_used, gpu_total) if f.samples)
+        yield from reminders.values()
         for (t, meth), (c, e, total, hist) in sorted(merged.items()):
             calls.add_metric([t, meth], c)
             errs.add_metric([t, meth], e)
@@ -136,7 +189,20 @@ class ClusterCollector(Collector):
         wire = GaugeMetricFamily(
             "redgrain_job_bytes_per_step", "Bytes on the wire per step.", labels=["job"]
         )
+        steps = CounterMetricFamily(
+            "redgrain_training_steps",
+            "Global training steps a job executed: steps redone after a rollback count again, so it"
+            " only grows while the job runs (it starts from 0 when the job id is started again).",
+            labels=["job"],
+        )
+        samples = CounterMetricFamily(
+            "redgrain_training_samples",
+            "Training samples a job processed (steps x batch size x trainers), redone steps included.",
+            labels=["job"],
+        )
         for job in self.jobs:
+            steps.add_metric([job.job], job.steps_run)
+            samples.add_metric([job.job], job.samples_run)
             step.add_metric([job.job, job.status], job.step)
             epoch.add_metric([job.job], job.epoch)
             if job.loss is not None:
@@ -152,4 +218,4 @@ class ClusterCollector(Collector):
             stale.add_metric([job.job], job.max_staleness)
             sps.add_metric([job.job], job.samples_per_s)
             wire.add_metric([job.job], job.bytes_per_step)
-        yield from (step, epoch, loss, acc, named, stale, sps, wire)
+        yield from (steps, samples, step, epoch, loss, acc, named, stale, sps, wire)

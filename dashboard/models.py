@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from grains.training.records import CheckpointInfo, JobPoint, JobProgress, Placement, RecoveryInfo
-from silo.records import ClusterEvent, LoadPoint, SiloStatsRecord
+from silo.records import ClusterEvent, LoadPoint, LogEntry, ReminderInfo, SiloStatsRecord
 
 __all__ = [
     "AdminResult",
@@ -31,12 +31,16 @@ __all__ = [
     "JobPoint",
     "JobProgress",
     "LoadPoint",
+    "LogEntry",
+    "LogList",
     "MethodRow",
     "Methods",
     "Overview",
     "Placement",
     "RecoveryInfo",
     "RedisStatus",
+    "ReminderInfo",
+    "ReminderList",
     "SiloDetail",
     "SiloList",
     "SiloStatsRecord",
@@ -207,3 +211,18 @@ class EventList(BaseModel):
 class AdminResult(BaseModel):
     ok: bool
     detail: str
+
+
+class ReminderList(BaseModel):
+    reminders: list[ReminderInfo] = Field(description="By grain type, key and name.")
+    types: list[str] = Field(
+        default_factory=list, description="Every grain type with a reminder (for the filter)."
+    )
+
+
+class LogList(BaseModel):
+    entries: list[LogEntry] = Field(description="Oldest first (the newest last).")
+    last_id: str | None = Field(
+        default=None,
+        description="The last stream entry looked at: pass it as `since` for what comes next.",
+    )

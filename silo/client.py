@@ -9,14 +9,16 @@
 The client reads membership and grain-type manifests from Redis, places new
 activations itself (as a silo would), and talks to silos directly over TCP.
 ``ClusterClient.connect("embedded")`` starts a private redis-server for a
-single-machine try-out.
+single-machine try-out. ``tracing=Tracing(provider)`` (:mod:`silo.tracing`)
+makes every call a CLIENT span whose context travels with the call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from silo import errors
 from silo.catalog.runtime import RefFactory
@@ -31,18 +33,29 @@ from silo.messaging.transport import Transport
 from silo.redis_util import connect_redis, redis_errors
 from silo.settings import ClientSettings
 
+if TYPE_CHECKING:
+    from silo.tracing import Tracing
+
 log = logging.getLogger("redgrain.client")
 
 G = TypeVar("G")
 
 
 class ClusterClient:
-    def __init__(self, settings: ClientSettings, *, types: Iterable[type] = ()) -> None:
+    def __init__(
+        self, settings: ClientSettings, *, types: Iterable[type] = (), tracing: Tracing | None = None
+    ) -> None:
         self.settings = settings
+        self.tracing = tracing
         self.keys = Keys(settings.cluster)
         self._types = list(types)
         self._embedded: Any = None
         self.closed = True
+        self._own_tracing = tracing is None and settings.tracing.enabled
+        if self._own_tracing:
+            from silo.tracing import Tracing
+
+            self.tracing = Tracing.from_settings(settings.tracing)
 
     @classmethod
     async def connect(
@@ -52,15 +65,20 @@ class ClusterClient:
         cluster: str | None = None,
         settings: ClientSettings | None = None,
         types: Iterable[type] = (),
+        tracing: Tracing | None = None,
     ) -> ClusterClient:
-        """Connect to the cluster whose state lives in ``redis_url`` ("embedded": a private Redis)."""
+        """Connect to the cluster whose state lives in ``redis_url`` ("embedded": a private Redis).
+
+        ``tracing``: spans for the calls made through this client (None: what
+        ``settings.tracing`` says, off by default, at no cost).
+        """
         base = settings or ClientSettings()
         update: dict[str, Any] = {}
         if redis_url is not None:
             update["redis_url"] = redis_url
         if cluster is not None:
             update["cluster"] = cluster
-        client = cls(base.model_copy(update=update) if update else base, types=types)
+        client = cls(base.model_copy(update=update) if update else base, types=types, tracing=tracing)
         await client._start()
         return client
 
@@ -97,8 +115,10 @@ class ClusterClient:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            tracing=self.tracing,
         )
-        self._refs = RefFactory(self.router, self.manifests, self.codec)
+        caller = self.router if self.tracing is None else self.tracing.caller(self.router)
+        self._refs = RefFactory(caller, self.manifests, self.codec)
         await self.view.start()
         await self.manifests.refresh()
         self.closed = False
@@ -121,6 +141,9 @@ class ClusterClient:
         await self.view.stop()
         await self.transport.close()
         await self.redis.aclose()
+        if self._own_tracing and self.tracing is not None:
+            # Flushing to a collector that is down can take its export timeout: off the loop.
+            await asyncio.to_thread(self.tracing.shutdown)
         if self._embedded is not None:
             await self._embedded.__aexit__(None, None, None)
 

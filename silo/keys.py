@@ -131,6 +131,11 @@ class Keys:
         """Hash: reminder id (JSON [type, key, name]) -> JSON row (type, key, name, period_ms)."""
         return self.prefix + "reminders:rows"
 
+    @property
+    def reminder_fired(self) -> str:
+        """Hash: reminder id -> JSON {at (unix s), silo} of its last delivered tick."""
+        return self.prefix + "reminders:fired"
+
     # --- cluster services --------------------------------------------------
     def leader(self, role: str) -> str:
         """String with a TTL: which silo holds a cluster-wide role (rebalancer)."""
@@ -153,6 +158,11 @@ class Keys:
     def events(self) -> str:
         """Capped stream of cluster events (joins, deaths, moves)."""
         return self.prefix + "events"
+
+    @property
+    def logs(self) -> str:
+        """Capped stream of silos' log records (time, level, logger, message, silo, exc)."""
+        return self.prefix + "logs"
 
     @property
     def jobs(self) -> str:

@@ -145,6 +145,19 @@ class LoadPoint(BaseModel):
     calls_per_s: float
 
 
+class GpuRecord(BaseModel):
+    """One GPU as a silo sees it, in its stats record (absent when the silo has no GPU)."""
+
+    index: int = Field(description="Device index (NVML's, or CUDA's under torch's figures).")
+    name: str = ""
+    source: str = Field(description="Where the figures come from: 'nvml' (the whole device) or 'torch'.")
+    utilization: float | None = Field(
+        default=None, description="Busy fraction of the last sample period, 0..1 (None: unknown, e.g. torch)."
+    )
+    memory_used_bytes: int = Field(description="Device memory in use (all processes; torch: total - free).")
+    memory_total_bytes: int
+
+
 class SiloStatsRecord(BaseModel):
     """What a silo publishes each interval under ``keys.silo_stats(address)``."""
 
@@ -168,6 +181,11 @@ class SiloStatsRecord(BaseModel):
     methods: list[MethodRecord] = Field(default_factory=list)
     components: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Every other component's statistics(), as plain fields."
+    )
+    gpus: list[GpuRecord] = Field(
+        default_factory=list,
+        description="The GPUs this silo uses (NVML, else torch's CUDA figures); empty without one. "
+        "Records from before this field parse with none.",
     )
 
 
@@ -387,3 +405,149 @@ async def request_cancel(redis: aioredis.Redis, keys: Keys, job: str, reason: st
     """Ask a job's owner to cancel it; the owner sees it on its next progress publish."""
     with redis_errors(f"cancel job {job}"):
         await redis.set(keys.job_cancel(job), reason or "cancel", ex=CANCEL_TTL_S)
+
+
+# --- reminders and live logs (the dashboard's pages) ------------------------------
+
+
+class ReminderInfo(BaseModel):
+    """One registered reminder, as the dashboard shows it (silo/cluster/reminders.py writes the keys)."""
+
+    type: str = Field(description="Grain type.")
+    key: str = Field(description="Grain key.")
+    name: str
+    period_s: float
+    next_due: float | None = Field(
+        default=None, description="When the next tick is due (unix seconds, Redis clock)."
+    )
+    last_fired: float | None = Field(
+        default=None, description="When its last delivered tick ran (unix seconds, Redis clock)."
+    )
+    last_silo: str | None = Field(default=None, description="The silo that tick's turn ran on.")
+
+
+async def read_reminders(
+    redis: aioredis.Redis, keys: Keys, type_name: str | None = None
+) -> list[ReminderInfo]:
+    """Every reminder of the cluster (or of one grain type), by type, key and name."""
+    with redis_errors("read reminders"):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.reminder_rows)
+            pipe.zrange(keys.reminders, 0, -1, withscores=True)
+            pipe.hgetall(keys.reminder_fired)
+            rows, due, fired = await pipe.execute()
+    due_at = {_text(rid): score / 1000.0 for rid, score in due}
+    last = {_text(rid): raw for rid, raw in fired.items()}
+    out = []
+    for rid_raw, raw in rows.items():
+        rid = _text(rid_raw)
+        try:
+            row = json.loads(raw)
+            info = ReminderInfo(type=row["type"], key=row["key"], name=row["name"],
+                                period_s=row["period_ms"] / 1000.0, next_due=due_at.get(rid))  # fmt: skip
+            if rid in last:
+                tick = json.loads(last[rid])
+                info = info.model_copy(update={"last_fired": float(tick["at"]), "last_silo": str(tick["silo"])})
+        except (ValueError, KeyError, TypeError):
+            continue  # a row from another version: not ours to show
+        if type_name is None or info.type == type_name:
+            out.append(info)
+    return sorted(out, key=lambda r: (r.type, r.key, r.name))
+
+
+LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+class LogEntry(BaseModel):
+    """One record of the log stream (``keys.logs``, written by silo/logstream.py)."""
+
+    id: str = Field(description="Stream entry id (milliseconds-sequence); pass it as `since` to tail.")
+    time: float = Field(description="When it was logged (unix seconds, the silo's clock).")
+    level: str
+    logger: str
+    message: str
+    silo: str = Field(description="The silo whose work logged it.")
+    exc: str = Field(default="", description="Formatted exception (traceback), if any.")
+
+    @classmethod
+    def from_entry(cls, entry_id: Any, fields: dict[Any, Any]) -> LogEntry:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        try:
+            at = float(f.get("time", "0"))
+        except ValueError:
+            at = 0.0
+        return cls(id=_text(entry_id), time=at, level=f.get("level", "?"), logger=f.get("logger", ""),
+                   message=f.get("message", ""), silo=f.get("silo", ""), exc=f.get("exc", ""))  # fmt: skip
+
+
+_LOG_SCAN_MAX = 20_000
+"""Entries one read looks through at most to find ``limit`` that match its filters."""
+
+
+async def read_logs(
+    redis: aioredis.Redis,
+    keys: Keys,
+    *,
+    since: str | None = None,
+    silo: str | None = None,
+    level: str | None = None,
+    limit: int = 200,
+) -> tuple[list[LogEntry], str | None]:
+    """Log records, oldest first, and the id of the last entry looked at (the next ``since``).
+
+    ``since`` is a stream id (entries after it) or unix milliseconds (entries
+    from then on). With it, the oldest ``limit`` matching entries after it
+    come back, so a tail that passes the returned id misses nothing; without
+    it, the newest ``limit``. ``level`` keeps that level and above.
+    """
+    floor = 0
+    if level is not None:
+        if level.upper() not in LOG_LEVELS:
+            raise errors.ConfigError(f"unknown log level {level!r}; one of {', '.join(LOG_LEVELS)}")
+        floor = LOG_LEVELS[level.upper()]
+
+    def keep(e: LogEntry) -> bool:
+        return (silo is None or e.silo == silo) and LOG_LEVELS.get(e.level, 0) >= floor
+
+    found: list[LogEntry] = []
+    last: str | None = since if since and "-" in since else None
+    chunk = max(limit, 100)
+    scanned = 0
+    with redis_errors("read logs"):
+        if since:
+            cursor = f"({since}" if "-" in since else since
+            while len(found) < limit and scanned < _LOG_SCAN_MAX:
+                entries = await redis.xrange(keys.logs, min=cursor, max="+", count=chunk) or []
+                for i, f in entries:
+                    last = _text(i)
+                    e = LogEntry.from_entry(i, f or {})
+                    if keep(e):
+                        found.append(e)
+                        if len(found) == limit:
+                            break
+                scanned += len(entries)
+                if len(entries) < chunk:
+                    break
+                cursor = f"({last}"
+            return found, last
+        top = "+"
+        while len(found) < limit and scanned < _LOG_SCAN_MAX:
+            entries = await redis.xrevrange(keys.logs, max=top, min="-", count=chunk) or []
+            for i, f in entries:
+                if last is None:
+                    last = _text(i)  # the newest entry: a tail goes on from there
+                e = LogEntry.from_entry(i, f or {})
+                if keep(e):
+                    found.append(e)
+                    if len(found) == limit:
+                        break
+            scanned += len(entries)
+            if len(entries) < chunk:
+                break
+            top = f"({_text(entries[-1][0])}"
+    found.reverse()
+    return found, last
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

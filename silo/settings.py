@@ -7,7 +7,7 @@ section. Environment variables use ``__`` between section and field, e.g.
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -123,6 +123,32 @@ class RemindersSettings(_Section):
     delivery_timeout_s: float = Field(30.0, gt=0, description="Deadline of one reminder delivery call.")
 
 
+class LogStreamSettings(_Section):
+    """Log records published to the cluster's log stream (the dashboard's Logs page)."""
+
+    enabled: bool = Field(True, description="Publish this silo's log records to Redis.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "WARNING",
+        description="Lowest level published (INFO also needs the process's logging at INFO, as the CLI sets).",
+    )
+    max_len: int = Field(10_000, gt=0, description="Records the stream keeps, about (XADD MAXLEN ~).")
+    queue: int = Field(
+        1000, gt=0, description="Records waiting for Redis at most; when full the oldest are dropped."
+    )
+
+
+class TracingSettings(_Section):
+    """OpenTelemetry spans for grain calls (silo/tracing.py; needs ``pip install redgrain[otel]``)."""
+
+    enabled: bool = Field(
+        False, description="Make every grain call a span, exported over OTLP (off: one None test a call)."
+    )
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/gRPC collector; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317."
+    )
+    service_name: str = Field("redgrain", description="The spans' service.name.")
+
+
 _CLUSTER_SECRET_DESCRIPTION = (
     "Shared secret (REDGRAIN_CLUSTER_SECRET); the same as transport.cluster_secret, which it fills in."
 )
@@ -170,6 +196,8 @@ class SiloSettings(_SecretAlias):
     storage: StorageSettings = StorageSettings()
     reminders: RemindersSettings = RemindersSettings()
     rebalancer: RebalancerSettings = RebalancerSettings()
+    logs: LogStreamSettings = LogStreamSettings()
+    tracing: TracingSettings = TracingSettings()
     stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
 
 
@@ -183,4 +211,5 @@ class ClientSettings(_SecretAlias):
     redis_url: str = "redis://127.0.0.1:6379/0"
     cluster: str = "default"
     transport: TransportSettings = TransportSettings()
+    tracing: TracingSettings = TracingSettings()
     membership: MembershipSettings = MembershipSettings()

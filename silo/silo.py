@@ -5,6 +5,8 @@ in order, with the reason for the order:
 
 1. ``redis``: connect and PING. Every later stage reads or writes Redis; an
    unreachable Redis fails the start before anything is bound.
+1a. ``logs``: the log stream handler (``silo/logstream.py``), before any task
+   is made: the tasks made after it inherit the context that tags our records.
 2. ``types``: grain classes, codec, torch device. The transport frames with
    the codec, which must know the grains' annotated types.
 3. ``listen``: the transport and its TCP listener. The port (a free one by
@@ -37,7 +39,8 @@ rebalancer, control inbox, drain requests, migrator, failure detector,
 heartbeat (all before the leave, so no heartbeat runs into our own Dead
 row); the view; the leave (Dead, directory entries purged, and for a
 graceful stop a quiet wait for callers); dispatcher and grain threads; the
-event log, flushed; the transport (TCP and Unix socket); the Redis client.
+event log, flushed; the transport (TCP and Unix socket); the log stream (its
+last records written); the Redis client.
 A start that failed after ``join`` thus leaves the row Dead; one that failed
 before leaves no row.
 
@@ -86,6 +89,7 @@ from silo.cluster.reminders import ReminderService, ReminderTable, RouterDeliver
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
+from silo.logstream import LogStream
 from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.messaging.transport import Transport
@@ -95,6 +99,7 @@ from silo.settings import SiloSettings
 from silo.stats import CallStats, StatsPublisher
 from silo.storage.checkpoint import Checkpoints
 from silo.storage.store import RedisStateStore
+from silo.tracing import Tracing
 
 log = logging.getLogger("redgrain.silo")
 
@@ -118,6 +123,7 @@ class Silo:
 
     START_STAGES: ClassVar[tuple[str, ...]] = (
         "redis",
+        "logs",
         "types",
         "listen",
         "address",
@@ -131,6 +137,7 @@ class Silo:
 
     # The parts, each set by the stage that builds it (see the module docstring).
     redis: aioredis.Redis
+    log_stream: LogStream | None = None
     types: GrainTypes
     codec: Codec
     device: str
@@ -167,10 +174,13 @@ class Silo:
         grains: Iterable[type[Grain]] = (),
         filters: Iterable[CallFilter] = (),
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings or SiloSettings()
         self._extra_classes = list(grains)
         self._user_filters = list(filters)
+        self._tracing = tracing
+        """Spans for this silo's calls; None: what settings.tracing says (off by default)."""
         self._clock = clock
         self.keys = Keys(self.settings.cluster)
         self.status = SiloState.CREATED
@@ -224,6 +234,12 @@ class Silo:
         with redis_errors(f"connect to {s.redis_url}"):
             await self.redis.ping()
 
+    async def _stage_logs(self) -> None:
+        if self.settings.logs.enabled:
+            self.log_stream = LogStream(self.redis, self.keys, lambda: str(self.address or ""), self.settings.logs)
+            self._on_stop("log stream", self.log_stream.stop)
+            self.log_stream.install()
+
     async def _stage_types(self) -> None:
         s = self.settings
         self.types = GrainTypes.from_modules(s.grains) if s.grains else GrainTypes()
@@ -269,6 +285,11 @@ class Silo:
         for name in self.types.names():
             opts = self.types.options(name)
             self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
+        if self._tracing is None and s.tracing.enabled:
+            self._tracing = Tracing.from_settings(s.tracing)
+            assert self._tracing is not None
+            # Flushing to a collector that is down can take its export timeout: off the loop.
+            self._on_stop("tracing", functools.partial(asyncio.to_thread, self._tracing.shutdown))
         self.router = Router(
             transport=self.transport,
             directory=self.directory,
@@ -276,6 +297,7 @@ class Silo:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            tracing=self._tracing,
         )
         self.refs = RefFactory(self.router, self.manifests, self.codec)
         self.store = RedisStateStore(self.redis, self.keys, s.storage)
@@ -343,6 +365,7 @@ class Silo:
             confirm_alive=self.heartbeat.confirm,
             moving=self.migrator.moving,
             system={"move": self.migrator.system_move, "drain": self.drain.system_drain},
+            tracing=self._tracing,
         )
         self._on_stop("dispatcher", self.dispatcher.close)
         # The two links built after construction, both cycles: the router

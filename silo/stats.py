@@ -1,7 +1,15 @@
-"""Per-method call counters with mergeable latency histograms, as a call filter.
+"""Per-method call counters with mergeable latency histograms, as a call filter,
+and the publisher of a silo's stats record (process figures, GPUs).
 
 Histograms use fixed log-spaced buckets shared by every silo, so the
 dashboard can add them up across silos and read p50/p99 from the sum.
+
+GPU figures come from NVML when its binding (``nvidia-ml-py``, module
+``pynvml``) is installed, else from torch's CUDA queries, but only when the
+process has already imported torch and already uses CUDA: the runtime never
+imports torch (``.importlinter``), and a query on a device the silo never used
+would create a CUDA context there (hundreds of MB of device memory). With
+neither, the record lists no GPUs at all, never zeros.
 """
 
 from __future__ import annotations
@@ -10,10 +18,12 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +42,7 @@ from silo.records import (
     HISTORY_POINTS,
     STATS_TTL_FACTOR,
     WINDOW_S,
+    GpuRecord,
     LoadPoint,
     MethodRecord,
     SiloStatsRecord,
@@ -111,6 +122,124 @@ class CallStats:
         ]
 
 
+# --- GPUs ---------------------------------------------------------------------
+
+
+def _load_nvml() -> Any | None:
+    """The initialised ``pynvml`` module, or None (not installed, no driver, no device)."""
+    try:
+        nvml = importlib.import_module("pynvml")
+    except ImportError:
+        return None
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:  # no driver, no device (NVMLError_LibraryNotFound, ...)
+        return None
+    return nvml
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _visible(spec: str | None) -> list[int | str] | None:
+    """CUDA_VISIBLE_DEVICES as indices and UUID prefixes; None: unset (every device).
+
+    As CUDA reads it, the list ends at the first entry that is neither. Indices
+    are matched to NVML's, which is CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    """
+    if spec is None:
+        return None
+    out: list[int | str] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if entry.isdigit():
+            out.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")):
+            out.append(entry)
+        else:
+            break
+    return out
+
+
+class GpuProbe:
+    """Samples the GPUs this silo uses, once per stats record (see the module docstring).
+
+    ``nvml`` loads the NVML binding (once, at the first sample); ``torch``
+    returns the torch module if the process imported it. Both are seams for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        nvml: Callable[[], Any | None] = _load_nvml,
+        torch: Callable[[], Any | None] = lambda: sys.modules.get("torch"),
+        visible_devices: str | None = None,
+    ) -> None:
+        self._load_nvml: Callable[[], Any | None] | None = nvml
+        self._nvml: Any | None = None
+        self._torch = torch
+        self._visible = _visible(visible_devices)
+        self._failing = False
+
+    def sample(self) -> list[GpuRecord]:
+        """This moment's figures; [] without a GPU (or when reading them failed)."""
+        if self._load_nvml is not None:
+            self._nvml, self._load_nvml = self._load_nvml(), None
+        try:
+            gpus = self._from_nvml(self._nvml) if self._nvml is not None else self._from_torch()
+        except Exception:  # a driver hiccup must not cost the silo its stats record
+            if not self._failing:
+                log.warning("GPU figures could not be read (will retry each record)", exc_info=True)
+            self._failing = True
+            return []
+        self._failing = False
+        return gpus
+
+    def _wanted(self, index: int, uuid: str) -> bool:
+        if self._visible is None:
+            return True
+        return any(
+            v == index if isinstance(v, int) else uuid.startswith(v) for v in self._visible
+        )
+
+    def _from_nvml(self, nvml: Any) -> list[GpuRecord]:
+        out = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            if self._visible is not None and not self._wanted(i, _text(nvml.nvmlDeviceGetUUID(handle))):
+                continue
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                utilization: float | None = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+            except nvml.NVMLError:  # not supported (a MIG slice, some boards): unknown, not 0
+                utilization = None
+            out.append(GpuRecord(
+                index=i, name=_text(nvml.nvmlDeviceGetName(handle)), source="nvml",
+                utilization=utilization, memory_used_bytes=int(memory.used),
+                memory_total_bytes=int(memory.total),
+            ))  # fmt: skip
+        return out
+
+    def _from_torch(self) -> list[GpuRecord]:
+        torch = self._torch()
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_initialized():
+            return []
+        out = []
+        for i in range(cuda.device_count()):
+            if not cuda.memory_reserved(i):
+                continue  # never used by this process: mem_get_info would make a context there
+            free, total = cuda.mem_get_info(i)
+            out.append(GpuRecord(
+                index=i, name=str(cuda.get_device_name(i)), source="torch",
+                memory_used_bytes=int(total - free), memory_total_bytes=int(total),
+            ))  # fmt: skip
+        return out
+
+
+# --- the publisher ---------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class PublisherStatistics:
     published: int
@@ -125,8 +254,9 @@ class StatsPublisher:
     """Writes the silo's stats record to Redis once per interval, with a TTL.
 
     ``source`` returns ``Silo.statistics()``; everything else is read here
-    (process CPU, RSS, uptime). A failed publish is logged once and retried
-    next interval: Redis being down must never stop a silo.
+    (process CPU, RSS, uptime; the GPUs from ``gpus``, by default a
+    :class:`GpuProbe` honouring CUDA_VISIBLE_DEVICES). A failed publish is
+    logged once and retried next interval: Redis being down must never stop a silo.
     """
 
     def __init__(
@@ -140,6 +270,7 @@ class StatsPublisher:
         started: float,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        gpus: Callable[[], list[GpuRecord]] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -149,6 +280,7 @@ class StatsPublisher:
         self._started = started
         self._interval_s = interval_s
         self._clock = clock
+        self._gpus = gpus or GpuProbe(visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")).sample
         self._process = psutil.Process()  # own instance: cpu_percent() is per instance
         self._process.cpu_percent(None)
         # (time, {method key: (calls, errors, histogram)}) snapshots spanning WINDOW_S
@@ -200,6 +332,8 @@ class StatsPublisher:
                 if self._failing:
                     log.info("stats publish works again")
                 self._failing = False
+            if self._stopping:  # a cancel redis-py turned into an error above: no sleep
+                return
             await asyncio.sleep(self._interval_s)
 
     def record(self) -> SiloStatsRecord:
@@ -267,6 +401,7 @@ class StatsPublisher:
             window_s=round(window_s, 3),
             methods=records,
             components=components,
+            gpus=self._gpus(),
         )
 
     async def publish(self) -> SiloStatsRecord:

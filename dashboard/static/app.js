@@ -8,6 +8,8 @@ const state = {
   route: { page: "overview", args: [] },
   methodSort: { key: "calls_per_s", desc: true },
   eventKind: "",
+  reminderType: "",
+  logs: { level: "", silo: "", entries: [], lastId: null, open: new Set() },  // the Logs page's tail
   overviewRing: [],      // [time, calls/s, errors/s] kept by this page for the overview chart
   timer: null,
   busy: false,
@@ -436,6 +438,85 @@ pages.events = async () => {
     `</select></div>` + eventTable(r.events);
 };
 
+// --- reminders and logs ---------------------------------------------------------------
+function period(s) {
+  if (!Number.isFinite(s)) return "–";
+  return s < 1 ? ms(s * 1000) : s < 60 ? num(s, s % 1 ? 1 : 0) + " s" : duration(s);
+}
+function due(t) {
+  if (!t) return "–";
+  const d = t - Date.now() / 1000;
+  return `${clock(t)} <span class="muted">(${d >= 0 ? "in " + duration(d) : duration(-d) + " ago"})</span>`;
+}
+
+pages.reminders = async () => {
+  const q = state.reminderType ? "?type=" + enc(state.reminderType) : "";
+  const r = await api("/api/reminders" + q);
+  const types = r.types.includes(state.reminderType) || !state.reminderType ? r.types : [...r.types, state.reminderType];
+  let html = `<h1>Reminders</h1><div class="sub">Durable reminders in Redis: when each is due next, and when and on which silo its last tick ran</div>` +
+    `<div class="toolbar">Grain type <select data-testid="reminder-type" onchange="state.reminderType=this.value;refresh()">` +
+    ["", ...types].map((t) => `<option value="${esc(t)}"${t === state.reminderType ? " selected" : ""}>${esc(t || "all")}</option>`).join("") +
+    `</select><span class="muted">${num(r.reminders.length)} reminder${r.reminders.length === 1 ? "" : "s"}</span></div>`;
+  if (!r.reminders.length) return html + `<div class="notice" data-testid="reminders-empty">No reminders${state.reminderType ? " of " + esc(state.reminderType) : ""}.</div>`;
+  html += `<div class="table-wrap"><table data-testid="reminders-table"><thead><tr><th>Grain type</th><th>Key</th><th>Name</th>` +
+    `<th class="num">Period</th><th>Next due</th><th>Last fired</th><th>On silo</th></tr></thead><tbody>`;
+  for (const x of r.reminders) {
+    html += `<tr data-reminder="${esc(x.type + "/" + x.key + "/" + x.name)}"><td data-col="type">${link("/grains/" + enc(x.type), x.type)}</td>` +
+      `<td data-col="key">${link("/grains/" + enc(x.type) + "/" + enc(x.key), x.key)}</td><td data-col="name">${esc(x.name)}</td>` +
+      `<td class="num" data-col="period">${period(x.period_s)}</td><td data-col="next-due">${due(x.next_due)}</td>` +
+      `<td data-col="last-fired">${x.last_fired ? due(x.last_fired) : `<span class="muted">not yet</span>`}</td>` +
+      `<td data-col="silo">${x.last_silo ? link("/silos/" + enc(x.last_silo), x.last_silo) : "–"}</td></tr>`;
+  }
+  return html + `</tbody></table></div>`;
+};
+
+const LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"];
+const LOG_KEEP = 1000;  // records this page holds; older ones scroll off
+function logTime(t) {
+  return t ? clock(t) + "." + String(Math.floor((t % 1) * 1000)).padStart(3, "0") : "–";
+}
+function resetLogs() { Object.assign(state.logs, { entries: [], lastId: null }); }
+function setLogFilter(which, value) { state.logs[which] = value; resetLogs(); refresh(); }
+function toggleExc(id) {
+  const open = state.logs.open;
+  if (open.has(id)) open.delete(id); else open.add(id);
+  refresh();
+}
+
+pages.logs = async () => {
+  const L = state.logs;
+  const q = new URLSearchParams({ limit: "500" });
+  if (L.lastId) q.set("since", L.lastId);
+  if (L.level) q.set("level", L.level);
+  if (L.silo) q.set("silo", L.silo);
+  const filters = [L.level, L.silo];
+  const [r, silos] = await Promise.all([api("/api/logs?" + q), api("/api/silos")]);
+  if (filters[0] !== L.level || filters[1] !== L.silo) return pages.logs();  // changed meanwhile
+  L.entries.push(...r.entries);
+  if (L.entries.length > LOG_KEEP) L.entries.splice(0, L.entries.length - LOG_KEEP);
+  if (r.last_id) L.lastId = r.last_id;
+  const addresses = silos.silos.map((s) => s.address);
+  if (L.silo && !addresses.includes(L.silo)) addresses.push(L.silo);
+  let html = `<h1>Logs</h1><div class="sub">Silos' log records, live (newest first). Silos publish WARNING and above;` +
+    ` <code>REDGRAIN_LOGS__LEVEL=INFO</code> adds INFO.</div>` +
+    `<div class="toolbar">Level <select data-testid="log-level" onchange="setLogFilter('level', this.value)">` +
+    ["", ...LOG_LEVELS].map((l) => `<option value="${l}"${l === L.level ? " selected" : ""}>${l ? l + " and above" : "all"}</option>`).join("") +
+    `</select> Silo <select data-testid="log-silo" onchange="setLogFilter('silo', this.value)">` +
+    ["", ...addresses].map((a) => `<option value="${esc(a)}"${a === L.silo ? " selected" : ""}>${esc(a || "all")}</option>`).join("") +
+    `</select><span class="muted" data-testid="log-count">${num(L.entries.length)} record${L.entries.length === 1 ? "" : "s"}</span></div>`;
+  if (!L.entries.length) return html + `<div class="notice" data-testid="logs-empty">No log records${L.level || L.silo ? " match" : " yet"}.</div>`;
+  html += `<div class="table-wrap"><table data-testid="logs-table"><thead><tr><th>Time</th><th>Level</th><th>Silo</th><th>Logger</th><th>Message</th></tr></thead><tbody>`;
+  for (const e of L.entries.slice().reverse()) {
+    const open = L.open.has(e.id);
+    const exc = e.exc ? ` <button class="exc-toggle" data-action="exc" data-arg="${esc(e.id)}">${open ? "hide" : "traceback"}</button>` +
+      (open ? `<pre class="exc">${esc(e.exc)}</pre>` : "") : "";
+    html += `<tr data-id="${esc(e.id)}" data-level="${esc(e.level)}" data-silo="${esc(e.silo)}"><td class="num">${logTime(e.time)}</td>` +
+      `<td>${pill(e.level)}</td><td>${e.silo ? link("/silos/" + enc(e.silo), e.silo) : "–"}</td><td class="muted">${esc(e.logger)}</td>` +
+      `<td class="details message">${esc(e.message)}${exc}</td></tr>`;
+  }
+  return html + `</tbody></table></div>`;
+};
+
 // --- admin --------------------------------------------------------------------------
 function token() {
   let t = sessionStorage.getItem("redgrain-admin-token");
@@ -520,7 +601,7 @@ function route() {
 document.addEventListener("click", (ev) => {
   const el = ev.target.closest("[data-action]");
   if (!el) return;
-  const actions = { drain, cancel: cancelJob, "open-key": openKey, sort: sortMethods };
+  const actions = { drain, cancel: cancelJob, "open-key": openKey, sort: sortMethods, exc: toggleExc };
   actions[el.dataset.action]?.(el.dataset.arg);
 });
 document.addEventListener("keydown", (ev) => {

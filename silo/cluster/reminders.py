@@ -9,6 +9,12 @@ reaches the grain wherever it lives and activates it if needed; the grain's
 ``receive_reminder(name)`` runs as a turn. A silo that dies between claim and
 delivery loses that one tick; the next one fires on a survivor.
 
+Each delivered tick records when it ran (Redis clock) and on which silo the
+grain's turn ran, in a third hash (``keys.reminder_fired``): one script call
+per tick, written only while the reminder is registered, so an unregister
+racing a tick leaves nothing behind. The dashboard's Reminders page reads
+the three keys; nothing else does.
+
 Timers are the in-memory, per-activation kind (``Grain.register_timer``).
 """
 
@@ -55,6 +61,16 @@ _REGISTER = (
     + """
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+)
+
+# KEYS: rows, fired.  ARGV: id, silo.  Only a registered reminder records its tick.
+_FIRED = (
+    _NOW
+    + """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({at = now_ms() / 1000, silo = ARGV[2]}))
 return 1
 """
 )
@@ -117,6 +133,7 @@ class ReminderTable:
         self._keys = keys
         self._register = redis.register_script(_REGISTER)
         self._claim = redis.register_script(_CLAIM)
+        self._fired = redis.register_script(_FIRED)
 
     async def register(
         self, grain: GrainId, name: str, period_s: float, due_s: float | None = None
@@ -142,6 +159,7 @@ class ReminderTable:
             pipe = self._redis.pipeline(transaction=True)
             pipe.zrem(self._keys.reminders, rid)
             pipe.hdel(self._keys.reminder_rows, rid)
+            pipe.hdel(self._keys.reminder_fired, rid)
             removed = await pipe.execute()
         return bool(removed[1])
 
@@ -163,12 +181,23 @@ class ReminderTable:
         return [_row(r) for r in rows]
 
 
+    async def fired(self, reminder: Reminder, silo: str) -> None:
+        """Record that a tick of ``reminder`` ran now on ``silo`` (for the dashboard)."""
+        k = self._keys
+        with redis_errors(f"record tick of reminder {reminder.name!r}"):
+            await self._fired(
+                keys=[k.reminder_rows, k.reminder_fired],
+                args=[_id(reminder.grain, reminder.name), silo],
+            )
+
+
 def _row(raw: bytes | str) -> Reminder:
     m = json.loads(raw)
     return Reminder(GrainId(m["type"], m["key"]), m["name"], m["period_ms"] / 1000.0)
 
 
-Deliver = Callable[[GrainId, str], Awaitable[Any]]
+Deliver = Callable[[GrainId, str], Awaitable[str | None]]
+"""Runs one tick; returns the address of the silo the grain's turn ran on, when known."""
 
 
 class ReminderService:
@@ -244,14 +273,19 @@ class ReminderService:
 
     async def _fire(self, deliver: Deliver, r: Reminder) -> None:
         try:
-            await deliver(r.grain, r.name)
+            where = await deliver(r.grain, r.name)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed tick must not stop the others
             self._failed += 1
             log.warning("reminder %r of %s failed: %r", r.name, r.grain, exc)
-        else:
-            self._delivered += 1
+            return
+        self._delivered += 1
+        if where is not None:
+            try:
+                await self.table.fired(r, where)
+            except errors.StorageError as exc:  # the tick ran; only the dashboard's note of it is lost
+                log.debug("last tick of reminder %r not recorded: %s", r.name, exc)
 
     def statistics(self) -> ReminderStatistics:
         return ReminderStatistics(
@@ -281,7 +315,7 @@ class RouterDelivery:
         self._transport = transport
         self._timeout_s = timeout_s
 
-    async def __call__(self, grain: GrainId, name: str) -> Any:
+    async def __call__(self, grain: GrainId, name: str) -> str:
         info = await self._manifests.get(grain.type_name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
@@ -291,7 +325,8 @@ class RouterDelivery:
             target = await self._router.locate(grain, info)
             try:
                 if target == self._dispatcher.address:
-                    return await self._dispatcher.dispatch(Call(grain, REMINDER_METHOD, (name,)), deadline)
+                    await self._dispatcher.dispatch(Call(grain, REMINDER_METHOD, (name,)), deadline)
+                    return str(target)
                 try:
                     conn = await self._transport.connect(target.endpoint)
                 except errors.SiloUnavailableError:
@@ -300,7 +335,8 @@ class RouterDelivery:
                     self._router.forget_silo(target)
                 else:
                     remaining = deadline - loop.time()
-                    return await self._router.send(conn, Call(grain, REMINDER_METHOD, (name,), None, remaining))
+                    await self._router.send(conn, Call(grain, REMINDER_METHOD, (name,), None, remaining))
+                    return str(target)
             except errors.SiloNotServingError:
                 if loop.time() + delay > deadline:
                     raise

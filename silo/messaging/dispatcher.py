@@ -9,7 +9,9 @@ dropped.
 Each request becomes one :class:`~grains.call.Call` (rebuilt from the frame
 header, or handed over by the router) and a deadline on this silo's clock,
 set when it arrives; both travel together through serving, forwarding and
-re-routing.
+re-routing, with the call's trace context when the caller sent one (header
+item 8, :mod:`silo.tracing`). With ``tracing`` set, a call's turn runs inside
+a SERVER span; a silo without it still forwards the context it received.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from silo.catalog.activation import Activation, ActivationState
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
 from silo.catalog.invocation import Invocation, Reply, Reroute
+from silo.catalog.pipeline import CallContext
 from silo.cluster.reminders import REMINDER_METHOD, reminder_turn
 from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
+from silo.tracing import Carrier, Tracing, carrier_from_header
 
 if TYPE_CHECKING:
     from silo.messaging.router import Router
@@ -82,6 +86,7 @@ class Dispatcher:
         confirm_alive: Callable[[float], Awaitable[bool]] = _always_alive,
         moving: dict[GrainId, asyncio.Future[SiloAddress | None]] | None = None,
         system: Mapping[str, SystemHandler] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.address = address
         self._catalog = catalog
@@ -106,6 +111,8 @@ class Dispatcher:
             **(system or {}),
         }
         """The silo's control surface, reached as grain type ``$silo`` (the silo adds move, drain)."""
+        self.tracing = tracing
+        """Runs each call's turn in a SERVER span; None (the default): no spans."""
         catalog.on_reroute = self._reroute_queued
 
     # --- from the transport ------------------------------------------------
@@ -153,16 +160,22 @@ class Dispatcher:
             err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
             conn.send_error(req_id, err)
             return
+        # A peer that sends no trace context (or predates it) sends eight items.
+        trace = carrier_from_header(header) if len(header) > 8 else None
         deadline = asyncio.get_running_loop().time() + timeout_s
-        if not self._serve_nowait(conn, req_id, call, deadline):
-            self._spawn_serve(conn, req_id, call, deadline)
+        if not self._serve_nowait(conn, req_id, call, deadline, trace):
+            self._spawn_serve(conn, req_id, call, deadline, trace)
 
-    def _spawn_serve(self, conn: Connection, req_id: int, call: Call, deadline: float) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline))
+    def _spawn_serve(
+        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
+    ) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _serve_nowait(self, conn: Connection, req_id: int, call: Call, deadline: float) -> bool:
+    def _serve_nowait(
+        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
+    ) -> bool:
         """Queue a call to a live local activation without a task of its own.
 
         A task per request cost more than the rest of serving a small call; when
@@ -189,14 +202,15 @@ class Dispatcher:
         def answer(result: Any, exc: BaseException | None) -> None:
             # Runs inside the activation's turn: a failure to answer must not break its mailbox.
             try:
-                self._answer(result, exc, conn, req_id, track, call, deadline)
+                self._answer(result, exc, conn, req_id, track, call, deadline, trace)
             except Exception:
                 log.exception("could not answer %s.%s to %s", call.grain, call.method, conn.peer)
 
         # Positional (method, args, kwargs, chain, deadline, future, callback, interleave,
         # read_only): keyword arguments cost 0.3 µs more per call on Python 3.11.
         inv = Invocation(
-            method, args, kwargs, chain, deadline, Reply(answer), None,
+            method, args, kwargs, chain, deadline, Reply(answer),
+            None if self.tracing is None else self._traced_turn(act, call, trace),
             method in options.interleave, method in options.read_only,
         )
         inv.activation = act
@@ -214,13 +228,14 @@ class Dispatcher:
         track: tuple[int, int],
         call: Call,
         deadline: float,
+        trace: Carrier | None,
     ) -> None:
         self._queued_nowait -= 1
         self._in_flight.pop(track, None)
         if isinstance(exc, Reroute):
             # The activation went away before the call started: the full path looks again.
             self._rerouted += 1
-            self._spawn_serve(conn, req_id, call, deadline)
+            self._spawn_serve(conn, req_id, call, deadline, trace)
         elif exc is not None:
             self._errors += 1
             conn.send_error(req_id, exc)
@@ -247,9 +262,11 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: Connection, req_id: int, call: Call, deadline: float) -> None:
+    async def _serve(
+        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
+    ) -> None:
         try:
-            result = await self.dispatch(call, deadline, (id(conn), req_id))
+            result = await self.dispatch(call, deadline, (id(conn), req_id), trace)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             self._errors += 1
             conn.send_error(req_id, exc)
@@ -260,8 +277,13 @@ class Dispatcher:
             conn.send_response(req_id, result)
 
     # --- the local entry point (router calls this for grains on this silo) --
-    async def dispatch(self, call: Call, deadline: float, track: tuple[int, int] | None = None) -> Any:
-        """Run ``call`` on this silo's activation of its grain, or forward it to the grain's owner."""
+    async def dispatch(
+        self, call: Call, deadline: float, track: tuple[int, int] | None = None, trace: Carrier | None = None
+    ) -> Any:
+        """Run ``call`` on this silo's activation of its grain, or forward it to the grain's owner.
+
+        ``trace``: the caller's trace context, parent of this call's span (and passed on if forwarded).
+        """
         grain, method, args, kwargs, _, chain, hops = call  # one unpack: cheaper than six reads
         if self.closed:
             raise errors.SiloNotServingError(str(self.address), "silo is stopping")
@@ -282,7 +304,7 @@ class Dispatcher:
                 target = await asyncio.shield(move)
                 if target is not None and target != self.address and hops < MAX_HOPS:
                     self._forwarded += 1
-                    return await self._router.forward(target, call, deadline)
+                    return await self._router.forward(target, call, deadline, trace)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
             if options.stateless_worker:
@@ -293,12 +315,16 @@ class Dispatcher:
                     if hops >= MAX_HOPS:
                         raise errors.SiloUnavailableError(str(found), f"{grain} still not found after {hops} hops")
                     self._forwarded += 1
-                    return await self._router.forward(found, call, deadline)
+                    return await self._router.forward(found, call, deadline, trace)
                 act = found
             fut: asyncio.Future[Any] = loop.create_future()
+            turn: Callable[[], Awaitable[Any]] | None
+            if method == REMINDER_METHOD:
+                turn = reminder_turn(act, args)
+            else:
+                turn = None if self.tracing is None else self._traced_turn(act, call, trace)
             inv = Invocation(  # positional, as in _serve_nowait
-                method, args, kwargs, chain, deadline, fut,
-                reminder_turn(act, args) if method == REMINDER_METHOD else None,
+                method, args, kwargs, chain, deadline, fut, turn,
                 method in options.interleave, method in options.read_only,
             )
             if track is not None:
@@ -314,6 +340,17 @@ class Dispatcher:
                 if track is not None:
                     self._in_flight.pop(track, None)
         raise errors.GrainDeactivatedError(str(grain), "re-routed too many times")
+
+    def _traced_turn(self, act: Activation, call: Call, trace: Carrier | None) -> Callable[[], Awaitable[Any]]:
+        """The call's turn inside a SERVER span (the turn's own body: the pipeline, as untraced)."""
+        assert self.tracing is not None
+        grain, method, args, kwargs, _, chain, _ = call
+        pipeline = self._catalog.pipeline
+
+        def run() -> Awaitable[Any]:
+            return pipeline(CallContext(grain, method, args, kwargs, chain, act))
+
+        return self.tracing.server_turn(str(self.address), grain, method, trace, run)
 
     def _reroute_queued(self, act: Activation, queued: list[Invocation]) -> None:
         # The callers' dispatch() loops see Reroute and look the grain up again.

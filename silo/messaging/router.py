@@ -10,6 +10,8 @@ with SiloUnavailableError and is *not* retried, since the method may have run
 A call arrives as one :class:`~grains.call.Call` from the reference; the
 router gives it a deadline on this process's clock once, and every attempt
 sends the time left (the REQUEST header carries a duration, not a deadline).
+With ``tracing`` set, each call also carries the current span's trace context
+(:mod:`silo.tracing`); a forwarded call carries the one it came with.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from silo.keys import Keys
 from silo.messaging.frame import REQUEST
 from silo.messaging.transport import Transport
 from silo.redis_util import redis_errors
+from silo.tracing import Carrier, Tracing
 
 log = logging.getLogger("redgrain.router")
 
@@ -58,7 +61,9 @@ class LocalDispatch(Protocol):
 
     address: SiloAddress
 
-    async def dispatch(self, call: Call, deadline: float) -> Any: ...
+    async def dispatch(
+        self, call: Call, deadline: float, track: tuple[int, int] | None = None, trace: Carrier | None = None
+    ) -> Any: ...
 
 
 class Manifests:
@@ -126,6 +131,7 @@ class Router:
         call_timeout_s: float,
         local: LocalDispatch | None = None,
         cache_size: int = 100_000,
+        tracing: Tracing | None = None,
     ) -> None:
         self._transport = transport
         self._directory = directory
@@ -140,6 +146,8 @@ class Router:
         """Silos that failed the cluster-secret handshake: never placed on."""
         self._cache_size = cache_size
         self._calls = self._local_calls = self._retries = self._placements = 0
+        self.tracing = tracing
+        """Sends the current span's trace context with each call; None (the default): sends none."""
         view.on_change(self._on_membership_change)
 
     def set_local(self, local: LocalDispatch) -> None:
@@ -226,6 +234,8 @@ class Router:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._calls += 1
+        # Off, the whole cost of tracing on this path: this test.
+        trace = None if self.tracing is None else self.tracing.current_carrier()
         last: Exception | None = None
         attempt = 0
         # Undelivered calls are retried until the deadline: a killed silo is
@@ -246,7 +256,9 @@ class Router:
             try:
                 if self._local is not None and target == self._local.address:
                     self._local_calls += 1
-                    return await self._local.dispatch(call, deadline)
+                    if trace is None:
+                        return await self._local.dispatch(call, deadline)
+                    return await self._local.dispatch(call, deadline, None, trace)
                 try:
                     conn = self._transport.connection_nowait(target.endpoint) or await self._connect(target, remaining)
                 except errors.SiloUnavailableError as exc:
@@ -266,6 +278,8 @@ class Router:
                     continue
                 # send() inlined: one coroutine frame fewer on every call.
                 header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
+                if trace is not None:
+                    header.append(trace)
                 try:
                     return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
                 except errors.GrainTimeoutError as exc:
@@ -297,11 +311,13 @@ class Router:
             target = await self.locate(grain, info)
         return str(await self.system_call(target, "activate", (str(grain),), timeout_s))
 
-    async def send(self, conn: Any, call: Call) -> Any:
+    async def send(self, conn: Any, call: Call, trace: Carrier | None = None) -> Any:
         """Send ``call`` on ``conn`` and wait for its answer (``call.timeout_s``, else the default)."""
         grain, method = call.grain, call.method
         timeout_s = call.timeout_s if call.timeout_s is not None else self._timeout_s
         header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(call.chain), call.hops]
+        if trace is not None:
+            header.append(trace)
         # Positional arguments travel as a list: msgpack packs it natively, where a tuple needs an ext.
         body = (call.args, call.kwargs) if call.kwargs else list(call.args)
         fut = conn.request(header, body, timeout_s, label=(grain, method))  # formatted only on timeout
@@ -310,14 +326,14 @@ class Router:
         except errors.GrainTimeoutError as exc:
             raise errors.GrainTimeoutError(str(grain), method, timeout_s) from exc
 
-    async def forward(self, target: SiloAddress, call: Call, deadline: float) -> Any:
-        """Relay a call that reached the wrong silo to the directory's winner, one hop further."""
+    async def forward(self, target: SiloAddress, call: Call, deadline: float, trace: Carrier | None = None) -> Any:
+        """Relay a call that reached the wrong silo to the directory's winner, one hop further (``trace`` as it came)."""
         self._remember(call.grain, target)
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise errors.GrainTimeoutError(str(call.grain), call.method, 0.0)
         conn = await self._connect(target, remaining)
-        return await self.send(conn, call.forwarded(remaining))
+        return await self.send(conn, call.forwarded(remaining), trace)
 
     async def _connect(self, silo: SiloAddress, timeout_s: float) -> Any:
         """The connection to ``silo``, waited for no longer than the call's time left.

@@ -244,3 +244,79 @@ async def test_page_says_no_silos_then_redis_unreachable_then_recovers(
             await browser.close()
     finally:
         board.stop()
+
+
+async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
+    cluster, client: ClusterClient, redis_url: str, cluster_name: str
+) -> None:
+    from playwright.async_api import async_playwright
+
+    from grains.ids import GrainId
+    from silo.settings import RemindersSettings
+    from tests.dashboard.grains import Grumbler
+    from tests.sample_grains import Reminded
+
+    if not CHROMIUM.exists():
+        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
+    silos = await cluster(
+        2,
+        grains=("tests.sample_grains", "tests.dashboard.grains"),
+        membership=CALM,
+        reminders=RemindersSettings(poll_interval_s=0.05),
+    )
+    reminded = client.get_grain(Reminded, "r1")
+    await reminded.start(0.2)
+    await silos[0].reminders.register(GrainId("Billing", "acct-7"), "invoice", 3600.0)
+    grumbler = client.get_grain(Grumbler, "g")
+    where = await grumbler.grumble("first")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = await browser.new_page(viewport={"width": 1360, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+            await page.goto(board.url + "/#/reminders")
+            row = "[data-testid=reminders-table] tr[data-reminder='{}']"
+            ticked = page.locator(row.format("Reminded/r1/tick") + " [data-col=silo] a")
+            await ticked.wait_for()  # shown once its first tick has run and been recorded
+            assert await ticked.text_content() == await reminded.where()
+            assert await page.text_content(row.format("Reminded/r1/tick") + " [data-col=period]") == "200 ms"
+            billing = row.format("Billing/acct-7/invoice")
+            assert "not yet" in (await page.text_content(billing + " [data-col=last-fired]") or "")
+            assert await page.text_content(billing + " [data-col=period]") == "1h 0m"
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-reminders.png"), full_page=True)
+            await page.select_option("[data-testid=reminder-type]", "Billing")
+            await page.wait_for_function(
+                "document.querySelectorAll('[data-testid=reminders-table] tbody tr').length === 1"
+            )
+            assert await page.locator(billing).count() == 1
+
+            await page.goto(board.url + "/#/logs")
+            message = "[data-testid=logs-table] tr:has(td.message:text-is('grumble: {}'))"
+            first = page.locator(message.format("first"))
+            await first.wait_for()
+            assert await first.get_attribute("data-silo") == where
+            assert await first.get_attribute("data-level") == "WARNING"
+            await grumbler.grumble("live")  # no reload: the page's one-second tail picks it up
+            await page.locator(message.format("live")).wait_for()
+            assert await page.locator("[data-testid=logs-table] tbody tr").first.get_attribute(
+                "data-id"
+            ) == await page.locator(message.format("live")).get_attribute("data-id")  # newest first
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-logs.png"), full_page=True)
+
+            await page.select_option("[data-testid=log-level]", "ERROR")
+            await page.locator(message.format("first")).wait_for(state="detached")
+            broke_on = await grumbler.grumble("broken", "ERROR")  # the rebalancer may have moved it
+            await page.locator(message.format("broken")).wait_for()
+            other = next(str(s.address) for s in silos if str(s.address) != broke_on)
+            await page.select_option("[data-testid=log-silo]", other)
+            await page.locator(message.format("broken")).wait_for(state="detached")
+            await browser.close()
+            assert errors == []
+    finally:
+        board.stop()
+        await reminded.stop()
