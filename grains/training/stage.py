@@ -88,6 +88,7 @@ class PipelineStageGrain(Grain):
         self._arrived: dict[int, int] = {}  # gpipe, last stage: forwards received per step
         self._steps_done = 0
         self._rate = 0.0
+        self._labels: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # hybrid leader: step -> replica -> part
         self._means: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # step -> (mean, fetches left)
         self._reduced = asyncio.Condition()
@@ -117,6 +118,7 @@ class PipelineStageGrain(Grain):
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
         self._points.clear()
         self._arrived = {}
+        self._labels = None
         self._steps_done = 0
         self._back, self._failed = asyncio.Queue(), asyncio.Event()
         self._parts, self._means = {}, {}
@@ -279,9 +281,11 @@ class PipelineStageGrain(Grain):
     async def _loss_backward(self, generation: int, step: int, mb: int) -> None:
         core, cfg, batches = self._core, self._cfg, self._batches
         assert core is not None and cfg is not None and batches is not None
-        replicas = max(1, len(cfg.peer_keys))
-        _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed)
-        target = labels.chunk(cfg.spec.microbatches)[mb]
+        if self._labels is None or self._labels[0] != step:  # once per step, not per micro-batch
+            replicas = max(1, len(cfg.peer_keys))
+            _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed)
+            self._labels = (step, labels.chunk(cfg.spec.microbatches))
+        target = self._labels[1][mb]
         loss, grad = await self.run_in_thread(core.loss_backward, mb, target)
         if not math.isfinite(loss):
             raise RuntimeError(f"step {step}: the loss is {loss}")
@@ -325,8 +329,13 @@ class PipelineStageGrain(Grain):
         others = [self._peer(i) for i in range(1, stages)]
         last = self._peer(stages - 1) if stages > 1 else None
         t_first: float | None = None
+        def gather(step: int) -> asyncio.Future[Any]:
+            return asyncio.ensure_future(self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed))
+
+        upcoming = gather(core.step) if core.step < cfg.end_step else None
         for step in range(core.step, cfg.end_step):
-            x, _ = await self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed)
+            assert upcoming is not None
+            x, _ = await upcoming
             chunks = x.chunk(m)
             self._window = asyncio.Semaphore(stages if spec.schedule == "1f1b" else m)
             for mb, chunk in enumerate(chunks):
@@ -336,6 +345,8 @@ class PipelineStageGrain(Grain):
                     await self._loss_backward(gen, step, mb)
                 else:
                     await others[0].forward(gen, step, mb, y)
+            # The next step's batch is gathered while this one's backwards run.
+            upcoming = gather(step + 1) if step + 1 < cfg.end_step else None
             for _ in range(m):
                 await self._next_back(spec.step_timeout_s)
             if replicas > 1:  # hybrid: each stage's gradients averaged over the replicas first

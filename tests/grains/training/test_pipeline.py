@@ -132,7 +132,7 @@ async def test_hybrid_two_replicas_of_two_stages_equal_data_parallel_training(cl
 
 async def test_activations_compressed_to_fp16_and_bf16_autocast_train_as_well(cluster, client):
     await cluster(2, grains=GRAINS)
-    common = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "steps": 200, "checkpoint_every": 0, **DEEP,
+    common = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "steps": 150, "checkpoint_every": 0, **DEEP,
               "mode": "pipeline", "trainers": 1, "stages": 2}  # fmt: skip
     full = await run_job(client, "pipe-fp32", TrainingJob(**common))
     half = await run_job(client, "pipe-fp16", TrainingJob(**common, compression="fp16"))
