@@ -371,6 +371,35 @@ function metricCards(p) {
     evals.map(([k, v]) => box("eval", k, v, when)).join("");
 }
 
+// Pipeline mode: each stage's place and costs, and the latest step's micro-batch timeline
+// (one row per stage, a box per forward F / backward B, placed by its wall-clock time).
+function stagesSection(stages) {
+  let html = `<h2>Pipeline stages (${stages.length})</h2><div class="table-wrap"><table data-testid="stages"><thead><tr>` +
+    `<th class="num">Replica</th><th class="num">Stage</th><th>Key</th><th>Silo</th><th class="num">Forward / micro-batch</th>` +
+    `<th class="num">Backward / micro-batch</th><th class="num">Parameters</th></tr></thead><tbody>` +
+    stages.map((g) => `<tr><td class="num">${num(g.replica)}</td><td class="num">${num(g.index)}</td><td>${esc(g.key)}</td>` +
+      `<td>${g.silo ? link("/silos/" + enc(g.silo), g.silo) : "–"}</td><td class="num">${num(g.forward_ms, 2)} ms</td>` +
+      `<td class="num">${num(g.backward_ms, 2)} ms</td><td class="num">${bytes(g.param_bytes)}</td></tr>`).join("") +
+    `</tbody></table></div>`;
+  const spans = stages.flatMap((g) => g.timeline || []);
+  if (!spans.length) return html + `<div class="notice">No step finished yet.</div>`;
+  const t0 = Math.min(...spans.map((x) => x.start)), t1 = Math.max(...spans.map((x) => x.end));
+  const W = chartWidth(true), row = 26, left = 90, width = Math.max(1, W - left - 10), scale = width / Math.max(1e-6, t1 - t0);
+  let svg = `<svg class="timeline" data-testid="microbatch-timeline" width="${W}" height="${stages.length * row + 24}">`;
+  stages.forEach((g, i) => {
+    svg += `<text x="4" y="${i * row + 17}" class="axis">r${g.replica} stage ${g.index}</text>`;
+    for (const x of g.timeline || []) {
+      const fill = x.kind === "F" ? "#3b6cf6" : "#e08a2c";
+      const xs = left + (x.start - t0) * scale, w = Math.max(1, (x.end - x.start) * scale);
+      svg += `<rect data-kind="${esc(x.kind)}" data-mb="${x.mb}" x="${xs.toFixed(1)}" y="${i * row + 4}" width="${w.toFixed(1)}" height="${row - 8}" fill="${fill}">` +
+        `<title>${esc(x.kind)}${x.mb}: ${num(1000 * (x.end - x.start), 2)} ms</title></rect>`;
+      if (w > 14) svg += `<text x="${(xs + 3).toFixed(1)}" y="${i * row + 17}" class="span-label">${esc(x.kind)}${x.mb}</text>`;
+    }
+  });
+  svg += `<text x="${left}" y="${stages.length * row + 18}" class="axis">latest step: ${num(1000 * (t1 - t0), 1)} ms · F forward, B backward</text></svg>`;
+  return html + `<h2>Micro-batch timeline</h2><div class="panel">${svg}</div>`;
+}
+
 pages.job = async (job) => {
   const d = await api("/api/jobs/" + enc(job));
   const p = d.progress;
@@ -406,7 +435,8 @@ pages.job = async (job) => {
     `<div class="table-wrap"><table data-testid="${tid}"><thead><tr><th>Key</th><th>Silo</th></tr></thead><tbody>` +
     rows.map((r) => `<tr><td>${esc(r.key)}</td><td>${r.silo ? link("/silos/" + enc(r.silo), r.silo) : "–"}</td></tr>`).join("") +
     `</tbody></table></div>` : `<div class="notice">None.</div>`) + `</div>`;
-  html += `<div class="grid2">` + placeTable("Trainers", p.trainers, "trainers") + placeTable("Parameter shards", p.shards, "shards") + `</div>`;
+  if ((p.stages || []).length) html += stagesSection(p.stages);
+  else html += `<div class="grid2">` + placeTable("Trainers", p.trainers, "trainers") + placeTable("Parameter shards", p.shards, "shards") + `</div>`;
   html += `<h2>Checkpoints (${p.checkpoints.length})</h2>` + (p.checkpoints.length ?
     `<div class="table-wrap"><table data-testid="checkpoints"><thead><tr><th>Snapshot</th><th class="num">Step</th><th class="num">Taken</th></tr></thead><tbody>` +
     p.checkpoints.slice().reverse().map((c) => `<tr><td><code>${esc(c.snapshot)}</code></td><td class="num">${num(c.step)}</td><td class="num">${clock(c.at)}</td></tr>`).join("") +
