@@ -349,5 +349,13 @@ class Batches:
             collate_fn=collate,
             pin_memory=str(self._device).startswith("cuda"),
         )
-        for b in loader:
-            yield to_device(b, self._device)
+        it = iter(loader)
+        try:
+            for b in it:
+                yield to_device(b, self._device)
+        finally:
+            # Stop the worker processes now, from the thread that closes this generator, rather
+            # than whenever the iterator is collected (its __del__ may then find them gone).
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()

@@ -170,6 +170,13 @@ class Replica:
             self._prefetched = (step + 1, self.batch(step + 1))
         return StepResult(float(loss.detach()), metrics, samples, grads, buffers, skip)
 
+    def close(self) -> None:
+        """End the batch stream (stops DataLoader workers, if any)."""
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            with contextlib.suppress(ValueError):  # a step still reading it (cancelled): it ends with the replica
+                close()
+
     def _grad(self, name: str) -> torch.Tensor:
         g = self.params[name].grad
         return g if g is not None else torch.zeros_like(self.params[name])
@@ -285,6 +292,12 @@ class TrainerGrain(Grain):
 
     async def _train(self, a: TrainerAssignment) -> None:
         rep = await self.run_in_thread(Replica, a, self.device)
+        try:
+            await self._steps(a, rep)
+        finally:
+            await asyncio.shield(self.run_in_thread(rep.close))
+
+    async def _steps(self, a: TrainerAssignment, rep: Replica) -> None:
         shards: list[Any] = [
             self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s)  # type: ignore[attr-defined]
             for key in a.shard_keys
