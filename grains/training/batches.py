@@ -26,7 +26,8 @@ reader's position starts again at the beginning of the pass that holds it
 length changes is a ConfigError). Evaluation reads one pass, ``iter(ds)``.
 
 ``loader_workers > 0`` loads map-style batches in DataLoader worker processes
-(forked: a spawned worker re-imports torch, 15 s here against 0.2 s) with the
+(from a forkserver: a clean process that forks them, started once per silo;
+forking the silo itself copied its event loop and threads) with the
 same index lists, so the batches equal those of ``workers=0``. A tensor
 dataset keeps its fast path (one gather needs no workers). An IterableDataset
 cannot be split among workers without its help (each would yield the whole
@@ -348,6 +349,11 @@ class Batches:
             num_workers=self._workers,
             collate_fn=collate,
             pin_memory=str(self._device).startswith("cuda"),
+            # Not forked from the silo: a fork of a process with an event loop and thread pools
+            # inherits their state, and its workers died at shutdown (exit code 1). A forkserver
+            # is a clean single-threaded process that forks the workers; it starts once per silo.
+            multiprocessing_context="forkserver",
+            persistent_workers=False,
         )
         it = iter(loader)
         try:
