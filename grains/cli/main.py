@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save", metavar="PATH", default=None,
         help="when the job completes, write the trained model's state_dict there (torch.save; load it with "
-        "model.load_state_dict(torch.load(PATH))); with --status, save a finished job's",
+        "model.load_state_dict(torch.load(PATH, weights_only=True)), which loads tensors only); with --status, a finished job's",
     )  # fmt: skip
 
     p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")

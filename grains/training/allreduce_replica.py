@@ -26,7 +26,7 @@ from grains.training.job import TrainingJob
 from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
-from grains.training.program import NonFiniteLossError, Program, finite
+from grains.training.program import NonFiniteLossError, Program
 
 if TYPE_CHECKING:
     from grains.training.allreduce import Group
@@ -118,12 +118,13 @@ class GroupReplica:
             for p in self.params:
                 p.grad = None
             loss, metrics = self.program.step(self.model, batch)
-            if finite(loss):
+            value = float(loss.detach())  # read once a step
+            if math.isfinite(value):
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
                 torch.cat([g.reshape(-1) for g in grads], out=self.flat)
             elif self.spec.on_nonfinite == "fail":
-                raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
+                raise NonFiniteLossError(f"step {step}: the loss is {value} (on_nonfinite='fail')")
             else:
                 self.flat.fill_(math.nan)
             t0 = time.perf_counter()
@@ -144,7 +145,7 @@ class GroupReplica:
             exchange_s = time.perf_counter() - t0
             skipped = self._apply(mean)
             self.held = (self.held[0], step + 1)
-            return StepResult(float(loss.detach()), metrics, batch_samples(batch), skipped, exchange_s)
+            return StepResult(value, metrics, batch_samples(batch), skipped, exchange_s)
 
     def _apply(self, mean: torch.Tensor) -> bool:
         """The optimizer step on the mean gradient (clipped, unscaled); True when skipped."""

@@ -18,7 +18,6 @@ job fails at once with the reason instead of restarting the trainer.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -113,10 +112,6 @@ def numbers(metrics: Mapping[str, Any], what: str) -> dict[str, float]:
             raise TrainingStepError(f"the {what} function's metric {k!r} is {type(v).__name__}, not a number")
         out[k] = float(v)
     return out
-
-
-def finite(loss: torch.Tensor) -> bool:
-    return math.isfinite(float(loss.detach()))
 
 
 def evaluate(program: Program, model: nn.Module, batches: Iterable[Any], samples: Callable[[Any], int]) -> dict[str, float]:

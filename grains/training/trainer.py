@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from grains.training.datasets import load_dataset
 from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
-from grains.training.program import NonFiniteLossError, Program, finite, is_fatal, is_out_of_memory
+from grains.training.program import NonFiniteLossError, Program, is_fatal, is_out_of_memory
 from grains.training.shard import ParamShardGrain
 from silo import errors
 
@@ -143,9 +144,10 @@ class Replica:
             p.grad = None
         loss, metrics = self.program.step(self.model, batch)
         skip = False
-        if not finite(loss):
+        value = float(loss.detach())  # one read of the loss a step (on CUDA each read waits for the device)
+        if not math.isfinite(value):
             if self.a.spec.on_nonfinite == "fail":
-                raise NonFiniteLossError(f"step {step}: the loss is {float(loss.detach())} (on_nonfinite='fail')")
+                raise NonFiniteLossError(f"step {step}: the loss is {value} (on_nonfinite='fail')")
             skip = True
         else:
             (loss * self.scaler.scale if self.scaler is not None else loss).backward()
@@ -168,7 +170,7 @@ class Replica:
         samples = batch_samples(batch)
         if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
             self._prefetched = (step + 1, self.batch(step + 1))
-        return StepResult(float(loss.detach()), metrics, samples, grads, buffers, skip)
+        return StepResult(value, metrics, samples, grads, buffers, skip)
 
     def close(self) -> None:
         """End the batch stream (stops DataLoader workers, if any)."""
