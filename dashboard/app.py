@@ -210,9 +210,12 @@ def create_app(
             "calls", description="Any MethodRow field: " + ", ".join(rd.METHOD_SORTS)
         ),
         order: Literal["asc", "desc"] = "desc",
+        grain_type: str | None = Query(None, description="Only this grain type's methods."),
+        silo: str | None = Query(None, description="Only calls served by this silo (its address)."),
     ) -> m.Methods:
         """Per-method stats merged over live silos; each column sorts by its own value."""
-        return m.Methods(sort=sort, order=order, rows=rd.methods(await r.snapshot(), sort, order))
+        rows = rd.methods(await r.snapshot(), sort, order, grain_type=grain_type, silo=silo)
+        return m.Methods(sort=sort, order=order, rows=rows)
 
     async def _jobs(r: rd.ClusterReader) -> list[JobProgress]:
         with redis_errors("read jobs"):

@@ -211,13 +211,25 @@ class _MethodSum:
     window: list[int] = field(default_factory=lambda: dense({}))
 
 
-def methods(snap: Snapshot, sort: str = "calls", order: str = "desc") -> list[m.MethodRow]:
-    """Per-method rows merged over live silos, sorted by the column ``sort`` itself."""
+def methods(
+    snap: Snapshot,
+    sort: str = "calls",
+    order: str = "desc",
+    *,
+    grain_type: str | None = None,
+    silo: str | None = None,
+) -> list[m.MethodRow]:
+    """Per-method rows merged over live silos (or only ``silo``'s), of every grain type (or only
+    ``grain_type``'s), sorted by the column ``sort`` itself."""
     if sort not in METHOD_SORTS:
         raise errors.ConfigError(f"cannot sort by {sort!r}; one of {', '.join(METHOD_SORTS)}")
     merged: dict[tuple[str, str], _MethodSum] = {}
     for rec in snap.live_records():
+        if silo is not None and rec.address != silo:
+            continue
         for x in rec.methods:
+            if grain_type is not None and x.grain_type != grain_type:
+                continue
             acc = merged.setdefault((x.grain_type, x.method), _MethodSum())
             acc.calls += x.calls
             acc.errors += x.errors

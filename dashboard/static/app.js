@@ -186,6 +186,9 @@ pages.silo = async (address) => {
     `<div class="panel"><h3>Memory</h3>${Charts.line(mem, { ...xf, testid: "mem-chart", yFormat: (v) => bytes(v) })}${Charts.legend(mem, bytes)}</div>` +
     `<div class="panel"><h3>Activations</h3>${Charts.line(act, xf)}${Charts.legend(act, (v) => num(v))}</div>` +
     `<div class="panel"><h3>Calls per second</h3>${Charts.line(calls, xf)}${Charts.legend(calls, rate)}</div></div>`;
+  const served = await api("/api/methods?silo=" + enc(address));
+  html += `<h2>Methods served here</h2><div class="sub">Last ~10 s (since start when idle)</div>` +
+    methodTable(served.rows, { testid: "silo-methods" });
   html += `<h2>Activations by type</h2>` + kvTable(d.by_type, "Type", "Activations");
   html += `<h2>Components</h2><div class="panel components">` + Object.entries(d.components).map(([name, fields]) =>
       `<section><h3>${esc(name)}</h3><dl class="kv">` + Object.entries(fields).filter(([, v]) => typeof v !== "object")
@@ -230,6 +233,8 @@ pages.grainType = async (type) => {
     `<div class="sub">${k.active.length} live (sampled) · ${k.persisted.length} with persisted state</div>` +
     `<div class="toolbar"><input id="grain-key" placeholder="key" data-type="${esc(type)}">` +
     `<button data-action="open-key" data-arg="${esc(type)}">Show state</button></div>`;
+  html += `<h2>Methods</h2><div class="sub">Merged over live silos · last ~10 s (since start when idle)</div>` +
+    `<div id="live-part">${await typeMethods(type)}</div><h2>Keys</h2>`;
   if (!keys.length) return html + `<div class="notice">No keys to show.</div>`;
   html += `<div class="table-wrap"><table><thead><tr><th>Key</th><th>Live</th><th>Persisted state</th></tr></thead><tbody>` +
     keys.map((key) => `<tr><td>${esc(key)}</td><td>${k.active.includes(key) ? pill("Active") : "–"}</td>` +
@@ -237,6 +242,10 @@ pages.grainType = async (type) => {
     `</tbody></table></div>`;
   return html;
 };
+async function typeMethods(type) {
+  const calls = await api("/api/methods?grain_type=" + enc(type));
+  return methodTable(calls.rows, { withType: false, testid: "type-methods" });
+}
 function openKey(type) {
   const key = $("#grain-key").value.trim();
   if (key) location.hash = "#/grains/" + enc(type) + "/" + enc(key);
@@ -279,27 +288,34 @@ const METHOD_COLS = [
   ["calls_per_s", "Calls/s", true], ["errors", "Errors", true], ["error_percent", "Error %", true],
   ["mean_ms", "Mean", true], ["p50_ms", "p50", true], ["p99_ms", "p99", true],
 ];
-pages.methods = async () => {
-  const r = await api("/api/methods");
+// One table for the Methods page, a grain type's page (no type column) and a silo's page.
+function methodTable(allRows, { withType = true, testid = "methods-table" } = {}) {
   const { key, desc } = state.methodSort;
   // Each column sorts by its own value (not by call count).
-  const rows = r.rows.slice().sort((a, b) => {
+  const rows = allRows.slice().sort((a, b) => {
     const x = a[key], y = b[key];
     const c = typeof x === "string" ? x.localeCompare(y) : x - y;
     return (desc ? -c : c) || a.grain_type.localeCompare(b.grain_type) || a.method.localeCompare(b.method);
   });
-  let html = `<h1>Methods</h1><div class="sub">Merged over live silos · rates and latency over the last ~10 s (since start when idle) · click a column to sort</div>`;
-  if (!rows.length) return html + `<div class="notice">No calls recorded yet.</div>`;
-  html += `<div class="table-wrap"><table data-testid="methods-table"><thead><tr>` + METHOD_COLS.map(([k, label, n]) =>
+  if (!rows.length) return `<div class="notice" data-testid="${testid}-empty">No calls recorded yet.</div>`;
+  const cols = METHOD_COLS.filter(([k]) => withType || k !== "grain_type");
+  let html = `<div class="table-wrap"><table data-testid="${testid}"><thead><tr>` + cols.map(([k, label, n]) =>
     `<th class="sortable${n ? " num" : ""}" data-sort="${k}" data-action="sort" data-arg="${k}">${label}` +
     (k === key ? `<span class="arrow">${desc ? "▼" : "▲"}</span>` : "") + `</th>`).join("") + `</tr></thead><tbody>`;
   for (const m of rows) {
-    html += `<tr data-method="${esc(m.grain_type + "." + m.method)}"><td>${esc(m.grain_type)}</td><td><code>${esc(m.method)}</code></td>` +
-      `<td class="num" data-col="calls">${num(m.calls)}</td><td class="num">${rate(m.calls_per_s)}</td>` +
-      `<td class="num">${num(m.errors)}</td><td class="num">${num(m.error_percent, 2)}</td>` +
-      `<td class="num">${ms(m.mean_ms)}</td><td class="num">${ms(m.p50_ms)}</td><td class="num">${ms(m.p99_ms)}</td></tr>`;
+    html += `<tr data-method="${esc(m.grain_type + "." + m.method)}">` + (withType ? `<td>${esc(m.grain_type)}</td>` : "") +
+      `<td><code>${esc(m.method)}</code></td>` +
+      `<td class="num" data-col="calls">${num(m.calls)}</td><td class="num" data-col="calls_per_s">${rate(m.calls_per_s)}</td>` +
+      `<td class="num" data-col="errors">${num(m.errors)}</td><td class="num">${num(m.error_percent, 2)}</td>` +
+      `<td class="num">${ms(m.mean_ms)}</td><td class="num" data-col="p50_ms">${ms(m.p50_ms)}</td>` +
+      `<td class="num" data-col="p99_ms">${ms(m.p99_ms)}</td></tr>`;
   }
   return html + `</tbody></table></div>`;
+}
+pages.methods = async () => {
+  const r = await api("/api/methods");
+  return `<h1>Methods</h1><div class="sub">Merged over live silos · rates and latency over the last ~10 s (since start when idle) · click a column to sort</div>` +
+    methodTable(r.rows);
 };
 function sortMethods(key) {
   const s = state.methodSort;
@@ -583,10 +599,20 @@ function parseRoute() {
   return { page: "overview", nav: "overview", args: [] };
 }
 
-const STATIC_PAGES = new Set(["grainType"]);  // a key browser with an input: no live re-render
+// A page with an input is not re-rendered while it is open (the input would lose its text);
+// only its #live-part is, by the function named here.
+const STATIC_PAGES = { grainType: typeMethods };
+
+async function refreshPart(route) {
+  try {
+    const html = await STATIC_PAGES[route.page](...route.args);
+    const part = $("#live-part");
+    if (route === state.route && part) part.innerHTML = html;
+  } catch (e) { /* the next full render reports what is wrong */ }
+}
 
 async function refresh(polled = false) {
-  if (polled && STATIC_PAGES.has(state.route.page)) return;
+  if (polled && STATIC_PAGES[state.route.page]) return refreshPart(state.route);
   if (state.busy) { state.again = true; return; }
   state.busy = true;
   const route = state.route;

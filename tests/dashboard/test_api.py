@@ -117,6 +117,16 @@ async def test_every_endpoint_returns_its_documented_model(
     rows = {(r.grain_type, r.method): r for r in methods.rows}
     assert rows[("Echo", "echo")].calls == 200 and rows[("Counter", "add")].calls == 40
     assert rows[("Echo", "fail")].errors == 10 and rows[("Echo", "fail")].error_percent == 100.0
+    echo_only = m.Methods.model_validate(api.get("/api/methods?grain_type=Echo").json()).rows
+    assert {r.method for r in echo_only} == {"echo", "fail"}
+    per_silo = [
+        m.Methods.model_validate(api.get("/api/methods", params={"silo": str(s.address)}).json()).rows
+        for s in silos
+    ]
+    for key, row in rows.items():  # each silo's rows are its own: they add up to the merged row
+        parts = [r for part in per_silo for r in part if (r.grain_type, r.method) == key]
+        assert sum(r.calls for r in parts) == row.calls and sum(r.errors for r in parts) == row.errors
+    assert m.Methods.model_validate(api.get("/api/methods?silo=10.9.9.9:1").json()).rows == []
 
     jobs = m.JobList.model_validate(api.get("/api/jobs").json())
     assert [j.job for j in jobs.jobs] == ["j1"]

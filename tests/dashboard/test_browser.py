@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from pathlib import Path
 
@@ -320,3 +321,83 @@ async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
     finally:
         board.stop()
         await reminded.stop()
+
+
+async def test_grain_type_and_silo_pages_show_their_own_method_stats(
+    cluster, client: ClusterClient, redis_url: str, cluster_name: str
+) -> None:
+    from playwright.async_api import async_playwright
+
+    from silo import errors as rg_errors
+    from silo.settings import RebalancerSettings
+    from tests.sample_grains import RandomEcho
+
+    if not CHROMIUM.exists():
+        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
+    # Placed at random (both silos serve some, but for a 1-in-128 draw) and not rebalanced:
+    # each grain stays where it was first activated, so the calls it served are that silo's.
+    silos = await cluster(2, membership=CALM, rebalancer=RebalancerSettings(enabled=False))
+    keys = [f"m{i}" for i in range(8)]
+    home = {k: await client.get_grain(RandomEcho, k).where() for k in keys}
+    for i, k in enumerate(keys):
+        grain = client.get_grain(RandomEcho, k)
+        await asyncio.gather(*(grain.echo(n) for n in range(5 + i)))
+        if i % 3 == 0:
+            with pytest.raises(rg_errors.RemoteGrainError):
+                await grain.fail("on purpose")
+    await client.get_grain(Counter, "c").add(1)
+    addresses = [str(s.address) for s in silos]
+    echoes = {a: sum(5 + i for i, k in enumerate(keys) if home[k] == a) for a in addresses}
+    failures = {a: sum(1 for i, k in enumerate(keys) if i % 3 == 0 and home[k] == a) for a in addresses}
+    assert sum(echoes.values()) == 68
+
+    board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = await browser.new_page(viewport={"width": 1360, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+            # The grain type's page: its own methods only, merged over both silos.
+            await page.goto(board.url + "/#/grains/RandomEcho")
+            table = "[data-testid=type-methods]"
+            cell = table + " [data-method='RandomEcho.{}'] [data-col={}]"
+            await page.wait_for_function(
+                f"document.querySelector(\"{cell.format('echo', 'calls')}\")?.textContent === '68'"
+            )
+            assert await page.text_content(cell.format("fail", "errors")) == "3"
+            assert await page.text_content(cell.format("where", "calls")) == "8"
+            assert await page.locator(table + " [data-method='Counter.add']").count() == 0
+            assert re.fullmatch(r"[0-9.]+ (µs|ms|s)", await page.text_content(cell.format("echo", "p99_ms")) or "")
+            # The page keeps its key box; only the table is redrawn, live.
+            await page.fill("#grain-key", "m1")
+            await client.get_grain(RandomEcho, "m1").echo("again")
+            await page.wait_for_function(
+                f"document.querySelector(\"{cell.format('echo', 'calls')}\")?.textContent === '69'"
+            )
+            assert await page.input_value("#grain-key") == "m1"
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-grain-type.png"), full_page=True)
+
+            # Each silo's page: only the calls that silo served.
+            extra = {a: 1 if a == home["m1"] else 0 for a in addresses}
+            for address in addresses:
+                await page.goto(board.url + f"/#/silos/{address}")
+                cell = "[data-testid=silo-methods] [data-method='RandomEcho.{}'] [data-col={}]"
+                want = echoes[address] + extra[address]
+                if not want:  # placement put every Echo grain on the other silo
+                    await page.wait_for_selector("[data-testid=silo-methods], [data-testid=silo-methods-empty]")
+                    assert await page.locator(cell.format("echo", "calls")).count() == 0
+                    continue
+                await page.wait_for_function(
+                    f"document.querySelector(\"{cell.format('echo', 'calls')}\")?.textContent === '{want}'"
+                )
+                if failures[address]:
+                    assert await page.text_content(cell.format("fail", "errors")) == str(failures[address])
+                else:
+                    assert await page.locator(cell.format("fail", "errors")).count() == 0
+            await page.screenshot(path=str(ARTIFACTS / "dashboard-silo-methods.png"), full_page=True)
+            await browser.close()
+            assert errors == []
+    finally:
+        board.stop()
