@@ -14,7 +14,12 @@ In one run, each measurement warmed up and repeated (median and spread):
   drops them): client→grain and grain→grain across two silos of this process,
   phases alternating, and the off path's own checks timed alone;
 * the same shapes on Ray (sync actor, async actor, actor → actor ObjectRef)
-  when ``ray`` is installed (``pip install ".[bench]"``), in a subprocess.
+  when ``ray`` is installed (``pip install ".[bench]"``), in a subprocess;
+* 1 MB calls: pipelined over sequential, and the pipelined echo's bytes/s (both
+  directions) over the tensor echo's;
+* mutual TLS (a private CA made with the ``openssl`` command): client→grain
+  sequential and pipelined 100 B, pipelined 1 MB, the tensor rows, on two TLS
+  silos of the same run, as ratios to the plaintext rows.
 
 Ratios printed: redgrain / bare echo and redgrain / Ray.
 """
@@ -23,9 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks import common
@@ -154,7 +164,6 @@ def local_socket_table(rg: dict[str, Any], tcp: dict[str, Any]) -> list[list[str
 
 
 async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str, Any]:
-    import torch
 
     from benchmarks.grains import BenchEcho
     from silo.client import ClusterClient
@@ -171,20 +180,102 @@ async def measure_redgrain(cluster: common.BenchCluster, sz: Sizes) -> dict[str,
             out.update(await _shapes(echo, driver, same, other, label, payload, n_seq, n_pipe, sz.repeats))
 
         out.update(await _tensors_across(driver, other, sz))
-        nbytes = sz.tensor_sizes[-1]
-        t = torch.randn(nbytes // 4)
-
-        async def tensor_echo() -> float:
-            t0 = time.perf_counter()
-            back = await echo.echo(t)
-            dt = time.perf_counter() - t0
-            assert back.shape == t.shape
-            return 2 * nbytes / dt / 1e9
-
-        out[f"tensor_echo_client_{nbytes // MB}MB"] = {
-            "gb_per_s": await common.repeat(tensor_echo, sz.tensor_repeats), "bytes": nbytes
-        }
+        out.update(await _tensor_echo(echo, sz))
     return out
+
+
+async def _tensor_echo(echo: Any, sz: Sizes) -> dict[str, Any]:
+    import torch
+
+    nbytes = sz.tensor_sizes[-1]
+    t = torch.randn(nbytes // 4)
+
+    async def tensor_echo() -> float:
+        t0 = time.perf_counter()
+        back = await echo.echo(t)
+        dt = time.perf_counter() - t0
+        assert back.shape == t.shape
+        return 2 * nbytes / dt / 1e9
+
+    return {f"tensor_echo_client_{nbytes // MB}MB": {
+        "gb_per_s": await common.repeat(tensor_echo, sz.tensor_repeats), "bytes": nbytes
+    }}  # fmt: skip
+
+
+def _certificates(directory: Path) -> dict[str, str]:
+    """A private CA and one certificate it signs for 127.0.0.1 (silos and the client share it),
+    as the REDGRAIN_TRANSPORT__TLS_* variables."""
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise RuntimeError("the TLS rows need the openssl command")
+
+    def openssl(*args: str) -> None:
+        subprocess.run([exe, *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=bench-ca")
+    openssl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=bench-node")
+    (directory / "node.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "node.crt", "-days", "2", "-extfile", "node.ext")  # fmt: skip
+    return {
+        "REDGRAIN_TRANSPORT__TLS_CERT": str(directory / "node.crt"),
+        "REDGRAIN_TRANSPORT__TLS_KEY": str(directory / "node.key"),
+        "REDGRAIN_TRANSPORT__TLS_CA": str(directory / "ca.crt"),
+    }
+
+
+async def measure_tls(cluster: common.BenchCluster, tls_env: dict[str, str], sz: Sizes) -> dict[str, Any]:
+    """The client→grain and tensor rows again with mutual TLS on every link (two TLS silos)."""
+    from benchmarks.grains import BenchEcho
+    from silo.client import ClusterClient
+    from silo.settings import ClientSettings, TransportSettings
+
+    transport = TransportSettings(tls_cert=Path(tls_env["REDGRAIN_TRANSPORT__TLS_CERT"]),
+                                  tls_key=Path(tls_env["REDGRAIN_TRANSPORT__TLS_KEY"]),
+                                  tls_ca=Path(tls_env["REDGRAIN_TRANSPORT__TLS_CA"]))  # fmt: skip
+    settings = ClientSettings(transport=transport)
+    out: dict[str, Any] = {}
+    async with await ClusterClient.connect(cluster.redis_url, cluster=cluster.cluster, settings=settings) as client:
+        driver, _, other = await _pick(client)
+        echo = client.get_grain(BenchEcho, other)
+        for label, payload, n_seq, n_pipe in (("100B", SMALL, sz.seq, sz.pipe), ("1MB", b"y" * MB, sz.seq_1mb, sz.pipe_1mb)):
+            lat: list[float] = []
+            sequential, pipelined = common.call_rates(functools.partial(echo.echo, payload), n_seq, n_pipe, lat)
+            out[f"client_grain_seq_{label}"] = _seq_result(lat, await common.repeat(sequential, sz.repeats))
+            out[f"client_grain_pipe_{label}"] = {"per_s": await common.repeat(pipelined, sz.repeats)}
+        out.update(await _tensors_across(driver, other, sz))
+        out.update(await _tensor_echo(echo, sz))
+    return out
+
+
+def tls_table(rg: dict[str, Any], tl: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for key in tl:
+        unit = "GB/s" if key.startswith("tensor_") else "/s"
+        field = "gb_per_s" if unit == "GB/s" else "per_s"
+        plain, secure = _med(rg, key, field), _med(tl, key, field)
+        name = (key.replace("client_grain_seq_", "client→grain sequential ").replace("client_grain_pipe_", "client→grain pipelined ")
+                .replace("tensor_across_", "tensor grain→grain across silos ").replace("tensor_echo_client_", "tensor echo client→grain (2× bytes) "))  # fmt: skip
+        fmt = (lambda v: f"{v:.2f} GB/s") if unit == "GB/s" else (lambda v: f"{v:,.0f} /s")
+        rows.append([name, fmt(plain) if plain else "-", fmt(secure) if secure else "-", common.ratio(secure, plain)])
+    return rows
+
+
+def one_mb_table(rg: dict[str, Any]) -> list[list[str]]:
+    """Issue 21's two 1 MB goals: pipelined at least as fast as sequential, and its bytes/s
+    (an echo moves the megabyte both ways) at least half the big tensor echo's."""
+    seq, pipe = _med(rg, "client_grain_seq_1MB", "per_s"), _med(rg, "client_grain_pipe_1MB", "per_s")
+    tensor_key = next((k for k in rg if k.startswith("tensor_echo_client_")), None)
+    tensor = _med(rg, tensor_key, "gb_per_s") if tensor_key else None
+    agg = 2 * MB * pipe / 1e9 if pipe else None
+    rows = [["client→grain 1MB, pipelined / sequential", f"{pipe:,.0f} / {seq:,.0f} /s" if pipe and seq else "-",
+             common.ratio(pipe, seq), "≥ 1"]]  # fmt: skip
+    if tensor_key is not None:
+        name = tensor_key.removeprefix("tensor_echo_client_")
+        rows.append([f"1MB pipelined echo bytes/s vs tensor echo {name}", f"{agg:.2f} / {tensor:.2f} GB/s" if agg and tensor else "-",
+                     common.ratio(agg, tensor), "≥ 0.5"])  # fmt: skip
+    return rows
 
 
 async def measure_tracing(redis_url: str, sz: Sizes) -> dict[str, Any]:
@@ -383,6 +474,11 @@ def main(argv: list[str]) -> int:
     # The same machine's loopback TCP, for the same-host Unix socket rows.
     with common.BenchCluster(2, env={**PINNED, "REDGRAIN_TRANSPORT__LOCAL_SOCKETS": "false"}) as cluster:
         tcp = common.run(measure_tcp(cluster, sz))
+    # Mutual TLS on every link, same machine and run, for the TLS/plain ratios.
+    with tempfile.TemporaryDirectory(prefix="redgrain-bench-tls-") as pki:
+        tls_env = _certificates(Path(pki))
+        with common.BenchCluster(2, env={**PINNED, **tls_env}) as cluster:
+            secure = common.run(measure_tls(cluster, tls_env, sz))
     ray: dict[str, Any] | None = None
     ray_note = "skipped (--no-ray)"
     if not args.no_ray:
@@ -404,6 +500,12 @@ def main(argv: list[str]) -> int:
     common.print_table(["same host, two silos", "Unix socket (default)", "loopback TCP", "socket/TCP"],
                        local_socket_table(rg, tcp))  # fmt: skip
     print()
+    common.print_table(["1 MB calls (issue 21)", "redgrain", "ratio", "goal"], one_mb_table(rg))
+    print()
+    common.print_table(["mutual TLS, same run (2 silos)", "plaintext", "TLS", "TLS/plain"], tls_table(rg, secure))
+    print("# TLS: every link (client→silo, silo→silo, Unix sockets too) runs TLS 1.3 with certificates"
+          " from a private CA; the plaintext column is the first table's cluster")
+    print()
     common.print_table(["tracing (silos in one process)", "off", "on, 100% sampled", "on/off", "cost"],
                        tracing_table(traces))  # fmt: skip
     print(f"# tracing off: its checks on a call's path take {traces['off_checks_ns']:.0f} ns (timed alone);"
@@ -411,7 +513,7 @@ def main(argv: list[str]) -> int:
           " discarding exporter")  # fmt: skip
     common.write_result("calls", {"machine": facts, "quick": args.quick, "echo": echo, "redgrain": rg,
                                   "ray": ray, "ray_note": ray_note, "dashboard": board_out, "dashboard_added_cpu": board["added_cpu"],
-                                  "dashboard_cpu_percent": board_cpu, "tcp": tcp,
+                                  "dashboard_cpu_percent": board_cpu, "tcp": tcp, "tls": secure,
                                   "tracing": traces})  # fmt: skip
     return 0
 

@@ -17,6 +17,13 @@ host each stage has a core to itself, so the overlap is real; what the
 figure loses against the bound is the calls between stages, stage 0's own
 batch gathering and the update at the end of each step.
 
+**Recovery.** SIGKILL of the silo of stage 1 of a 2-stage job on 3 silos
+(the coordinator on the third): the time from the kill to the pipeline's
+next committed step (failure detection, the rollback of every stage to the
+last committed checkpoint, stage 1 re-activated on a survivor, one step),
+and the steps redone. The same figures as ``bench_training``'s
+parameter-server rows (:func:`benchmarks.training_recovery.pipeline_recovery`).
+
 **Pipeline vs data parallel.** The same model and batch on the same two
 silos: pipeline (2 stages, 8 micro-batches) against sync data parallel (2
 trainers, 2 shards). On one host with enough memory for the whole model on
@@ -41,6 +48,7 @@ from benchmarks.common import (
     run,
     write_result,
 )
+from benchmarks.training_recovery import pipeline_recovery
 
 MODEL: dict[str, Any] = {
     "model": "grains.training.models:mlp",
@@ -101,7 +109,21 @@ async def measure(quick: bool) -> dict[str, Any]:
                                                       microbatches=8, schedule="1f1b", batch_size=batch)  # fmt: skip
             out["data parallel 2x"] = await run_job(client, "dp", steps, mode="sync", trainers=2, shards=2,
                                                      batch_size=batch // 2)  # fmt: skip
+    rec_spec, kill_at = recovery_spec(quick)
+    out["recovery"] = {**rec_spec, "kill_at_step": kill_at}
+    with BenchCluster(3, grains="grains.training") as bc:
+        async with await ClusterClient.connect(bc.redis_url, cluster=bc.cluster) as client:
+            await client.refresh()
+            out["recovery"]["stage"] = await pipeline_recovery(client, bc, rec_spec, kill_at)
     return out
+
+
+def recovery_spec(quick: bool) -> tuple[dict[str, Any], int]:
+    """The recovery run: the digits MLP with two hidden layers in 2 stages, killed a third of the way in."""
+    steps, every = (150, 25) if quick else (600, 50)
+    spec = {"model_args": {"hidden": [64, 64]}, "batch_size": 32, "microbatches": 4, "optimizer": "momentum",
+            "lr": 0.05, "steps": steps, "checkpoint_every": every}  # fmt: skip
+    return spec, steps // 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,5 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ])  # fmt: skip
     print("on one host with memory for the whole model on each silo, data parallelism is the faster choice;"
           " pipeline parallelism trades speed for memory (each stage holds half the parameters and their state)")
+    rec = results["recovery"]
+    r = rec["stage"]
+    print(f"\n## recovery: SIGKILL of a stage's silo (digits MLP, 2 stages, 3 silos, {rec['steps']} steps,"
+          f" checkpoint every {rec['checkpoint_every']}, killed after step {rec['kill_at_step']})")  # fmt: skip
+    print_table(["silo killed", "kill -> next committed step", "detected after", "steps redone", "accuracy"], [
+        ["stage 1's", f"{r['recovery_s']:.2f} s", f"{r['detected_s']:.2f} s", str(r["lost_steps"]),
+         f"{(r['accuracy'] or 0):.2%}"],
+    ])  # fmt: skip
+    print(f"pipeline recovery {r['recovery_s']:.2f} s (goal: at most 3 s), steps redone {r['lost_steps']}"
+          f" (at most one checkpoint interval, {rec['checkpoint_every']})")
     write_result("pipeline", {"machine": facts, "quick": args.quick, "results": results})
     return 0

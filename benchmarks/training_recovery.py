@@ -1,6 +1,8 @@
-"""The training benchmark's parameter-server recovery rows: SIGKILL of a trainer's or a shard's silo.
+"""The training benchmarks' recovery rows: SIGKILL of a trainer's, a shard's or a pipeline stage's silo.
 
-Used by ``bench_training``. A sync job (2 trainers, 2 shards, checkpoints at
+Used by ``bench_training`` (parameter server) and ``bench_pipeline`` (a stage:
+:func:`pipeline_recovery`, the same figures, so ``bench_training`` can add it
+as a row of its table). A sync job (2 trainers, 2 shards, checkpoints at
 the job's interval) runs on 3 silos placed so that one silo hosts only a
 trainer and another only a shard; one of them is SIGKILLed mid-run. Measured:
 the wall time from the kill to the next committed step (the coordinator's
@@ -67,6 +69,42 @@ async def ps_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], victi
     target = next((s for s in bc.silos if str(s.address) in alone and s.alive()), None)
     if target is None:
         raise RuntimeError(f"no silo hosts only a {victim}: {busy}")
+    return await kill_and_measure(coord, target, st, deadline)
+
+
+async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], kill_at_step: int) -> dict[str, Any]:
+    """Kill the silo of the last stage of a 2-stage pipeline job on 3 silos, mid-run.
+
+    The stages go on the first two silos (by address: the trainer silos in order) and the
+    coordinator on the third, so the victim hosts only stage 1. The job rolls every stage back to
+    its last committed checkpoint (stage 1 re-activates on a survivor) and replays from there;
+    measured: the kill to the pipeline's next committed step, and the steps redone. The cluster is
+    one silo down afterwards.
+    """
+    from grains.training import CoordinatorGrain, TrainingJob
+    from grains.training.cluster import key_on
+
+    rows = await wait_for_view(client, bc)
+    if len(rows) != 3:
+        raise RuntimeError(f"pipeline recovery needs 3 live silos, the view has {rows}")
+    coord = client.get_grain(CoordinatorGrain, key_on("CoordinatorGrain", "recovery-stage", rows[2].silo, rows))
+    job = TrainingJob(**{**spec, "mode": "pipeline", "trainers": 1, "stages": 2, "shards": 1})
+    await coord.start(job)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 300
+    while True:
+        st = await coord.status()
+        if st.status == "running" and st.step >= kill_at_step and any(c > 0 for c in st.checkpoints):
+            break
+        if st.status not in ("running", "starting") or loop.time() > deadline:
+            raise RuntimeError(f"job did not reach step {kill_at_step}: {st}")
+        await asyncio.sleep(0.01)
+    victim = st.trainer_silos[1]
+    if victim in (st.trainer_silos[0], st.coordinator_silo):
+        raise RuntimeError(f"stage 1's silo {victim} also hosts stage 0 or the coordinator: {st}")
+    target = next((s for s in bc.silos if str(s.address) == victim and s.alive()), None)
+    if target is None:
+        raise RuntimeError(f"no live silo at {victim}")
     return await kill_and_measure(coord, target, st, deadline)
 
 

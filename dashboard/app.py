@@ -26,9 +26,12 @@ from pydantic import ValidationError
 from dashboard import models as m
 from dashboard import reader as rd
 from dashboard.metrics import ClusterCollector
+from dashboard.serving import router as serving_router
 from dashboard.state_view import decoder, to_json
 from grains.ids import GrainId
-from grains.training.records import JobPoint, JobProgress
+from grains.serving.records import WORKLOAD as SERVING
+from grains.serving.records import read_models
+from grains.training.records import JobPoint, JobProgress, read_jobs
 from silo import errors
 from silo.keys import Keys
 from silo.records import (
@@ -218,19 +221,7 @@ def create_app(
         return m.Methods(sort=sort, order=order, rows=rows)
 
     async def _jobs(r: rd.ClusterReader) -> list[JobProgress]:
-        with redis_errors("read jobs"):
-            names = sorted(
-                j.decode() if isinstance(j, bytes) else j for j in await r.redis.smembers(keys.jobs)
-            )
-            raws = await r.redis.mget([keys.job_progress(j) for j in names]) if names else []
-        out = []
-        for raw in raws:
-            if raw is not None:
-                try:
-                    out.append(JobProgress.model_validate_json(raw))
-                except ValidationError:
-                    continue
-        return out
+        return await read_jobs(r.redis, keys)
 
     @app.get("/api/jobs", response_model=m.JobList, tags=["training"])
     async def jobs(r: Reader) -> m.JobList:
@@ -344,10 +335,13 @@ def create_app(
         try:
             collector.snapshot = await r.snapshot()
             collector.jobs = await _jobs(r)
+            collector.models = await read_models(r.redis, keys.rendezvous(SERVING, 0))
             collector.redis_up = True
         except errors.StorageError:
             collector.redis_up = False
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(serving_router)
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:

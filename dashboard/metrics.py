@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dashboard.reader import Snapshot
+from grains.serving.records import BATCH_BUCKETS, ModelSummary
 from grains.training.records import JobProgress
 from silo.records import BUCKETS_MS, SiloStatus, dense
 
@@ -36,6 +37,7 @@ class ClusterCollector(Collector):
         self.cluster = cluster
         self.snapshot: Snapshot | None = None
         self.jobs: list[JobProgress] = []
+        self.models: list[ModelSummary] = []
         self.redis_up = False
 
     def collect(self) -> Iterator[Metric]:
@@ -219,3 +221,48 @@ class ClusterCollector(Collector):
             sps.add_metric([job.job], job.samples_per_s)
             wire.add_metric([job.job], job.bytes_per_step)
         yield from (steps, samples, step, epoch, loss, acc, named, stale, sps, wire)
+        yield from model_families(self.models)
+
+
+def _buckets(hist: list[int], bounds: tuple[float, ...]) -> list[tuple[str, float]]:
+    out, seen = [], 0
+    for bound, n in zip(bounds, hist, strict=False):
+        seen += n
+        out.append((repr(float(bound)), float(seen)))
+    out.append(("+Inf", float(sum(hist))))
+    return out
+
+
+def model_families(models: list[ModelSummary]) -> Iterator[Metric]:
+    """Served models, from their replicas' records (grains/serving/records.py); absent when none."""
+    if not models:
+        return
+    requests = CounterMetricFamily("redgrain_inference_requests", "Predict requests replicas answered (errors included).",
+                                   labels=["model", "silo"])  # fmt: skip
+    errs = CounterMetricFamily("redgrain_inference_errors", "Predict requests that failed (bad input included).",
+                               labels=["model", "silo"])  # fmt: skip
+    replicas = GaugeMetricFamily("redgrain_inference_replicas", "Live replicas of a model, by readiness.",
+                                 labels=["model", "ready"])  # fmt: skip
+    batch = HistogramMetricFamily("redgrain_inference_batch_rows", "Rows per forward pass.", labels=["model"])
+    lat = {
+        kind: HistogramMetricFamily(f"redgrain_inference_{kind}_seconds", doc, labels=["model"])
+        for kind, doc in (("queue", "Wait of a request for its batch."), ("compute", "Forward pass of a request's batch."),
+                          ("latency", "A request in its replica: queue + compute."))
+    }  # fmt: skip
+    for m in models:
+        replicas.add_metric([m.name, "true"], m.ready_replicas)
+        replicas.add_metric([m.name, "false"], len(m.replicas) - m.ready_replicas)
+        hists = {k: [0] * (len(BUCKETS_MS) + 1) for k in lat}
+        sums = dict.fromkeys(lat, 0.0)
+        for r in m.replicas:
+            requests.add_metric([m.name, r.silo], r.requests)
+            errs.add_metric([m.name, r.silo], r.errors)
+            for k, (h, total) in {"queue": (r.queue_ms, r.queue_ms_sum), "compute": (r.compute_ms, r.compute_ms_sum),
+                                  "latency": (r.latency_ms, r.latency_ms_sum)}.items():  # fmt: skip
+                hists[k] = [a + b for a, b in zip(hists[k], dense(h), strict=True)]
+                sums[k] += total
+        rows = sum(r.rows for r in m.replicas)
+        batch.add_metric([m.name], _buckets(m.batch_rows, tuple(float(b) for b in BATCH_BUCKETS)), float(rows))
+        for k, fam in lat.items():
+            fam.add_metric([m.name], _buckets(hists[k], tuple(b / 1000.0 for b in BUCKETS_MS)), sums[k] / 1000.0)
+    yield from (requests, errs, replicas, batch, *lat.values())

@@ -200,6 +200,10 @@ class Grain:
         """Delete one snapshot of ``group``, complete or not; True if it existed."""
         return await self._rg_context.delete_snapshot(group, snapshot_id)
 
+    async def checkpoint_groups(self) -> list[str]:
+        """Every checkpoint group with a snapshot (complete or pending) in the cluster, sorted."""
+        return await self._rg_context.checkpoint_groups()
+
     # --- a shared store ------------------------------------------------------
     def redis_client(self) -> Any | None:
         """The silo's asyncio Redis client, for a workload that needs a shared store beyond
@@ -227,3 +231,8 @@ class Grain:
         """
         fields = None if point is None else {k: repr(v) if isinstance(v, float) else str(v) for k, v in point.items() if v is not None}
         return await self._rg_context.publish_progress(job, record.model_dump_json(), fields)
+
+    async def forget_progress(self, job: str) -> None:
+        """Delete everything :meth:`publish_progress` wrote for ``job`` (record, history, its
+        place in the job list) and its rendezvous keys: the job is gone from the dashboard."""
+        await self._rg_context.forget_progress(job)

@@ -30,8 +30,9 @@ from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.router import Manifests, Router
 from silo.messaging.transport import Transport
-from silo.redis_util import connect_redis, redis_errors
+from silo.redis_util import connect_redis, verify_redis
 from silo.settings import ClientSettings
+from silo.shutdown import ShutdownHook
 
 if TYPE_CHECKING:
     from silo.tracing import Tracing
@@ -50,6 +51,7 @@ class ClusterClient:
         self.keys = Keys(settings.cluster)
         self._types = list(types)
         self._embedded: Any = None
+        self._hook: ShutdownHook | None = None
         self.closed = True
         self._own_tracing = tracing is None and settings.tracing.enabled
         if self._own_tracing:
@@ -94,9 +96,8 @@ class ClusterClient:
         self.redis_url = url
         self.redis = connect_redis(url)
         try:
-            with redis_errors(f"connect to {url}"):
-                await self.redis.ping()
-        except errors.StorageError:
+            await verify_redis(self.redis, f"connect to {url}")
+        except (errors.StorageError, errors.ConfigError):
             await self.redis.aclose()
             raise
         registry = TypeRegistry()
@@ -122,6 +123,9 @@ class ClusterClient:
         await self.view.start()
         await self.manifests.refresh()
         self.closed = False
+        # A script that raises before closing us must still end: when asyncio.run
+        # (or any loop's shutdown) cancels its tasks, this closes the client.
+        self._hook = ShutdownHook(self.close, name="cluster client")
 
     def get_grain(self, grain: type[G] | str, key: Any) -> G:
         """A reference to a grain; no lookup, no activation until the first call."""
@@ -138,6 +142,8 @@ class ClusterClient:
         if self.closed:
             return
         self.closed = True
+        if self._hook is not None:
+            self._hook.disarm()
         await self.view.stop()
         await self.transport.close()
         await self.redis.aclose()

@@ -11,6 +11,7 @@
     │   ├── UnknownGrainError        no such grain type (or not allowed on this silo)
     │   ├── UnknownMethodError       the grain type has no such public async method
     │   └── OverloadedError          back-pressure: too many calls in flight or queued
+    │       └── LoadShedError        a silo turned the call away unrun (over a limit): routers retry it with backoff
     ├── SiloError
     │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
     │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
@@ -104,6 +105,14 @@ class OverloadedError(GrainCallError):
         super().__init__(f"{what} is over its limit of {limit}; retry later")
 
 
+class LoadShedError(OverloadedError):
+    """A silo turned the call away before any grain code ran, because it was over a limit.
+
+    Never run, so routers retry it with backoff until the call's deadline (then
+    the caller gets GrainTimeoutError, as for any call answered too late).
+    """
+
+
 # --- silos -----------------------------------------------------------------
 
 
@@ -181,6 +190,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "unknown_grain": UnknownGrainError,
     "unknown_method": UnknownMethodError,
     "overloaded": OverloadedError,
+    "shed": LoadShedError,
     "unavailable": SiloUnavailableError,
     "not_serving": SiloNotServingError,
     "closed": SiloClosedError,
@@ -203,6 +213,7 @@ __all__ = [
     "GrainCallError",
     "GrainDeactivatedError",
     "GrainTimeoutError",
+    "LoadShedError",
     "MembershipError",
     "OverloadedError",
     "RedgrainError",

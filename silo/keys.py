@@ -185,9 +185,19 @@ class Keys:
         """Prefix for torch.distributed store keys of one group generation."""
         return self.prefix + f"rdzv:{job}:{generation}:"
 
+    def rendezvous_pattern(self, job: str) -> str:
+        """SCAN pattern matching every rendezvous key of ``job`` (all generations)."""
+        return self.prefix + f"rdzv:{job}:*"
+
     def control(self, silo: str) -> str:
         """List: admin commands for one silo (drain)."""
         return self.prefix + f"control:{silo}"
+
+    # --- fencing across Redis failovers -------------------------------------
+    @property
+    def fencing_term(self) -> str:
+        """Hash: replid (the master's replication id when the epoch was set), epoch (fencing epoch)."""
+        return self.prefix + "fence:term"
 
 
 def chunk_key(base: str, version: str, index: int) -> str:

@@ -5,6 +5,14 @@ until the cluster declares it dead (exit code 3 at once: a zombie may not
 linger). ``--ready-file`` gets the silo's address once it is Active, which is
 how launchers (``silo.testing.local.LocalCluster``) wait for it. The faces add
 their own options (``redgrain silo --dashboard``) through ``on_active``.
+
+``--parent-fd FD`` names the read end of a pipe whose write end only the
+launcher holds: when it closes (the launcher exited, however: SIGKILL too)
+the silo stops as on SIGTERM, and exits within ``ORPHAN_GRACE_S`` whatever
+its stop does, so no silo outlives the script that started it. A pipe, not
+``PR_SET_PDEATHSIG``: see ``silo/testing/reaper.py``. Whatever this process
+started itself (an ``--embedded-redis`` server, the dashboard's server, the
+loaders' forkserver) ends with it.
 """
 
 from __future__ import annotations
@@ -15,11 +23,15 @@ import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 from silo import errors
+
+ORPHAN_GRACE_S = 30.0
+"""Once its launcher is gone, a silo exits this long after it started stopping, done or not."""
 
 OnActive = Callable[[Any], Awaitable[Callable[[], Awaitable[None]] | None]]
 """Called with the started Silo; may return an async cleanup run before the silo stops."""
@@ -50,6 +62,10 @@ def add_silo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto, cpu or cuda")
     p.add_argument("--embedded-redis", action="store_true", help="start a private redis-server (data in ./.redgrain)")
     p.add_argument("--ready-file", default=None, help="write the silo address here once Active (for scripts)")
+    p.add_argument(
+        "--parent-fd", type=int, default=None, metavar="FD",
+        help="an inherited pipe's read end: stop (as on SIGTERM) when it closes, i.e. when the launcher is gone",
+    )  # fmt: skip
 
 
 def settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,6 +128,8 @@ async def run_silo(args: argparse.Namespace, *, on_active: OnActive | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.parent_fd is not None:
+        watch_parent(loop, args.parent_fd, stop)
     try:
         await silo.start()
         # Everything imported so far (torch above all) lives as long as the
@@ -145,6 +163,37 @@ async def run_silo(args: argparse.Namespace, *, on_active: OnActive | None = Non
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+def watch_parent(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` when the pipe ``fd`` closes (the launcher is gone), and exit soon after regardless."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        # Not inherited (a launcher prefix that closes descriptors): run unwatched rather than not at all.
+        print(f"--parent-fd {fd} is not open; not watching the launcher", file=sys.stderr, flush=True)
+        return
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # nothing is ever written; only the close matters
+        loop.remove_reader(fd)
+        os.close(fd)
+        print("the process that started this silo is gone; stopping", file=sys.stderr, flush=True)
+        stop.set()
+        # A thread, not the loop: the stop may be what hangs.
+        timer = threading.Timer(ORPHAN_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,6 +58,8 @@ class SiloLoad(BaseModel):
     cpu_percent: float = 0.0
     memory_percent: float = 0.0
     activations: int = 0
+    memory_available_bytes: int = 0
+    """Host memory available to new allocations (psutil's ``available``); 0: not reported."""
 
 
 class MemberRow(BaseModel):
@@ -373,6 +375,19 @@ async def publish_progress(
             pipe.exists(keys.job_cancel(job))
             result = await pipe.execute()
     return bool(result[-1])
+
+
+async def forget_progress(redis: aioredis.Redis, keys: Keys, job: str) -> int:
+    """Delete what :func:`publish_progress` and a job's rendezvous wrote for ``job``: its record,
+    history, cancel flag, its rendezvous keys, and its entry in ``keys.jobs``. Returns keys deleted."""
+    with redis_errors(f"forget progress of job {job}"):
+        doomed = [keys.job_progress(job), keys.job_history(job), keys.job_cancel(job)]
+        doomed += [k async for k in redis.scan_iter(match=keys.rendezvous_pattern(job), count=500)]
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*doomed)
+            pipe.srem(keys.jobs, job)
+            deleted, _ = await pipe.execute()
+    return int(deleted)
 
 
 # --- control requests -------------------------------------------------------------

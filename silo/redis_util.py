@@ -1,16 +1,71 @@
-"""Small helpers shared by every Redis-backed component."""
+"""Redis clients for every Redis-backed component: the one place a URL becomes a client.
+
+:func:`connect_redis` (asyncio) and :func:`connect_redis_sync` (the heartbeat
+thread, torch.distributed's store) take any URL :mod:`silo.redis_url` parses:
+one server, or the master of a Sentinel service. A Sentinel client asks the
+sentinels for the master before every new connection, and a connection that
+breaks or meets a demoted master (``READONLY``) is dropped, so after a
+failover the next command goes to the promoted replica (redis-py's
+``SentinelConnectionPool``; ours blocks for a free connection like the plain
+pool does).
+
+Replication is asynchronous: a master can acknowledge a write and die before
+any replica has it, and Sentinel then promotes a replica without it.
+:func:`run_replicated` narrows that window for the writes that matter (a
+directory registration, a state write): the script and a ``WAIT`` go in one
+pipeline, on one connection (``WAIT`` counts only the writes of its own
+connection), bounded by the URL's ``wait_timeout_ms``. A wait that runs out
+does not fail the write (the replica may only be slow, or gone with no
+failover possible); it is counted, and waiting pauses for a second so a
+missing replica does not add the timeout to every write. A connection lost
+before the ``WAIT`` answered fails the write: its fate is unknown, as for
+any write whose reply was lost. What this does and does not guarantee is in
+docs/reliability.md, "Redis failover".
+
+:func:`fence_epoch_hint` gives the directory's register script the highest
+Sentinel configuration epoch this client has seen, so the fencing tokens of a
+promoted master sort above every token of the masters before it (see
+``silo/cluster/directory.py``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 import redis.exceptions
+import redis.sentinel
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 
 from silo import errors
+from silo.redis_url import RedisTarget, SentinelTarget, parse_redis_url, redact
+
+__all__ = [
+    "ReplicationStatistics",
+    "connect_redis",
+    "connect_redis_sync",
+    "fence_epoch_hint",
+    "redis_errors",
+    "replication_statistics",
+    "run_replicated",
+    "sync_twin",
+    "verify_redis",
+]
+
+log = logging.getLogger("redgrain.redis")
+
+_MAX_CONNECTIONS = 64
+_PAUSE_AFTER_SHORT_WAIT_S = 1.0
+_SENTINEL_TIMEOUT_S = 1.0
 
 
 @contextmanager
@@ -24,22 +79,263 @@ def redis_errors(what: str) -> Iterator[None]:
         raise errors.StorageError(f"{what}: Redis error ({exc})") from exc
 
 
+# --- replication waits ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationStatistics:
+    waits: int
+    """Writes followed by a ``WAIT``."""
+    short_waits: int
+    """Waits that ran out before ``wait_replicas`` replicas had the write (it was kept anyway)."""
+    skipped: int
+    """Writes not waited for because a wait ran short less than a second before."""
+    lost_replies: int
+    """Writes whose ``WAIT`` reply never came (connection lost): failed, their fate unknown."""
+
+
+class _Replication:
+    """The URL's wait policy and its counters, carried by the client it belongs to."""
+
+    def __init__(self, replicas: int, timeout_ms: int) -> None:
+        self.replicas = replicas
+        self.timeout_ms = timeout_ms
+        self.paused_until = 0.0
+        self.waits = self.short_waits = self.skipped = self.lost_replies = 0
+
+    def active(self) -> bool:
+        if self.replicas <= 0:
+            return False
+        if time.monotonic() < self.paused_until:
+            self.skipped += 1
+            return False
+        return True
+
+    def record(self, acked: int) -> None:
+        self.waits += 1
+        if acked < self.replicas:
+            self.short_waits += 1
+            self.paused_until = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
+            log.warning(
+                "only %d of %d replicas acknowledged a write within %d ms; not waiting for %.0f s",
+                acked, self.replicas, self.timeout_ms, _PAUSE_AFTER_SHORT_WAIT_S,
+            )  # fmt: skip
+
+    def statistics(self) -> ReplicationStatistics:
+        return ReplicationStatistics(self.waits, self.short_waits, self.skipped, self.lost_replies)
+
+
+class _EpochSentinel(Sentinel):
+    """A Sentinel manager that remembers the highest configuration epoch it saw for a master."""
+
+    config_epoch = 0
+
+    def check_master_state(self, state: dict[str, Any], service_name: str) -> bool:
+        ok = bool(super().check_master_state(state, service_name))
+        if ok:
+            self.config_epoch = max(self.config_epoch, int(state.get("config-epoch") or 0))
+        return ok
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """A Sentinel pool that waits for a free connection instead of failing a burst of calls."""
+
+
+class RedgrainRedis(aioredis.Redis):
+    """An asyncio client made by :func:`connect_redis`: it knows its URL and wait policy."""
+
+    target: RedisTarget
+    replication: _Replication
+    sentinel_manager: _EpochSentinel | None
+
+
 def connect_redis(url: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
-    """An asyncio Redis client with bounded timeouts (a hung Redis must not hang a silo)."""
-    # A blocking pool: a burst of calls waits for a connection instead of
-    # failing with "Too many connections".
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=64,
-        timeout=timeout_s,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        health_check_interval=30,
-    )
+    """An asyncio Redis client with bounded timeouts (a hung Redis must not hang a silo).
+
+    ``url`` is any URL :func:`silo.redis_url.parse_redis_url` accepts; a bad one
+    raises ConfigError here, before anything connects.
+    """
+    target = parse_redis_url(url)
+    if target.wait_replicas and target.wait_timeout_ms >= timeout_s * 1000:
+        raise errors.ConfigError(
+            f"wait_timeout_ms={target.wait_timeout_ms} in {redact(url)} must be below the socket timeout "
+            f"({timeout_s * 1000:.0f} ms), or every WAIT that runs out would look like a dead Redis"
+        )
+    sentinel: _EpochSentinel | None = None
+    pool: aioredis.ConnectionPool
+    if target.sentinel is not None:
+        sentinel, pool = _sentinel_pool(target.sentinel, timeout_s)
+    else:
+        assert target.direct_url is not None
+        # A blocking pool: a burst of calls waits for a connection instead of
+        # failing with "Too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            target.direct_url,
+            max_connections=_MAX_CONNECTIONS,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=30,
+        )
     # redis-py 8 retries 10 times with backoff by default; a silo must notice
     # a dead Redis in bounded time, and storage does its own bounded retries.
-    client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 1))
+    client = RedgrainRedis(connection_pool=pool, retry=Retry(NoBackoff(), 1))
     # The pool is this client's alone: aclose() must close its connections too (a
     # client given a pool leaves it open by default, leaking a socket per client).
     client.auto_close_connection_pool = True
+    client.target = target
+    client.replication = _Replication(target.wait_replicas, target.wait_timeout_ms)
+    client.sentinel_manager = sentinel
     return client
+
+
+def _sentinel_pool(target: SentinelTarget, timeout_s: float) -> tuple[_EpochSentinel, _BlockingSentinelPool]:
+    sentinel = _EpochSentinel(
+        list(target.sentinels),
+        min_other_sentinels=target.min_other_sentinels,
+        sentinel_kwargs=_sentinel_kwargs(target, timeout_s),
+    )
+    pool = _BlockingSentinelPool(
+        target.service,
+        sentinel,
+        max_connections=_MAX_CONNECTIONS,
+        timeout=timeout_s,
+        is_master=True,
+        **_node_kwargs(target, timeout_s),
+    )
+    return sentinel, pool
+
+
+def _node_kwargs(target: SentinelTarget, timeout_s: float) -> dict[str, Any]:
+    """Connection options for the master (the sentinels say where it is)."""
+    kw: dict[str, Any] = {
+        "db": target.db,
+        "username": target.username,
+        "password": target.password,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 30,
+    }
+    kw.update(_tls_kwargs(target))
+    return kw
+
+
+def _sentinel_kwargs(target: SentinelTarget, timeout_s: float) -> dict[str, Any]:
+    # Short: a dead sentinel is skipped for the next one, and a failover must be found fast.
+    t = min(timeout_s, _SENTINEL_TIMEOUT_S)
+    kw: dict[str, Any] = {"socket_timeout": t, "socket_connect_timeout": t}
+    if target.sentinel_password is not None:
+        kw["username"] = target.sentinel_username
+        kw["password"] = target.sentinel_password
+    kw.update(_tls_kwargs(target))
+    return kw
+
+
+def _tls_kwargs(target: SentinelTarget) -> dict[str, Any]:
+    opts: dict[str, Any] = dict(target.connection_options)
+    if "ssl_check_hostname" in opts:
+        opts["ssl_check_hostname"] = str(opts["ssl_check_hostname"]).lower() in ("1", "true", "yes")
+    if target.tls:
+        opts["ssl"] = True
+    else:
+        opts = {k: v for k, v in opts.items() if not k.startswith("ssl_")}
+    return opts
+
+
+def connect_redis_sync(url: str, *, timeout_s: float = 5.0, max_connections: int = 8) -> redis.Redis:
+    """A synchronous client to the same Redis (or Sentinel master), for threads without a loop."""
+    target = parse_redis_url(url)
+    if target.sentinel is None:
+        assert target.direct_url is not None
+        return redis.Redis.from_url(
+            target.direct_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+        )
+    s = target.sentinel
+    manager = redis.sentinel.Sentinel(
+        list(s.sentinels),
+        min_other_sentinels=s.min_other_sentinels,
+        sentinel_kwargs=_sentinel_kwargs(s, timeout_s),
+    )
+    client: redis.Redis = manager.master_for(s.service, max_connections=max_connections, **_node_kwargs(s, timeout_s))
+    return client
+
+
+def sync_twin(client: aioredis.Redis, *, timeout_s: float = 5.0) -> redis.Redis | None:
+    """A synchronous client to the Sentinel master ``client`` follows; None for any other client.
+
+    (A single server's sync twin can be built from the pool's connection options; a
+    Sentinel pool's options name no host, so it is built again from the URL.)
+    """
+    if isinstance(client, RedgrainRedis) and client.target.sentinel is not None:
+        return connect_redis_sync(client.target.url, timeout_s=timeout_s)
+    return None
+
+
+# --- what a write does on a client from connect_redis -------------------------------
+
+
+async def run_replicated(
+    client: aioredis.Redis, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
+) -> Any:
+    """Run a write script; when the URL asks for replicas, ``WAIT`` for them on the same connection.
+
+    Returns the script's result. Clients not made by :func:`connect_redis`, and URLs
+    with ``wait_replicas=0``, run the script alone.
+    """
+    policy = client.replication if isinstance(client, RedgrainRedis) else None
+    if policy is None or not policy.active():
+        return await script(keys=keys, args=args)
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.wait(policy.replicas, policy.timeout_ms)
+        try:
+            result, acked = await pipe.execute()
+        except redis.exceptions.NoScriptError:
+            # A promoted replica has none of the scripts its old master had loaded.
+            if attempt:
+                raise
+            script.sha = await client.script_load(script.script)
+            continue
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+            policy.lost_replies += 1
+            raise
+        finally:
+            await pipe.reset()
+        policy.record(int(acked))
+        return result
+    raise AssertionError("unreachable")
+
+
+def replication_statistics(client: aioredis.Redis) -> ReplicationStatistics | None:
+    """The wait counters of a client from :func:`connect_redis` (None for any other client)."""
+    return client.replication.statistics() if isinstance(client, RedgrainRedis) else None
+
+
+def fence_epoch_hint(client: aioredis.Redis) -> int:
+    """The highest Sentinel configuration epoch this client has seen (0 without Sentinel)."""
+    if isinstance(client, RedgrainRedis) and client.sentinel_manager is not None:
+        return client.sentinel_manager.config_epoch
+    return 0
+
+
+async def verify_redis(client: aioredis.Redis, what: str) -> None:
+    """PING, and refuse a server in Redis Cluster mode with ConfigError (it is not supported).
+
+    The check reads ``INFO cluster``; an ACL user denied INFO skips it.
+    """
+    with redis_errors(what):
+        await client.ping()
+        try:
+            info = await client.info("cluster")
+        except redis.exceptions.NoPermissionError:
+            return  # an ACL user without @dangerous (INFO): a Cluster node fails on its first MOVED instead
+    if int(info.get("cluster_enabled", 0) or 0):
+        url = client.target.url if isinstance(client, RedgrainRedis) else "this Redis"
+        raise errors.ConfigError(
+            f"{redact(url)} is a Redis Cluster node (cluster_enabled:1): Redis Cluster is not supported; "
+            "use one Redis server or a Sentinel-managed master (docs/reliability.md, 'Redis failover')"
+        )

@@ -7,6 +7,7 @@ section. Environment variables use ``__`` between section and field, e.g.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -25,17 +26,43 @@ class TransportSettings(_Section):
         1 << 30, gt=1024, description="Largest frame accepted; bigger ones are refused with CodecError."
     )
     max_in_flight: int = Field(
-        10_000, gt=0, description="Calls one connection may have outstanding before OverloadedError."
+        10_000, gt=0, description="Calls one connection may have outstanding; more wait for a slot within their deadline."
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection.")
     cluster_secret: SecretStr | None = Field(
-        None, description="Shared secret; when set every connection starts with an HMAC challenge."
+        None, description="Shared secret; when set every connection starts with an HMAC challenge both ways."
     )
     local_sockets: bool = Field(
         True,
         description="Peers on the same host (and network namespace) connect over a Unix socket instead of"
         " loopback TCP: about half the CPU and latency for big tensors.",
     )
+    tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate of this silo or client, signed by tls_ca; with tls_key and tls_ca"
+        " every link (TCP and same-host socket, both directions) runs mutual TLS.",
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert.")
+    tls_ca: Path | None = Field(
+        None, description="PEM certificate(s) of the private CA; peers must present a certificate it signed."
+    )
+    tls_check_hostname: bool = Field(
+        False,
+        description="Also require a silo's certificate to name the host it is called at (an IP or DNS"
+        " subjectAltName); off: any certificate tls_ca signed is a member (docs/security.md).",
+    )
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> Self:
+        given = [self.tls_cert is not None, self.tls_key is not None, self.tls_ca is not None]
+        if any(given) and not all(given):
+            raise ValueError("tls_cert, tls_key and tls_ca must be set together (or none of them)")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether every link runs mutual TLS."""
+        return self.tls_cert is not None
 
 
 class MembershipSettings(_Section):
@@ -137,6 +164,18 @@ class LogStreamSettings(_Section):
     )
 
 
+class RetentionSettings(_Section):
+    """What dead silos leave in Redis, and how long it stays (silo/cluster/housekeeping.py)."""
+
+    dead_silo_s: float = Field(
+        3600.0,
+        ge=0,
+        description="A Dead silo's membership row (and its per-silo keys) is deleted this long after"
+        " its last heartbeat; until then the dashboard lists it.",
+    )
+    period_s: float = Field(60.0, gt=0, description="How often each silo sweeps for such rows.")
+
+
 class TracingSettings(_Section):
     """OpenTelemetry spans for grain calls (silo/tracing.py; needs ``pip install redgrain[otel]``)."""
 
@@ -198,6 +237,7 @@ class SiloSettings(_SecretAlias):
     rebalancer: RebalancerSettings = RebalancerSettings()
     logs: LogStreamSettings = LogStreamSettings()
     tracing: TracingSettings = TracingSettings()
+    retention: RetentionSettings = RetentionSettings()
     stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
 
 

@@ -81,6 +81,7 @@ from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.drain import Departure, DrainRequests
 from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, transport_probe
+from silo.cluster.housekeeping import Housekeeper
 from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.migrator import Migrator
 from silo.cluster.placement import Placer
@@ -94,8 +95,9 @@ from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.messaging.transport import Transport
 from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
-from silo.redis_util import connect_redis, redis_errors
+from silo.redis_util import connect_redis, redis_errors, verify_redis
 from silo.settings import SiloSettings
+from silo.shutdown import ShutdownHook
 from silo.stats import CallStats, StatsPublisher
 from silo.storage.checkpoint import Checkpoints
 from silo.storage.store import RedisStateStore
@@ -164,6 +166,7 @@ class Silo:
     departure: Departure
     control: ControlInbox
     rebalancer: Rebalancer
+    housekeeper: Housekeeper
     watchdog: LoopWatchdog
     stats_publisher: StatsPublisher
 
@@ -197,6 +200,7 @@ class Silo:
         self._declared_dead = False
         self._dead_unwind: asyncio.Task[None] | None = None
         self._dead_deadline: asyncio.TimerHandle | None = None
+        self._hook: ShutdownHook | None = None
 
     # --- start -------------------------------------------------------------
     async def start(self) -> Silo:
@@ -220,6 +224,9 @@ class Silo:
         finally:
             self._start_done.set()
         self.status = SiloState.ACTIVE
+        # A script whose loop ends without stopping us (it raised): stop, without the
+        # hand-off, so no task or heartbeat thread outlives the loop (silo/shutdown.py).
+        self._hook = ShutdownHook(functools.partial(self.stop, graceful=False), name=f"silo {self.address}")
         log.info("silo %s active, hosting %s", self.address, ", ".join(self.types.names()))
         return self
 
@@ -231,8 +238,7 @@ class Silo:
         self.redis = connect_redis(s.redis_url)
         # The pool was made by connect_redis, not by the client: a plain aclose() leaves it open.
         self._on_stop("redis client", functools.partial(self.redis.aclose, close_connection_pool=True))
-        with redis_errors(f"connect to {s.redis_url}"):
-            await self.redis.ping()
+        await verify_redis(self.redis, f"connect to {s.redis_url}")
 
     async def _stage_logs(self) -> None:
         if self.settings.logs.enabled:
@@ -396,6 +402,7 @@ class Silo:
             settings=s.rebalancer,
             events=self.cluster_events,
         )
+        self.housekeeper = Housekeeper(self.redis, self.keys, self.table, self.directory, s.retention, me=me)
         self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
         self.stats_publisher = StatsPublisher(
             self.redis,
@@ -454,6 +461,8 @@ class Silo:
         if self.settings.rebalancer.enabled:
             self._on_stop("rebalancer", self.rebalancer.stop)
             self.rebalancer.start()
+        self._on_stop("housekeeping", self.housekeeper.stop)
+        self.housekeeper.start()
 
     async def _stage_services(self) -> None:
         self._on_stop("idle collection", self.catalog.stop)
@@ -479,6 +488,7 @@ class Silo:
             cpu_percent=self._process.cpu_percent(None),
             memory_percent=self._process.memory_percent(),
             activations=len(self.catalog),
+            memory_available_bytes=psutil.virtual_memory().available,
         )
 
     # --- stop --------------------------------------------------------------
@@ -520,6 +530,8 @@ class Silo:
         await self.departure.leave(graceful=self._graceful)
 
     def _finish(self) -> None:
+        if self._hook is not None:
+            self._hook.disarm()
         if self.status is not SiloState.DEAD:
             self.status = SiloState.STOPPED
         if self._dead_deadline is not None:
@@ -587,6 +599,7 @@ class Silo:
             "heartbeat": self.heartbeat.statistics(),
             "failure_detector": self.detector.statistics(),
             "rebalancer": self.rebalancer.statistics(self.migrator),
+            "housekeeping": self.housekeeper.statistics(),
         }
 
 

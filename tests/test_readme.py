@@ -23,6 +23,6 @@ def test_readme_gives_the_two_commands_first() -> None:
 def test_every_cli_command_has_help_with_an_example() -> None:
     parser = build_parser()
     text = parser.format_help()
-    for command in ("silo", "call", "status", "demo", "dashboard", "train", "drain"):
+    for command in ("silo", "call", "status", "demo", "dashboard", "train", "drain", "jobs", "serve"):
         assert command in text, command
     assert "examples:" in text

@@ -4,13 +4,16 @@ Starts an embedded Redis (append-only, in ./.redgrain/), N silo processes, the
 dashboard, and a digits training job (2 trainers, 2 parameter shards); shows
 live progress; half-way through SIGKILLs a silo that hosts a trainer and shows
 the job carrying on; ends with the final accuracy and where the checkpoints
-are. Ctrl-C stops everything.
+are. Ctrl-C or SIGTERM stops everything it started (silos, dashboard, Redis);
+if the demo itself is SIGKILLed, its silos and Redis notice that their
+launcher is gone and stop too (see ``silo/testing/local.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]redgrain demo[/bold]: starting an embedded Redis (data in {data_dir}) and {args.silos} silos …")
     cluster = LocalCluster(grains="grains.training", silos=args.silos, cluster="demo", data_dir=data_dir)
     dash = None
+    # SIGTERM would end the process without running the cleanup below: make it a Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
         for s in cluster.silos:
@@ -63,10 +68,22 @@ def run(args: argparse.Namespace) -> int:
         console.print("\nstopping …")
         return 130
     finally:
-        if dash is not None:
-            dash.stop()
-        cluster.stop()
-        console.print("stopped: silos, dashboard and Redis are gone")
+        # The cleanup is bounded (each silo is killed if it lingers); a second signal
+        # must not cut it short and leave the rest running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if dash is not None:
+                dash.stop()
+            cluster.stop()
+            console.print("stopped: silos, dashboard and Redis are gone")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 async def _drive(cluster: Any, args: argparse.Namespace) -> bool:

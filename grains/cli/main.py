@@ -37,7 +37,10 @@ examples:
   redgrain train samples/digits.toml --redis redis://127.0.0.1:6379 --cluster dev
   redgrain train --status digits --redis redis://127.0.0.1:6379 --cluster dev
   redgrain train samples/digits.toml --save digits.pt     # the trained model, for torch.load
+  redgrain jobs --redis redis://127.0.0.1:6379 --cluster dev                      # list training jobs
+  redgrain jobs forget digits --redis redis://127.0.0.1:6379 --cluster dev        # delete one from Redis
   redgrain dashboard --redis redis://127.0.0.1:6379 --cluster dev --port 8080
+  redgrain serve --redis redis://127.0.0.1:6379 --cluster dev --job digits --name digits --port 8000
   redgrain demo --steps 200 --exit
 """
 
@@ -102,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         "model.load_state_dict(torch.load(PATH, weights_only=True)), which loads tensors only); with --status, a finished job's",
     )  # fmt: skip
 
+    p = sub.add_parser("jobs", help="list training jobs; `redgrain jobs forget JOB` deletes one from Redis")
+    from grains.cli import jobs
+
+    jobs.add_arguments(p)
+
     p = sub.add_parser("dashboard", help="serve the web dashboard (redgrain dashboard --port 8080)")
     add_connection_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -109,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", default=os.environ.get("REDGRAIN_DASHBOARD_TOKEN"),
                    help="enable admin actions (drain, cancel) for requests bearing this token "
                         "(default: $REDGRAIN_DASHBOARD_TOKEN; none: read-only)")  # fmt: skip
+
+    p = sub.add_parser("serve", help="serve a trained model over the Open Inference Protocol (redgrain serve --job JOB)")
+    add_connection_arguments(p)
+    add_secret_argument(p)
+    from grains.serving.command import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
 
     return parser
 
@@ -144,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drain": cmd_drain,
         "dashboard": cmd_dashboard,
         "train": cmd_train,
+        "jobs": cmd_jobs,
+        "serve": cmd_serve,
     }
     try:
         return int(run_async(handlers[args.command](args)) or 0)
@@ -247,6 +264,21 @@ async def cmd_train(args: argparse.Namespace) -> int:
     kw = settings_kwargs(args)
     settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
     return await run(args, kw.get("redis_url"), kw.get("cluster"), settings)
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from grains.serving.command import run
+    from silo.settings import ClientSettings
+
+    kw = settings_kwargs(args)
+    settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
+    return await run(args, kw.get("redis_url"), kw.get("cluster"), settings)
+
+
+async def cmd_jobs(args: argparse.Namespace) -> int:
+    from grains.cli import jobs
+
+    return await jobs.run(args)
 
 
 async def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training.allreduce_driver import AllreduceDriver
 from grains.training.batches import Batches, batch_samples, steps_per_epoch
-from grains.training.checkpointing import ShardSnapshot
+from grains.training.checkpointing import ShardSnapshot, group
 from grains.training.datasets import load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
@@ -76,6 +76,16 @@ log = logging.getLogger("redgrain.training.coordinator")
 _TICK_S = 0.2
 _HISTORY = 2000
 _TERMINAL = ("completed", "failed", "cancelled")
+_FORGET = "forget"
+"""The reminder that forgets an ended job ``ttl_after_finished_s`` after it ended."""
+
+
+def _job_group(job: str, name: str) -> bool:
+    """Whether checkpoint group ``name`` is one of ``job``'s: a run's (``group(job, run)``) or a
+    trainer's residuals in it (``residual_group``); never another job's whose id extends this one."""
+    prefix = group(job, 0)[:-1]
+    run, _, rest = name.removeprefix(prefix).partition(".")
+    return name.startswith(prefix) and run.isdigit() and (not rest or rest.startswith("residual."))
 
 
 class _Evaluator:
@@ -202,6 +212,7 @@ class CoordinatorGrain(Grain):
         if "/" in self.key or ":" in self.key:
             raise errors.ConfigError(f"job id {self.key!r} may not contain '/' or ':'")
         await self.run_in_thread(check_job, job)
+        await self.unregister_reminder(_FORGET)  # an ended run's; this one sets its own
         old = self.state
         if job.resume and not old.committed:
             raise errors.ConfigError(f"job {self.key} has no committed checkpoint to resume from")
@@ -246,6 +257,40 @@ class CoordinatorGrain(Grain):
                 await asyncio.gather(loop, return_exceptions=True)
             await self._finish("cancelled")
         return await self.status()
+
+    async def forget(self) -> TrainingStatus:
+        """Delete the job from Redis: the checkpoints of every run, its progress record, history
+        and rendezvous keys, and this coordinator's state (the job id can be started afresh).
+        Refused with ConfigError while the job runs: cancel it first."""
+        s = self.state
+        if s.status in ("starting", "running"):
+            raise errors.ConfigError(f"job {self.key} is {s.status}: cancel it before forgetting it")
+        await self.unregister_reminder(_FORGET)
+        for g in await self.checkpoint_groups():
+            if _job_group(self.key, g):
+                for pending in (False, True):
+                    for info in await self.list_snapshots(g, pending=pending):
+                        await self.delete_snapshot(g, info.snapshot_id)
+        await self.forget_progress(self.key)
+        await self.clear_state()
+        self.state = self.State()
+        self._live = self._status_from_state()
+        self._driver = self._evaluator = None
+        log.info("%s: job forgotten", self.key)
+        self.deactivate_on_idle()
+        return await self.status()
+
+    async def receive_reminder(self, name: str) -> None:
+        if name != _FORGET:
+            return
+        if self.state.status in _TERMINAL and self.state.finished_at:
+            await self.forget()
+        else:  # started again since: the new run sets its own when it ends
+            await self.unregister_reminder(_FORGET)
+
+    async def job_spec(self) -> TrainingJob | None:
+        """The spec of the job's latest start (None: never started); what serving builds the model from."""
+        return self.state.spec
 
     async def history(self) -> list[HistoryPoint]:
         """Per-tick progress points since the job started."""
@@ -411,6 +456,10 @@ class CoordinatorGrain(Grain):
             shard_silos=self._live.shard_silos,
         )
         await self._publish(evaluated=status == "completed")
+        ttl = s.spec.ttl_after_finished_s if s.spec is not None else None
+        if ttl is not None:
+            # A durable reminder, so the job is forgotten on time whatever becomes of this silo.
+            await self.register_reminder(_FORGET, period_s=max(ttl, 60.0), due_s=ttl)
         log.info("%s: job %s at step %d (evaluation %s)", self.key, status, s.step, s.eval_metrics)
 
     async def _write(self) -> None:

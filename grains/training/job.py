@@ -23,6 +23,8 @@ OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
 """Short optimizer names; anything else must be the import path of a torch.optim.Optimizer subclass."""
 DEFAULT_STEP = "grains.training.steps:classification_step"
 DEFAULT_EVALUATE = "grains.training.steps:classification_metrics"
+DEFAULT_LOSS = "grains.training.steps:classification_loss"
+"""Pipeline mode's loss when the job names none: cross-entropy on the last stage's output."""
 
 
 class TrainingJob(BaseModel):
@@ -86,7 +88,19 @@ class TrainingJob(BaseModel):
         " | pipeline (the model cut into stages on different silos).",
     )
     staleness: int = Field(2, ge=0, description="ssp: how many steps a trainer may run ahead of the slowest.")
-    stages: int = Field(2, ge=1, description="pipeline: stages the model (an nn.Sequential) is cut into.")
+    stages: int = Field(
+        2, ge=1, description="pipeline: stages the model is cut into (with split_points: their number plus one)."
+    )
+    split_points: list[str] = Field(
+        default_factory=list,
+        description="pipeline: names of the submodules where a new stage begins (any module, cut by torch.fx);"
+        " empty: the model is an nn.Sequential cut between children.",
+    )
+    loss: str | None = Field(
+        None,
+        description="pipeline: the loss `pkg.module:fn`, fn(output, target) -> loss or (loss, {name: float}), run on"
+        " the last stage (default: cross-entropy).",
+    )
     microbatches: int = Field(4, ge=1, description="pipeline: micro-batches per step (they must divide batch_size).")
     schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline: gpipe (all forwards, then all backwards) or 1f1b.")
     balance: Literal["bytes", "time"] = Field(
@@ -102,6 +116,13 @@ class TrainingJob(BaseModel):
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per trainer (map-style datasets).")
     checkpoint_every: int = Field(50, ge=0, description="Consistent checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, gt=0, description="Committed checkpoints to retain.")
+    ttl_after_finished_s: float | None = Field(
+        7 * 24 * 3600.0,
+        ge=0,
+        description="Once the job has ended (completed, failed, cancelled), forget it after this"
+        " long: its checkpoints, records and state leave Redis (as `redgrain jobs forget` does)."
+        " None: keep it until forgotten. Export what you need first (`--save`, `state_dict()`).",
+    )
     eval_every: int = Field(0, ge=0, description="Evaluate on the test split every N steps (0: only at the end).")
     seed: int = 0
     step_timeout_s: float = Field(120.0, gt=0, description="Longest a trainer waits on one shard exchange.")
@@ -129,7 +150,7 @@ class TrainingJob(BaseModel):
     def _path(cls, v: str) -> str:
         return _import_path(v)
 
-    @field_validator("lr_schedule")
+    @field_validator("lr_schedule", "loss")
     @classmethod
     def _schedule_path(cls, v: str | None) -> str | None:
         return None if v is None else _import_path(v)
@@ -151,6 +172,27 @@ class TrainingJob(BaseModel):
                 raise ValueError(f"param_groups[{i}]: parameters are chosen by 'match', not 'params'")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_of_split_points(cls, data: Any) -> Any:
+        # split_points fix the stage count; `stages` may be left out, or must agree.
+        if isinstance(data, dict) and isinstance(data.get("split_points"), list) and data["split_points"]:
+            n = len(data["split_points"]) + 1
+            if "stages" not in data:
+                return {**data, "stages": n}
+            if data["stages"] != n:
+                raise ValueError(f"split_points {data['split_points']} cut the model into {n} stages, not stages={data['stages']}")
+        return data
+
+    @field_validator("split_points")
+    @classmethod
+    def _points(cls, v: list[str]) -> list[str]:
+        if any(not isinstance(p, str) or not p for p in v):
+            raise ValueError("split_points are names of submodules (model.named_modules()), e.g. 'layer2' or 'blocks.3'")
+        if len(set(v)) != len(v):
+            raise ValueError(f"split_points {v} name a submodule twice")
+        return v
+
     @model_validator(mode="after")
     def _length(self) -> TrainingJob:
         if self.steps is not None and self.epochs is not None:
@@ -159,11 +201,22 @@ class TrainingJob(BaseModel):
             if self.batch_size % self.microbatches:
                 raise ValueError(f"pipeline: microbatches={self.microbatches} does not divide batch_size={self.batch_size}")
             if self.step != DEFAULT_STEP:
-                raise ValueError("pipeline: the loss runs on the last stage; a custom step is not supported there yet")
+                raise ValueError(
+                    "pipeline: a step sees the whole model, which no stage holds; the loss runs on the last stage:"
+                    " name it with loss = 'pkg.module:fn', fn(output, target) -> loss or (loss, {name: float})"
+                    " (evaluate still runs on the whole model)"
+                )
+            if self.split_points and self.balance == "time":
+                raise ValueError("pipeline: split_points fix the cut; balance = 'time' balances an nn.Sequential's cut")
             if self.compression not in ("none", "fp16", "bf16"):
                 raise ValueError("pipeline: compression compresses activations and their gradients: none, fp16 or bf16")
             if self.amp == "fp16":
                 raise ValueError("pipeline: precision fp16 needs one loss scale across stages, not built yet; use bf16")
+        else:
+            if self.split_points:
+                raise ValueError(f"split_points cut a pipeline; mode is {self.mode!r}")
+            if self.loss is not None:
+                raise ValueError(f"loss is pipeline mode's hook (run on the last stage); mode {self.mode!r} takes a step")
         if self.autocast_bf16 and self.precision == "fp16":
             raise ValueError("autocast_bf16 and precision='fp16' disagree; use precision alone")
         if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):

@@ -112,10 +112,6 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     test = Batches(load_dataset(spec, "test"))
     model = build_model(spec)
     layout = layout_of(model)
-    if spec.mode == "pipeline":
-        from grains.training.pipeline import stage_layers
-
-        stage_layers(model, spec.stages)  # an nn.Sequential with at least `stages` layers
     check_param_groups(model, spec)
     opt = build_optimizer(trainable(model), spec)
     build_schedule(opt, spec)
@@ -130,5 +126,17 @@ def check_job(spec: TrainingJob) -> ModelLayout:
             raise
         except Exception as exc:  # noqa: BLE001 - a user dataset may raise anything
             raise ConfigError(f"dataset {spec.dataset}: reading the first batch failed: {type(exc).__name__}: {exc}") from None
+        if spec.mode == "pipeline":
+            from grains.training.pipeline import check_cut
+
+            # An nn.Sequential with at least `stages` layers, or split points torch.fx can cut at,
+            # whose stages run one after another on a micro-batch.
+            check_cut(model, spec, _first_input(train_batch)[: max(1, spec.batch_size // spec.microbatches)])
         check_program(program, model, train_batch, test_batch, batch_samples)
     return layout
+
+
+def _first_input(batch: object) -> torch.Tensor:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    raise ConfigError(f"pipeline mode takes (input, target) batches whose input is a tensor, not {type(batch).__name__}")

@@ -1,8 +1,11 @@
 """The pipeline driver (mode pipeline): stages on silos, stage 0 runs the steps, rollbacks.
 
 The driver cuts the model into ``stages`` (:mod:`grains.training.pipeline`),
-places one :class:`~grains.training.stage.PipelineStageGrain` per stage, on
-distinct silos where there are enough (the trainer silos first), and
+writes the seeded initial weights as step 0 of the run (each stage then
+restores only its part), places one
+:class:`~grains.training.stage.PipelineStageGrain` per stage, on distinct
+silos with room for it where there are enough
+(:mod:`grains.training.stage_placement`: the trainer silos first), and
 configures them; stage 0 then runs every step (see
 :mod:`grains.training.stage`). Each tick asks every stage how it is doing:
 
@@ -20,20 +23,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from grains.training import checkpointing, cluster
+from grains.training import checkpointing, cluster, pipeline
+from grains.training.checkpointing import ShardSnapshot
 from grains.training.datasets import dataset_size, load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
 from grains.training.job import TrainingJob
 from grains.training.messages import StageConfig, StageStatus, TrainerProgress
 from grains.training.models import build_model
-from grains.training.pipeline import measured_costs, stage_layers
+from grains.training.pipeline import measured_costs
 from grains.training.records import StageInfo
 from grains.training.stage import PipelineStageGrain
+from grains.training.stage_placement import place_stages
+from grains.training.store import CheckpointStoreGrain
 from silo import errors
 
 if TYPE_CHECKING:
@@ -44,16 +51,18 @@ log = logging.getLogger("redgrain.training.coordinator")
 _MAX_FAILURES = 5
 
 
-def cut(spec: TrainingJob) -> list[tuple[int, int]]:
-    """The job's stages: by parameter bytes, or by layer times measured on one micro-batch."""
+def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], ShardSnapshot]:
+    """The job's stages (by parameter bytes, by layer times measured on one micro-batch, or at its
+    split points), each stage's bytes, and the seeded initial weights as step 0."""
     model = build_model(spec)
     costs = None
-    if spec.balance == "time":
+    if spec.balance == "time" and not spec.split_points:
         from grains.training.batches import Batches
 
         x, _ = Batches(load_dataset(spec, "train")).batch(spec.batch_size // spec.microbatches, 1, 0, 0, spec.seed)
         costs = measured_costs(model, x)
-    return stage_layers(model, spec.stages, costs)
+    layers, sizes = pipeline.cut(model, spec, costs)
+    return layers, sizes, pipeline.initial_snapshot(model)
 
 
 class PipelineDriver(Driver):
@@ -73,7 +82,7 @@ class PipelineDriver(Driver):
         spec = s.spec
         assert spec is not None
         coord = self.coord
-        layers = await coord.run_in_thread(cut, spec)
+        layers, sizes, initial = await coord.run_in_thread(cut, spec)
         s.stage_layers = layers
         look = self.look()
         rows = look.eligible or look.hosting
@@ -81,19 +90,30 @@ class PipelineDriver(Driver):
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
         stages = len(layers)
         replicas = max(1, len(rows) // stages) if spec.trainers == "auto" else int(spec.trainers)
+        placement = place_stages(rows, [pipeline.stage_need(n, spec) for _ in range(replicas) for n in sizes])
+        if placement.short:
+            log.warning("%s: no silo has the free memory stage(s) %s need; placed where the most is left",
+                        self.key, [j % stages for j in placement.short])  # fmt: skip
         keys, silos = [], []
-        for r in range(replicas):
-            for i in range(stages):
-                row = rows[(r * stages + i) % len(rows)]
-                base = f"{self.key}/stage-{i}" if replicas == 1 else f"{self.key}/r{r}/stage-{i}"
-                keys.append(cluster.key_on("PipelineStageGrain", base, row.silo, look.hosting))
-                silos.append(row.address)
+        for j, row in enumerate(placement.rows):
+            r, i = divmod(j, stages)
+            base = f"{self.key}/stage-{i}" if replicas == 1 else f"{self.key}/r{r}/stage-{i}"
+            keys.append(cluster.key_on("PipelineStageGrain", base, row.silo, look.hosting))
+            silos.append(row.address)
         s.trainer_keys, s.trainer_silos = keys, silos
         s.slots = replicas
         s.train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
         s.total_steps = spec.total_steps(s.train_size, replicas)
         restore = s.committed[-1] if s.committed else None
         s.resumed_from = restore
+        if restore is None:
+            # The seeded weights become step 0 of the run, so every stage restores its part from a
+            # checkpoint and builds only that (on the meta device) instead of the whole model.
+            store = self.ref(CheckpointStoreGrain, self.key, 120.0)
+            await store.save_whole(s.run, initial, spec.keep_checkpoints)
+            s.committed, s.committed_at = [0], {0: time.time()}
+            restore = 0
+        del initial
         self._layers = layers
         await self._configure(restore)
         s.status = "running"

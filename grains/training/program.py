@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.job import TrainingJob, resolve_path
+from grains.training.job import DEFAULT_LOSS, TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 StepFn = Callable[[nn.Module, Any], Any]
 EvalFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+LossFn = Callable[[torch.Tensor, Any], Any]
+"""Pipeline mode's hook: ``fn(output, target) -> loss`` or ``-> (loss, {"name": float})``."""
 
 
 class TrainingStepError(RuntimeError):
@@ -69,7 +71,10 @@ class Program:
 
     @classmethod
     def of(cls, spec: TrainingJob, device: str = "cpu") -> Program:
-        return cls(resolve_path(spec.step, "step"), resolve_path(spec.evaluate, "evaluate"), spec.amp, device)
+        # Pipeline mode runs a loss hook on the last stage, not a step (no stage holds the
+        # whole model); as one process it is the step fn(model(input), target).
+        step = loss_step(loss_function(spec)) if spec.mode == "pipeline" else resolve_path(spec.step, "step")
+        return cls(step, resolve_path(spec.evaluate, "evaluate"), spec.amp, device)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast at the job's precision (fp32: none)."""
@@ -88,6 +93,38 @@ class Program:
             except Exception as exc:
                 raise TrainingStepError(f"the step function raised {type(exc).__name__}: {exc}") from exc
         return split_result(out)
+
+
+def loss_function(spec: TrainingJob) -> LossFn:
+    """The job's pipeline loss (``loss``; default: classification cross-entropy)."""
+    return resolve_path(spec.loss or DEFAULT_LOSS, "loss")  # type: ignore[no-any-return]
+
+
+def run_loss(fn: LossFn, output: torch.Tensor, target: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pipeline mode, last stage: the loss hook on a micro-batch's output and targets, checked
+    against the step's contract (a scalar floating loss with a gradient, metrics that are numbers)."""
+    try:
+        out = fn(output, target)
+    except (TrainingStepError, ConfigError):
+        raise
+    except Exception as exc:
+        raise TrainingStepError(f"the loss function raised {type(exc).__name__}: {exc}") from exc
+    return split_result(out)
+
+
+def loss_step(fn: LossFn) -> StepFn:
+    """The whole-model step a pipeline's loss hook amounts to: ``fn(model(input), target)`` on an
+    ``(input, target)`` batch (what submit checks, and what one process would run)."""
+
+    def step(model: nn.Module, batch: Any) -> Any:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"pipeline mode takes (input, target) batches, not {type(batch).__name__}")
+        out = model(batch[0])
+        return fn(out.float() if out.is_floating_point() else out, batch[1])
+
+    step.__qualname__ = getattr(fn, "__qualname__", "loss")
+    step.__module__ = getattr(fn, "__module__", __name__)
+    return step
 
 
 def split_result(out: Any) -> tuple[torch.Tensor, dict[str, float]]:

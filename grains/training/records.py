@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from silo.keys import Keys
 from silo.records import publish_progress
+from silo.redis_util import redis_errors
 
 Split = Literal["train", "eval"]
 METRIC_FIELD = "m."
@@ -316,3 +317,18 @@ async def publish_job_progress(
     for p in points:
         cancel = await publish_progress(redis, keys, progress.job, record, p.fields()) or cancel
     return cancel
+
+
+async def read_jobs(redis: aioredis.Redis, keys: Keys) -> list[JobProgress]:
+    """Every job's latest progress record, sorted by job id (unreadable records skipped)."""
+    with redis_errors("read jobs"):
+        names = sorted(j.decode() if isinstance(j, bytes) else j for j in await redis.smembers(keys.jobs))
+        raws = await redis.mget([keys.job_progress(j) for j in names]) if names else []
+    out = []
+    for raw in raws:
+        if raw is not None:
+            try:
+                out.append(JobProgress.model_validate_json(raw))
+            except ValidationError:
+                continue
+    return out

@@ -26,6 +26,7 @@ import redis
 import torch.distributed as dist
 
 from silo.errors import RedgrainError
+from silo.redis_util import sync_twin
 
 __all__ = ["GroupAbandonedError", "RedisStore", "sync_client_like"]
 
@@ -53,6 +54,9 @@ return cur
 
 def sync_client_like(client: Any, *, timeout_s: float = 5.0) -> redis.Redis:
     """A synchronous redis-py client to the same server, credentials and TLS as an asyncio one."""
+    twin = sync_twin(client, timeout_s=timeout_s)  # a Sentinel master: its pool names no host
+    if twin is not None:
+        return twin
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
     name = pool.connection_class.__name__

@@ -1,8 +1,9 @@
 """PipelineStageGrain: one stage of a pipeline-parallel job (mode ``pipeline``).
 
-A job's model (an ``nn.Sequential``) is cut into stages
-(:mod:`grains.training.pipeline`), each a grain on its own silo that holds
-only its layers' parameters, gradients and optimizer state. Stage 0 runs the
+A job's model (an ``nn.Sequential``, or any module at its ``split_points``)
+is cut into stages (:mod:`grains.training.pipeline`), each a grain on its
+own silo that builds and holds only its layers' parameters, gradients and
+optimizer state. Stage 0 runs the
 steps: per step it cuts the batch into ``microbatches`` micro-batches and
 sends each one's activations forward; every stage computes its forward on
 the silo's executor and passes the output on (``forward``), the last stage
@@ -46,10 +47,9 @@ from grains.training import checkpointing
 from grains.training.batches import Batches
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
 from grains.training.datasets import load_dataset
-from grains.training.layout import persistent_buffers
 from grains.training.messages import StageConfig, StageStatus, StepPoint
-from grains.training.models import build_model
 from grains.training.optim import clip_coefficient
+from grains.training.pipeline import stage_module, tensor_names
 from grains.training.program import is_fatal
 from grains.training.records import MicroBatchSpan
 from grains.training.shard import StaleGenerationError
@@ -80,6 +80,7 @@ class PipelineStageGrain(Grain):
         self._saved: list[int] = []
         self._loss = 0.0
         self._losses: list[float] = []
+        self._metrics: list[dict[str, float]] = []  # last stage: the loss function's, per micro-batch
         self._points: deque[StepPoint] = deque(maxlen=_POINTS)
         self._loop: asyncio.Task[None] | None = None
         self._back: asyncio.Queue[int] = asyncio.Queue()
@@ -108,8 +109,11 @@ class PipelineStageGrain(Grain):
                 raise StaleGenerationError(f"{self.key} cannot go on from step {cfg.start_step}: it holds {held}")
             await self.run_in_thread(core.discard_step)
         else:
-            snapshot = await self._restore(cfg) if cfg.restore_step is not None else None
-            self._core = await self.run_in_thread(StageCore, cfg, self.device, snapshot)
+            self._core = None  # the old generation's tensors go before the new ones are made
+            restoring = cfg.restore_step is not None
+            module = await self.run_in_thread(stage_module, cfg.spec, cfg.index, cfg.layers, self.device, restoring)
+            snapshot = await self._restore(cfg, module) if restoring else None
+            self._core = await self.run_in_thread(StageCore, cfg, self.device, snapshot, module)
         self._cfg = cfg
         first, last = cfg.index == 0, cfg.index == len(cfg.stage_keys) - 1
         self._batches = await self.run_in_thread(Batches, load_dataset(cfg.spec, "train"), self.device) if first or last else None
@@ -117,6 +121,7 @@ class PipelineStageGrain(Grain):
         if not cfg.keep:
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
         self._points.clear()
+        self._losses, self._metrics = [], []
         self._arrived = {}
         self._labels = None
         self._steps_done = 0
@@ -217,8 +222,9 @@ class PipelineStageGrain(Grain):
         assert core is not None
         return await self.run_in_thread(core.norm_sq)
 
-    async def apply(self, generation: int, step: int, coef: float) -> float:
-        """Apply step ``step`` here; the last stage returns the step's loss (mean over micro-batches)."""
+    async def apply(self, generation: int, step: int, coef: float) -> StepPoint:
+        """Apply step ``step`` here; the last stage returns the step's loss and the loss function's
+        metrics (means over the micro-batches)."""
         self._check(generation)
         core, cfg = self._core, self._cfg
         assert core is not None and cfg is not None
@@ -226,12 +232,13 @@ class PipelineStageGrain(Grain):
             raise StaleGenerationError(f"{self.key} is at step {core.step}, asked to apply step {step}")
         await self.run_in_thread(core.apply, coef)
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
-        self._losses = []
+        metrics = {k: sum(m[k] for m in self._metrics) / len(self._metrics) for k in self._metrics[0]} if self._metrics else {}
+        self._losses, self._metrics = [], []
         every = cfg.spec.checkpoint_every
         if cfg.replica == 0 and ((every and core.step % every == 0) or core.step == cfg.end_step):
             snap = await self.run_in_thread(core.snapshot)
             self.start_task(self._save(cfg, snap, generation), name=f"{self.key} checkpoint {snap.step}")
-        return loss
+        return StepPoint(step=step, loss=loss, metrics=metrics, at=time.time())
 
     async def fail(self, generation: int, error: str, fatal: bool) -> None:
         """A stage could not do its part of the current step (stage 0 stops the run)."""
@@ -284,12 +291,13 @@ class PipelineStageGrain(Grain):
         if self._labels is None or self._labels[0] != step:  # once per step, not per micro-batch
             replicas = max(1, len(cfg.peer_keys))
             _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed)
-            self._labels = (step, labels.chunk(cfg.spec.microbatches))
+            self._labels = (step, tuple(labels.chunk(cfg.spec.microbatches)))
         target = self._labels[1][mb]
-        loss, grad = await self.run_in_thread(core.loss_backward, mb, target)
+        loss, metrics, grad = await self.run_in_thread(core.loss_backward, mb, target)
         if not math.isfinite(loss):
             raise RuntimeError(f"step {step}: the loss is {loss}")
         self._losses.append(loss)
+        self._metrics.append(metrics)
         await self._send_back(generation, step, mb, grad)
 
     async def _backward(self, generation: int, step: int, mb: int, grad: torch.Tensor | None) -> None:
@@ -355,14 +363,14 @@ class PipelineStageGrain(Grain):
             if spec.clip_grad_norm is not None:
                 parts = await asyncio.gather(self.norm_sq(gen), *(p.norm_sq(gen) for p in others))
                 coef = clip_coefficient(math.sqrt(sum(parts)), spec.clip_grad_norm)
-            losses = await asyncio.gather(self.apply(gen, step, coef), *(p.apply(gen, step, coef) for p in others))
-            self._loss = float(losses[-1])
+            applied = await asyncio.gather(self.apply(gen, step, coef), *(p.apply(gen, step, coef) for p in others))
+            self._loss = float(applied[-1].loss)
             now = time.monotonic()
             t_first = t_first or now
             self._steps_done += 1
             if self._steps_done > 1:
                 self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)  # this replica
-            self._points.append(StepPoint(step=step, loss=self._loss, at=time.time()))
+            self._points.append(StepPoint(step=step, loss=self._loss, metrics=applied[-1].metrics, at=time.time()))
 
     async def _acquire(self, window: asyncio.Semaphore, timeout_s: float) -> None:
         await self._wait(window.acquire(), timeout_s, "a micro-batch slot")
@@ -381,17 +389,9 @@ class PipelineStageGrain(Grain):
             waiter.cancel()
             raise RuntimeError(self._error if self._failed.is_set() else f"no {name} within step_timeout_s={timeout_s}")
 
-    async def _restore(self, cfg: StageConfig) -> ShardSnapshot:
+    async def _restore(self, cfg: StageConfig, module: torch.nn.Module) -> ShardSnapshot:
         assert cfg.restore_step is not None
-        model = await self.run_in_thread(build_model, cfg.spec)
-        a, b = cfg.layers
-
-        def mine(n: str) -> bool:
-            return a <= int(n.split(".", 1)[0]) < b
-
-        names = [n for n, p in model.named_parameters() if mine(n) and p.requires_grad]
-        extra = [n for n, p in model.named_parameters() if mine(n) and not p.requires_grad]
-        extra += [n for n, _ in persistent_buffers(model) if mine(n)]
+        names, extra = tensor_names(module)  # in the stage's order: its optimizer state's
         return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
 
     async def _save(self, cfg: StageConfig, snap: ShardSnapshot, generation: int) -> None:

@@ -4,8 +4,8 @@ Runs on the silo's executor, one operation at a time (a lock): a forward
 keeps the micro-batch's input and output (the autograd graph) until its
 backward, which accumulates the parameters' gradients and returns the
 gradient of the input for the previous stage. The last stage computes the
-loss: cross-entropy on the stage's output and the batch's labels, scaled by
-``1 / microbatches``, so the accumulated gradient of a step is that of the
+loss: the job's ``loss`` hook (default: cross-entropy) on the stage's output
+and the micro-batch's targets, scaled by ``1 / microbatches``, so the accumulated gradient of a step is that of the
 whole batch, as one process computes it. ``apply`` then runs the job's
 optimizer and schedule on this stage's parameters only.
 """
@@ -17,13 +17,11 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.layout import persistent_buffers
 from grains.training.messages import StageConfig
-from grains.training.models import build_model
 from grains.training.optim import (
     advance,
     build_optimizer,
@@ -31,27 +29,37 @@ from grains.training.optim import (
     squared_norm,
     step_schedule,
 )
+from grains.training.program import loss_function, run_loss
+
+
+def to_device(t: Any, device: str) -> Any:
+    """A target (a tensor, or any nesting of them) on ``device``."""
+    if isinstance(t, torch.Tensor):
+        return t.to(device)
+    if isinstance(t, (list, tuple)):
+        return type(t)(to_device(v, device) for v in t)
+    if isinstance(t, dict):
+        return {k: to_device(v, device) for k, v in t.items()}
+    return t
 
 
 class StageCore:
-    def __init__(self, cfg: StageConfig, device: str, snapshot: ShardSnapshot | None) -> None:
+    def __init__(self, cfg: StageConfig, device: str, snapshot: ShardSnapshot | None, module: nn.Module) -> None:
         spec = cfg.spec
-        model = build_model(spec)
-        a, b = cfg.layers
-        children = list(model.children())
-        self.module = nn.Sequential(*children[a:b]).to(device)
+        self.module = module  # its parameters and buffers carry the whole model's names
         self.module.train()
-        self.offset = a
+        self.first = cfg.index == 0
         self.device = device
         self.last = cfg.index == len(cfg.stage_keys) - 1
+        self.loss_fn = loss_function(spec)
         self.scale = 1.0 / spec.microbatches
         self.wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.compression)
         """Activations and their gradients travel in this dtype (None: as computed)."""
         self.autocast = spec.amp == "bf16"
-        named = [(self.full(n), p) for n, p in self.module.named_parameters()]
+        named = list(self.module.named_parameters())
         self.params = dict(named)
         self.trainable = [(n, p) for n, p in named if p.requires_grad]
-        self.buffers = {self.full(n): t for n, t in persistent_buffers(self.module)}
+        self.buffers = dict(persistent_buffers(self.module))
         self.opt = build_optimizer(self.trainable, spec)
         self.schedule = build_schedule(self.opt, spec)
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,16 +81,12 @@ class StageCore:
                 self.opt.load_state_dict(snapshot.optimizer)
             self.step = snapshot.step
 
-    def full(self, local: str) -> str:
-        head, _, rest = local.partition(".")
-        return f"{int(head) + self.offset}.{rest}"
-
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         """A micro-batch's forward; its graph is kept for the backward. Returns the output, detached."""
         with self.lock:
             t0 = time.perf_counter()
             x = x.to(self.device)
-            if x.is_floating_point() and self.offset > 0:
+            if x.is_floating_point() and not self.first:
                 x = x.float().requires_grad_(True)  # a compressed activation computes in fp32
             with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
                 y = self.module(x)
@@ -107,16 +111,17 @@ class StageCore:
     def on_wire(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else self.to_wire(t)
 
-    def loss_backward(self, mb: int, target: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: the micro-batch's loss and its backward; the loss and the input's gradient."""
+    def loss_backward(self, mb: int, target: Any) -> tuple[float, dict[str, float], torch.Tensor | None]:
+        """Last stage: the job's loss on the micro-batch and its backward; the loss, the loss
+        function's metrics and the input's gradient."""
         with self.lock:
             t0 = time.perf_counter()
             x, y = self.acts.pop(mb)
-            loss = F.cross_entropy(y.float(), target.to(self.device))
+            loss, metrics = run_loss(self.loss_fn, y.float() if y.is_floating_point() else y, to_device(target, self.device))
             (loss * self.scale).backward()
             self._span(mb, "B", t0)
             self.backwards += 1
-            return float(loss.detach()), self.on_wire(x.grad)
+            return float(loss.detach()), metrics, (self.on_wire(x.grad) if x.requires_grad else None)
 
     def backward(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's backward from the next stage's input gradient; the input's gradient."""

@@ -7,6 +7,8 @@ these are what it gets otherwise, and examples of the contract:
 - a step is ``fn(model, batch) -> loss`` or ``-> (loss, {"name": float})``:
   the loss a scalar tensor to call ``backward()`` on, the metrics plain
   numbers (or 0-d tensors) about this batch;
+- pipeline mode's loss (``loss = "pkg.module:fn"``, run on the last stage)
+  is ``fn(output, target) -> loss`` or ``-> (loss, {"name": float})``;
 - an evaluation is ``fn(model, batch) -> {"name": float}``, means over the
   batch; redgrain runs it in ``eval()`` mode under ``torch.no_grad()`` over the
   whole test split and averages each metric weighted by the batch's samples.
@@ -38,6 +40,12 @@ def classification_step(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dic
     out = model(x)
     loss = F.cross_entropy(out.float(), y)
     return loss, {"accuracy": float((out.detach().argmax(1) == y).float().mean())}
+
+
+def classification_loss(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pipeline mode's default loss, run on the last stage: cross-entropy on the logits, and the accuracy."""
+    loss = F.cross_entropy(output.float(), target)
+    return loss, {"accuracy": float((output.detach().argmax(1) == target).float().mean())}
 
 
 def classification_metrics(model: nn.Module, batch: Any) -> dict[str, float]:

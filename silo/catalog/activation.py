@@ -18,6 +18,7 @@ activation only refuses work that its state no longer allows.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import logging
 import uuid
@@ -142,7 +143,7 @@ class Activation:
             return
         if len(self._queue) >= self._catalog.settings.max_queue:
             inv.future.set_exception(
-                errors.OverloadedError(f"mailbox of {self.grain_key}", self._catalog.settings.max_queue)
+                errors.LoadShedError(f"mailbox of {self.grain_key}", self._catalog.settings.max_queue)
             )
             return
         self.last_used = self._catalog.clock()
@@ -271,7 +272,12 @@ class Activation:
         if self.status not in _TAKES_CALLS:
             coro.close()
             raise errors.GrainDeactivatedError(self.grain_key, "cannot start a task on an inactive activation")
-        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.grain_key} task")
+        # Outside the starting turn's call chain: the task outlives the turn, so a call
+        # it makes back into this grain is an ordinary call, not a cycle (it would be
+        # refused as a deadlock). Calls it makes start a chain of their own.
+        context = contextvars.copy_context()
+        context.run(CALL_CHAIN.set, ())
+        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.grain_key} task", context=context)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
         return task

@@ -143,12 +143,14 @@ class Catalog:
 
     def stateless_worker(self, grain_id: GrainId, options: GrainOptions) -> Activation | None:
         """Pick the least busy local worker, or None when a new one should be made."""
-        pool = [a for a in self._workers.get(grain_id, []) if a.status is ActivationState.ACTIVE]
-        idle = [a for a in pool if not a.busy]
+        workers = [a for a in self._workers.get(grain_id, []) if a.status in (ActivationState.ACTIVE, ActivationState.ACTIVATING)]
+        idle = [a for a in workers if a.status is ActivationState.ACTIVE and not a.busy]
         if idle:
             return idle[0]
-        if len(pool) >= options.stateless_worker:
-            return min(pool, key=lambda a: a.queue_length)
+        # Workers still activating count toward the limit: a burst of calls while the first one
+        # loads must wait for it, not make a worker per call (seen: 200 for 200 calls).
+        if len(workers) >= options.stateless_worker:
+            return min(workers, key=lambda a: a.queue_length)
         return None
 
     async def activate_worker(self, grain_id: GrainId) -> Activation:

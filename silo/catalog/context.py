@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from grains.context import DeactivationReason, TimerHandle
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.records import publish_progress
+from silo.records import forget_progress, publish_progress
 
 if TYPE_CHECKING:
     from silo.storage.checkpoint import SnapshotInfo
@@ -145,6 +145,9 @@ class ActivationContext:
     async def delete_snapshot(self, group: str, snapshot_id: int | str) -> bool:
         return bool(await self._runtime.checkpoints().delete(group, snapshot_id))
 
+    async def checkpoint_groups(self) -> list[str]:
+        return list(await self._runtime.checkpoints().groups())
+
     # --- a shared store for workloads that need one -------------------------------------
     def redis_client(self) -> Any | None:
         return getattr(self._runtime, "redis", None)
@@ -161,3 +164,8 @@ class ActivationContext:
         if redis is None or keys is None:  # a runtime without Redis (unit tests): nobody reads it
             return False
         return await publish_progress(redis, keys, job, record, point)
+
+    async def forget_progress(self, job: str) -> None:
+        redis, keys = getattr(self._runtime, "redis", None), getattr(self._runtime, "keys", None)
+        if redis is not None and keys is not None:
+            await forget_progress(redis, keys, job)

@@ -2,10 +2,35 @@
 
 Register is one Lua script: if the entry is absent, or names a silo that is
 not alive in the membership table, write ours with a fresh fencing token
-(INCR) and return it; otherwise return the winner, and the caller forwards
+and return it; otherwise return the winner, and the caller forwards
 there. A registrant that is itself not alive (declared dead) is refused. Unregister is compare-and-delete. A per-silo index set lets survivors
 purge a dead silo's entries in bulk (Orleans' Redis directory keeps such
 stale entries; see dotnet/orleans #7054).
+
+Fencing tokens must never repeat, also across a Redis failover. A counter
+alone (INCR) does: a replica promoted before it received the last
+increments hands the same numbers out again, and a zombie activation
+holding one of them would pass the state store's fence (Kleppmann's point
+against Redlock). So a token is the pair (epoch, counter), written as the
+decimal digits of the epoch followed by the counter in 12 digits: one int
+that sorts like the pair. The epoch belongs to a *master term*, recognised
+by the master's replication id (``INFO replication`` ``master_replid``,
+which Redis draws anew when a replica is promoted): the register script
+keeps ``{replid, epoch}`` in one hash, and when it runs on a master whose
+replid is not the stored one, it starts a new epoch,
+``max(stored + 1, 1000 * (sentinel config epoch + 1))`` -- the
+configuration epoch the registrant's client last read from the sentinels
+(0 without Sentinel), which Sentinel's election raises on every failover.
+So a promoted master's tokens sort above every token of the masters
+before it even when the stored epoch did not reach it, as long as the
+registrant has asked the sentinels since the failover (every new
+connection does). An ACL user denied INFO has no replid to compare; its
+epoch moves only when a registrant's config epoch is newer than the stored
+one. docs/reliability.md says what remains.
+
+A registration that won is followed by ``WAIT`` (see
+:func:`silo.redis_util.run_replicated`) so it reaches a replica before the
+activation serves, when the URL asks for replicas.
 """
 
 from __future__ import annotations
@@ -20,7 +45,7 @@ import redis.asyncio as aioredis
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.keys import Keys
-from silo.redis_util import redis_errors
+from silo.redis_util import fence_epoch_hint, redis_errors, run_replicated
 
 LIVE_STATUSES = ("Joining", "Active", "ShuttingDown")
 
@@ -30,6 +55,7 @@ class DirectoryEntry:
     silo: SiloAddress
     activation_id: str
     token: int
+    """Fencing token, ``epoch * 10**12 + counter``: never handed out twice, also across a failover."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +92,42 @@ class GrainDirectory(Protocol):
     def statistics(self) -> DirectoryStatistics: ...
 
 
-_REGISTER = """
+COUNTER_DIGITS = 12
+"""Decimal digits of a token's counter part: token = epoch * 10**12 + counter."""
+
+# fencing_token(term, counter, hint): the next token of this master term, as a string
+# (Lua numbers are doubles: the digits are joined, never multiplied out).
+FENCING_TOKEN_LUA = """
+local function fencing_token(term_key, counter_key, hint)
+  local term = redis.call('HMGET', term_key, 'replid', 'epoch')
+  local epoch = tonumber(term[2] or '') or 0
+  local floor = 1000 * (hint + 1)
+  -- INFO is in @dangerous: an ACL user without it falls back to the sentinels' epoch alone.
+  local ok, info = pcall(redis.call, 'INFO', 'replication')
+  local replid = ok and string.match(info, 'master_replid:(%x+)') or nil
+  if replid then
+    if term[1] ~= replid then
+      -- A new master term (a promoted replica, or a restart with a new replication id).
+      epoch = math.max(epoch + 1, floor)
+      redis.call('HSET', term_key, 'replid', replid, 'epoch', epoch)
+    end
+  elseif epoch < floor then
+    -- The registrant has seen a failover this node's epoch does not reflect yet.
+    epoch = floor
+    redis.call('HSET', term_key, 'replid', '', 'epoch', epoch)
+  end
+  local n = redis.call('INCR', counter_key)
+  if n >= 1e12 then  -- the counter would spill into the epoch's digits: next epoch
+    epoch = epoch + 1
+    redis.call('HSET', term_key, 'epoch', epoch)
+    redis.call('SET', counter_key, 1)
+    n = 1
+  end
+  return string.format('%d%012d', epoch, n)
+end
+"""
+
+_REGISTER = FENCING_TOKEN_LUA + """
 local cur = redis.call('HMGET', KEYS[1], 'silo', 'act', 'token')
 if cur[1] == ARGV[1] then return cur end
 -- A registrant that is not live (declared dead: a zombie) claims nothing.
@@ -86,10 +147,10 @@ if cur[1] then
   end
   redis.call('SREM', ARGV[4] .. cur[1], ARGV[3])
 end
-local token = redis.call('INCR', KEYS[3])
+local token = fencing_token(KEYS[5], KEYS[3], tonumber(ARGV[5]) or 0)
 redis.call('HSET', KEYS[1], 'silo', ARGV[1], 'act', ARGV[2], 'token', token)
 redis.call('SADD', KEYS[4], ARGV[3])
-return {ARGV[1], ARGV[2], tostring(token)}
+return {ARGV[1], ARGV[2], token}
 """
 
 _UNREGISTER = """
@@ -183,9 +244,11 @@ class RedisGrainDirectory:
         k = self._keys
         g = str(grain)
         with redis_errors("directory register"):
-            raw = await self._register(
-                keys=[k.directory_entry(g), k.members, k.fencing_counter, k.directory_index(str(silo))],
-                args=[str(silo), activation_id, g, k.directory_index("")],
+            raw = await run_replicated(
+                self._redis,
+                self._register,
+                [k.directory_entry(g), k.members, k.fencing_counter, k.directory_index(str(silo)), k.fencing_term],
+                [str(silo), activation_id, g, k.directory_index(""), fence_epoch_hint(self._redis)],
             )
         first = raw[0].decode() if isinstance(raw[0], bytes) else raw[0]
         if first == "!dead":

@@ -52,6 +52,7 @@ from silo.cluster.events import ClusterEvents
 from silo.cluster.membership import HEARTBEAT_LUA, MembershipTable, VoteOutcome
 from silo.keys import Keys
 from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.redis_util import connect_redis_sync
 from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")
@@ -150,7 +151,7 @@ class HeartbeatThread:
 
     def _run(self) -> None:
         timeout = max(1.0, self._settings.dead_after_s)
-        client = redis.Redis.from_url(self._url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = connect_redis_sync(self._url, timeout_s=timeout)
         script = client.register_script(HEARTBEAT_LUA)
         try:
             while not self._stop.is_set():

@@ -2,12 +2,19 @@
 
 Reminders live in Redis (``silo/keys.py``): a sorted set of reminder ids
 scored by their next due time (ms, Redis server clock) and a hash of rows.
-Every silo polls: one Lua script claims the due reminders (up to a batch) and
-reschedules each one period later in the same step, so exactly one silo fires
-each due tick. The silo delivers it through its router like any call, so it
+Every silo polls: one Lua script claims the due reminders (up to a batch),
+each under a lease: its score moves to the end of the lease (claim time +
+``delivery_timeout_s`` + ``LEASE_SLACK_S``), so no other silo takes it
+meanwhile. The silo delivers it through its router like any call, so it
 reaches the grain wherever it lives and activates it if needed; the grain's
-``receive_reminder(name)`` runs as a turn. A silo that dies between claim and
-delivery loses that one tick; the next one fires on a survivor.
+``receive_reminder(name)`` runs as a turn. When the delivery ends (done or
+failed: a failed tick is not retried, the next one comes), an *ack* script
+moves the reminder to its next due time, one period after the tick's (ticks
+missed while no silo ran are skipped), but only if the score is still this
+claim's lease: a re-registration or a later claim wins. A silo that dies
+between claim and ack never acks, so the lease runs out and another silo
+claims the same tick again: a tick is delivered at least once (twice when the
+first delivery ran but its ack was lost).
 
 Each delivered tick records when it ran (Redis clock) and on which silo the
 grain's turn ran, in a third hash (``keys.reminder_fired``): one script call
@@ -36,6 +43,7 @@ from silo import errors
 from silo.keys import Keys
 from silo.redis_util import redis_errors
 from silo.settings import RemindersSettings
+from silo.shutdown import raise_if_cancelled
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -75,22 +83,22 @@ return 1
 """
 )
 
-# KEYS: due zset, rows.  ARGV: batch.  Pops what is due and reschedules it, atomically.
+# KEYS: due zset, rows.  ARGV: batch, lease ms.  Leases what is due: {row, due, lease} each.
 _CLAIM = (
     _NOW
     + """
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))
+local lease = now + tonumber(ARGV[2])
 local out = {}
 for i = 1, #due, 2 do
   local id = due[i]
   local row = redis.call('HGET', KEYS[2], id)
   if row then
-    local period = tonumber(cjson.decode(row)['period_ms'])
-    local nxt = tonumber(due[i + 1]) + period
-    if nxt <= now then nxt = now + period end  -- fell behind (no silo for a while): skip missed ticks
-    redis.call('ZADD', KEYS[1], nxt, id)
+    redis.call('ZADD', KEYS[1], lease, id)
     table.insert(out, row)
+    table.insert(out, due[i + 1])
+    table.insert(out, tostring(lease))
   else
     redis.call('ZREM', KEYS[1], id)
   end
@@ -99,12 +107,44 @@ return out
 """
 )
 
+# KEYS: due zset, rows.  ARGV: id, lease, due.  The tick of this claim ended: schedule the next,
+# unless the reminder was unregistered, registered again or claimed again since (score moved).
+_ACK = (
+    _NOW
+    + """
+local row = redis.call('HGET', KEYS[2], ARGV[1])
+if not row then return 0 end
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
+local now = now_ms()
+local period = tonumber(cjson.decode(row)['period_ms'])
+local nxt = tonumber(ARGV[3]) + period
+if nxt <= now then nxt = now + period end  -- fell behind (no silo for a while): skip missed ticks
+redis.call('ZADD', KEYS[1], nxt, ARGV[1])
+return 1
+"""
+)
+
+LEASE_SLACK_S = 2.0
+"""A claim's lease outlasts its delivery's deadline by this much before another silo may retake it."""
+
 
 @dataclass(frozen=True, slots=True)
 class Reminder:
     grain: GrainId
     name: str
     period_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A due tick this silo leased: deliver it, then :meth:`ReminderTable.ack` it."""
+
+    reminder: Reminder
+    due_ms: int
+    """When the tick was due (Redis clock, ms): the next one is a period after it."""
+    lease_ms: int
+    """The end of this claim's lease (its score meanwhile); the ack checks it is still ours."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +173,7 @@ class ReminderTable:
         self._keys = keys
         self._register = redis.register_script(_REGISTER)
         self._claim = redis.register_script(_CLAIM)
+        self._ack = redis.register_script(_ACK)
         self._fired = redis.register_script(_FIRED)
 
     async def register(
@@ -173,13 +214,24 @@ class ReminderTable:
             key=lambda r: (str(r.grain), r.name),
         )
 
-    async def claim(self, batch: int) -> builtins.list[Reminder]:
-        """Take the due ticks (each is rescheduled one period on in the same script)."""
+    async def claim(self, batch: int, lease_s: float) -> builtins.list[Claim]:
+        """Lease the due ticks for ``lease_s``; each must be :meth:`ack`-ed, or it is claimed again."""
         k = self._keys
         with redis_errors("claim due reminders"):
-            rows = await self._claim(keys=[k.reminders, k.reminder_rows], args=[batch])
-        return [_row(r) for r in rows]
+            raw = await self._claim(keys=[k.reminders, k.reminder_rows], args=[batch, max(1, round(lease_s * 1000))])
+        return [
+            Claim(_row(raw[i]), int(float(raw[i + 1])), int(float(raw[i + 2]))) for i in range(0, len(raw), 3)
+        ]
 
+    async def ack(self, claim: Claim) -> bool:
+        """The claimed tick ended: schedule the next one (False: no longer ours to schedule)."""
+        k = self._keys
+        r = claim.reminder
+        with redis_errors(f"acknowledge tick of reminder {r.name!r}"):
+            done = await self._ack(
+                keys=[k.reminders, k.reminder_rows], args=[_id(r.grain, r.name), claim.lease_ms, claim.due_ms]
+            )
+        return bool(done)
 
     async def fired(self, reminder: Reminder, silo: str) -> None:
         """Record that a tick of ``reminder`` ran now on ``silo`` (for the dashboard)."""
@@ -254,6 +306,7 @@ class ReminderService:
                     return
                 self._polls_failed += 1
                 log.warning("reminder poll failed: %s", exc)
+            raise_if_cancelled()  # a cancel redis-py swallowed (silo/shutdown.py)
             await asyncio.sleep(self._settings.poll_interval_s)
 
     async def poll(self) -> int:
@@ -262,30 +315,39 @@ class ReminderService:
         room = self._settings.batch - len(self._inflight)
         if deliver is None or room <= 0:
             return 0  # not started, or deliveries are backed up: leave the rest to other silos
-        due = await self.table.claim(room)
+        due = await self.table.claim(room, self._settings.delivery_timeout_s + LEASE_SLACK_S)
         self._claimed += len(due)
         loop = asyncio.get_running_loop()
-        for r in due:
-            task = loop.create_task(self._fire(deliver, r))
+        for c in due:
+            task = loop.create_task(self._fire(deliver, c))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         return len(due)
 
-    async def _fire(self, deliver: Deliver, r: Reminder) -> None:
+    async def _fire(self, deliver: Deliver, claim: Claim) -> None:
+        r = claim.reminder
         try:
             where = await deliver(r.grain, r.name)
         except asyncio.CancelledError:
-            raise
+            raise  # stopping: no ack, so the lease runs out and another silo delivers it
         except Exception as exc:  # noqa: BLE001 - one failed tick must not stop the others
             self._failed += 1
             log.warning("reminder %r of %s failed: %r", r.name, r.grain, exc)
+            await self._ack(claim)
             return
         self._delivered += 1
+        await self._ack(claim)
         if where is not None:
             try:
                 await self.table.fired(r, where)
             except errors.StorageError as exc:  # the tick ran; only the dashboard's note of it is lost
                 log.debug("last tick of reminder %r not recorded: %s", r.name, exc)
+
+    async def _ack(self, claim: Claim) -> None:
+        try:
+            await self.table.ack(claim)
+        except errors.StorageError as exc:  # the lease runs out and the tick comes again
+            log.warning("tick of reminder %r not acknowledged: %s", claim.reminder.name, exc)
 
     def statistics(self) -> ReminderStatistics:
         return ReminderStatistics(

@@ -33,6 +33,7 @@ from silo import errors
 from silo.cluster.membership import MembershipTable
 from silo.keys import Keys
 from silo.records import MemberRow, SiloStatus
+from silo.shutdown import raise_if_cancelled
 
 log = logging.getLogger("redgrain.membership")
 
@@ -72,6 +73,8 @@ class MembershipView:
         self._listeners: list[Callable[[dict[str, MemberRow], dict[str, MemberRow]], Any]] = []
         self._unreachable_listeners: list[Callable[[SiloAddress], Any]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing: set[asyncio.Future[None]] = set()
+        """Subscriptions being closed in the background (stop() waits a moment for them)."""
         self._refreshes = 0
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -103,12 +106,15 @@ class MembershipView:
 
     async def stop(self) -> None:
         # A flag as well as cancel(): redis-py 8 can swallow a cancellation that
-        # lands inside a command, and then a `while True` loop never ends.
+        # lands inside a command (silo/shutdown.py), and then a loop never ends.
         self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self._closing:
+            # Bounded: a close that hangs on a dead Redis must not hold up a stop.
+            await asyncio.wait(list(self._closing), timeout=1.0)
 
     async def refresh(self) -> None:
         async with self._lock:
@@ -137,6 +143,7 @@ class MembershipView:
                 await self.refresh()
             except errors.StorageError as exc:
                 log.warning("membership refresh failed: %s", exc)
+            raise_if_cancelled()
 
     async def _listen_forever(self) -> None:
         assert self._redis is not None and self._keys is not None
@@ -148,6 +155,7 @@ class MembershipView:
                     # Poll without blocking in redis-py: cancelling a blocked
                     # read there can hang a stopping silo.
                     msg = await pubsub.get_message(timeout=0)
+                    raise_if_cancelled()  # get_message(timeout=0) can swallow a cancel
                     if msg is not None:
                         await self.refresh()
                     else:
@@ -156,11 +164,19 @@ class MembershipView:
                 raise
             except Exception as exc:  # noqa: BLE001 - whatever broke it, subscribe again
                 log.debug("membership subscription dropped: %s", exc)
+                raise_if_cancelled()
                 await asyncio.sleep(self._refresh_s)
             finally:
-                # Closing must not hold up a stopping silo.
+                # Closing must not hold up a stopping silo: in the background, awaited
+                # (briefly) by stop().
                 close = asyncio.ensure_future(pubsub.aclose())
-                close.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._closing.add(close)
+                close.add_done_callback(self._closed)
+
+    def _closed(self, fut: asyncio.Future[None]) -> None:
+        self._closing.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failed close of a dropped subscription is no news
 
     # --- queries -----------------------------------------------------------
     def row(self, silo: SiloAddress) -> MemberRow | None:

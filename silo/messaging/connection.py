@@ -28,6 +28,7 @@ import heapq
 import itertools
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -35,7 +36,7 @@ from typing import Any, Protocol
 from silo import errors
 from silo.codec import Codec, Encoded
 from silo.messaging import frame as _frame
-from silo.messaging import handshake
+from silo.messaging import handshake, tls
 from silo.messaging.frame import (
     AUTH_OK,
     CANCEL,
@@ -86,11 +87,13 @@ class Connection(FrameReceiver):
         handler: RequestHandler | None,
         server_side: bool,
         on_close: Callable[[Connection], None] | None = None,
+        on_open: Callable[[Connection], None] | None = None,
     ) -> None:
         super().__init__(settings, counters, server_side)
         self.codec = codec
         self._handler = handler
         self._on_close = on_close
+        self._on_open = on_open
         self._secret = (
             settings.cluster_secret.get_secret_value().encode() if settings.cluster_secret else None
         )
@@ -101,6 +104,10 @@ class Connection(FrameReceiver):
         self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
         self._serving = 0
         """Requests from the peer being served now (bounded by max_in_flight)."""
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        """Callers waiting for a slot (max_in_flight reached), first come first served."""
+        self._handed = 0
+        """Slots freed and handed to a waiter that has not sent its request yet."""
         # One timer for the earliest deadline instead of one per request:
         # a libuv/asyncio timer per call costs more than the call itself.
         self._deadlines: list[tuple[float, int]] = []
@@ -113,10 +120,15 @@ class Connection(FrameReceiver):
         self.ready: asyncio.Future[None] = self._loop.create_future()
         self.closed = False
         self._nonce = b""
+        """The acceptor's HELLO nonce (sent by us on an accepted connection, received otherwise)."""
+        self._our_nonce = b""
+        self._tls = False
+        """Connecting side: the nonce our AUTH carried, which the acceptor's proof must cover."""
 
     # --- asyncio protocol --------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        self._tls = transport.get_extra_info("ssl_object") is not None
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else (str(peer) or "same-host socket")
         sock = transport.get_extra_info("socket")
@@ -126,6 +138,8 @@ class Connection(FrameReceiver):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_BUFFER)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _UNIX_BUFFER)
         self._n.connections_opened += 1
+        if self._on_open is not None:
+            self._on_open(self)
         if self._server_side:
             self._nonce = handshake.new_nonce(self._secret)
             self._authenticated = self._secret is None
@@ -137,12 +151,22 @@ class Connection(FrameReceiver):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._direct = None
-        err = errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
+        err: errors.RedgrainError = errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
+        if self._tls and not self.ready.done() and not self._server_side:
+            # Under TLS 1.3 the silo checks our certificate after our side of the handshake is
+            # done, and sends its HELLO only once it accepted it: a refusal shows as an alert
+            # on the first read, or as the connection closing before any HELLO.
+            err = tls.refusal(self.peer, exc if isinstance(exc, ssl.SSLError) else None)
         for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
         self._deadlines.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(err)
+                waiter.exception()
+        self._waiters.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._big is not None:
@@ -178,10 +202,11 @@ class Connection(FrameReceiver):
                 # The serving side's own bound: a peer that ignores its
                 # max_in_flight still cannot make us hold unbounded calls.
                 if self._serving >= self._settings.max_in_flight:
+                    # Shed before anything ran: the caller's router retries it within its deadline.
                     self._n.overloaded += 1
                     req_id = frame.header[1] if len(frame.header) > 1 else 0
                     self._send_error_frame(
-                        req_id, errors.OverloadedError(f"connection from {self.peer}", self._settings.max_in_flight)
+                        req_id, errors.LoadShedError(f"connection from {self.peer}", self._settings.max_in_flight)
                     )
                     return
                 self._serving += 1
@@ -202,28 +227,34 @@ class Connection(FrameReceiver):
                 self.abort()
                 return
             self._authenticated = True
-            self._send_frame([AUTH_OK])
+            self._send_frame(handshake.auth_ok(self._secret, self._nonce, frame.header))
             if not self.ready.done():
                 self.ready.set_result(None)
             return
-        if kind == HELLO:
-            try:
-                reply = handshake.answer_hello(self._secret, frame.header, self.peer)
-            except errors.AuthenticationError as exc:
-                self._fail_ready(exc)
-                return
-            if reply is None:
-                self._authenticated = True
-                if not self.ready.done():
-                    self.ready.set_result(None)
-                return
-            self._send_frame(reply)
-        elif kind == AUTH_OK:
-            self._authenticated = True
-            if not self.ready.done():
-                self.ready.set_result(None)
-        else:
-            self._fail_ready(errors.CodecError(f"unexpected frame kind {kind} before handshake"))
+        try:
+            if kind == HELLO and not self._nonce:
+                answer = handshake.answer_hello(self._secret, frame.header, self.peer)
+                if answer is None:
+                    self._set_ready()
+                    return
+                reply, self._our_nonce = answer
+                self._nonce = frame.header[1]
+                self._send_frame(reply)
+            elif kind == AUTH_OK and self._our_nonce and self._secret is not None:
+                # The silo must prove the secret too, before any call goes to it.
+                handshake.check_auth_ok(self._secret, self._nonce, self._our_nonce, frame.header, self.peer)
+                self._set_ready()
+            else:
+                raise errors.AuthenticationError(self.peer, f"unexpected frame kind {kind} in the handshake")
+        except errors.AuthenticationError as exc:
+            self._n.refused += 1
+            log.warning("refused connection to %s: %s", self.peer, exc)
+            self._fail_ready(exc)
+
+    def _set_ready(self) -> None:
+        self._authenticated = True
+        if not self.ready.done():
+            self.ready.set_result(None)
 
     def _fail_ready(self, exc: Exception) -> None:
         if not self.ready.done():
@@ -236,6 +267,8 @@ class Connection(FrameReceiver):
         entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
         if entry is None:
             return  # answered after its deadline: the caller already gave up
+        if self._waiters:
+            self._hand_slots()
         fut, _ = entry
         if fut.done():
             return
@@ -344,13 +377,55 @@ class Connection(FrameReceiver):
         if self._paused is not None and not self._paused.done():
             await self._paused
 
+    # --- back-pressure: a slot per outstanding request ---------------------
+    def has_slot(self) -> bool:
+        """Whether a request may be sent now without going over ``max_in_flight``."""
+        return len(self._pending) + self._handed < self._settings.max_in_flight
+
+    async def wait_slot(self, deadline: float) -> None:
+        """Wait, in arrival order, until a request may be sent; then send it before awaiting anything.
+
+        Raises TimeoutError when ``deadline`` (the loop's clock) passes first, and
+        SiloUnavailableError when the connection is lost meanwhile (nothing was sent:
+        safe to retry).
+        """
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Handed a slot and timed out (or was cancelled) before using it: pass it on.
+                self._handed -= 1
+                self._hand_slots()
+            else:
+                waiter.cancel()  # skipped by _hand_slots; no O(n) removal from the queue
+            raise
+        self._handed -= 1  # the caller's request takes the slot in this same step
+
+    def _hand_slots(self) -> None:
+        limit = self._settings.max_in_flight
+        waiters = self._waiters
+        while waiters and len(self._pending) + self._handed < limit:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                self._handed += 1
+                waiter.set_result(None)
+
     def request(
         self, header: list[Any], body: Any, timeout_s: float | None, label: str | tuple[object, str] = ""
     ) -> asyncio.Future[Any]:
-        """Send a request; the future gets the decoded result or the error."""
+        """Send a request; the future gets the decoded result or the error.
+
+        Over ``max_in_flight`` this raises OverloadedError: callers that should wait
+        (the router) check :meth:`has_slot` and :meth:`wait_slot` first.
+        """
         if self.closed:
             raise errors.SiloUnavailableError(self.peer, "connection closed")
-        if len(self._pending) >= self._settings.max_in_flight:
+        if len(self._pending) + self._handed >= self._settings.max_in_flight:
             raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
         req_id = next(self._ids)
         header[1] = req_id
@@ -400,6 +475,8 @@ class Connection(FrameReceiver):
         entry = self._pending.pop(req_id, None)
         if entry is None:
             return
+        if self._waiters:
+            self._hand_slots()
         fut, label = entry
         if not fut.done():
             if isinstance(label, tuple):
@@ -452,3 +529,9 @@ class Connection(FrameReceiver):
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def tls_version(self) -> str | None:
+        """The TLS version this connection runs ("TLSv1.3"), or None on a plain socket."""
+        ssl_object = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
+        return ssl_object.version() if ssl_object is not None else None

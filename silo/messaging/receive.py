@@ -12,8 +12,8 @@ bytes land where the codec wraps them as a tensor without another copy. On a 2-c
 moved 0.39 GB/s where this path moves several.
 
 Limits are checked before anything is allocated: a frame larger than
-``max_frame_bytes`` (and, on an accepted connection before its handshake, a
-control part over 4 KB) is a :class:`~silo.errors.CodecError`; the connection
+``max_frame_bytes`` (and, on either side before the handshake is done, a
+frame over 4 KB) is a :class:`~silo.errors.CodecError`; the connection
 is then aborted and counted in ``bad_frames``. What a frame means is the
 subclass's business (:class:`~silo.messaging.connection.Connection`).
 """
@@ -68,7 +68,7 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self.peer = "?"
         self._authenticated = False
         """Set by the subclass once the handshake is done; until then no frame takes the fast
-        path, and an accepted connection's control parts are held to 4 KB."""
+        path, and frames are held to 4 KB (on both sides: a fake silo gets no more room)."""
         self._buf = bytearray(_STAGING)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -149,7 +149,8 @@ class FrameReceiver(asyncio.BufferedProtocol):
                 self._hlen, self._mlen, self._nbuf = hlen, mlen, nbuf
                 self._start += PREFIX.size
                 self._ctl_len = self._nbuf * BUFLEN.size + self._hlen + self._mlen
-                limit = self._settings.max_frame_bytes if self._authenticated or not self._server_side else _PRE_AUTH_MAX
+                # Before the handshake, from either side: a fake silo gets no more room than a stranger.
+                limit = self._settings.max_frame_bytes if self._authenticated else _PRE_AUTH_MAX
                 if self._ctl_len > limit:
                     raise errors.CodecError(f"frame control part of {self._ctl_len} bytes exceeds {limit}")
                 self._need_prefix = False
@@ -197,6 +198,8 @@ class FrameReceiver(asyncio.BufferedProtocol):
         lens = [BUFLEN.unpack_from(self._buf, pos + i * BUFLEN.size)[0] for i in range(self._nbuf)]
         pos += self._nbuf * BUFLEN.size
         total = self._ctl_len + sum(lens)
+        if not self._authenticated and total > _PRE_AUTH_MAX:
+            raise errors.CodecError(f"frame of {total} bytes before the handshake exceeds {_PRE_AUTH_MAX}")
         if total > self._settings.max_frame_bytes:
             raise errors.CodecError(
                 f"frame of {total} bytes exceeds max_frame_bytes={self._settings.max_frame_bytes}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -243,8 +244,12 @@ class Router:
         while True:
             if attempt:
                 self._retries += 1
-                # Give membership a moment to learn of the death we just saw.
-                await asyncio.sleep(min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S, max(0.0, deadline - loop.time())))
+                # Give membership a moment to learn of the death we just saw; a shedding
+                # silo gets jittered waits, so its callers do not come back all at once.
+                backoff = min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S)
+                if isinstance(last, errors.LoadShedError):
+                    backoff *= random.uniform(0.5, 1.0)
+                await asyncio.sleep(min(backoff, max(0.0, deadline - loop.time())))
             attempt += 1
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -276,6 +281,16 @@ class Router:
                     if entry is not None and entry.silo == target:
                         raise
                     continue
+                if not conn.has_slot():
+                    # max_in_flight reached: wait our turn within the deadline, never fail for it.
+                    try:
+                        await conn.wait_slot(deadline)
+                    except TimeoutError:
+                        raise errors.GrainTimeoutError(str(grain_id), method, timeout) from None
+                    except errors.SiloUnavailableError as exc:
+                        last = exc  # lost while we waited, nothing sent: reconnect and retry
+                        continue
+                    remaining = deadline - loop.time()
                 # send() inlined: one coroutine frame fewer on every call.
                 header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
                 if trace is not None:
@@ -289,9 +304,13 @@ class Router:
                 last = exc
                 self.forget(grain_id)
                 continue
-        if last is not None:
+            except errors.LoadShedError as exc:
+                # Shed unrun (a connection or mailbox over its limit): back off and retry.
+                last = exc
+                continue
+        if last is not None and not isinstance(last, errors.LoadShedError):
             raise last
-        raise errors.GrainTimeoutError(str(grain_id), method, timeout)
+        raise errors.GrainTimeoutError(str(grain_id), method, timeout) from last
 
     async def system_call(
         self, silo: SiloAddress, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None
@@ -315,6 +334,14 @@ class Router:
         """Send ``call`` on ``conn`` and wait for its answer (``call.timeout_s``, else the default)."""
         grain, method = call.grain, call.method
         timeout_s = call.timeout_s if call.timeout_s is not None else self._timeout_s
+        if not conn.has_slot():
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            try:
+                await conn.wait_slot(deadline)
+            except TimeoutError:
+                raise errors.GrainTimeoutError(str(grain), method, timeout_s) from None
+            timeout_s = max(deadline - loop.time(), 0.001)
         header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(call.chain), call.hops]
         if trace is not None:
             header.append(trace)

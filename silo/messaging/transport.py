@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from silo import errors
 from silo.codec import Codec
-from silo.messaging import local_socket
+from silo.messaging import local_socket, tls
 from silo.messaging.connection import Connection, RequestHandler
 from silo.messaging.receive import Counters
 from silo.settings import TransportSettings
@@ -63,7 +64,8 @@ class TransportStatistics:
 
 
 class Link(Protocol):
-    """What a caller needs of one connection: requests (and pings) answered through futures."""
+    """What a caller needs of one connection: requests (and pings) answered through futures,
+    and a slot to wait for when ``max_in_flight`` requests are outstanding."""
 
     closed: bool
 
@@ -72,6 +74,10 @@ class Link(Protocol):
     ) -> asyncio.Future[Any]: ...
 
     def ping(self, timeout_s: float) -> asyncio.Future[Any]: ...
+
+    def has_slot(self) -> bool: ...
+
+    async def wait_slot(self, deadline: float) -> None: ...
 
 
 class Connector(Protocol):
@@ -99,6 +105,10 @@ class Transport:
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
         self._inbound: set[Connection] = set()
         self.closed = False
+        # Built once (a bad file fails the start with ConfigError); None: plain sockets.
+        self._server_ssl = tls.server_context(settings)
+        self._client_ssl = tls.client_context(settings)
+        self._tls_timeout = settings.connect_timeout_s if settings.tls else None
 
     def set_handler(self, handler: RequestHandler) -> None:
         self._handler = handler
@@ -111,6 +121,8 @@ class Transport:
             handler=self._handler,
             server_side=server_side,
             on_close=self._forget,
+            # Counted as inbound once made: under TLS a peer whose handshake fails never is.
+            on_open=self._inbound.add if server_side else None,
         )
 
     def _forget(self, conn: Connection) -> None:
@@ -120,13 +132,14 @@ class Transport:
                 del self._out[ep]
 
     def _accepted(self) -> Connection:
-        conn = self._connection(server_side=True)
-        self._inbound.add(conn)
-        return conn
+        return self._connection(server_side=True)
 
     async def listen(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._accepted, host, port, reuse_address=True, backlog=1024)
+        self._server = await loop.create_server(
+            self._accepted, host, port, reuse_address=True, backlog=1024,
+            ssl=self._server_ssl, ssl_handshake_timeout=self._tls_timeout,
+        )  # fmt: skip
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 
@@ -140,7 +153,9 @@ class Transport:
         try:
             local_socket.prepare(path)
             local_socket.sweep(path.parent)
-            self._local_server = await loop.create_unix_server(self._accepted, str(path), backlog=1024)
+            self._local_server = await loop.create_unix_server(
+                self._accepted, str(path), backlog=1024, ssl=self._server_ssl, ssl_handshake_timeout=self._tls_timeout
+            )
         except OSError as exc:
             log.info("no same-host socket at %s (%s); peers use TCP", path, exc)
             return None
@@ -185,18 +200,33 @@ class Transport:
             return self._connection(server_side=False)
 
         path = local_socket.socket_path(endpoint) if self.settings.local_sockets else None
+        secure: dict[str, Any] = {}
+        if self._client_ssl is not None:
+            # The name is what tls_check_hostname compares (for an IP, no SNI is sent).
+            secure = {"ssl": self._client_ssl, "server_hostname": host.strip("[]"), "ssl_handshake_timeout": timeout}
+        conn = None
         try:
-            conn = None
             if path is not None and path.exists():
                 try:
-                    conn = (await asyncio.wait_for(loop.create_unix_connection(factory, str(path)), timeout))[1]
+                    conn = (await asyncio.wait_for(loop.create_unix_connection(factory, str(path), **secure), timeout))[1]
                 except (OSError, TimeoutError):
                     pass  # stale (its silo is gone) or not ours to use: TCP decides
             if conn is None:
-                conn = (await asyncio.wait_for(loop.create_connection(factory, host, int(port)), timeout))[1]
+                conn = (await asyncio.wait_for(loop.create_connection(factory, host, int(port), **secure), timeout))[1]
             await asyncio.wait_for(conn.ready, timeout)
-        except (OSError, TimeoutError) as exc:
-            raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
+        except ssl.SSLError as exc:
+            raise tls.refusal(endpoint, exc) from exc
+        except TimeoutError as exc:
+            if conn is not None and not secure:
+                # A silo that requires TLS waits for a ClientHello and says nothing to us.
+                detail = f"no handshake from the silo within {timeout:g}s (does it require TLS?)"
+            else:
+                detail = "timed out"
+            if conn is not None:
+                conn.abort()
+            raise errors.SiloUnavailableError(endpoint, f"cannot connect ({detail})") from exc
+        except OSError as exc:
+            raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc})") from exc
         return conn
 
     def drop(self, endpoint: str) -> None:

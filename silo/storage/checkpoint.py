@@ -118,13 +118,18 @@ return {1, 'complete'}
 """
 )
 
-# KEYS: index, pending.  ARGV: snapshot id, group base
+# KEYS: index, pending, groups.  ARGV: snapshot id, group base, group name
+# A group whose last snapshot goes leaves the groups set too: nothing of it stays in Redis.
 _DELETE = (
     LUA_BLOBS
     + _LUA_DELETE
     + """
 delete_snapshot(ARGV[2], ARGV[1])
-return redis.call('ZREM', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
+local n = redis.call('ZREM', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('SREM', KEYS[3], ARGV[3])
+end
+return n
 """
 )
 
@@ -273,8 +278,8 @@ class Checkpoints:
         n = await self._blobs.retry(
             f"delete snapshot {group}/{snap}",
             lambda: self._delete(
-                keys=[k.checkpoint_index(group), k.checkpoint_pending(group)],
-                args=[snap, k.checkpoint_base(group)],
+                keys=[k.checkpoint_index(group), k.checkpoint_pending(group), k.checkpoint_groups],
+                args=[snap, k.checkpoint_base(group), group],
             ),
         )
         return bool(int(n))

@@ -37,6 +37,7 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
+from silo.redis_util import run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -163,9 +164,22 @@ local function swap(head, base, ver, n, size, data)
   if old[1] ~= ver then drop(base, old[1], old[2]) end
   return true
 end
--- fenced(entry, token): token '0' means unfenced (stateless workers, admin restores)
+-- fenced(entry, token): token '0' means unfenced (checkpoint saves of unfenced callers)
 local function fenced(entry, token)
   return token == '0' or redis.call('HGET', entry, 'token') == token
+end
+"""
+
+# owned(entry, token, expected): may this writer change the grain's state? The directory's
+# activation, by its token. Token '0' is an activation outside the directory (a stateless
+# worker, kept apart from its siblings by the etag): only while no entry names an owner, so it
+# never overwrites the state of the activation the directory names. '0' with etag '*' is an
+# admin overwrite (restore_group), unfenced on purpose: the live activation's next write is
+# refused by the etag, and it reloads.
+_OWNED = """
+local function owned(entry, token, expected)
+  if token == '0' then return expected == '*' or redis.call('EXISTS', entry) == 0 end
+  return redis.call('HGET', entry, 'token') == token
 end
 """
 
@@ -174,11 +188,12 @@ end
 #       grain key, type name
 _WRITE = (
     LUA_BLOBS
+    + _OWNED
     + """
 local cur = redis.call('HGET', KEYS[1], 'etag') or ''
 if cur == ARGV[2] then return {1, 'again'} end  -- our own earlier try committed; its reply was lost
 if ARGV[1] ~= '*' and cur ~= ARGV[1] then return {0, 'etag'} end
-if not fenced(KEYS[2], ARGV[3]) then return {0, 'fence'} end
+if not owned(KEYS[2], ARGV[3], ARGV[1]) then return {0, 'fence'} end
 if not swap(KEYS[1], ARGV[7], ARGV[2], ARGV[4], ARGV[5], ARGV[6]) then return {0, 'missing'} end
 redis.call('SADD', KEYS[3], ARGV[8])
 redis.call('SADD', KEYS[4], ARGV[9])
@@ -189,10 +204,11 @@ return {1, 'ok'}
 # KEYS: head, directory entry, state index.  ARGV: expected etag ('*' any), token, chunk base, grain key
 _CLEAR = (
     LUA_BLOBS
+    + _OWNED
     + """
 local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
 if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
-if not fenced(KEYS[2], ARGV[2]) then return {0, 'fence'} end
+if not owned(KEYS[2], ARGV[2], ARGV[1]) then return {0, 'fence'} end
 drop(ARGV[3], cur[1], cur[2])
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[3], ARGV[4])
@@ -376,7 +392,7 @@ class RedisStateStore:
         args: list[Any] = [etag or "", staged.version, str(token), staged.nchunks, staged.size, staged.inline, base,
                 grain.key, grain.type_name]  # fmt: skip
         try:
-            res = await self.blobs.retry(what, lambda: self._write(keys=keys, args=args))
+            res = await self.blobs.retry(what, lambda: run_replicated(self._redis, self._write, keys, args))
         except errors.StorageError:
             await self.blobs.discard(base, staged)
             raise
@@ -399,7 +415,7 @@ class RedisStateStore:
         keys = [k.state_head(g), k.directory_entry(g), k.state_index(grain.type_name)]
         args = [etag or "", str(token), k.state_chunk_base(g), grain.key]
         res = await self.blobs.retry(
-            f"clear state of {g}", lambda: self._clear(keys=keys, args=args)
+            f"clear state of {g}", lambda: run_replicated(self._redis, self._clear, keys, args)
         )
         if int(res[0]) != 1:
             self._conflicts += 1

@@ -13,7 +13,10 @@ Once started, a server keeps its port: ``stop()`` then ``start()`` (or
 
 Servers still running when their object is collected or the interpreter exits
 are stopped by a ``weakref.finalize`` per process (its registry, run by an
-atexit hook, is the only process-wide state here).
+atexit hook, is the only process-wide state here). A server whose owner dies
+without running it (SIGKILL, a crash) is stopped by its watcher,
+``silo.testing.reaper``, a small process that sees the owner's end of a pipe
+close (see that module for why a pipe rather than ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -37,6 +41,7 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import quote, urlencode
 
+import psutil
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -123,11 +128,58 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
+class _Lifeline:
+    """The owner's end of a server's watcher pipe (``silo.testing.reaper``).
+
+    While this process holds it, the watcher waits; :meth:`release` tells it the
+    owner stopped the server itself. If this process dies, the kernel closes the
+    pipe and the watcher stops the server.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            created = psutil.Process(proc.pid).create_time()
+            self._watcher: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", "silo.testing.reaper", str(proc.pid), repr(created)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except (OSError, psutil.Error):
+            os.close(write_end)
+            self._watcher = None  # the server already exited: nothing to watch
+            self._end: int | None = None
+        else:
+            self._end = write_end
+        finally:
+            os.close(read_end)
+
+    def release(self) -> None:
+        """The server is stopped (or about to be) by its owner: the watcher exits quietly."""
+        if self._end is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._end, b"x")
+            os.close(self._end)
+            self._end = None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            try:
+                watcher.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                watcher.kill()
+                watcher.wait()
+
+
+def _reap(proc: subprocess.Popen[bytes], lifeline: _Lifeline | None = None) -> None:
     """Kill a server (also the finalizer for one nobody stopped) and reap it."""
     _signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5.0)
+    if lifeline is not None:
+        lifeline.release()
 
 
 class RedisServer:
@@ -172,6 +224,7 @@ class RedisServer:
         self.extra_args = tuple(extra_args)
         self.executable = executable
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lifeline: _Lifeline | None = None
         self._temp_dir: str | None = None
         self._finalizer: weakref.finalize | None = None
         self._temp_finalizer: weakref.finalize | None = None
@@ -231,18 +284,22 @@ class RedisServer:
             except OSError as exc:
                 self._remove_temp_dir()
                 raise ConfigError(f"cannot run redis-server {executable!r}: {exc}") from exc
+            # Watched from its first moment: an owner killed while waiting for
+            # PING must not leave it behind either.
+            lifeline = _Lifeline(proc)
             try:
                 ready = self._wait_ready(proc, port, deadline)
             except BaseException:
-                _reap(proc)
+                _reap(proc, lifeline)
                 raise
             if ready:
                 self._port = port
                 self._proc = proc
-                self._finalizer = weakref.finalize(self, _reap, proc)
+                self._lifeline = lifeline
+                self._finalizer = weakref.finalize(self, _reap, proc, lifeline)
                 return self
             exit_code = proc.poll()
-            _reap(proc)
+            _reap(proc, lifeline)
             # Between free_port() closing its socket and redis binding, another
             # process may take the port: then pick another one. A port we were
             # given, or any other failure, is final.
@@ -414,6 +471,9 @@ class RedisServer:
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
+        if self._lifeline is not None:
+            self._lifeline.release()
+            self._lifeline = None
         self._proc = None
 
     def _remove_temp_dir(self) -> None:

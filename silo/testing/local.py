@@ -16,6 +16,14 @@ in time. :class:`SiloLaunch` says how the process is started (environment,
 interpreter arguments such as ``-m cProfile``, a command prefix such as
 ``ip netns exec NS``, working directory, import path); :class:`LocalSilo`
 owns one process's life (start, restart, signals, exit code, log).
+
+Nothing outlives its owner. Each silo gets ``--parent-fd``: the read end of a
+pipe whose write end only this process holds, so a silo whose launcher dies
+(SIGKILL included) sees the pipe close and stops (``silo/process.py``); the
+embedded Redis has a watcher of its own (``silo/testing/reaper.py``). SIGINT
+to a script reaches ``with LocalCluster(...)``'s exit as KeyboardInterrupt, and
+SIGTERM, which ends a Python process without running its ``finally`` blocks,
+is covered by the pipes.
 """
 
 from __future__ import annotations
@@ -102,30 +110,63 @@ class LocalSilo:
         """The current run's address once it was ready (the last run's until a restart is)."""
         self.log_path = workdir / f"{name}.log"
         self._log_from = 0
+        self._lifeline: int | None = None
+        """Our end of the pipe the silo watches (--parent-fd); closed once it has exited."""
+
+    @property
+    def _ready_path(self) -> Path:
+        return self.workdir / f"{self.name}.ready"
 
     def start(self, timeout_s: float = 60.0) -> Self:
         """Start the process and wait until it is Active; also restarts one that has exited."""
+        self.spawn()
+        return self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (:meth:`wait_ready` does)."""
         if self.alive():
             raise SiloStartError(f"silo {self.name} is already running (pid {self.pid})")
-        ready = self.workdir / f"{self.name}.ready"
+        self._close_lifeline()
+        ready = self._ready_path
         ready.unlink(missing_ok=True)
+        # The silo watches the read end; only we hold the write end (os.pipe() makes
+        # both non-inheritable; pass_fds lets exactly this one through).
+        read_end, write_end = os.pipe()
         argv = self.launch.argv([
             "--redis", self.redis_url, "--cluster", self.cluster,
-            "--grains", self.grains, "--ready-file", str(ready),
+            "--grains", self.grains, "--ready-file", str(ready), "--parent-fd", str(read_end),
             *[a for r in self.roles for a in ("--role", r)],
         ])  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self._log_from = log.seek(0, os.SEEK_END)
-            # Its own session: a Ctrl-C meant for the caller does not reach the silos
-            # (they are stopped in order by stop()).
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.launch.environ(),
-                cwd=self.launch.cwd,
-                start_new_session=True,
-            )
+        try:
+            with open(self.log_path, "ab") as log:
+                self._log_from = log.seek(0, os.SEEK_END)
+                # Its own session: a Ctrl-C meant for the caller does not reach the silos
+                # (they are stopped in order by stop()).
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.launch.environ(),
+                    cwd=self.launch.cwd,
+                    start_new_session=True,
+                    pass_fds=(read_end,),
+                )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._lifeline = write_end
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
+
+    def wait_ready(self, timeout_s: float = 60.0) -> Self:
+        """Wait until the process :meth:`spawn` started is Active (its ready file is there)."""
+        assert self.proc is not None, f"silo {self.name} was never started"
+        ready = self._ready_path
         deadline = time.monotonic() + timeout_s
         delay = 0.01
         while not ready.exists():
@@ -157,6 +198,8 @@ class LocalSilo:
         if self.proc is not None and self.alive():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        if not self.alive():
+            self._close_lifeline()
 
     def pause(self) -> None:
         """SIGSTOP: a hung node (it keeps its sockets but answers nothing)."""
@@ -176,15 +219,19 @@ class LocalSilo:
             return None
         self.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
             return self.proc.returncode
+        self._close_lifeline()
+        return code
 
     def wait(self, timeout_s: float) -> int:
         """Wait for the process to exit on its own; its exit code."""
         assert self.proc is not None, f"silo {self.name} was never started"
-        return self.proc.wait(timeout_s)
+        code = self.proc.wait(timeout_s)
+        self._close_lifeline()
+        return code
 
     def output(self) -> str:
         """Everything the current run has logged."""
@@ -256,8 +303,12 @@ class LocalCluster:
                 self.redis = RedisServer(
                     data_dir=self.workdir / "redis" if self._persist else None, appendonly=self._persist
                 ).start()
-            for _ in range(self.n):
-                self.add_silo()
+            # All spawned, then all awaited: the silos' imports (torch) overlap.
+            started = [self._new_silo() for _ in range(self.n)]
+            for silo in started:
+                silo.spawn()
+            for silo in started:
+                silo.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -265,6 +316,9 @@ class LocalCluster:
 
     def add_silo(self, roles: Sequence[str] | None = None, timeout_s: float = 60.0) -> LocalSilo:
         """Start one more silo (named ``silo-N``, N its start order) and wait until it is Active."""
+        return self._new_silo(roles).start(timeout_s)
+
+    def _new_silo(self, roles: Sequence[str] | None = None) -> LocalSilo:
         i = len(self.silos)
         if roles is None:
             roles = self._roles[i] if i < len(self._roles) else ()
@@ -272,7 +326,7 @@ class LocalCluster:
             self.redis_url, self.cluster, self.grains, self.workdir, name=f"silo-{i}", roles=roles, launch=self.launch
         )
         self.silos.append(silo)
-        return silo.start(timeout_s)
+        return silo
 
     def stop(self) -> None:
         # Every silo drains at once; then each is waited for (and killed if it lingers).

@@ -77,8 +77,12 @@ class InMemoryStateStore:
         cur = self._data.get(grain)
         if etag != "*" and (cur[1] if cur else "") != (etag or ""):
             self._refuse(grain, "etag")
-        if token and self._owner is not None and self._owner(grain) != token:
-            self._refuse(grain, "fence")
+        if self._owner is not None:
+            owner = self._owner(grain)
+            # Token 0 (a stateless worker) only while no activation owns the grain; with
+            # etag "*" it is an admin overwrite (as RedisStateStore's owned() in Lua).
+            if (token and owner != token) or (not token and etag != "*" and owner):
+                self._refuse(grain, "fence")
 
     def _refuse(self, grain: GrainId, why: str) -> None:
         self._conflicts += 1

@@ -100,8 +100,12 @@ async def test_a_write_is_fenced_by_the_directory_token(world: World) -> None:
     with pytest.raises(errors.StateConflictError) as info:
         await world.write({"value": 2}, etag, entry.token + 1)
     assert "fencing" in str(info.value)
-    # Token 0 is unfenced (stateless workers, admin restores).
-    etag = await world.write({"value": 3}, etag, 0)
+    # Token 0 (a stateless worker) may not write over the grain's owner...
+    with pytest.raises(errors.StateConflictError) as info:
+        await world.write({"value": 3}, etag, 0)
+    assert "fencing" in str(info.value)
+    # ...but token 0 with etag "*" is an admin overwrite (restore_group), unfenced.
+    etag = await world.write({"value": 3}, "*", 0)
     # A grain without a directory entry: any token but 0 is stale.
     with pytest.raises(errors.StateConflictError):
         await world.write({"value": 1}, None, 5, grain=GrainId("Counter", "unowned"))

@@ -1,0 +1,160 @@
+"""Serving benchmark: ``python -m benchmarks serving [--quick] [--no-ray]``.
+
+Single-row requests from 1, 8 and 64 concurrent callers, on the digits MLP
+(64 → 128 → 10) and the medium MLP (784 → 1024 → 1024 → 10), in one run:
+
+* redgrain: one silo subprocess hosting ``grains.serving``, the model
+  deployed from a weights file, called through ``ModelGrain.predict`` from a
+  client in this process (dynamic batching, at most 64 rows a batch, no
+  batching delay);
+* a plain in-process torch loop answering one request at a time (the same
+  callers queue on it: what serving without batching gives);
+* Ray Serve, one replica with ``@serve.batch`` (same largest batch, no delay),
+  called through a ``DeploymentHandle`` (benchmarks/ray_serving.py, its own
+  process), when ``ray[serve]`` is installed (``pip install ".[bench]"``).
+
+Every process runs one BLAS/OpenMP thread. Goals (printed as ratios): at 64
+callers ≥ 5× the in-process batch-1 loop on the medium MLP; ≥ 2× Ray Serve at
+equal concurrency; p99 ≤ 20 ms at 8 callers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.serving_common import CONCURRENCY, MAX_BATCH, MODELS, drive, requests_for
+
+
+def save_weights(directory: Path) -> dict[str, str]:
+    import torch
+
+    from grains.training.job import resolve_path
+
+    paths = {}
+    for name, (factory, _) in MODELS.items():
+        torch.manual_seed(0)
+        path = directory / f"{name}.pt"
+        torch.save(resolve_path(factory, "model")().state_dict(), path)
+        paths[name] = str(path)
+    return paths
+
+
+async def in_process(weights: dict[str, str], quick: bool) -> dict[str, Any]:
+    """One request at a time through the model, in this process; callers queue for it."""
+    import torch
+
+    from grains.training.job import resolve_path
+
+    out: dict[str, Any] = {}
+    for name, (factory, features) in MODELS.items():
+        model = resolve_path(factory, "model")()
+        model.load_state_dict(torch.load(weights[name], weights_only=True))
+        model.eval()
+        rows = [torch.randn(1, features) for _ in range(64)]
+        lock = asyncio.Lock()
+
+        async def call(row: Any, model: Any = model, lock: asyncio.Lock = lock) -> Any:
+            async with lock:  # one at a time, in arrival order
+                with torch.inference_mode():
+                    return model(row)
+
+        await drive(call, rows, 1, 200)
+        out[name] = {str(c): await drive(call, rows, c, requests_for(c, quick)) for c in CONCURRENCY}
+    return out
+
+
+async def redgrain(weights: dict[str, str], quick: bool) -> dict[str, Any]:
+    import torch
+
+    from grains.serving import ModelGrain, ServeSpec, TensorSpec, deploy
+    from silo.client import ClusterClient
+
+    out: dict[str, Any] = {}
+    with common.BenchCluster(1, grains="grains.serving") as lc:
+        async with await ClusterClient.connect(lc.redis_url, cluster=lc.cluster) as client:
+            for name, (factory, features) in MODELS.items():
+                spec = ServeSpec(model=factory, weights=weights[name], max_batch_size=MAX_BATCH,
+                                 inputs=[TensorSpec(name="input", shape=[-1, features])])  # fmt: skip
+                await deploy(client, name, spec)
+                ref = client.get_grain(ModelGrain, name)
+                rows = [torch.randn(1, features) for _ in range(64)]
+                await drive(ref.predict, rows, 8, 400)  # activation, load, warm-up
+                out[name] = {str(c): await drive(ref.predict, rows, c, requests_for(c, quick)) for c in CONCURRENCY}
+    return out
+
+
+def ray_serve(weights: dict[str, str], quick: bool) -> dict[str, Any] | str:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        return "ray[serve] is not installed (pip install '.[bench]'): Ray Serve columns skipped"
+    proc = common.start_subprocess(["-m", "benchmarks.ray_serving", "--weights", json.dumps(weights),
+                                    *(["--quick"] if quick else [])])  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.close()
+    text = proc.stdout.read()
+    rc = proc.wait(900)
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    if rc != 0 or not last.startswith("{"):
+        return f"Ray Serve measurement failed (exit {rc}): {text[-500:]}"
+    return json.loads(last)  # type: ignore[no-any-return]
+
+
+def report(rg: dict[str, Any], plain: dict[str, Any], ray: dict[str, Any] | None) -> list[list[str]]:
+    rows = []
+    for name in MODELS:
+        for c in CONCURRENCY:
+            r, p = rg[name][str(c)], plain[name][str(c)]
+            y = ray[name][str(c)] if ray else None
+            rows.append([
+                f"{name} x{c}", common.fmt_rate(r["per_s"]), f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f}",
+                common.fmt_rate(p["per_s"]), f"{p['p50_ms']:.2f} / {p['p99_ms']:.2f}", common.ratio(r["per_s"], p["per_s"]),
+                common.fmt_rate(y["per_s"]) if y else "-", f"{y['p50_ms']:.2f} / {y['p99_ms']:.2f}" if y else "-",
+                common.ratio(r["per_s"], y["per_s"]) if y else "-",
+            ])  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks serving")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-ray", action="store_true")
+    args = parser.parse_args(argv)
+    facts = common.machine_facts()
+    common.print_header("serving: single-row requests, dynamic batching vs batch-1 and Ray Serve", facts, args.quick)
+    common.fix_torch_threads()
+    with tempfile.TemporaryDirectory(prefix="rg-serving-") as tmp:
+        weights = save_weights(Path(tmp))
+        rg = common.run(redgrain(weights, args.quick))
+        plain = asyncio.run(in_process(weights, args.quick))
+        ray_result = "skipped (--no-ray)" if args.no_ray else ray_serve(weights, args.quick)
+    ray = ray_result if isinstance(ray_result, dict) else None
+    if ray is None:
+        print(f"# {ray_result}")
+    common.print_table(
+        ["model x callers", "redgrain /s", "p50 / p99 ms", "batch-1 loop /s", "p50 / p99 ms", "vs loop",
+         "Ray Serve /s", "p50 / p99 ms", "vs Ray"],
+        report(rg, plain, ray),
+    )  # fmt: skip
+    m64 = rg["medium"]["64"]["per_s"] / plain["medium"]["64"]["per_s"]
+    print(f"# goal: medium MLP at 64 callers >= 5x the batch-1 loop: {m64:.2f}x {'met' if m64 >= 5 else 'MISSED'}")
+    if ray is not None:
+        worst = min(rg[n][str(c)]["per_s"] / ray[n][str(c)]["per_s"] for n in MODELS for c in CONCURRENCY)
+        print(f"# goal: >= 2x Ray Serve at equal concurrency: lowest ratio {worst:.2f}x {'met' if worst >= 2 else 'MISSED'}")
+    p99 = max(rg[n]["8"]["p99_ms"] for n in MODELS)
+    print(f"# goal: p99 <= 20 ms at 8 callers: {p99:.2f} ms {'met' if p99 <= 20 else 'MISSED'}")
+    common.write_result("serving", {"machine": facts, "quick": args.quick, "redgrain": rg, "in_process": plain,
+                                    "ray_serve": ray_result})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Ray Serve's side of bench_serving, run in its own process: prints one JSON line last.
+
+The same models and weights as redgrain's run, one replica, ``@serve.batch``
+with the same largest batch and no batching delay, called through a
+``DeploymentHandle`` by 1, 8 and 64 concurrent async callers with single-row
+requests (the Python API on both sides; no HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from benchmarks import common
+from benchmarks.serving_common import CONCURRENCY, MAX_BATCH, MODELS, drive, requests_for
+
+
+async def measure(weights: dict[str, str], quick: bool) -> dict[str, Any]:
+    import ray
+    import torch
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    serve.start(proxy_location="Disabled", logging_config={"log_level": "ERROR"})
+
+    @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
+    class Model:
+        def __init__(self, factory: str, path: str) -> None:
+            from benchmarks.common import fix_torch_threads
+            from grains.training.job import resolve_path
+
+            fix_torch_threads()
+            self.model = resolve_path(factory, "model")()
+            self.model.load_state_dict(torch.load(path, weights_only=True))
+            self.model.eval()
+
+        @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=0.0)
+        async def __call__(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+            with torch.inference_mode():
+                out = self.model(torch.cat(rows))
+            return list(out.split(1))
+
+    out: dict[str, Any] = {}
+    for name, (factory, features) in MODELS.items():
+        handle = serve.run(Model.bind(factory, weights[name]), name=name, route_prefix=None)  # type: ignore[attr-defined]
+        rows = [torch.randn(1, features) for _ in range(64)]
+
+        async def call(row: Any, handle: Any = handle) -> Any:
+            return await handle.remote(row)
+
+        await drive(call, rows, 8, 200)  # warm-up
+        out[name] = {str(c): await drive(call, rows, c, requests_for(c, quick)) for c in CONCURRENCY}
+        serve.delete(name)
+    serve.shutdown()
+    ray.shutdown()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--weights", required=True, help="JSON {model name: state_dict path}")
+    args = parser.parse_args()
+    common.fix_torch_threads()
+    result = asyncio.run(measure(json.loads(args.weights), args.quick))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

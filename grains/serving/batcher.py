@@ -1,0 +1,187 @@
+"""Dynamic batching: requests that arrive together share one forward pass.
+
+A request waits in the batcher's queue; a batch leaves when a forward slot is
+free (``slots``, default 1 per replica) and either it holds ``max_rows`` rows
+or its oldest request has waited ``max_delay_s``. With the default delay of 0
+a lone caller never waits for company, and under load the requests that
+arrive while one forward pass runs are the next batch: the batch size follows
+the concurrency by itself (Triton's dynamic batcher and Ray's ``@serve.batch``
+wait a fixed delay instead; here the delay is an opt-in). Each caller gets
+back the slice of the batch's result that is its own.
+
+No background task: a submit (or a batch ending) starts the next batch as a
+plain task, so nothing here outlives the last request, and a replica going
+away finishes its batches before it deactivates (the callers are its running
+turns). A request whose caller gave up (deadline, cancellation) is dropped
+from the queue unrun. A batch whose run fails is run again one request at a
+time, so only the request that broke it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+Run = Callable[[Sequence[T]], Awaitable[Sequence[R]]]
+
+
+@dataclass(slots=True)
+class _Request(Generic[T, R]):
+    item: T
+    rows: int
+    future: asyncio.Future[R]
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """What one finished batch reports to ``on_batch`` (for the replica's statistics)."""
+
+    requests: int
+    rows: int
+    compute_s: float
+    queue_s: tuple[float, ...]
+    """Each request's wait from submit to the start of its batch."""
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStatistics:
+    queued: int
+    """Requests waiting for a batch."""
+    queued_rows: int
+    running: int
+    """Batches in their forward pass."""
+
+
+class DynamicBatcher(Generic[T, R]):
+    def __init__(
+        self,
+        run: Run[T, R],
+        *,
+        max_rows: int,
+        max_delay_s: float = 0.0,
+        slots: int = 1,
+        on_batch: Callable[[BatchDone], None] | None = None,
+    ) -> None:
+        self._run = run
+        self.max_rows = max_rows
+        self.max_delay_s = max_delay_s
+        self._free = slots
+        self._on_batch = on_batch
+        self._queue: deque[_Request[T, R]] = deque()
+        self._rows = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._running = 0
+
+    async def submit(self, item: T, rows: int) -> R:
+        """``item``'s share of the result of the batch it joins."""
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Request(item, rows, fut))
+        self._rows += rows
+        self._kick()
+        return await fut
+
+    def _kick(self) -> None:
+        while self._free > 0 and self._queue:
+            self._drop_abandoned()
+            if not self._queue:
+                return
+            if self.max_delay_s > 0 and self._rows < self.max_rows:
+                wait = self._queue[0].queued_at + self.max_delay_s - time.perf_counter()
+                if wait > 0:
+                    if self._timer is None:
+                        self._timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
+                    return
+            batch = self._take()
+            self._free -= 1
+            self._running += 1
+            asyncio.get_running_loop().create_task(self._run_batch(batch))
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._kick()
+
+    def _drop_abandoned(self) -> None:
+        while self._queue and self._queue[0].future.done():
+            self._rows -= self._queue.popleft().rows
+
+    def _take(self) -> list[_Request[T, R]]:
+        batch: list[_Request[T, R]] = []
+        rows = 0
+        while self._queue:
+            req = self._queue[0]
+            if req.future.done():
+                self._queue.popleft()
+                self._rows -= req.rows
+                continue
+            if batch and rows + req.rows > self.max_rows:
+                break
+            self._queue.popleft()
+            self._rows -= req.rows
+            batch.append(req)
+            rows += req.rows
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return batch
+
+    async def _run_batch(self, batch: list[_Request[T, R]]) -> None:
+        start = time.perf_counter()
+        failed = 0
+        try:
+            try:
+                results = await self._run([r.item for r in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"batch of {len(batch)} requests gave {len(results)} results")
+                for req, res in zip(batch, results, strict=True):
+                    if not req.future.done():
+                        req.future.set_result(res)
+            except Exception as exc:  # noqa: BLE001 - whatever the model raised is the caller's answer
+                if len(batch) == 1:
+                    failed = 1
+                    if not batch[0].future.done():
+                        batch[0].future.set_exception(exc)
+                else:
+                    failed = await self._one_by_one(batch)
+        except BaseException as exc:  # cancelled (the silo is stopping): nobody may hang
+            for req in batch:
+                if not req.future.done():
+                    req.future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            raise
+        finally:
+            self._free += 1
+            self._running -= 1
+            if self._on_batch is not None:
+                self._on_batch(BatchDone(
+                    requests=len(batch), rows=sum(r.rows for r in batch), compute_s=time.perf_counter() - start,
+                    queue_s=tuple(start - r.queued_at for r in batch), failed=failed,
+                ))  # fmt: skip
+            self._kick()
+
+    async def _one_by_one(self, batch: list[_Request[T, R]]) -> int:
+        failed = 0
+        for req in batch:
+            if req.future.done():
+                continue
+            try:
+                (res,) = await self._run([req.item])
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                req.future.set_exception(exc)
+            else:
+                if not req.future.done():
+                    req.future.set_result(res)
+        return failed
+
+    def statistics(self) -> BatcherStatistics:
+        return BatcherStatistics(queued=len(self._queue), queued_rows=self._rows, running=self._running)
+
+

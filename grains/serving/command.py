@@ -1,0 +1,89 @@
+"""``redgrain serve``: deploy a model (a job's, or a weights file with its factory) and answer V2 REST.
+
+::
+
+    redgrain serve --redis redis://127.0.0.1:6379 --cluster dev --job digits --name digits --port 8000
+    redgrain serve ... --model grains.training.models:mlp --weights digits.pt --input input:FP32:-1,64 --name digits
+
+Without ``--job`` or ``--weights`` it deploys nothing and serves whatever is
+deployed already (another front, or a Python ``deploy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from typing import Any
+
+from grains.serving.spec import ServeSpec, TensorSpec
+from silo import errors
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default=None, help="the model's name in /v2/models/NAME (default: the job id)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--job", default=None, help="serve this training job's weights (newer checkpoints swap in)")
+    src.add_argument("--weights", default=None, help="a torch.save'd state_dict (with --model and --input)")
+    p.add_argument("--model", default=None, help="model factory pkg.module:callable (with --weights)")
+    p.add_argument("--model-args", default="{}", help="its keyword arguments as JSON")
+    p.add_argument("--input", action="append", default=[], metavar="NAME:DATATYPE:SHAPE",
+                   help="an input, e.g. input:FP32:-1,64 (repeat for several; default for a job: its rows)")  # fmt: skip
+    p.add_argument("--preprocess", default=None, help="pkg.module:fn applied to each merged batch")
+    p.add_argument("--postprocess", default=None, help="pkg.module:fn applied to each batch's outputs")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-delay-ms", type=float, default=0.0)
+    p.add_argument("--max-request-rows", type=int, default=1024)
+    p.add_argument("--role", default=None, help="place replicas only on silos with this role (gpu)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline of one inference request, seconds")
+
+
+def _inputs(texts: list[str]) -> list[TensorSpec] | None:
+    out = []
+    for t in texts:
+        try:
+            name, datatype, shape = t.split(":")
+            out.append(TensorSpec.model_validate({"name": name, "datatype": datatype,
+                                                  "shape": [int(d) for d in shape.split(",")]}))  # fmt: skip
+        except ValueError as exc:
+            raise errors.ConfigError(f"--input {t!r}: want NAME:DATATYPE:SHAPE such as input:FP32:-1,64 ({exc})") from None
+    return out or None
+
+
+def spec_from(args: argparse.Namespace) -> ServeSpec | None:
+    if args.job is None and args.weights is None:
+        return None
+    try:
+        return ServeSpec(
+            job=args.job, weights=args.weights, model=args.model, model_args=json.loads(args.model_args),
+            inputs=_inputs(args.input), preprocess=args.preprocess, postprocess=args.postprocess,
+            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, max_request_rows=args.max_request_rows,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise errors.ConfigError(f"bad serve arguments: {exc}") from None
+
+
+async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | None, settings: Any) -> int:
+    from grains.serving.client import deploy, grain_for
+    from grains.serving.http import create_app, make_server
+    from silo.client import ClusterClient
+
+    spec = spec_from(args)
+    name = args.name or args.job
+    if spec is not None and not name:
+        raise errors.ConfigError("--name is needed with --weights")
+    grain = grain_for(args.role)
+    async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
+        if spec is not None:
+            await deploy(client, name, spec)
+        server = make_server(create_app(client, grain=grain, timeout_s=args.timeout), host=args.host, port=args.port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        what = f"model {name}" if spec is not None else "the deployed models"
+        print(f"serving {what} (Open Inference Protocol) at http://{args.host}:{args.port}/v2", flush=True)
+        await server.serve()
+    return 0

@@ -1,0 +1,226 @@
+"""The Open Inference Protocol front: a FastAPI app that turns V2 REST requests into predict calls.
+
+The front is a client of the cluster (a :class:`~silo.client.ClusterClient`),
+not a grain: it holds no model, so any number of fronts can run anywhere
+(beside a load balancer, on each silo host) and scale apart from the
+replicas; an HTTP request costs one grain call. It keeps one
+:class:`~grains.serving.client.Predictor` per model, whose retries carry a
+request over a replica lost mid-call.
+
+Statuses: bad shape, datatype or body 400 (naming what is expected); unknown
+model 404; more rows than the model takes, or a body over ``max_body_bytes``,
+413; deployed but not loaded 503; past the request's deadline 504; the
+cluster unreachable 503. Errors are ``{"error": "..."}``, as Triton answers.
+``/metrics`` gives this front's HTTP counts and, from the replicas'
+published records, each model's requests, errors, batch sizes and queue,
+compute and total latency histograms (the dashboard's ``/metrics`` has the
+latter too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from grains.serving import oip
+from grains.serving.client import Predictor
+from grains.serving.errors import BadInputError, RequestTooLargeError, ServingError
+from grains.serving.model import ModelGrain
+from grains.serving.records import ModelSummary, read_models
+from grains.serving.spec import ModelInfo
+from silo import errors
+
+SERVER_NAME = "redgrain"
+MAX_BODY_BYTES = 64 << 20
+INFO_TTL_S = 1.0
+
+
+class _FrontCollector(Collector):
+    def __init__(self) -> None:
+        self.http: dict[tuple[str, str], int] = {}
+        self.models: list[ModelSummary] = []
+
+    def collect(self) -> Iterator[Metric]:
+        from dashboard.metrics import model_families
+
+        fam = CounterMetricFamily("redgrain_inference_http_requests", "Inference requests this front answered, by HTTP status.",
+                                  labels=["model", "code"])  # fmt: skip
+        for (model, code), n in sorted(self.http.items()):
+            fam.add_metric([model, code], n)
+        yield fam
+        yield from model_families(self.models)
+
+
+def create_app(
+    client: Any = None,
+    *,
+    redis_url: str | None = None,
+    cluster: str | None = None,
+    client_settings: Any = None,
+    grain: type[ModelGrain] = ModelGrain,
+    timeout_s: float = 10.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app; with ``client`` None it connects its own ClusterClient on the server's loop."""
+    collector = _FrontCollector()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    predictors: dict[str, Predictor] = {}
+    infos: dict[str, tuple[float, ModelInfo]] = {}
+    """Each model's metadata and when it was read: responses name the weights version, which a
+    hot reload changes, so it is read again after INFO_TTL_S."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if client is not None:
+            app.state.client = client
+            yield
+            return
+        from silo.client import ClusterClient
+
+        own = await ClusterClient.connect(redis_url, cluster=cluster, settings=client_settings)
+        app.state.client = own
+        try:
+            yield
+        finally:
+            await own.close()
+
+    app = FastAPI(title="redgrain inference", version="1", lifespan=lifespan,
+                  description="The Open Inference Protocol (KServe V2 REST) over redgrain's model grains.")  # fmt: skip
+
+    def predictor(request: Request, name: str) -> Predictor:
+        p = predictors.get(name)
+        if p is None:
+            p = predictors[name] = Predictor(request.app.state.client, name, grain=grain, timeout_s=timeout_s)
+        return p
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    def answer(exc: Exception) -> JSONResponse:
+        if isinstance(exc, ServingError):
+            return error(exc.status, str(exc))
+        if isinstance(exc, errors.GrainTimeoutError):
+            return error(504, str(exc))
+        if isinstance(exc, errors.SiloError | errors.StorageError | errors.GrainCallError):
+            return error(503, f"the cluster could not answer: {exc}")
+        raise exc
+
+    @app.get("/v2/health/live")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/v2/health/ready", response_model=None)
+    async def ready(request: Request) -> dict[str, bool] | JSONResponse:
+        hosting = request.app.state.client.view.hosting(grain.__name__)
+        if not hosting:
+            return JSONResponse({"ready": False, "error": f"no silo hosts {grain.__name__}"}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/v2")
+    async def server_metadata() -> oip.ServerMetadata:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("redgrain")
+        except metadata.PackageNotFoundError:
+            version = "0"
+        return oip.ServerMetadata(name=SERVER_NAME, version=version, extensions=["binary_tensor_data"])
+
+    async def model_info(request: Request, name: str) -> ModelInfo:
+        info = await predictor(request, name).metadata()
+        infos[name] = (time.monotonic(), info)
+        return info
+
+    @app.get("/v2/models/{name}", response_model=None)
+    @app.get("/v2/models/{name}/versions/{version}", response_model=None)
+    async def model_metadata(name: str, request: Request, version: str | None = None) -> oip.ModelMetadata | JSONResponse:
+        try:
+            info = await model_info(request, name)
+        except Exception as exc:  # noqa: BLE001 - answer() re-raises what it does not map
+            return answer(exc)
+        def tensors(specs: Any) -> list[oip.MetadataTensor]:
+            return [oip.MetadataTensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in specs]
+        return oip.ModelMetadata(name=name, versions=[info.version], platform=info.platform,
+                                 inputs=tensors(info.inputs), outputs=tensors(info.outputs),
+                                 parameters={"step": info.step, "max_batch_size": info.max_batch_size,
+                                             "max_request_rows": info.max_request_rows})  # fmt: skip
+
+    @app.get("/v2/models/{name}/ready", response_model=None)
+    @app.get("/v2/models/{name}/versions/{version}/ready", response_model=None)
+    async def model_ready(name: str, request: Request, version: str | None = None) -> dict[str, Any] | JSONResponse:
+        try:
+            ok = await predictor(request, name).ready()
+        except Exception as exc:  # noqa: BLE001
+            return answer(exc)
+        if not ok:
+            return error(503, f"model {name} is not ready")
+        return {"name": name, "ready": True}
+
+    @app.post("/v2/models/{name}/infer", response_model=None)
+    @app.post("/v2/models/{name}/versions/{version}/infer", response_model=None)
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        code = "200"
+        try:
+            declared = request.headers.get("content-length")
+            if declared is not None and int(declared) > max_body_bytes:
+                raise RequestTooLargeError(f"body of {declared} bytes; this server takes at most {max_body_bytes}")
+            body = await request.body()
+            if len(body) > max_body_bytes:
+                raise RequestTooLargeError(f"body of {len(body)} bytes; this server takes at most {max_body_bytes}")
+            header = request.headers.get(oip.HEADER)
+            try:
+                header_length = None if header is None else int(header)
+            except ValueError:
+                raise BadInputError(f"{oip.HEADER} is not a number: {header!r}") from None
+            req, tensors = oip.decode_request(body, header_length)
+            out = await predictor(request, name).predict(tensors)
+            cached = infos.get(name)
+            info = cached[1] if cached is not None and time.monotonic() - cached[0] < INFO_TTL_S else None
+            if info is None:
+                info = await model_info(request, name)
+            outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
+            payload, json_length = oip.encode_response(req, name, info.version, outputs)
+        except Exception as exc:  # noqa: BLE001
+            resp = answer(exc)
+            code = str(resp.status_code)
+            return resp
+        finally:
+            collector.http[(name, code)] = collector.http.get((name, code), 0) + 1
+        if json_length is None:
+            return Response(payload, media_type=oip.JSON_TYPE)
+        return Response(payload, media_type=oip.BINARY_TYPE, headers={oip.HEADER: str(json_length)})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        c = request.app.state.client
+        try:
+            collector.models = await read_models(c.redis, c.keys.rendezvous("serving", 0), now=time.time())
+        except errors.StorageError:
+            collector.models = []
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> Any:
+    """A uvicorn server for ``app`` that leaves signals to its caller (``redgrain serve``, tests)."""
+    import contextlib
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+    return _Server(config)

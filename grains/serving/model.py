@@ -1,0 +1,324 @@
+"""The serving grains: a model's deployment (one per name) and its replicas (stateless workers).
+
+:class:`DeploymentGrain` (key = the model's name) holds the :class:`ServeSpec`
+and a revision counter in its persisted state: ``deploy`` and ``reload``
+bump it. :class:`ModelGrain` (same key) is a ``@stateless_worker``: each silo
+that hosts it runs one replica, activated by the first request routed there
+(callers pick a silo hosting the type at random, so load spreads over them).
+A replica loads the weights in ``on_activate`` (calls wait for it), then once
+every ``reload_poll_s`` asks the deployment for its revision and the job for
+its newest committed weights (or stats the weights file); when they changed
+it builds a new :class:`~grains.serving.loader.LoadedModel` off the loop and
+swaps the reference. Batches already running finish on the old one, and no
+request is refused while the new one loads. The same tick publishes the
+replica's record (:mod:`grains.serving.records`).
+
+The class is ``@reentrant``: ``predict`` calls must reach the batcher
+together to be merged, so they may not wait for each other's turns. The
+forward pass runs on the silo's executor (``run_in_thread``), never on the
+loop. :class:`GpuModelGrain` is the same grain placed only on silos with the
+``gpu`` role; any other role is a two-line subclass (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from grains.base import DeactivationReason, Grain
+from grains.placement import hash_placement, reentrant, silo_role, stateless_worker
+from grains.serving import loader
+from grains.serving.batcher import DynamicBatcher
+from grains.serving.errors import ModelNotFoundError, ModelNotReadyError, ServingError
+from grains.serving.loader import Inputs, LoadedModel
+from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
+from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
+from grains.serving.stats import ReplicaStats
+from grains.training.coordinator import CoordinatorGrain
+from grains.training.messages import TrainingStatus
+from silo import errors
+
+log = logging.getLogger("redgrain.serving")
+
+_ACTIVATION_WAIT_S = 10.0
+
+
+class Deployment(BaseModel):
+    name: str
+    revision: int = 0
+    spec: ServeSpec | None = None
+
+
+@hash_placement
+class DeploymentGrain(Grain):
+    """Key: the model's name. The one place a model's spec lives."""
+
+    class State(BaseModel):
+        revision: int = 0
+        spec: ServeSpec | None = None
+
+    async def deploy(self, spec: ServeSpec | dict[str, Any]) -> Deployment:
+        """Serve ``spec`` under this name (replicas load it within ``reload_poll_s``)."""
+        s = parse_spec(spec)
+        if s != self.state.spec:
+            self.state.spec = s
+            self.state.revision += 1
+            await self.write_state()
+        return await self.current()
+
+    async def reload(self) -> Deployment:
+        """Make every replica load its weights again (a new file at the same path, say)."""
+        self.state.revision += 1
+        await self.write_state()
+        return await self.current()
+
+    async def undeploy(self) -> None:
+        """Stop serving: replicas answer ModelNotFoundError and go away."""
+        self.state.spec = None
+        self.state.revision += 1
+        await self.write_state()
+
+    async def current(self) -> Deployment:
+        return Deployment(name=self.key, revision=self.state.revision, spec=self.state.spec)
+
+
+_Item = tuple[Inputs, int]
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+@stateless_worker(max_local=1)
+@reentrant
+class ModelGrain(Grain):
+    """Key: the model's name. A replica on each silo that hosts it."""
+
+    def __init__(self) -> None:
+        self._loaded: LoadedModel | None = None
+        self._deployment = Deployment(name="")
+        self._weights: tuple[Any, ...] | None = None
+        self._error = ""
+        self._reloads = 0
+        self._loaded_at = 0.0
+        self._batcher: DynamicBatcher[_Item, Inputs] | None = None
+        self._stats = ReplicaStats()
+        self._refreshing: asyncio.Lock | None = None
+        self._activated = asyncio.Event()  # binds no loop until awaited
+        """Set once on_activate's first load ended: calls that start before (reentrant) wait for it."""
+        self._cost_s: dict[int, float] = {}
+        """Forward time by batch-size bucket (moving average): short passes run on the loop."""
+        self._weights_exist = False
+        """The last look found weights to load (a failure to load them is then worth retrying)."""
+
+    async def on_activate(self) -> None:
+        self._refreshing = asyncio.Lock()
+        try:
+            await self._first_load()
+        finally:
+            self._activated.set()
+        poll = self._deployment.spec.reload_poll_s if self._deployment.spec else 1.0
+        self.register_timer(self._tick, due_s=poll, period_s=poll, interleave=True)
+
+    async def _first_load(self) -> None:
+        # Calls wait while a replica activates: when weights exist but cannot be read yet (a
+        # job restarting gathers its tensors from grains still being placed; a silo going
+        # away mid-read) keep trying for a while rather than answer "not ready" at once.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ACTIVATION_WAIT_S
+        while True:
+            try:
+                await self._refresh()
+            except errors.RedgrainError as exc:
+                self._error = str(exc)
+                self._weights_exist = True
+            if self._loaded is not None or not self._weights_exist or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.2)
+
+    async def on_deactivate(self, reason: DeactivationReason) -> None:
+        redis = self.redis_client()
+        if redis is not None:
+            try:
+                await redis.hdel(replicas_key(self._prefix(), self.key), self.activation_id)
+            except Exception as exc:  # noqa: BLE001 - best effort: readers drop stale records anyway
+                log.debug("%s: removing the replica record failed: %s", self.key, exc)
+
+    # --- the API -------------------------------------------------------------------
+    async def predict(self, inputs: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent requests."""
+        start = time.perf_counter()
+        failed = True
+        try:
+            loaded, batcher = await self._when_ready()
+            rows = loaded.check(inputs)
+            out = await batcher.submit((inputs, rows), rows)
+            failed = False
+            return out
+        finally:
+            self._stats.on_request(time.perf_counter() - start, failed=failed)
+
+    async def metadata(self) -> ModelInfo:
+        """Inputs, outputs and weights version (ModelNotReadyError before weights are loaded)."""
+        return (await self._when_ready())[0].info
+
+    async def ready(self) -> bool:
+        """Whether weights are loaded (ModelNotFoundError: nothing is deployed under this name)."""
+        await self._activated.wait()
+        if self._deployment.spec is None:
+            raise ModelNotFoundError(self.key)
+        return self._loaded is not None
+
+    async def refresh(self) -> ModelInfo:
+        """Look for newer weights now (instead of at the next tick) on this replica."""
+        await self._refresh()
+        return await self.metadata()
+
+    # --- loading ---------------------------------------------------------------------
+    async def _when_ready(self) -> tuple[LoadedModel, DynamicBatcher[_Item, Inputs]]:
+        if not self._activated.is_set():
+            await self._activated.wait()
+        return self._ready()
+
+    def _ready(self) -> tuple[LoadedModel, DynamicBatcher[_Item, Inputs]]:
+        if self._deployment.spec is None:
+            raise ModelNotFoundError(self.key)
+        if self._loaded is None or self._batcher is None:
+            raise ModelNotReadyError(f"model {self.key} has no weights loaded yet" + (f": {self._error}" if self._error else ""))
+        return self._loaded, self._batcher
+
+    def _prefix(self) -> str:
+        return self.rendezvous_prefix(WORKLOAD, 0)
+
+    async def _tick(self) -> None:
+        try:
+            await self._refresh()
+        except errors.RedgrainError as exc:  # a silo going away mid-call: try again next tick
+            log.debug("%s: refresh failed: %s", self.key, exc)
+        await self._publish()
+        if self._deployment.spec is None and self._loaded is None:
+            self.deactivate_on_idle()
+
+    async def _refresh(self) -> None:
+        assert self._refreshing is not None
+        if self._refreshing.locked():
+            return
+        async with self._refreshing:
+            dep: Deployment = await self.get_grain(DeploymentGrain, self.key).current()
+            spec = dep.spec
+            if spec is None:
+                self._deployment, self._loaded, self._batcher = dep, None, None
+                return
+            if dep.revision != self._deployment.revision:
+                self._weights = None  # a new spec or an explicit reload: load again
+            self._deployment = dep
+            try:
+                await self._load_newer(spec)
+            except errors.GrainCallError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
+                self._error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("%s: loading weights failed: %s", self.key, self._error)
+
+    async def _load_newer(self, spec: ServeSpec) -> None:
+        self._weights_exist = False
+        if spec.job is not None:
+            coord: Any = self.get_grain(CoordinatorGrain, spec.job)
+            st: TrainingStatus = await coord.status()
+            if st.status == "completed":
+                key: tuple[Any, ...] = ("job", spec.job, st.run, "final", st.step)
+            elif st.checkpoints:
+                key = ("job", spec.job, st.run, "checkpoint", st.checkpoints[-1])
+            else:
+                if self._loaded is None:
+                    self._error = f"job {spec.job} is {st.status} and has no committed weights yet"
+                return  # nothing newer: keep serving what is loaded
+            if key == self._weights:
+                return
+            self._weights_exist = True
+            job = await coord.job_spec()
+            state = await coord.with_timeout(120.0).state_dict()
+            if job is None or not state:
+                self._error = f"job {spec.job} has no weights yet"
+                return
+            step = int(key[-1])
+            new = await self.run_in_thread(loader.from_job, job, state, spec, self.key, step, self.device)
+        else:
+            assert spec.weights is not None
+            stamp = await self.run_in_thread(loader.weights_stamp, spec.weights)
+            key = ("file", spec.weights, stamp)
+            if key == self._weights:
+                return
+            self._weights_exist = True
+            new = await self.run_in_thread(loader.from_file, spec, self.key, self.device)
+        self._swap(new, spec, key)
+
+    def _swap(self, new: LoadedModel, spec: ServeSpec, key: tuple[Any, ...]) -> None:
+        """The new weights take every batch from now on; running ones finish on the old."""
+        if self._loaded is not None:
+            self._reloads += 1
+        self._loaded, self._weights, self._error, self._loaded_at = new, key, "", time.time()
+        self._cost_s = {}
+        b = self._batcher
+        if b is None or (b.max_rows, b.max_delay_s) != (spec.max_batch_size, spec.max_delay_ms / 1000):
+            self._batcher = DynamicBatcher(self._run_batch, max_rows=spec.max_batch_size,
+                                           max_delay_s=spec.max_delay_ms / 1000,
+                                           slots=spec.max_concurrent_batches, on_batch=self._stats.on_batch)  # fmt: skip
+        log.info("%s: serving %s", self.key, new.info.version)
+
+    async def _run_batch(self, items: Any) -> list[Inputs]:
+        model = self._loaded
+        if model is None:
+            raise ModelNotReadyError(f"model {self.key} was undeployed")
+        inputs, rows = [i for i, _ in items], [r for _, r in items]
+        bucket = batch_bucket(sum(rows))
+        spec = self._deployment.spec
+        limit_s = (spec.inline_below_ms if spec is not None else 0.0) / 1000
+        known = self._cost_s.get(bucket)
+        if known is not None and known < limit_s:
+            # Shorter than a hop to the executor and back (and the GIL hand-offs it causes).
+            t0 = time.perf_counter()
+            out = model.forward(inputs, rows)
+            took = time.perf_counter() - t0
+        else:
+            out, took = await self.run_in_thread(_timed, model.forward, inputs, rows)
+        self._cost_s[bucket] = took if known is None else 0.8 * known + 0.2 * took
+        return out
+
+    # --- the published record ----------------------------------------------------------
+    async def _publish(self) -> None:
+        redis = self.redis_client()
+        if redis is None:
+            return
+        info = self._loaded.info if self._loaded is not None else None
+        rec = self._stats.record(
+            model=self.key, replica=self.activation_id, silo=str(self.silo), grain_type=type(self).__name__,
+            ready=info is not None, version=info.version if info else "", step=info.step if info else 0,
+            error=self._error, loaded_at=self._loaded_at, reloads=self._reloads,
+        )  # fmt: skip
+        prefix = self._prefix()
+        try:
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.hset(replicas_key(prefix, self.key), self.activation_id, rec.model_dump_json())
+                pipe.expire(replicas_key(prefix, self.key), RECORD_TTL_S)
+                pipe.sadd(models_key(prefix), self.key)
+                await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - the dashboard misses a second, serving goes on
+            log.debug("%s: publishing the replica record failed: %s", self.key, exc)
+
+
+@silo_role("gpu")
+@stateless_worker(max_local=1)
+@reentrant
+class GpuModelGrain(ModelGrain):
+    """A :class:`ModelGrain` whose replicas run only on silos started with ``--roles gpu``."""
+
+
+__all__ = ["Deployment", "DeploymentGrain", "GpuModelGrain", "ModelGrain", "ServingError"]

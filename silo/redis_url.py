@@ -1,0 +1,210 @@
+"""Redis URLs: a plain server, or a Sentinel-managed master; what to wait for after writes.
+
+Every Redis URL redgrain takes (silo, client, dashboard, CLI) is parsed here
+and nowhere else (``silo/redis_util.py`` turns the result into clients):
+
+- ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS), ``unix://...``:
+  one server, handed to redis-py's own ``from_url`` (its query options such as
+  ``ssl_ca_certs`` work as they always did).
+- ``redis+sentinel://[user:pass@]h1:p1[,h2:p2...]/service[/db]`` and
+  ``rediss+sentinel://...`` (TLS to the sentinels and to the data nodes): the
+  master of ``service`` as the sentinels name it, found again after a failover.
+  This is the form celery, kombu and ``redis-sentinel-url`` use; the port
+  defaults to 26379. The user and password are the data nodes' (Sentinel
+  deployments use one ``requirepass`` for masters and replicas);
+  ``?sentinel_username=&sentinel_password=`` authenticate to the sentinels
+  when they need it.
+- ``redis+cluster://`` (and ``rediss+cluster``, ``redis-cluster``): refused
+  with :class:`~silo.errors.ConfigError`. Redis Cluster is not supported; see
+  docs/reliability.md, "Redis failover".
+
+Two query options apply to every form and are removed before redis-py sees
+the URL: ``wait_replicas`` (how many replicas a directory registration or a
+state write waits for with ``WAIT``; default 1 for a Sentinel URL, 0
+otherwise) and ``wait_timeout_ms`` (the most it waits; default 100).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from silo.errors import ConfigError
+
+__all__ = ["RedisTarget", "SentinelTarget", "parse_redis_url", "redact"]
+
+SENTINEL_PORT = 26379
+DEFAULT_WAIT_TIMEOUT_MS = 100
+
+_DIRECT_SCHEMES = ("redis", "rediss", "unix")
+_SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "redis-cluster", "rediss-cluster")
+_OURS = ("wait_replicas", "wait_timeout_ms")
+# Options a Sentinel URL may carry for the connections to the data nodes (and, for TLS, the
+# sentinels); anything else is a typo we would rather report than ignore.
+_SENTINEL_CONNECTION_OPTIONS = (
+    "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+    "ssl_ca_path", "client_name",
+)  # fmt: skip
+_SENTINEL_OWN_OPTIONS = ("sentinel_username", "sentinel_password", "min_other_sentinels")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelTarget:
+    """The master of one Sentinel service."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    min_other_sentinels: int = 0
+    connection_options: dict[str, str] = field(default_factory=dict)
+    """``ssl_*`` and ``client_name`` options for every connection (data nodes and, with TLS, sentinels)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """Where redgrain's state lives, and how long a write waits for replicas."""
+
+    url: str
+    """The URL as given (for messages use :func:`redact`)."""
+    direct_url: str | None
+    """A single-server URL for redis-py's ``from_url``, without our own options; None for Sentinel."""
+    sentinel: SentinelTarget | None
+    wait_replicas: int
+    """Replicas a registration or state write waits for (``WAIT``); 0: none."""
+    wait_timeout_ms: int
+    """The longest such a wait takes; a write is not failed when it runs out (see redis_util.replicate)."""
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***`` (for logs and error messages)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, hosts = rest.partition("@")
+    if not at or "/" in userinfo:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{hosts}"
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Parse any Redis URL redgrain accepts; a malformed or unsupported one raises ConfigError."""
+    scheme, sep, _ = url.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        raise ConfigError(f"not a Redis URL (no scheme): {redact(url)!r}")
+    if scheme in _CLUSTER_SCHEMES:
+        raise ConfigError(
+            f"Redis Cluster is not supported ({redact(url)!r}): use one Redis server, or a Sentinel-managed "
+            "master with redis+sentinel://host:port[,host:port...]/service (docs/reliability.md)"
+        )
+    if scheme in _SENTINEL_SCHEMES:
+        return _parse_sentinel(url, tls=_SENTINEL_SCHEMES[scheme])
+    if scheme not in _DIRECT_SCHEMES:
+        raise ConfigError(
+            f"unknown Redis URL scheme {scheme!r} in {redact(url)!r}: expected redis://, rediss://, unix://, "
+            "redis+sentinel:// or rediss+sentinel://"
+        )
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _OURS}
+    rest = [(k, v) for k, v in query if k not in _OURS]
+    direct = urlunsplit(parts._replace(query=urlencode(rest)))
+    return RedisTarget(
+        url=url,
+        direct_url=direct,
+        sentinel=None,
+        wait_replicas=_int(ours, "wait_replicas", 0, url),
+        wait_timeout_ms=_int(ours, "wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS, url),
+    )
+
+
+def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
+    _, _, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    path, _, query_text = tail.partition("?")
+    if not slash or not path.strip("/"):
+        raise ConfigError(
+            f"a Sentinel URL names its service: redis+sentinel://host:port[,host:port...]/service[/db] "
+            f"(got {redact(url)!r})"
+        )
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h.strip())
+    if not sentinels:
+        raise ConfigError(f"a Sentinel URL lists at least one sentinel host:port (got {redact(url)!r})")
+    segments = [unquote(s) for s in path.strip("/").split("/")]
+    if len(segments) > 2:
+        raise ConfigError(f"a Sentinel URL's path is /service[/db] (got {redact(url)!r})")
+    service = segments[0]
+    db = 0
+    if len(segments) == 2:
+        if not segments[1].isdigit():
+            raise ConfigError(f"the database in {redact(url)!r} is not a number: {segments[1]!r}")
+        db = int(segments[1])
+    query = dict(parse_qsl(query_text, keep_blank_values=True))
+    if "db" in query:  # redis-py's own spelling, accepted too
+        db = _int(query, "db", db, url)
+        del query["db"]
+    unknown = sorted(set(query) - set(_OURS) - set(_SENTINEL_CONNECTION_OPTIONS) - set(_SENTINEL_OWN_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {', '.join(unknown)} in Sentinel URL {redact(url)!r}; known: "
+            f"{', '.join((*_OURS, *_SENTINEL_OWN_OPTIONS, *_SENTINEL_CONNECTION_OPTIONS))}"
+        )
+    target = SentinelTarget(
+        sentinels=sentinels,
+        service=service,
+        db=db,
+        tls=tls,
+        username=username,
+        password=password,
+        sentinel_username=query.get("sentinel_username") or None,
+        sentinel_password=query.get("sentinel_password") or None,
+        min_other_sentinels=_int(query, "min_other_sentinels", 0, url),
+        connection_options={k: v for k, v in query.items() if k in _SENTINEL_CONNECTION_OPTIONS},
+    )
+    return RedisTarget(
+        url=url,
+        direct_url=None,
+        sentinel=target,
+        wait_replicas=_int(query, "wait_replicas", 1, url),
+        wait_timeout_ms=_int(query, "wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS, url),
+    )
+
+
+def _host_port(text: str, url: str) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [::1]:26379
+        host, _, after = text[1:].partition("]")
+        port_text = after[1:] if after.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not host:
+        raise ConfigError(f"empty sentinel host in {redact(url)!r}")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"bad sentinel port {port_text!r} in {redact(url)!r}")
+    return host, int(port_text)
+
+
+def _int(query: dict[str, str], name: str, default: int, url: str) -> int:
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit():
+        raise ConfigError(f"{name} in {redact(url)!r} must be a whole number ≥ 0, got {raw!r}")
+    return int(raw)

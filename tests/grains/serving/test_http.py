@@ -1,0 +1,118 @@
+"""The Open Inference Protocol front, called by tritonclient (a V2 client nobody here wrote)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from grains.serving import ServeSpec, deploy
+from grains.serving.http import create_app, make_server
+from tests.grains.serving.conftest import GRAINS, train_digits
+from tests.helpers import free_port
+
+
+@pytest.fixture
+async def front(client: Any) -> AsyncIterator[str]:
+    """The front on a free port, on this test's loop; its address as host:port."""
+    port = free_port()
+    server = make_server(create_app(client), port=port)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), task
+        await asyncio.sleep(0.02)
+    yield f"127.0.0.1:{port}"
+    server.should_exit = True
+    await task
+
+
+def triton(url: str) -> Any:
+    import tritonclient.http as th
+
+    return th.InferenceServerClient(url=url, connection_timeout=10, network_timeout=10)
+
+
+def infer(url: str, x: np.ndarray, binary: bool = True) -> Any:
+    import tritonclient.http as th
+
+    c = triton(url)
+    try:
+        inp = th.InferInput("input", list(x.shape), "FP32" if x.dtype == np.float32 else "FP64")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        return c.infer("digits", [inp], outputs=[th.InferRequestedOutput("output", binary_data=binary)])
+    finally:
+        c.close()
+
+
+def metadata_and_ready(url: str) -> tuple[dict[str, Any], bool, bool, bool]:
+    c = triton(url)
+    try:
+        return c.get_model_metadata("digits"), c.is_model_ready("digits"), c.is_server_ready(), c.is_server_live()
+    finally:
+        c.close()
+
+
+async def test_tritonclient_reads_metadata_and_scores_the_test_split(cluster, client, front, digits_test):
+    await cluster(1, grains=GRAINS)
+    await train_digits(client)
+    await deploy(client, "digits", ServeSpec(job="digits"))
+    meta, model_ready, server_ready, live = await asyncio.to_thread(metadata_and_ready, front)
+    assert (model_ready, server_ready, live) == (True, True, True)
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 10]}]
+    x, y = digits_test
+    xs = x.numpy()
+    # The test split in single-row requests from 8 threads, binary tensors (tritonclient's default).
+    def score(rows: range) -> list[int]:
+        return [int(infer(front, xs[i : i + 1]).as_numpy("output").argmax(1)[0]) for i in rows]
+    parts = await asyncio.gather(*(asyncio.to_thread(score, range(k, len(y), 8)) for k in range(8)))
+    got = np.zeros(len(y), dtype=np.int64)
+    for k, part in enumerate(parts):
+        got[k::8] = part
+    assert (got == y.numpy()).mean() >= 0.95
+    # JSON tensors too, a whole batch in one request.
+    whole = await asyncio.to_thread(infer, front, xs[:32], False)
+    assert (whole.as_numpy("output").argmax(1) == got[:32]).all()
+
+    import tritonclient.utils as tu
+
+    with pytest.raises(tu.InferenceServerException) as bad:
+        await asyncio.to_thread(infer, front, xs[:2, :60].copy())
+    assert bad.value.status() == "400" and "expected [-1, 64]" in bad.value.message()
+    with pytest.raises(tu.InferenceServerException) as wrong_type:
+        await asyncio.to_thread(infer, front, xs[:2].astype(np.float64))
+    assert wrong_type.value.status() == "400" and "expected FP32" in wrong_type.value.message()
+    _, still_ready, _, _ = await asyncio.to_thread(metadata_and_ready, front)
+    assert still_ready
+
+
+async def test_statuses_for_unknown_model_oversized_request_and_bad_body(cluster, client, front):
+    await cluster(1, grains=GRAINS)
+    await train_digits(client, steps=10)
+    await deploy(client, "digits", ServeSpec(job="digits", max_request_rows=8))
+    async with httpx.AsyncClient(base_url=f"http://{front}") as http:
+        assert (await http.get("/v2/health/live")).status_code == 200
+        assert (await http.get("/v2")).json()["extensions"] == ["binary_tensor_data"]
+        assert (await http.get("/v2/models/nope")).status_code == 404
+        assert (await http.get("/v2/models/nope/ready")).status_code == 404
+        row = {"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}
+        r = await http.post("/v2/models/nope/infer", json={"inputs": [row]})
+        assert r.status_code == 404 and "nope" in r.json()["error"]
+        nine = {**row, "shape": [9, 64], "data": [0.0] * 9 * 64}
+        assert (await http.post("/v2/models/digits/infer", json={"inputs": [nine]})).status_code == 413
+        assert (await http.post("/v2/models/digits/infer", content=b"{not json")).status_code == 400
+        short = {**row, "data": [0.0] * 10}
+        r = await http.post("/v2/models/digits/infer", json={"inputs": [short]})
+        assert r.status_code == 400 and "10 values" in r.json()["error"]
+        r = await http.post("/v2/models/digits/infer", json={"id": "a", "inputs": [row]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"] == "a" and body["outputs"][0]["shape"] == [1, 10] and len(body["outputs"][0]["data"]) == 10
+        metrics = (await http.get("/metrics")).text
+        assert 'redgrain_inference_http_requests_total{code="413",model="digits"} 1.0' in metrics
+        assert json.loads((await http.get("/v2/models/digits")).text)["name"] == "digits"
