@@ -164,9 +164,12 @@ local function swap(head, base, ver, n, size, data)
   if old[1] ~= ver then drop(base, old[1], old[2]) end
   return true
 end
--- fenced(entry, token): token '0' means unfenced (checkpoint saves of unfenced callers)
+-- fenced(entry, token): may this caller save a snapshot member of the grain? The directory's
+-- activation, by its token; token '0' (a stateless worker, a client) only while no entry names
+-- an owner, so it never writes over the snapshot the owning activation is taking.
 local function fenced(entry, token)
-  return token == '0' or redis.call('HGET', entry, 'token') == token
+  if token == '0' then return redis.call('EXISTS', entry) == 0 end
+  return redis.call('HGET', entry, 'token') == token
 end
 """
 

@@ -142,10 +142,27 @@ async def test_restore_group_over_a_live_activation_makes_its_next_write_reload(
     entry = await _register_owner(redis, keys, grain)
     live_etag = await st.write(grain, _encoded(1), None, entry.token)
     cps = Checkpoints(redis, keys, StorageSettings())
-    await cps.save("job", 1, grain, _encoded(100), members=[grain])
+    await cps.save("job", 1, grain, _encoded(100), members=[grain], token=entry.token)  # its snapshot
     await cps.restore_group("job", 1, st)
     with pytest.raises(errors.StateConflictError, match="etag"):
         await st.write(grain, _encoded(2), live_etag, entry.token)
     stored = await st.read(grain)
     assert stored is not None
     assert Codec(TypeRegistry()).decode(stored.meta, stored.buffers) == {"n": 100}
+
+
+async def test_a_token_0_checkpoint_save_is_refused_while_the_directory_names_an_owner(
+    store: tuple[Any, Keys, RedisStateStore],
+) -> None:
+    # The same gap in checkpoints: a snapshot member saved with token 0 passed the fence
+    # whatever the directory said, so a writer outside the directory could put its own
+    # state into the snapshot the owning activation takes (and a restore would bring it back).
+    redis, keys, _ = store
+    cps = Checkpoints(redis, keys)
+    grain = GrainId("Shard", "ck")
+    assert await cps.save("g0", 1, grain, _encoded(1), members=[grain], token=0)  # no owner: as before
+    entry = await _register_owner(redis, keys, grain)
+    with pytest.raises(errors.StateConflictError, match="fencing"):
+        await cps.save("g0", 2, grain, _encoded(2), members=[grain], token=0)
+    assert [i.snapshot_id for i in await cps.list("g0", pending=True)] == []  # nothing half-saved stays
+    assert await cps.save("g0", 2, grain, _encoded(3), members=[grain], token=entry.token)
