@@ -86,13 +86,7 @@ class Program:
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The job's step on ``batch`` under autocast: the loss (not yet backpropagated) and metrics."""
         with self.autocast():
-            try:
-                out = self.step_fn(model, batch)
-            except (TrainingStepError, ConfigError):
-                raise
-            except Exception as exc:
-                raise TrainingStepError(f"the step function raised {type(exc).__name__}: {exc}") from exc
-        return split_result(out)
+            return call_user("step", self.step_fn, model, batch)
 
 
 def loss_function(spec: TrainingJob) -> LossFn:
@@ -103,12 +97,18 @@ def loss_function(spec: TrainingJob) -> LossFn:
 def run_loss(fn: LossFn, output: torch.Tensor, target: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """Pipeline mode, last stage: the loss hook on a micro-batch's output and targets, checked
     against the step's contract (a scalar floating loss with a gradient, metrics that are numbers)."""
+    return call_user("loss", fn, output, target)
+
+
+def call_user(what: str, fn: Callable[..., Any], *args: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """The user's ``what`` function on ``args``, its result checked; whatever it raises becomes a
+    TrainingStepError naming it (ours pass through)."""
     try:
-        out = fn(output, target)
+        out = fn(*args)
     except (TrainingStepError, ConfigError):
         raise
     except Exception as exc:
-        raise TrainingStepError(f"the loss function raised {type(exc).__name__}: {exc}") from exc
+        raise TrainingStepError(f"the {what} function raised {type(exc).__name__}: {exc}") from exc
     return split_result(out)
 
 

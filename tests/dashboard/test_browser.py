@@ -12,7 +12,6 @@ import asyncio
 import math
 import re
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,16 +26,10 @@ from grains.training.records import (
 )
 from silo.client import ClusterClient
 from silo.testing.embedded import RedisServer
+from tests.browser import ARTIFACTS, browser_page
 from tests.dashboard.conftest import CALM
-from tests.helpers import REPO, free_port
+from tests.helpers import free_port
 from tests.sample_grains import Counter, Echo
-
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 
 
 async def publish_synthetic_job(silos: list, redis, keys, job: str, steps: int) -> None:
@@ -108,10 +101,6 @@ async def publish_regression_job(redis, keys, job: str, steps: int) -> None:
 async def test_pages_render_live_figures_and_curves(
     cluster, client: ClusterClient, redis_url: str, cluster_name: str
 ) -> None:
-    from playwright.async_api import async_playwright
-
-    if not CHROMIUM.exists():
-        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
     silos = await cluster(2, stats_interval_s=0.2, membership=CALM)
     await asyncio.gather(*(client.get_grain(Echo, f"e{i % 20}").echo(i) for i in range(300)))
     await asyncio.gather(*(client.get_grain(Counter, f"c{i % 5}").add(1) for i in range(50)))
@@ -120,15 +109,9 @@ async def test_pages_render_live_figures_and_curves(
     for silo in silos:
         await silo.stats_publisher.publish()  # the figures below are in Redis now
 
-    ARTIFACTS.mkdir(exist_ok=True)
     board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = await browser.new_page(viewport={"width": 1360, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-
+        async with browser_page(900) as page:
             await page.goto(board.url + "/#/overview")
             await page.wait_for_function(
                 "document.querySelector('[data-testid=calls-total]')?.textContent === '350'"
@@ -211,8 +194,6 @@ async def test_pages_render_live_figures_and_curves(
             await page.goto(board.url + "/#/events")
             await page.wait_for_selector("[data-testid=events-table] .pill.join")
             await page.screenshot(path=str(ARTIFACTS / "dashboard-events.png"), full_page=True)
-            await browser.close()
-            assert errors == []
     finally:
         board.stop()
 
@@ -220,13 +201,9 @@ async def test_pages_render_live_figures_and_curves(
 async def test_page_says_no_silos_then_redis_unreachable_then_recovers(
     fresh_redis: RedisServer,
 ) -> None:
-    from playwright.async_api import async_playwright
-
     board = DashboardThread(fresh_redis.url, "empty", port=free_port()).start()
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = await browser.new_page(viewport={"width": 1360, "height": 700})
+        async with browser_page(700, page_errors=True) as page:
             await page.goto(board.url + "/#/overview")
             notice = page.locator("[data-testid=overview-message]")
             await notice.wait_for()
@@ -242,7 +219,6 @@ async def test_page_says_no_silos_then_redis_unreachable_then_recovers(
             fresh_redis.start()
             await banner.wait_for(state="hidden")
             assert "Redis OK" in (await page.text_content("#conn-text") or "")
-            await browser.close()
     finally:
         board.stop()
 
@@ -250,15 +226,11 @@ async def test_page_says_no_silos_then_redis_unreachable_then_recovers(
 async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
     cluster, client: ClusterClient, redis_url: str, cluster_name: str
 ) -> None:
-    from playwright.async_api import async_playwright
-
     from grains.ids import GrainId
     from silo.settings import RemindersSettings
     from tests.dashboard.grains import Grumbler
     from tests.sample_grains import Reminded
 
-    if not CHROMIUM.exists():
-        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
     silos = await cluster(
         2,
         grains=("tests.sample_grains", "tests.dashboard.grains"),
@@ -271,15 +243,9 @@ async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
     grumbler = client.get_grain(Grumbler, "g")
     where = await grumbler.grumble("first")
 
-    ARTIFACTS.mkdir(exist_ok=True)
     board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = await browser.new_page(viewport={"width": 1360, "height": 800})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-
+        async with browser_page(800) as page:
             await page.goto(board.url + "/#/reminders")
             row = "[data-testid=reminders-table] tr[data-reminder='{}']"
             ticked = page.locator(row.format("Reminded/r1/tick") + " [data-col=silo] a")
@@ -316,8 +282,6 @@ async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
             other = next(str(s.address) for s in silos if str(s.address) != broke_on)
             await page.select_option("[data-testid=log-silo]", other)
             await page.locator(message.format("broken")).wait_for(state="detached")
-            await browser.close()
-            assert errors == []
     finally:
         board.stop()
         await reminded.stop()
@@ -326,14 +290,10 @@ async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
 async def test_grain_type_and_silo_pages_show_their_own_method_stats(
     cluster, client: ClusterClient, redis_url: str, cluster_name: str
 ) -> None:
-    from playwright.async_api import async_playwright
-
     from silo import errors as rg_errors
     from silo.settings import RebalancerSettings
     from tests.sample_grains import RandomEcho
 
-    if not CHROMIUM.exists():
-        pytest.fail("needs Debian's chromium: apt-get install -y chromium (.ci/run does it)")
     # Placed at random (both silos serve some, but for a 1-in-128 draw) and not rebalanced:
     # each grain stays where it was first activated, so the calls it served are that silo's.
     silos = await cluster(2, membership=CALM, rebalancer=RebalancerSettings(enabled=False))
@@ -353,12 +313,7 @@ async def test_grain_type_and_silo_pages_show_their_own_method_stats(
 
     board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = await browser.new_page(viewport={"width": 1360, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-
+        async with browser_page(900) as page:
             # The grain type's page: its own methods only, merged over both silos.
             await page.goto(board.url + "/#/grains/RandomEcho")
             table = "[data-testid=type-methods]"
@@ -397,7 +352,5 @@ async def test_grain_type_and_silo_pages_show_their_own_method_stats(
                 else:
                     assert await page.locator(cell.format("fail", "errors")).count() == 0
             await page.screenshot(path=str(ARTIFACTS / "dashboard-silo-methods.png"), full_page=True)
-            await browser.close()
-            assert errors == []
     finally:
         board.stop()

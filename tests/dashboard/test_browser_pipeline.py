@@ -3,13 +3,11 @@ silos and times, and the latest step's micro-batch timeline."""
 
 from __future__ import annotations
 
-import pytest
-
 from dashboard.server import DashboardThread
 from grains.training import CoordinatorGrain, TrainingJob
 from silo.client import ClusterClient
+from tests.browser import ARTIFACTS, browser_page
 from tests.dashboard.conftest import CALM
-from tests.dashboard.test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 from tests.grains.training.conftest import GRAINS, run_job
 from tests.helpers import free_port
 
@@ -17,10 +15,6 @@ from tests.helpers import free_port
 async def test_the_job_page_shows_the_stages_and_a_micro_batch_timeline(
     cluster, client: ClusterClient, redis_url: str, cluster_name: str
 ) -> None:
-    from playwright.async_api import async_playwright
-
-    if not CHROMIUM.exists():
-        pytest.fail("needs Debian's chromium: apt-get install -y chromium (make test installs it)")
     await cluster(2, grains=GRAINS, membership=CALM)
     spec = TrainingJob(model_args={"hidden": [64, 64]}, mode="pipeline", trainers=1, stages=2, microbatches=4,
                        steps=20, batch_size=32)  # fmt: skip
@@ -28,14 +22,9 @@ async def test_the_job_page_shows_the_stages_and_a_micro_batch_timeline(
     assert st.status == "completed" and len(st.stages) == 2, st
     assert (await client.get_grain(CoordinatorGrain, "pipe-page").status()).stages
 
-    ARTIFACTS.mkdir(exist_ok=True)
     board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = await browser.new_page(viewport={"width": 1360, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
+        async with browser_page(900) as page:
             await page.goto(board.url + "/#/training/pipe-page")
             await page.wait_for_selector("[data-testid=stages] tbody tr")
             rows = await page.locator("[data-testid=stages] tbody tr").all_text_contents()
@@ -46,7 +35,5 @@ async def test_the_job_page_shows_the_stages_and_a_micro_batch_timeline(
             )
             assert sorted(spans) == sorted(f"{k}{m}" for k in "FB" for m in range(4) for _ in range(2)), spans
             await page.screenshot(path=str(ARTIFACTS / "dashboard-pipeline.png"), full_page=True)
-            assert not errors, errors
-            await browser.close()
     finally:
         board.stop()
