@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## recovery: SIGKILL of a stage's silo (digits MLP, 2 stages, 3 silos, {rec['steps']} steps,"
           f" checkpoint every {rec['checkpoint_every']}, killed after step {rec['kill_at_step']})")  # fmt: skip
     print_table(["silo killed", "kill -> next committed step", "detected after", "steps redone", "accuracy"], [
-        ["stage 1's", f"{r['recovery_s']:.2f} s", f"{r['detected_s']:.2f} s", str(r["lost_steps"]),
+        [f"stage {r['stage']}'s", f"{r['recovery_s']:.2f} s", f"{r['detected_s']:.2f} s", str(r["lost_steps"]),
          f"{(r['accuracy'] or 0):.2%}"],
     ])  # fmt: skip
     print(f"pipeline recovery {r['recovery_s']:.2f} s (goal: at most 3 s), steps redone {r['lost_steps']}"

@@ -73,11 +73,12 @@ async def ps_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], victi
 
 
 async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], kill_at_step: int) -> dict[str, Any]:
-    """Kill the silo of the last stage of a 2-stage pipeline job on 3 silos, mid-run.
+    """Kill the silo of one stage of a 2-stage pipeline job on 3 silos, mid-run.
 
-    The stages go on the first two silos (by address: the trainer silos in order) and the
-    coordinator on the third, so the victim hosts only stage 1. The job rolls every stage back to
-    its last committed checkpoint (stage 1 re-activates on a survivor) and replays from there;
+    The stages go on two silos and the coordinator is asked for the third (by address); the
+    victim is a stage silo that hosts neither the other stage nor the coordinator (stage 1's
+    unless the coordinator landed there). The job rolls every stage back to its last committed
+    checkpoint (the lost stage re-activates on a survivor) and replays from there;
     measured: the kill to the pipeline's next committed step, and the steps redone. The cluster is
     one silo down afterwards.
     """
@@ -87,11 +88,30 @@ async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any],
     rows = await wait_for_view(client, bc)
     if len(rows) != 3:
         raise RuntimeError(f"pipeline recovery needs 3 live silos, the view has {rows}")
-    coord = client.get_grain(CoordinatorGrain, key_on("CoordinatorGrain", "recovery-stage", rows[2].silo, rows))
     job = TrainingJob(**{**spec, "mode": "pipeline", "trainers": 1, "stages": 2, "shards": 1})
-    await coord.start(job)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 300
+    # A coordinator whose silo has not yet seen every join places the two stages on the silos it
+    # knows (both on one, or one with it): such a start is cancelled and made again, a few times.
+    for attempt in range(5):
+        coord = client.get_grain(CoordinatorGrain, key_on("CoordinatorGrain", f"recovery-stage-{attempt}", rows[2].silo, rows))
+        await coord.start(job)
+        while True:
+            st = await coord.status()
+            if st.status == "running" and len(st.trainer_silos) == 2:
+                break
+            if st.status not in ("running", "starting") or loop.time() > deadline:
+                raise RuntimeError(f"job did not start: {st}")
+            await asyncio.sleep(0.01)
+        # The victim: a stage silo that hosts neither the other stage nor the coordinator (stage
+        # 1's unless the coordinator landed there; the coordinator's silo order is not by address).
+        victim = next((s for s in reversed(st.trainer_silos) if s != st.coordinator_silo), None)
+        if victim is not None and st.trainer_silos[0] != st.trainer_silos[1]:
+            break
+        await coord.cancel()
+        await client.refresh()
+    else:
+        raise RuntimeError(f"no start put the stages on two silos apart from the coordinator: {st}")
     while True:
         st = await coord.status()
         if st.status == "running" and st.step >= kill_at_step and any(c > 0 for c in st.checkpoints):
@@ -99,13 +119,12 @@ async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any],
         if st.status not in ("running", "starting") or loop.time() > deadline:
             raise RuntimeError(f"job did not reach step {kill_at_step}: {st}")
         await asyncio.sleep(0.01)
-    victim = st.trainer_silos[1]
-    if victim in (st.trainer_silos[0], st.coordinator_silo):
-        raise RuntimeError(f"stage 1's silo {victim} also hosts stage 0 or the coordinator: {st}")
     target = next((s for s in bc.silos if str(s.address) == victim and s.alive()), None)
     if target is None:
         raise RuntimeError(f"no live silo at {victim}")
-    return await kill_and_measure(coord, target, st, deadline)
+    out = await kill_and_measure(coord, target, st, deadline)
+    out["stage"] = st.trainer_silos.index(victim)
+    return out
 
 
 async def kill_and_measure(coord: Any, victim: Any, st: Any, deadline: float) -> dict[str, Any]:

@@ -114,13 +114,21 @@ class LogStream(logging.Handler):
         """Detach, then write what is queued (one bounded try: Redis may be gone)."""
         if self._logger is not None:
             self._logger.removeHandler(self)
-        self._stopping = True  # as well as cancel(): see _write_forever
+        self._stopping = True  # the writer's loop ends at its next check (see _write_forever)
         task, self._task = self._task, None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         if task is not None:
-            task.cancel()
+            # Woken, not cancelled: a cancel landing inside a pipeline's execute left records
+            # written to Redis but counted nowhere. Cancelled only if it overruns the bound.
+            if self._wake is not None:
+                self._wake.set()
+            _, running = await asyncio.wait({task}, timeout=timeout_s)
+            for t in running:
+                t.cancel()
             await asyncio.gather(task, return_exceptions=True)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(max(0.0, deadline - loop.time())):
                 await self._write_pending()
         except TimeoutError:
             pass
