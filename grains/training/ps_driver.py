@@ -146,6 +146,8 @@ class ParameterServerDriver(Driver):
                 continue
             if isinstance(r, BaseException):
                 continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
+            if any(j >= len(st.next_steps) for st in statuses):
+                continue  # a slot the shards have not taken yet (a grow under way): the next tick looks again
             why = r.error or r.status
             if r.status == "failed" and r.fatal:
                 # Retrying would fail the same way (the step's contract, a non-finite loss, memory);
