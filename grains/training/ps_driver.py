@@ -147,7 +147,10 @@ class ParameterServerDriver(Driver):
             if isinstance(r, BaseException):
                 continue  # busy or dead: a later call answers, or re-activates it idle elsewhere
             if any(j >= len(st.next_steps) for st in statuses):
-                continue  # a slot the shards have not taken yet (a grow under way): the next tick looks again
+                # A shard still inside configure() for this generation (a grow whose rollback
+                # timed out while the restore ran) already reports the generation, not yet its
+                # slots: the next tick sees the configured shard and restarts the slot then.
+                continue
             why = r.error or r.status
             if r.status == "failed" and r.fatal:
                 # Retrying would fail the same way (the step's contract, a non-finite loss, memory);
