@@ -244,11 +244,13 @@ class ModelGrain(Grain):
                 return
             self._weights_exist = True
             job = await coord.job_spec()
-            state = await coord.with_timeout(120.0).state_dict()
+            step = int(key[-1])
+            # A running job's live weights are past its newest checkpoint: read that checkpoint,
+            # so the version served is the step it names (and every replica serves the same).
+            state = await coord.with_timeout(120.0).state_dict(None if key[3] == "final" else step)
             if job is None or not state:
                 self._error = f"job {spec.job} has no weights yet"
                 return
-            step = int(key[-1])
             new = await self.run_in_thread(loader.from_job, job, state, spec, self.key, step, self.device)
         else:
             assert spec.weights is not None

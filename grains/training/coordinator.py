@@ -306,12 +306,20 @@ class CoordinatorGrain(Grain):
         names = set(dict(evaluator.model.named_parameters()))
         return {n: t for n, t in tensors.items() if n in names}
 
-    async def state_dict(self) -> dict[str, torch.Tensor]:
+    async def state_dict(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict()`` (parameters and buffers, fp32, on the CPU), which
-        ``model.load_state_dict(..., strict=True)`` accepts; ``{}`` before the job has weights."""
+        ``model.load_state_dict(..., strict=True)`` accepts; ``{}`` before the job has weights.
+
+        ``step`` reads that committed checkpoint instead of the newest weights: what a caller
+        labels "step N" is then step N, even while the job trains on past it."""
         if self.state.spec is None:
             return {}
-        tensors = await self._tensors()
+        if step is None:
+            tensors = await self._tensors()
+        elif step in self.state.committed:
+            tensors = await self._checkpoint(step)
+        else:
+            raise errors.ConfigError(f"job {self.key} has no committed checkpoint at step {step} (committed: {self.state.committed[-5:]})")
         if not tensors:
             return {}
         evaluator = await self._job_evaluator()
@@ -324,9 +332,12 @@ class CoordinatorGrain(Grain):
             return await self._job_driver().tensors()
         if not s.committed:
             return {}
+        return await self._checkpoint(s.committed[-1])
+
+    async def _checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         evaluator = await self._job_evaluator()
         store: Any = self.get_grain(CheckpointStoreGrain, self.key)
-        snap: ShardSnapshot = await store.with_timeout(120.0).read(s.run, s.committed[-1], evaluator.names, evaluator.extra)
+        snap: ShardSnapshot = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
         return {**snap.params, **snap.buffers}
 
     # --- the run loop -------------------------------------------------------

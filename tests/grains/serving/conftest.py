@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from grains.serving.records import ReplicaRecord, read_models
 from grains.training import TrainingJob
 from grains.training.datasets import load_dataset
 from tests.grains.training.conftest import run_job
@@ -20,6 +21,12 @@ async def train_digits(client: Any, job: str = "digits", **changes: Any) -> Any:
     st = await run_job(client, job, DIGITS.model_copy(update=changes), timeout_s=60)
     assert st.status == "completed", st
     return st
+
+
+async def replicas(client: Any) -> list[ReplicaRecord]:
+    """The served models' live replicas that are ready and have answered requests."""
+    models = await read_models(client.redis, client.keys.rendezvous("serving", 0))
+    return [r for m in models for r in m.replicas if r.ready and r.requests]
 
 
 @pytest.fixture(scope="session")

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import httpx
 import pytest
 
 from grains.serving import ServeSpec, deploy
 from grains.serving.http import create_app, make_server
-from grains.serving.records import ReplicaRecord, read_models
-from tests.grains.serving.conftest import train_digits
+from tests.grains.serving.conftest import replicas, train_digits
 from tests.helpers import free_port
 
 DEADLINE_S = 5.0
-
-
-async def replicas(client: Any) -> list[ReplicaRecord]:
-    models = await read_models(client.redis, client.keys.rendezvous("serving", 0))
-    return [r for m in models for r in m.replicas if r.ready and r.requests]
 
 
 @pytest.mark.slow
