@@ -128,7 +128,7 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-class _Lifeline:
+class Lifeline:
     """The owner's end of a server's watcher pipe (``silo.testing.reaper``).
 
     While this process holds it, the watcher waits; :meth:`release` tells it the
@@ -173,7 +173,7 @@ class _Lifeline:
                 watcher.wait()
 
 
-def _reap(proc: subprocess.Popen[bytes], lifeline: _Lifeline | None = None) -> None:
+def reap(proc: subprocess.Popen[bytes], lifeline: Lifeline | None = None) -> None:
     """Kill a server (also the finalizer for one nobody stopped) and reap it."""
     _signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -224,7 +224,7 @@ class RedisServer:
         self.extra_args = tuple(extra_args)
         self.executable = executable
         self._proc: subprocess.Popen[bytes] | None = None
-        self._lifeline: _Lifeline | None = None
+        self._lifeline: Lifeline | None = None
         self._temp_dir: str | None = None
         self._finalizer: weakref.finalize | None = None
         self._temp_finalizer: weakref.finalize | None = None
@@ -286,20 +286,20 @@ class RedisServer:
                 raise ConfigError(f"cannot run redis-server {executable!r}: {exc}") from exc
             # Watched from its first moment: an owner killed while waiting for
             # PING must not leave it behind either.
-            lifeline = _Lifeline(proc)
+            lifeline = Lifeline(proc)
             try:
                 ready = self._wait_ready(proc, port, deadline)
             except BaseException:
-                _reap(proc, lifeline)
+                reap(proc, lifeline)
                 raise
             if ready:
                 self._port = port
                 self._proc = proc
                 self._lifeline = lifeline
-                self._finalizer = weakref.finalize(self, _reap, proc, lifeline)
+                self._finalizer = weakref.finalize(self, reap, proc, lifeline)
                 return self
             exit_code = proc.poll()
-            _reap(proc, lifeline)
+            reap(proc, lifeline)
             # Between free_port() closing its socket and redis binding, another
             # process may take the port: then pick another one. A port we were
             # given, or any other failure, is final.

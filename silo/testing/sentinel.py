@@ -18,7 +18,6 @@ from the first moment a test runs.
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import time
 import weakref
@@ -31,7 +30,7 @@ from typing import Any, Self
 import redis
 
 from silo.errors import ConfigError
-from silo.testing.embedded import RedisServer, find_redis_server, free_port
+from silo.testing.embedded import Lifeline, RedisServer, find_redis_server, free_port, reap
 
 __all__ = ["Failover", "SentinelGroup"]
 
@@ -49,14 +48,6 @@ class Failover:
     config_epoch: int
     seconds: float
     """From ``wait_failover``'s start (or the kill it was given) until every sentinel named the new master."""
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5.0)
 
 
 class SentinelGroup:
@@ -266,7 +257,9 @@ class SentinelGroup:
                 close_fds=True,
             )
         self._sentinels[i] = proc
-        self._finalizers.append(weakref.finalize(self, _stop, proc))
+        # The watcher stops the sentinel if this process dies unclean (SIGKILL, a CI timeout),
+        # when no finalizer runs: it would live on, orphaned, as RedisServer's nodes would.
+        self._finalizers.append(weakref.finalize(self, reap, proc, Lifeline(proc)))
         deadline = time.monotonic() + 10.0
 
         def answers() -> bool:
