@@ -17,16 +17,22 @@ until the request's deadline; serving errors come back as their own classes
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+from grains.serving.coalescer import Coalescer, signature
 from grains.serving.errors import from_remote
 from grains.serving.model import Deployment, DeploymentGrain, GpuModelGrain, ModelGrain
 from grains.serving.spec import ModelInfo, ServeSpec
 from silo import errors
 
+log = logging.getLogger(__name__)
+
 RETRYABLE = (errors.SiloUnavailableError, errors.GrainDeactivatedError, errors.OverloadedError)
 """Errors after which an idempotent predict is sent again (the replica or its silo went away)."""
 _BACKOFF_S = (0.005, 0.02, 0.05, 0.1, 0.2)
+LIMIT_TTL_S = 30.0
+"""How long a Predictor trusts the model's max_batch_size it read (merged calls stay under it)."""
 
 
 async def deploy(client: Any, name: str, spec: ServeSpec | dict[str, Any]) -> Deployment:
@@ -45,18 +51,47 @@ def grain_for(role: str | None) -> type[ModelGrain]:
 
 
 class Predictor:
-    """``predict`` on model ``name``, retried on another replica until ``timeout_s``."""
+    """``predict`` on model ``name``, retried on another replica until ``timeout_s``.
 
-    def __init__(self, client: Any, name: str, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0) -> None:
+    :param coalesce: merge concurrent predicts from this process into one grain call
+        (:mod:`grains.serving.coalescer`); off, every predict is a call of its own.
+    :param in_flight: merged calls out at once (the requests arriving meanwhile are the next).
+    """
+
+    def __init__(
+        self, client: Any, name: str, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0,
+        coalesce: bool = True, in_flight: int = 2,
+    ) -> None:  # fmt: skip
         self.name = name
         self.timeout_s = timeout_s
         self._client = client
         self._grain = grain
         self._ref: Any = client.get_grain(grain, name)
         self.retries = 0
+        self._coalescer = Coalescer(self._send, max_rows=1, in_flight=in_flight) if coalesce else None
+        self._limit: asyncio.Future[int | None] | None = None
+        """The model's max_batch_size, as last read (None: not known, predicts go alone)."""
+        self._limit_until = 0.0
+
+    @property
+    def calls(self) -> int | None:
+        """Grain calls the coalescer sent (None without coalescing)."""
+        return self._coalescer.calls if self._coalescer is not None else None
 
     async def predict(self, inputs: Any, timeout_s: float | None = None) -> Any:
-        return await self._call("predict", inputs, timeout_s=timeout_s)
+        timeout = timeout_s or self.timeout_s
+        sig = signature(inputs) if self._coalescer is not None else None
+        if sig is None or self._coalescer is None:
+            return await self._call("predict", inputs, timeout_s=timeout)
+        rows, key = sig
+        limit = await self._max_rows()
+        if limit is None or rows >= limit:
+            return await self._call("predict", inputs, timeout_s=timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            return await asyncio.wait_for(self._coalescer.submit(inputs, rows, key, deadline), timeout)
+        except TimeoutError:
+            raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", "predict", timeout) from None
 
     async def metadata(self, timeout_s: float | None = None) -> ModelInfo:
         return await self._call("metadata", timeout_s=timeout_s)  # type: ignore[no-any-return]
@@ -64,7 +99,35 @@ class Predictor:
     async def ready(self, timeout_s: float | None = None) -> bool:
         return bool(await self._call("ready", timeout_s=timeout_s))
 
-    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def _max_rows(self) -> int | None:
+        lim = self._limit
+        loop = asyncio.get_running_loop()
+        if lim is not None and (not lim.done() or loop.time() < self._limit_until):
+            return lim.result() if lim.done() else await asyncio.shield(lim)
+        # One metadata read for all callers, again every LIMIT_TTL_S (a redeploy may change it);
+        # while it fails (the model not loaded yet) predicts go alone and get the replica's own
+        # answer, and the read is tried again a second later.
+        lim = self._limit = loop.create_future()
+        limit: int | None = None
+        try:
+            info = await self._call("metadata", timeout_s=self.timeout_s)
+            limit = info.max_batch_size
+        except Exception as exc:  # noqa: BLE001 - the predict itself will say what is wrong
+            log.debug("%s: reading the model's batch limit failed: %s", self.name, exc)
+        finally:  # also when this caller is cancelled: the others waiting on it go on
+            if limit is not None and self._coalescer is not None:
+                self._coalescer.max_rows = limit
+            self._limit_until = loop.time() + (LIMIT_TTL_S if limit is not None else 1.0)
+            lim.set_result(limit)
+        return limit
+
+    async def _send(self, inputs: Any, requests: int, deadline: float) -> Any:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if requests == 1:
+            return await self._call("predict", inputs, timeout_s=max(remaining, 1e-3))
+        return await self._call("predict", inputs, timeout_s=max(remaining, 1e-3), requests=requests)
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout_s or self.timeout_s)
         attempt = 0
@@ -73,7 +136,7 @@ class Predictor:
             if remaining <= 0:
                 raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", method, timeout_s or self.timeout_s)
             try:
-                return await getattr(self._ref.with_timeout(remaining), method)(*args)
+                return await getattr(self._ref.with_timeout(remaining), method)(*args, **kwargs)
             except RETRYABLE:
                 if deadline - loop.time() <= 0:
                     raise

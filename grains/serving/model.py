@@ -152,8 +152,13 @@ class ModelGrain(Grain):
                 log.debug("%s: removing the replica record failed: %s", self.key, exc)
 
     # --- the API -------------------------------------------------------------------
-    async def predict(self, inputs: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent requests."""
+    async def predict(
+        self, inputs: torch.Tensor | dict[str, torch.Tensor], requests: int = 1
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent requests.
+
+        ``requests``: how many callers' requests ``inputs`` holds (a :class:`Predictor` merged
+        them), so the replica's statistics count requests, not calls."""
         start = time.perf_counter()
         failed = True
         try:
@@ -163,7 +168,7 @@ class ModelGrain(Grain):
             failed = False
             return out
         finally:
-            self._stats.on_request(time.perf_counter() - start, failed=failed)
+            self._stats.on_request(time.perf_counter() - start, failed=failed, requests=max(1, int(requests)))
 
     async def metadata(self) -> ModelInfo:
         """Inputs, outputs and weights version (ModelNotReadyError before weights are loaded)."""

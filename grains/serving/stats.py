@@ -41,14 +41,15 @@ class ReplicaStats:
             _add(self.queue_ms, latency_bucket(q * 1000))
             self.sums["queue"] += q * 1000
 
-    def on_request(self, seconds: float, *, failed: bool) -> None:
-        self.requests += 1
-        self.errors += failed
+    def on_request(self, seconds: float, *, failed: bool, requests: int = 1) -> None:
+        """One call that answered ``requests`` callers' requests (merged by their Predictor)."""
+        self.requests += requests
+        self.errors += failed * requests
         ms = seconds * 1000
         b = latency_bucket(ms)
-        _add(self.latency_ms, b)
-        _add(self._tick, b)
-        self.sums["latency"] += ms
+        _add(self.latency_ms, b, requests)
+        _add(self._tick, b, requests)
+        self.sums["latency"] += ms * requests
 
     def record(self, **fields: object) -> ReplicaRecord:
         """This tick's record (and the start of the next tick's window slot)."""
