@@ -233,7 +233,9 @@ class BenchCluster(LocalCluster):
 
 def start_subprocess(args: list[str]) -> subprocess.Popen[str]:
     """A Python helper process with fixed thread counts, talking on stdin/stdout."""
-    env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO)}
+    # The repository first; the caller's own PYTHONPATH (Ray installed apart, say) after it.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": path}
     return subprocess.Popen(
         [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
     )

@@ -95,6 +95,8 @@ class Coalescer:
     async def _run(self, items: Sequence[_Pending]) -> list[Any]:
         # Results, or the exception each member raises: the batcher's own fallback (run again one
         # by one on any failure) would multiply a deadline or a failover by the batch's size.
+        if len(items) == 1:
+            return [await self._one(items[0])]
         groups: dict[Hashable, list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault(it.key, []).append(i)
