@@ -89,7 +89,8 @@ class Predictor:
             return await self._call("predict", inputs, timeout_s=timeout)
         deadline = asyncio.get_running_loop().time() + timeout
         try:
-            return await asyncio.wait_for(self._coalescer.submit(inputs, rows, key, deadline), timeout)
+            async with asyncio.timeout(timeout):  # no task per request, unlike wait_for
+                return await self._coalescer.submit(inputs, rows, key, deadline)
         except TimeoutError:
             raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", "predict", timeout) from None
 

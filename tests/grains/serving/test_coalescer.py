@@ -153,3 +153,19 @@ async def test_predictor_merges_64_concurrent_requests_into_few_calls(cluster, c
         await asyncio.sleep(0.1)
     with pytest.raises(BadInputError):  # alone or merged, a bad request gets its own error
         await asyncio.gather(p.predict(x[:1]), p.predict(torch.zeros(1, 63)))
+
+
+async def test_a_caller_that_gives_up_while_queued_is_left_out_of_the_merged_call():
+    wire = Wire()
+    c = Coalescer(wire.send, max_rows=64, in_flight=1)
+    first = submit(c, torch.zeros(1, 3))
+    await asyncio.sleep(0)
+    keep = [submit(c, torch.ones(1, 3)) for _ in range(3)]
+    gone = submit(c, torch.ones(1, 3) * 5)
+    await asyncio.sleep(0)
+    gone.cancel()  # its caller's deadline passed (asyncio.timeout cancels the same way)
+    await asyncio.sleep(0)
+    wire.gate.set()
+    await asyncio.gather(first, *keep)
+    assert gone.cancelled()
+    assert [(x.shape[0], req) for x, req in wire.calls] == [(1, 1), (3, 3)]
