@@ -24,15 +24,40 @@ docs/security.md says the same for operators.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 
 from silo import errors
 from silo.settings import TransportSettings
 
 
+class _CountedHandshake(ssl.SSLObject):
+    """A server-side TLS session whose failed handshake calls its context's ``on_refused``.
+
+    The event loop runs the handshake inside its own TLS protocol and, when it fails, drops the
+    connection without telling ours (the application protocol never sees it, by design): this
+    is the one place a refusal can be counted. ``SSLContext.sslobject_class`` is the documented
+    hook; asyncio's and uvloop's TLS both create their sessions through ``wrap_bio``."""
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise  # not a failure: the handshake needs more bytes
+        except ssl.SSLError as exc:
+            on_refused = getattr(self.context, "on_refused", None)
+            if on_refused is not None:
+                on_refused(exc)
+            raise
+
+
+class _ServerContext(ssl.SSLContext):
+    on_refused: Callable[[ssl.SSLError], None] | None = None
+
+
 def _context(purpose: ssl.Purpose, settings: TransportSettings) -> ssl.SSLContext:
     assert settings.tls_cert is not None and settings.tls_key is not None and settings.tls_ca is not None
     protocol = ssl.PROTOCOL_TLS_SERVER if purpose is ssl.Purpose.CLIENT_AUTH else ssl.PROTOCOL_TLS_CLIENT
-    ctx = ssl.SSLContext(protocol)
+    ctx = (_ServerContext if purpose is ssl.Purpose.CLIENT_AUTH else ssl.SSLContext)(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
@@ -48,9 +73,21 @@ def _context(purpose: ssl.Purpose, settings: TransportSettings) -> ssl.SSLContex
     return ctx
 
 
-def server_context(settings: TransportSettings) -> ssl.SSLContext | None:
-    """What a silo listens with: its certificate, and a client certificate the CA signed required."""
-    return _context(ssl.Purpose.CLIENT_AUTH, settings) if settings.tls else None
+def server_context(
+    settings: TransportSettings, on_refused: Callable[[ssl.SSLError], None] | None = None
+) -> ssl.SSLContext | None:
+    """What a silo listens with: its certificate, and a client certificate the CA signed required.
+
+    ``on_refused`` is called with the error of each handshake that fails: a peer without a
+    certificate our CA signed, one that distrusts ours, bytes that are not TLS. A peer that
+    closes before sending anything (a port probe; a plaintext caller waiting for our HELLO,
+    which under TLS never comes) is not a handshake and is not counted."""
+    if not settings.tls:
+        return None
+    ctx = _context(ssl.Purpose.CLIENT_AUTH, settings)
+    ctx.on_refused = on_refused  # type: ignore[attr-defined]
+    ctx.sslobject_class = _CountedHandshake
+    return ctx
 
 
 def client_context(settings: TransportSettings) -> ssl.SSLContext | None:

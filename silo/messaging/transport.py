@@ -56,7 +56,7 @@ class TransportStatistics:
     bad_frames: int
     """Frames refused as malformed or oversized."""
     refused: int
-    """Connections refused by the cluster-secret check."""
+    """Connections refused: a failed TLS handshake, or a wrong or missing cluster secret."""
     overloaded: int
     """Requests refused because their connection already had max_in_flight being served."""
     pending_calls: int
@@ -106,9 +106,13 @@ class Transport:
         self._inbound: set[Connection] = set()
         self.closed = False
         # Built once (a bad file fails the start with ConfigError); None: plain sockets.
-        self._server_ssl = tls.server_context(settings)
+        self._server_ssl = tls.server_context(settings, self._tls_refused)
         self._client_ssl = tls.client_context(settings)
         self._tls_timeout = settings.connect_timeout_s if settings.tls else None
+
+    def _tls_refused(self, exc: ssl.SSLError) -> None:
+        self._n.refused += 1
+        log.warning("refused a connection: TLS handshake failed (%s)", getattr(exc, "reason", None) or exc)
 
     def set_handler(self, handler: RequestHandler) -> None:
         self._handler = handler

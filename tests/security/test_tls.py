@@ -77,6 +77,7 @@ async def test_calls_over_mutual_tls_go_client_to_silo_to_silo(
 
         t = torch.arange(300_000, dtype=torch.float32)
         assert torch.equal(await c.get_grain(Echo, "t").echo(t), t)
+    assert a.transport.statistics().refused == 0 and b.transport.statistics().refused == 0
 
 
 async def _s_client(endpoint: str, ca: Path, cert: Path, key: Path) -> tuple[int, str]:
@@ -130,6 +131,7 @@ async def test_a_caller_with_a_certificate_from_another_ca_is_refused(
         with pytest.raises(errors.AuthenticationError, match="TLS handshake failed"):
             await c.get_grain(Echo, "x").with_timeout(3).echo("let me in")
     assert silo.transport.statistics().frames_in == 0
+    assert silo.transport.statistics().refused >= 1
     assert len(silo.catalog) == 0
 
 
