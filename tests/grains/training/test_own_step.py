@@ -382,3 +382,22 @@ async def test_trainers_time_their_exchanges(cluster, client):
     st = await run_job(client, "waits", TrainingJob(steps=30, trainers=2, shards=2, batch_size=16))
     # In sync mode a step waits for both trainers' pushes: never nothing, never a whole second.
     assert st.status == "completed" and 0 < st.exchange_ms_per_step < 1000, st
+
+
+async def test_state_dict_of_a_committed_checkpoint_is_that_steps_weights(cluster, client):
+    await cluster(1, grains=GRAINS)
+    spec = TrainingJob(trainers=1, shards=1, steps=12, checkpoint_every=6, batch_size=16)
+    st = await run_job(client, "at-step", spec)
+    assert st.status == "completed" and st.checkpoints[-2:] == [6, 12], st
+    # The same job stopped at step 6 (one trainer: the same batches and updates) is what step 6 holds.
+    st6 = await run_job(client, "to-six", spec.model_copy(update={"steps": 6}))
+    assert st6.status == "completed", st6
+    coord = client.get_grain(CoordinatorGrain, "at-step")
+    at6, final = await coord.state_dict(step=6), await coord.state_dict()
+    want6 = await client.get_grain(CoordinatorGrain, "to-six").state_dict()
+    for k in want6:
+        assert torch.allclose(at6[k], want6[k], atol=1e-6), k
+    assert all(torch.equal(final[k], v) for k, v in (await coord.state_dict(step=12)).items())
+    assert not torch.allclose(at6["1.weight"], final["1.weight"])
+    with pytest.raises(errors.ConfigError, match="no committed checkpoint at step 7"):
+        await coord.state_dict(step=7)
