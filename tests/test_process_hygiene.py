@@ -71,7 +71,7 @@ class Started:
                 return
 
     def text(self) -> str:
-        return "".join(self.output)[-4000:]
+        return "".join(self.output)[-40000:]
 
     def tree(self) -> list[psutil.Process]:
         me = psutil.Process(self.proc.pid)
@@ -118,7 +118,10 @@ def _describe(procs: list[psutil.Process]) -> str:
 
 def assert_all_gone(started: Started, tree: list[psutil.Process], timeout_s: float = 60.0) -> None:
     """Wait until every process of ``tree`` and every marked one has exited, or fail naming them."""
-    started.proc.wait(timeout_s)
+    try:
+        started.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {timeout_s:.0f} s after the signal\noutput:\n{started.text()}") from None
     deadline = time.monotonic() + timeout_s
     left: list[psutil.Process] = []
     while time.monotonic() < deadline:

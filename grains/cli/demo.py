@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from grains.ids import GrainId
+from silo.shutdown import raise_if_cancelled
 from silo.testing.embedded import free_port
 
 console = Console()
@@ -49,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]redgrain demo[/bold]: starting an embedded Redis (data in {data_dir}) and {args.silos} silos …")
     cluster = LocalCluster(grains="grains.training", silos=args.silos, cluster="demo", data_dir=data_dir)
     dash = None
-    # SIGTERM would end the process without running the cleanup below: make it a Ctrl-C.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    stop = _HardStop(cluster)
+    # SIGTERM would end the process without running the cleanup below: make it a Ctrl-C, as
+    # SIGINT is; either also arms the hard stop, which bounds the whole cleanup.
+    previous = signal.signal(signal.SIGTERM, stop.interrupt)
+    signal.signal(signal.SIGINT, stop.interrupt)
     try:
         cluster.start()
         for s in cluster.silos:
@@ -58,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
         port = args.dashboard_port or free_port()
         dash = DashboardThread(cluster.redis_url, cluster.cluster, port=port).start()
         console.print(f"  dashboard: [link={dash.url}]{dash.url}[/link]  (Redis at {cluster.redis_url})")
-        ok = asyncio.run(_drive(cluster, args))
+        try:
+            ok = asyncio.run(_drive(cluster, args, stop))
+        except asyncio.CancelledError:
+            if not stop.armed:
+                raise
+            raise KeyboardInterrupt from None
         if args.keep_running and not args.exit:
             console.print("cluster and dashboard keep running; press Ctrl-C to stop")
             while True:
@@ -74,19 +86,98 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             if dash is not None:
+                stop.stage = "stopping the dashboard"
                 dash.stop()
+            stop.stage = "stopping the silos and Redis"
             cluster.stop()
+            stop.disarm()
             console.print("stopped: silos, dashboard and Redis are gone")
         finally:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+HARD_STOP_S = 45.0
+"""Longest the cleanup after Ctrl-C or SIGTERM may take before what is left is SIGKILLed.
+
+The cleanup's own steps are bounded (dashboard 10 s, each silo's drain 15 s, then SIGKILL); this
+also bounds the rest (the training client's cancellation, the event loop's shutdown)."""
 
 
-async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
+class _HardStop:
+    """What SIGINT and SIGTERM do: stop the demo, within :data:`HARD_STOP_S`.
+
+    While the training client runs, a signal cancels its task (:meth:`cancel`, installed with
+    ``loop.add_signal_handler``): the cancellation arrives at an await, so the client closes as
+    it does on any error. Outside it (starting the cluster, ``--keep-running``) the signal
+    raises KeyboardInterrupt (:meth:`interrupt`). A KeyboardInterrupt raised inside the event
+    loop could land anywhere, between a lock's acquire and its ``with``, in the middle of a
+    transport's bookkeeping, and leave the loop's shutdown waiting forever: seen once in about
+    40 runs under load. Either way the first signal starts a timer. If the cleanup has not
+    finished when it fires, every silo and Redis are SIGKILLed and the process exits, saying
+    which step hung."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.stage = "ending the training client"
+        self._timer: threading.Timer | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._timer is not None
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(HARD_STOP_S, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def interrupt(self, signum: int, frame: Any) -> None:
+        self._arm()
+        raise KeyboardInterrupt
+
+    def cancel_task(self, task: asyncio.Task[Any]) -> None:
+        self._arm()
+        task.cancel()
+
+    def install(self) -> None:
+        """In the training client's task: a signal cancels it."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.cancel_task, task)
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)  # it restores the default: put ours back
+            signal.signal(sig, self.interrupt)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self) -> None:
+        console.print(f"[red]cleanup still {self.stage} after {HARD_STOP_S:.0f} s: killing what is left[/red]")
+        for silo in self.cluster.silos:
+            with contextlib.suppress(Exception):
+                silo.kill()
+        if self.cluster.redis is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.redis.kill()
+        os._exit(130)
+
+
+async def _drive(cluster: Any, args: argparse.Namespace, stop: _HardStop) -> bool:
+    stop.install()
+    try:
+        return await _train(cluster, args)
+    finally:
+        stop.uninstall()
+
+
+async def _train(cluster: Any, args: argparse.Namespace) -> bool:
     from grains.training import CoordinatorGrain, TrainingJob
     from grains.training.console import metric_text
     from silo.client import ClusterClient
@@ -127,6 +218,7 @@ async def _drive(cluster: Any, args: argparse.Namespace) -> bool:
             task = progress.add_task("training", total=max(1, status.total_steps or spec.steps or 1), metrics="")
             while True:
                 status = await _status(coord)
+                raise_if_cancelled()  # Ctrl-C during a poll: _status answers None for any error
                 if status is not None:
                     progress.update(
                         task,

@@ -37,6 +37,7 @@ from silo.keys import Keys
 from silo.messaging.frame import REQUEST
 from silo.messaging.transport import Transport
 from silo.redis_util import redis_errors
+from silo.shutdown import raise_if_cancelled
 from silo.tracing import Carrier, Tracing
 
 log = logging.getLogger("redgrain.router")
@@ -227,90 +228,97 @@ class Router:
 
     # --- the Caller protocol used by GrainRef ------------------------------
     async def invoke(self, call: Call) -> Any:
-        grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
-        info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
-        if method not in info.methods:
-            raise errors.UnknownMethodError(grain_id.type_name, method)
-        timeout = timeout_s if timeout_s is not None else self._timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        self._calls += 1
-        # Off, the whole cost of tracing on this path: this test.
-        trace = None if self.tracing is None else self.tracing.current_carrier()
-        last: Exception | None = None
-        attempt = 0
-        # Undelivered calls are retried until the deadline: a killed silo is
-        # declared dead within about a second, and its grains then re-place.
-        while True:
-            if attempt:
-                self._retries += 1
-                # Give membership a moment to learn of the death we just saw; a shedding
-                # silo gets jittered waits, so its callers do not come back all at once.
-                backoff = min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S)
-                if isinstance(last, errors.LoadShedError):
-                    backoff *= random.uniform(0.5, 1.0)
-                await asyncio.sleep(min(backoff, max(0.0, deadline - loop.time())))
-            attempt += 1
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            # Cache hit inline: locate() is a coroutine, a cost on every call.
-            target = self._where.get(grain_id) if not info.stateless_worker else None
-            if target is None or self._view.is_dead(target):
-                target = await self.locate(grain_id, info)
-            try:
-                if self._local is not None and target == self._local.address:
-                    self._local_calls += 1
-                    if trace is None:
-                        return await self._local.dispatch(call, deadline)
-                    return await self._local.dispatch(call, deadline, None, trace)
+        try:
+            grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
+            info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
+            if method not in info.methods:
+                raise errors.UnknownMethodError(grain_id.type_name, method)
+            timeout = timeout_s if timeout_s is not None else self._timeout_s
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            self._calls += 1
+            # Off, the whole cost of tracing on this path: this test.
+            trace = None if self.tracing is None else self.tracing.current_carrier()
+            last: Exception | None = None
+            attempt = 0
+            # Undelivered calls are retried until the deadline: a killed silo is
+            # declared dead within about a second, and its grains then re-place.
+            while True:
+                if attempt:
+                    self._retries += 1
+                    # Give membership a moment to learn of the death we just saw; a shedding
+                    # silo gets jittered waits, so its callers do not come back all at once.
+                    backoff = min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S)
+                    if isinstance(last, errors.LoadShedError):
+                        backoff *= random.uniform(0.5, 1.0)
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - loop.time())))
+                attempt += 1
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                # Cache hit inline: locate() is a coroutine, a cost on every call.
+                target = self._where.get(grain_id) if not info.stateless_worker else None
+                if target is None or self._view.is_dead(target):
+                    target = await self.locate(grain_id, info)
                 try:
-                    conn = self._transport.connection_nowait(target.endpoint) or await self._connect(target, remaining)
-                except errors.SiloUnavailableError as exc:
-                    # Not delivered: safe to retry elsewhere.
-                    last = exc
-                    self.forget_silo(target)
-                    self._view.hint_unreachable(target)
-                    continue
-                except errors.AuthenticationError as exc:
-                    # A silo outside our secret: never place there again; if the
-                    # grain already lives there we cannot reach it, say so.
-                    self._refused[target] = exc
-                    self.forget_silo(target)
-                    entry = await self._directory.lookup(grain_id)
-                    if entry is not None and entry.silo == target:
-                        raise
-                    continue
-                if not conn.has_slot():
-                    # max_in_flight reached: wait our turn within the deadline, never fail for it.
+                    if self._local is not None and target == self._local.address:
+                        self._local_calls += 1
+                        if trace is None:
+                            return await self._local.dispatch(call, deadline)
+                        return await self._local.dispatch(call, deadline, None, trace)
                     try:
-                        await conn.wait_slot(deadline)
-                    except TimeoutError:
-                        raise errors.GrainTimeoutError(str(grain_id), method, timeout) from None
+                        conn = self._transport.connection_nowait(target.endpoint) or await self._connect(target, remaining)
                     except errors.SiloUnavailableError as exc:
-                        last = exc  # lost while we waited, nothing sent: reconnect and retry
+                        # Not delivered: safe to retry elsewhere.
+                        last = exc
+                        self.forget_silo(target)
+                        self._view.hint_unreachable(target)
                         continue
-                    remaining = deadline - loop.time()
-                # send() inlined: one coroutine frame fewer on every call.
-                header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
-                if trace is not None:
-                    header.append(trace)
-                try:
-                    return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
-                except errors.GrainTimeoutError as exc:
-                    raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
-            except errors.SiloNotServingError as exc:
-                # Turned away before any grain code ran (draining or fenced): retry.
-                last = exc
-                self.forget(grain_id)
-                continue
-            except errors.LoadShedError as exc:
-                # Shed unrun (a connection or mailbox over its limit): back off and retry.
-                last = exc
-                continue
-        if last is not None and not isinstance(last, errors.LoadShedError):
-            raise last
-        raise errors.GrainTimeoutError(str(grain_id), method, timeout) from last
+                    except errors.AuthenticationError as exc:
+                        # A silo outside our secret: never place there again; if the
+                        # grain already lives there we cannot reach it, say so.
+                        self._refused[target] = exc
+                        self.forget_silo(target)
+                        entry = await self._directory.lookup(grain_id)
+                        if entry is not None and entry.silo == target:
+                            raise
+                        continue
+                    if not conn.has_slot():
+                        # max_in_flight reached: wait our turn within the deadline, never fail for it.
+                        try:
+                            await conn.wait_slot(deadline)
+                        except TimeoutError:
+                            raise errors.GrainTimeoutError(str(grain_id), method, timeout) from None
+                        except errors.SiloUnavailableError as exc:
+                            last = exc  # lost while we waited, nothing sent: reconnect and retry
+                            continue
+                        remaining = deadline - loop.time()
+                    # send() inlined: one coroutine frame fewer on every call.
+                    header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
+                    if trace is not None:
+                        header.append(trace)
+                    try:
+                        return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
+                    except errors.GrainTimeoutError as exc:
+                        raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
+                except errors.SiloNotServingError as exc:
+                    # Turned away before any grain code ran (draining or fenced): retry.
+                    last = exc
+                    self.forget(grain_id)
+                    continue
+                except errors.LoadShedError as exc:
+                    # Shed unrun (a connection or mailbox over its limit): back off and retry.
+                    last = exc
+                    continue
+            if last is not None and not isinstance(last, errors.LoadShedError):
+                raise last
+            raise errors.GrainTimeoutError(str(grain_id), method, timeout) from last
+        except Exception:
+            # A cancellation that a command underneath swallowed (redis-py on 3.11 can turn one
+            # into a timeout: silo/shutdown.py) must not come back as an ordinary error that a
+            # caller's retry loop absorbs and goes on: the task was asked to end.
+            raise_if_cancelled()
+            raise
 
     async def system_call(
         self, silo: SiloAddress, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None

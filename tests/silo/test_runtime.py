@@ -89,6 +89,29 @@ async def test_deadline_passed_raises_grain_timeout(cluster, client: ClusterClie
     assert await echo.with_timeout(2).echo("next") == "next"
 
 
+async def test_a_failed_call_in_a_task_asked_to_cancel_raises_cancelled_not_the_error(cluster, client: ClusterClient) -> None:
+    """A cancellation swallowed under a call (redis-py can, on 3.11) must not surface as an
+    ordinary error a caller's loop absorbs: the task was asked to end (seen: Ctrl-C to the demo
+    during a status poll left it polling forever)."""
+    await cluster(1)
+    echo = client.get_grain(Echo, "c")
+
+    async def swallowed_then_call() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # what a command underneath did; the request still counts (task.cancelling())
+        await echo.fail("boom")
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.ensure_future(swallowed_then_call())
+    with pytest.raises(errors.RemoteGrainError, match="boom"):  # no cancel asked: the error as it is
+        await echo.fail("boom")
+
+
 async def test_grain_exception_arrives_as_remote_error_with_traceback(cluster, client: ClusterClient) -> None:
     await cluster(1)
     with pytest.raises(errors.RemoteGrainError) as info:
