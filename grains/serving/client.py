@@ -84,15 +84,17 @@ class Predictor:
         if sig is None or self._coalescer is None:
             return await self._call("predict", inputs, timeout_s=timeout)
         rows, key = sig
-        limit = await self._max_rows()
-        if limit is None or rows >= limit:
-            return await self._call("predict", inputs, timeout_s=timeout)
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
             async with asyncio.timeout(timeout):  # no task per request, unlike wait_for
-                return await self._coalescer.submit(inputs, rows, key, deadline)
+                limit = await self._max_rows()
+                if limit is not None and rows < limit:
+                    return await self._coalescer.submit(inputs, rows, key, deadline)
         except TimeoutError:
             raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", "predict", timeout) from None
+        # The limit is not known (the model is not loaded yet) or the request fills a batch alone.
+        return await self._call("predict", inputs, timeout_s=max(deadline - loop.time(), 1e-3))
 
     async def metadata(self, timeout_s: float | None = None) -> ModelInfo:
         return await self._call("metadata", timeout_s=timeout_s)  # type: ignore[no-any-return]
