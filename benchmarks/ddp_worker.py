@@ -87,6 +87,10 @@ def main() -> int:
             acc = float((model(tx).argmax(1) == ty).float().mean())
         events.write(f"done {time.time():.6f} {acc}\n")
         events.close()
+    # Both ranks past their last collective before either tears gloo down: a rank that exits
+    # while the other still evaluates resets its pairs, and gloo's thread there aborts the
+    # process ("terminate called without an active exception", exit -6; seen under load).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
