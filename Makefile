@@ -13,6 +13,9 @@ ARGS ?=
 CHROMIUM := /usr/bin/chromium
 # tests/dashboard/test_promtool.py lints /metrics with promtool, from Debian's prometheus package (same rule).
 PROMTOOL := /usr/bin/promtool
+# tests/netns partitions silos with `ip netns` and `tc netem` (Debian's iproute2): installed
+# the same way. They need root anyway, so without root make test goes on and they say why.
+IPROUTE := /usr/sbin/tc
 
 .PHONY: install test demo bench soak lint typecheck clean partition-test
 
@@ -35,7 +38,12 @@ $(PROMTOOL):
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 
-test: $(STAMP) $(CHROMIUM) $(PROMTOOL)
+$(IPROUTE):
+	@if [ "$$(id -u)" != 0 ]; then echo "note: the network-partition tests need root and Debian's iproute2; they will not run" >&2; \
+	else DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null; fi
+
+test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(IPROUTE)
 	$(PY) -m pytest -q -m "not soak" $(ARGS)
 
 demo: $(STAMP)
