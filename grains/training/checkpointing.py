@@ -32,7 +32,10 @@ class ShardSnapshot(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     step: int
+    """Global steps applied: the one meaning of a step number in every mode (a holder restored
+    from it continues at this step, with its own mode's rule)."""
     version: int
+    """Equal to ``step`` (older checkpoints of async shards hold their push count: restores ignore it)."""
     params: dict[str, torch.Tensor]
     """In model order (the optimizer state is indexed by it)."""
     optimizer: dict[str, Any]

@@ -18,6 +18,7 @@ job fails at once with the reason instead of restarting the trainer.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,17 @@ class TrainingStepError(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """A step's loss was NaN or infinite and the job says ``on_nonfinite = "fail"`` (fatal)."""
+
+
+def nonfinite(value: float, step: int, policy: str) -> bool:
+    """The job's rule for a step's loss ``value``, the same in every mode: True when the step is
+    to be skipped (not finite, ``on_nonfinite = "skip"``); NonFiniteLossError naming the step
+    under ``"fail"``; False when the loss is finite."""
+    if math.isfinite(value):
+        return False
+    if policy == "fail":
+        raise NonFiniteLossError(f"step {step}: the loss is {value} (on_nonfinite='fail')")
+    return True
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -71,7 +71,9 @@ class ShardCore:
             self.schedule_step = snapshot.step
             if snapshot.optimizer and self.opt is not None:
                 self.opt.load_state_dict(snapshot.optimizer)
-            version = snapshot.version
+            # The step-number rule: a holder restored at step c has applied c global steps,
+            # whichever mode saved it (an async shard's own count of pushes stays its own).
+            version = snapshot.step
         self.current: tuple[int, dict[str, torch.Tensor]] = (version, self.publish())
         """The version and its parameters in the pull dtype, replaced in one assignment: updates
         run on the executor while the event loop answers pulls, which must never pair a new
@@ -204,7 +206,7 @@ class ShardCore:
             optimizer = {}
         return ShardSnapshot(
             step=step,
-            version=self.version,
+            version=step,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
             optimizer=optimizer,
             buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.buffers, **self.frozen}.items()},
