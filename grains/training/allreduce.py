@@ -273,12 +273,11 @@ class AllreduceTrainerGrain(Grain):
             )
             rep = self._rep
             assert rep is not None
-            every = a.spec.checkpoint_every
+            rep.segments = list(a.data_segments)
             for step in range(a.start_step, a.end_step):
                 r = await self.run_in_thread(rep.step, step, a.rank, a.world, group, abandon)
                 self._record(step, r)
-                # Every checkpoint_every steps, and always the last step (the job's result).
-                if a.rank == 0 and ((every and (step + 1) % every == 0) or step + 1 == a.end_step):
+                if a.rank == 0 and checkpointing.checkpoint_due(a.spec, step + 1, a.end_step):
                     await self._checkpoint(a, rep)
             # Done means saved too: the coordinator commits what the final report lists.
             await asyncio.gather(*self._saves, return_exceptions=True)
@@ -341,7 +340,7 @@ class AllreduceTrainerGrain(Grain):
 
     async def _save(self, a: GroupAssignment, snap: ShardSnapshot) -> None:
         try:
-            await checkpointing.save_whole(self, a.job, a.run, snap, a.spec.keep_checkpoints)
+            await checkpointing.save_whole(self, a.job, a.run, snap, checkpointing.retained(a.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

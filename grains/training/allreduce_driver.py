@@ -175,6 +175,8 @@ class AllreduceDriver(Driver):
         s.trainer_keys = [k for k, _ in members]
         s.trainer_silos = [silo for _, silo in members]
         s.slots = len(members)
+        if members:  # the group's world from ``start`` on: the data goes on from the next unseen sample
+            self.resize_data(start, len(members))
         self.progress.clear()
         self.cursor = start
         self.note_change(s.generation, why, len(members), start)
@@ -203,6 +205,7 @@ class AllreduceDriver(Driver):
             job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, world=len(s.trainer_keys),
             members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]
             start_step=start, end_step=s.total_steps, source=source, restore_step=restore,
+            data_segments=list(s.data_segments),
         )  # fmt: skip
 
     def _note_first_step(self) -> None:

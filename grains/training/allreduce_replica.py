@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grains.training.batches import Batches, batch_samples
+from grains.training.batches import Batches
 from grains.training.checkpointing import ShardSnapshot
+from grains.training.data_position import Segment
 from grains.training.datasets import load_dataset
 from grains.training.job import TrainingJob
 from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
-from grains.training.program import NonFiniteLossError, Program
+from grains.training.step_runner import StepRunner
 
 if TYPE_CHECKING:
     from grains.training.allreduce import Group
@@ -62,9 +63,10 @@ class GroupReplica:
         self.float_buffers = [b for b in self.buffers.values() if b.is_floating_point()]
         self.opt = build_optimizer(named, spec)
         self.schedule = build_schedule(self.opt, spec)
-        self.program = Program.of(spec, device)
-        self.scaler = torch.amp.GradScaler(torch.device(device).type) if spec.amp == "fp16" else None
+        self.runner = StepRunner(spec, device, self.params)
         self.batches = Batches(load_dataset(spec, "train"), device)
+        self.segments: list[Segment] = []
+        """The data position of the current group (its assignment's ``data_segments``)."""
         self.flat = torch.zeros(sum(p.numel() for p in self.params), device=device)
         self.held = (-1, -1)
         self._lock = threading.Lock()
@@ -84,6 +86,9 @@ class GroupReplica:
             advance(self.schedule, snap.step)
             if snap.optimizer and self.opt is not None:
                 self.opt.load_state_dict(snap.optimizer)
+            # Every rank and every joiner takes the same scale: a mean of gradients scaled by
+            # different factors is no gradient at all.
+            self.runner.load_state_dict(snap.scaler)
             self.held = (run, snap.step)
 
     def snapshot(self) -> ShardSnapshot:
@@ -103,6 +108,7 @@ class GroupReplica:
                 params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
                 optimizer=optimizer,
                 buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()},
+                scaler=self.runner.state_dict(),
             )
 
     def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
@@ -114,29 +120,23 @@ class GroupReplica:
         with self._lock:
             if self.held[1] != step:
                 raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
-            batch = self.batches.batch(self.spec.batch_size, world, rank, step, self.spec.seed)
-            for p in self.params:
-                p.grad = None
-            loss, metrics = self.program.step(self.model, batch)
-            value = float(loss.detach())  # read once a step
-            if math.isfinite(value):
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-                torch.cat([g.reshape(-1) for g in grads], out=self.flat)
-            elif self.spec.on_nonfinite == "fail":
-                raise NonFiniteLossError(f"step {step}: the loss is {value} (on_nonfinite='fail')")
-            else:
+            batch = self.batches.batch(self.spec.slot_batch, world, rank, step, self.spec.seed, self.segments)
+            epoch = self.batches.schedule(self.spec.slot_batch, world, self.segments).position(step)[0]
+            b = self.runner.backward(self.model, batch, step, slot=rank, world=world, epoch=epoch)
+            if b.skip:  # non-finite loss, on_nonfinite = "skip": the mean is non-finite everywhere
                 self.flat.fill_(math.nan)
+            else:
+                torch.cat([g.reshape(-1) for g in self.runner.grads()], out=self.flat)
             t0 = time.perf_counter()
             mean = group.allreduce_mean(self.flat, abandon)
             if self.float_buffers:  # BatchNorm statistics: the mean over the group, as in sync PS mode
-                bufs = torch.cat([b.detach().reshape(-1).float() for b in self.float_buffers])
+                bufs = torch.cat([buf.detach().reshape(-1).float() for buf in self.float_buffers])
                 bufs = group.allreduce_mean(bufs, abandon, raw=True)
                 offset = 0
                 with torch.no_grad():
-                    for b in self.float_buffers:
-                        b.copy_(bufs[offset : offset + b.numel()].view_as(b))
-                        offset += b.numel()
+                    for buf in self.float_buffers:
+                        buf.copy_(bufs[offset : offset + buf.numel()].view_as(buf))
+                        offset += buf.numel()
             offset = 0
             for p in self.params:
                 n = p.numel()
@@ -145,25 +145,20 @@ class GroupReplica:
             exchange_s = time.perf_counter() - t0
             skipped = self._apply(mean)
             self.held = (self.held[0], step + 1)
-            return StepResult(value, metrics, batch_samples(batch), skipped, exchange_s)
+            return StepResult(b.loss, b.metrics, b.samples, skipped, exchange_s)
 
     def _apply(self, mean: torch.Tensor) -> bool:
-        """The optimizer step on the mean gradient (clipped, unscaled); True when skipped."""
+        """The optimizer step on the group's mean gradient (unscaled, clipped); True when skipped.
+
+        Every rank holds the same mean and the same scale, so every rank decides alike."""
         skipped = False
         if self.opt is not None:
-            if self.scaler is not None:
-                if self.spec.clip_grad_norm is not None:
-                    self.scaler.unscale_(self.opt)
-                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
-                scale = self.scaler.get_scale()
-                self.scaler.step(self.opt)
-                self.scaler.update()
-                skipped = self.scaler.get_scale() < scale
+            if self.runner.scaler is not None:
+                skipped = self.runner.unscale([p.grad for p in self.params if p.grad is not None])
             elif self.spec.on_nonfinite == "skip" and not bool(torch.isfinite(mean).all()):
                 skipped = True
-            else:
-                if self.spec.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.spec.clip_grad_norm)
+            if not skipped:
+                self.runner.clip(self.params)
                 self.opt.step()
         step_schedule(self.schedule)
         return skipped

@@ -1,25 +1,31 @@
 """Batches from any dataset: collation, the batch schedule, streams and loader workers.
 
 The batch schedule is the contract that makes sync mode equal to plain
-training.
+training. Where a step's samples begin is the job's data position, counted in
+samples (:mod:`grains.training.data_position`: segments of constant trainer
+count ``k``, which the coordinator extends whenever ``k`` changes, so a
+resize continues from the next unseen sample).
 
 *Map-style*: epoch ``e`` shuffles the training set with ``torch.randperm(n,
-generator=seed + e)``; global step ``t`` (epoch ``t // S``, ``S = n // (k *
-B)`` steps per epoch, the remainder dropped) takes the slice ``[(t % S) * k *
-B, (t % S + 1) * k * B)`` of that permutation, and trainer slot ``j`` gets
-the ``j``-th ``B`` of it.
+generator=seed + e)``; each global step takes the next ``k * B`` samples of
+the current epoch's permutation, and trainer slot ``j`` gets the ``j``-th
+``B`` of them. When fewer than ``k * B`` remain, the rest of the epoch is
+dropped and the step starts epoch ``e + 1`` at offset 0. With ``k`` constant
+from step 0 this is: step ``t`` (epoch ``t // S``, ``S = n // (k * B)``)
+takes ``[(t % S) * k * B, (t % S + 1) * k * B)`` of the permutation.
 
 *IterableDataset*: its passes, concatenated, are one endless stream (pass
 ``e`` is ``iter(ds)`` after ``ds.set_epoch(e)`` where the dataset has that
 method; otherwise every pass must yield the same items in the same order).
-Nothing is dropped and nothing is shuffled: global step ``t`` takes the
-stream's items ``[t * k * B, (t + 1) * k * B)``, so a global batch may span
+Nothing is dropped and nothing is shuffled: the position is a plain offset in
+the stream, each global step takes its next ``k * B`` items (with ``k``
+constant: ``[t * k * B, (t + 1) * k * B)``), so a global batch may span
 the end of one pass and the start of the next, and slot ``j`` gets the
 ``j``-th ``B`` of them. Every slot reads the whole stream and keeps its
 share: with k slots each item is produced k times, the price of not asking
 the dataset to shard itself. Steps read in order cost only their own items.
 A fresh reader (a trainer restarted at step ``t`` from a checkpoint) produces
-and throws away the ``t * k * B`` items before its first batch, once, and
+and throws away the items before its first batch, once, and
 then reads exactly what an uninterrupted run reads; a step before the
 reader's position starts again at the beginning of the pass that holds it
 (where passes begin is learnt by reading them through, and a pass whose
@@ -43,6 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from grains.training.data_position import DataSchedule, Segment
 from grains.training.datasets import dataset_size
 from silo.errors import ConfigError
 
@@ -135,7 +142,8 @@ def steps_per_epoch(n: int, batch_size: int, slots: int) -> int:
 
 
 def batch_indices(n: int, batch_size: int, slots: int, slot: int, step: int, seed: int) -> torch.Tensor:
-    """Indices of trainer ``slot``'s batch at global ``step`` (see the module docstring)."""
+    """Indices of trainer ``slot``'s batch at global ``step`` with ``slots`` trainers from step 0
+    (the closed form of the module docstring's rule; :meth:`Batches.indices` takes any schedule)."""
     per_epoch = steps_per_epoch(n, batch_size, slots)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
@@ -203,22 +211,27 @@ class _Stream:
 class _StepIndices:
     """The index lists of one slot's steps, a DataLoader ``batch_sampler``."""
 
-    def __init__(self, batches: Batches, batch_size: int, slots: int, slot: int, steps: range, seed: int) -> None:
+    def __init__(
+        self, batches: Batches, batch_size: int, slots: int, slot: int, steps: range, seed: int,
+        segments: Sequence[Segment] | None,
+    ) -> None:  # fmt: skip
         self._batches, self._steps = batches, steps
-        self._args = (batch_size, slots, slot, seed)
+        self._args = (batch_size, slots, slot, seed, segments)
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def __iter__(self) -> Iterator[list[int]]:
-        b, k, j, seed = self._args
+        b, k, j, seed, segments = self._args
         for step in self._steps:
-            yield self._batches.indices(b, k, j, step, seed).tolist()
+            yield self._batches.indices(b, k, j, step, seed, segments).tolist()
 
 
 class Batches:
     """The batches of one dataset split by the schedule in the module docstring.
 
+    ``segments`` (:class:`~grains.training.data_position.Segment`, the job's data position)
+    say where each step's samples begin; None or empty: ``slots`` trainers from step 0.
     Map-style: keeps the current epoch's permutation, so a step costs one
     gather (tensor datasets) or one collate of its items. IterableDataset:
     keeps its place in the stream, so steps read in order cost only their
@@ -247,6 +260,8 @@ class Batches:
                 self._tensors = tuple(t.to(device) for t in tensors)
         self._perm_key: tuple[int, int] | None = None
         self._perm: torch.Tensor | None = None
+        self._schedule_key: tuple[int, int, tuple[Segment, ...]] | None = None
+        self._schedule: DataSchedule | None = None
 
     @property
     def size(self) -> int | None:
@@ -258,36 +273,55 @@ class Batches:
             raise TypeError(f"{type(self._ds).__name__} has no length")
         return self._size
 
-    def indices(self, batch_size: int, slots: int, slot: int, step: int, seed: int) -> torch.Tensor:
-        """Map-style: the dataset indices of ``slot``'s batch at ``step`` (= :func:`batch_indices`)."""
+    def schedule(self, batch_size: int, slots: int, segments: Sequence[Segment] | None = None) -> DataSchedule:
+        """The data position of this split's steps (kept while the arguments stay the same)."""
+        key = (batch_size, slots, tuple(segments or ()))
+        if self._schedule is None or self._schedule_key != key:
+            self._schedule = DataSchedule.of(self._size, batch_size, key[2], slots)
+            self._schedule_key = key
+        return self._schedule
+
+    def _start(self, batch_size: int, slots: int, slot: int, step: int, segments: Sequence[Segment] | None) -> tuple[int, int]:
+        """``(epoch, first sample)`` of ``slot``'s batch at ``step``."""
+        epoch, offset, world = self.schedule(batch_size, slots, segments).position(step)
+        if not 0 <= slot < world:
+            raise ValueError(f"slot {slot} of a step that {world} trainer(s) take (step {step})")
+        return epoch, offset + slot * batch_size
+
+    def indices(
+        self, batch_size: int, slots: int, slot: int, step: int, seed: int, segments: Sequence[Segment] | None = None
+    ) -> torch.Tensor:
+        """Map-style: the dataset indices of ``slot``'s batch at ``step`` (one segment: = :func:`batch_indices`)."""
         n = self._map_size()
-        epoch, i = divmod(step, steps_per_epoch(n, batch_size, slots))
+        epoch, start = self._start(batch_size, slots, slot, step, segments)
         if self._perm_key != (seed, epoch):
             self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
             self._perm_key = (seed, epoch)
         assert self._perm is not None
-        start = (i * slots + slot) * batch_size
         return self._perm[start : start + batch_size]
 
-    def batch(self, batch_size: int, slots: int, slot: int, step: int, seed: int) -> Any:
+    def batch(
+        self, batch_size: int, slots: int, slot: int, step: int, seed: int, segments: Sequence[Segment] | None = None
+    ) -> Any:
         """Trainer ``slot``'s batch (of ``slots``) at global ``step``, on the device."""
         if self._stream is not None:
-            start = (step * slots + slot) * batch_size
+            _, start = self._start(batch_size, slots, slot, step, segments)
             return to_device(collate(self._stream.read(start, start + batch_size)), self._device)
-        return self.gather(self.indices(batch_size, slots, slot, step, seed))
+        return self.gather(self.indices(batch_size, slots, slot, step, seed, segments))
 
     def iterate(
-        self, batch_size: int, slots: int, slot: int, start_step: int, end_step: int, seed: int
-    ) -> Iterator[Any]:
+        self, batch_size: int, slots: int, slot: int, start_step: int, end_step: int, seed: int,
+        segments: Sequence[Segment] | None = None,
+    ) -> Iterator[Any]:  # fmt: skip
         """The batches of steps ``start_step .. end_step - 1`` in order (in workers when configured).
 
         With workers, close the iterator (or drop it) to stop them early.
         """
         if self._workers == 0 or self._tensors is not None or self._stream is not None:
             for step in range(start_step, end_step):
-                yield self.batch(batch_size, slots, slot, step, seed)
+                yield self.batch(batch_size, slots, slot, step, seed, segments)
             return
-        sampler = _StepIndices(self, batch_size, slots, slot, range(start_step, end_step), seed)
+        sampler = _StepIndices(self, batch_size, slots, slot, range(start_step, end_step), seed, segments)
         yield from self._load(sampler)
 
     def eval_batches(self, batch_size: int) -> Iterator[Any]:

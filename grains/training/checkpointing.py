@@ -22,8 +22,39 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import Grain
+from grains.training.job import TrainingJob
 from grains.training.optim import DEFAULT_GROUP, group_order
 from silo import errors
+
+
+def checkpoint_due(spec: TrainingJob, step: int, end_step: int) -> bool:
+    """Whether every holder snapshots the state after ``step`` global steps: the one rule of every
+    mode. Each multiple of ``checkpoint_every``, each of ``eval_every`` (mid-run evaluation reads a
+    committed step, never weights torn between steps) and the job's last step."""
+    if step <= 0:
+        return False
+    every, evals = spec.checkpoint_every, spec.eval_every
+    return step == end_step or bool(every and step % every == 0) or bool(evals and step % evals == 0)
+
+
+def next_checkpoint(spec: TrainingJob, step: int, end_step: int) -> int:
+    """The first step after ``step`` that :func:`checkpoint_due` names (0: none)."""
+    after = [(step // n + 1) * n for n in (spec.checkpoint_every, spec.eval_every) if n]
+    if end_step > step:
+        after.append(end_step)
+    after = [c for c in after if c <= end_step] if end_step > step else after
+    return min(after, default=0)
+
+
+def retained(spec: TrainingJob) -> int:
+    """How many complete checkpoints the store itself keeps of a run (its retention, applied as
+    each save completes one). ``keep_checkpoints``; with mid-run evaluation, no limit it would
+    reach: the coordinator prunes instead, once a checkpoint is evaluated, since the store
+    dropped checkpoints due for evaluation before the coordinator could read them."""
+    return spec.keep_checkpoints if not spec.eval_every else spec.keep_checkpoints + _EVALUATION_SLACK
+
+
+_EVALUATION_SLACK = 1_000_000
 
 
 class ShardSnapshot(BaseModel):
@@ -42,6 +73,9 @@ class ShardSnapshot(BaseModel):
     """``torch.optim.Optimizer.state_dict()`` of the shard's optimizer ({}: none yet, e.g. ``init_from``)."""
     buffers: dict[str, torch.Tensor] = Field(default_factory=dict)
     """Frozen parameters and persistent buffers (BatchNorm statistics) this part holds."""
+    scaler: dict[str, float] = Field(default_factory=dict)
+    """The fp16 loss scaler of a holder that steps the optimizer (:class:`~grains.training.loss_scale.LossScaler`;
+    {}: none, or a mode whose trainers keep their own)."""
 
 
 class SnapshotState(BaseModel):
@@ -52,6 +86,11 @@ class SnapshotState(BaseModel):
 
 def group(job: str, run: int) -> str:
     return f"training.{job}.r{run}"
+
+
+def best_group(job: str, run: int) -> str:
+    """The group of the one checkpoint ``keep_best`` keeps, apart from retention's."""
+    return f"{group(job, run)}.best"
 
 
 def member(key: str, type_name: str = "ParamShardGrain") -> str:
@@ -83,7 +122,7 @@ async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, 
 
 
 async def load_model(
-    grain: Grain, job: str, run: int, step: int, names: list[str], extra: list[str] | None = None
+    grain: Grain, job: str, run: int, step: int, names: list[str], extra: list[str] | None = None, name: str | None = None
 ) -> ShardSnapshot:
     """Parameters ``names`` (trainable, model order) with their optimizer state, and the frozen
     parameters and buffers ``extra``, at ``step``, from every member of the snapshot, whichever
@@ -91,14 +130,15 @@ async def load_model(
 
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
-    info = await grain.snapshot_info(group(job, run), step)
+    g = name or group(job, run)
+    info = await grain.snapshot_info(g, step)
     if info is None or not info.complete:
-        raise errors.StorageError(f"snapshot {group(job, run)}/{step} is missing or incomplete")
+        raise errors.StorageError(f"snapshot {g}/{step} is missing or incomplete")
     parts = []
     for m in info.members:
-        decoded = await grain.read_snapshot_member(group(job, run), step, m)
+        decoded = await grain.read_snapshot_member(g, step, m)
         if decoded.snapshot is None:
-            raise errors.StorageError(f"snapshot {group(job, run)}/{step} member {m} holds no model data")
+            raise errors.StorageError(f"snapshot {g}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
     return extract(parts, names, extra or [])
 
@@ -151,6 +191,7 @@ def extract(parts: list[ShardSnapshot], names: list[str], extra: list[str] | Non
         params={n: where[n][0].params[n] for n in names},
         optimizer={"state": state, "param_groups": groups} if groups else {},
         buffers={n: held[n] for n in extra or []},
+        scaler=next((p.scaler for p in parts if p.scaler), {}),
     )
 
 

@@ -100,6 +100,17 @@ class Compressor:
     def restore(self, residual: dict[str, torch.Tensor]) -> None:
         self._residual = dict(residual)
 
+    def add_residual(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each gradient plus its residual, in place: the error-compensated gradients, which
+        :meth:`compress` then sends as they are. A trainer that clips clips these, so what is
+        sent (and applied) stays within the bound; clipping before the residual was added back
+        did not bound it."""
+        for n, g in grads.items():
+            res = self._residual.pop(n, None)
+            if res is not None:
+                g.add_(res)
+        return grads
+
     def compress(self, name: str, grad: torch.Tensor) -> Payload:
         kind = self.spec.kind
         if kind == "none":

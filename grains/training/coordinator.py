@@ -31,7 +31,9 @@ dashboard's job record (whose cancel request ends the job), and the job's end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -40,9 +42,12 @@ from pydantic import BaseModel, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
+from grains.training import checkpointing
 from grains.training.allreduce_driver import AllreduceDriver
-from grains.training.batches import Batches, batch_samples, steps_per_epoch
+from grains.training.batches import Batches, batch_samples
+from grains.training.callbacks import Callbacks
 from grains.training.checkpointing import ShardSnapshot, group
+from grains.training.data_position import DataSchedule, Segment
 from grains.training.datasets import load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
@@ -85,7 +90,7 @@ def _job_group(job: str, name: str) -> bool:
     trainer's residuals in it (``residual_group``); never another job's whose id extends this one."""
     prefix = group(job, 0)[:-1]
     run, _, rest = name.removeprefix(prefix).partition(".")
-    return name.startswith(prefix) and run.isdigit() and (not rest or rest.startswith("residual."))
+    return name.startswith(prefix) and run.isdigit() and (not rest or rest.startswith("residual.") or rest == "best")
 
 
 class _Evaluator:
@@ -98,15 +103,18 @@ class _Evaluator:
         self.program = Program.of(spec)
         self.batches = Batches(load_dataset(spec, "test"))
         self.batch_size = spec.eval_batch_size
+        self._lock = threading.Lock()  # one model: a background evaluation and an export take turns
 
     def evaluate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """The job's evaluation over the whole test split with these weights and buffers."""
-        load_tensors(self.model, tensors)
-        return evaluate(self.program, self.model, self.batches.eval_batches(self.batch_size), batch_samples)
+        with self._lock:
+            load_tensors(self.model, tensors)
+            return evaluate(self.program, self.model, self.batches.eval_batches(self.batch_size), batch_samples)
 
     def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        load_tensors(self.model, tensors)
-        return export_state_dict(self.model)
+        with self._lock:
+            load_tensors(self.model, tensors)
+            return export_state_dict(self.model)
 
     def init_snapshot(self, path: str) -> ShardSnapshot:
         """The weights of ``init_from`` as step 0 of a run (no optimizer state yet)."""
@@ -119,6 +127,15 @@ class _Evaluator:
             step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer={},
             buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
         )  # fmt: skip
+
+
+def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
+    """The data position a resumed run starts from: the last run's at its newest committed step,
+    in samples (so the new start may have another trainer count or batch size)."""
+    if old.spec is None or not old.slots or not old.committed:
+        return []
+    schedule = DataSchedule.of(old.train_size, old.spec.slot_batch, old.data_segments, old.slots)
+    return schedule.from_step(max(old.committed[-1], schedule.segments[0].start_step)).segments
 
 
 def _mean_metrics(each: list[dict[str, float]]) -> dict[str, float]:
@@ -160,6 +177,9 @@ class CoordinatorGrain(Grain):
         eval_step: int | None = None
         train_size: int | None = None
         """Samples in the training split (None: a dataset without a length); for the epoch."""
+        data_segments: list[Segment] = Field(default_factory=list)
+        """The data position (:mod:`grains.training.data_position`), extended by the drivers
+        whenever the trainer count changes; empty: one segment of ``slots`` trainers from step 0."""
         resumed_from: int | None = None
         steps_run: float = 0.0
         """Global steps executed, redone ones included (never decreases)."""
@@ -174,6 +194,11 @@ class CoordinatorGrain(Grain):
         finished_at: float = 0.0
         restarts: int = 0
         rollbacks: int = 0
+        stopped_early: str = ""
+        """Why the job ended before its last step (a callback's request), empty otherwise."""
+        best_step: int | None = None
+        """``keep_best``: the step of the best evaluation, whose checkpoint is kept."""
+        best_value: float | None = None
         error: str = ""
         history: list[HistoryPoint] = Field(default_factory=list)
 
@@ -184,6 +209,10 @@ class CoordinatorGrain(Grain):
         self._live = TrainingStatus(job="")
         self._evaluator: _Evaluator | None = None
         self._last_eval_step = 0
+        self._eval_task: asyncio.Task[tuple[int, dict[str, float]] | None] | None = None
+        self._callbacks: Callbacks | None = None
+        self._evaluating: int | None = None
+        """The step of the evaluation in progress (its checkpoint is not pruned)."""
         self._last_publish_failed = False
         self._silos: TrainerSilos | None = None
         self._counted: dict[str, int] = {}
@@ -193,6 +222,7 @@ class CoordinatorGrain(Grain):
 
     async def on_activate(self) -> None:
         self._live = self._status_from_state()
+        self._last_eval_step = self.state.eval_step or 0
         if self.state.status in ("starting", "running"):
             log.info("%s: re-activated with the job running; resuming", self.key)
             self._count_from_now = True
@@ -214,31 +244,44 @@ class CoordinatorGrain(Grain):
         await self.run_in_thread(check_job, job)
         await self.unregister_reminder(_FORGET)  # an ended run's; this one sets its own
         old = self.state
-        if job.resume and not old.committed:
+        if job.resuming and not old.committed:
             raise errors.ConfigError(f"job {self.key} has no committed checkpoint to resume from")
+        if job.resume_from_step is not None:
+            if job.resume_from_step not in old.committed:
+                raise errors.ConfigError(
+                    f"job {self.key} has no committed checkpoint at step {job.resume_from_step} (committed: {old.committed[-5:]})"
+                )
+            # The later checkpoints are abandoned, as a rollback to that step abandons them.
+            old = old.model_copy(update={"committed": [c for c in old.committed if c <= job.resume_from_step]})
+            await checkpointing.drop_after(self, self.key, old.run, job.resume_from_step)
         self.state = self.State(
             spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time(),
             steps_run=old.steps_run, samples_run=old.samples_run,  # counters of the job id: they only grow
         )
-        if job.resume:
+        if job.resuming:
             # Same run, so the same checkpoint group: the new start (in any mode) restores
             # the newest committed step and keeps checkpointing next to it.
             s = self.state
             s.run, s.committed, s.next_trainer, s.changes = old.run, list(old.committed), old.next_trainer, old.changes
-            s.committed_at = dict(old.committed_at)
+            s.committed_at = {c: t for c, t in old.committed_at.items() if c in s.committed}
+            s.data_segments = _resumed_segments(old)
+            s.best_step, s.best_value = old.best_step, old.best_value
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
-        if job.init_from is not None and not job.resume:
+        self._callbacks = None
+        if job.init_from is not None and not job.resuming:
             # The starting weights become step 0 of the run: every mode restores it like any
             # checkpoint, and a rollback before the first checkpoint comes back to it.
             evaluator = await self._job_evaluator()
             snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from)
             store: Any = self.get_grain(CheckpointStoreGrain, self.key)
-            await store.with_timeout(120.0).save_whole(self.state.run, snap, job.keep_checkpoints)
+            await store.with_timeout(120.0).save_whole(self.state.run, snap, checkpointing.retained(job))
             self.state.committed = [0]
             self.state.committed_at = {0: time.time()}
         await self._write()
-        self._last_eval_step = 0
+        self._stop_evaluation()
+        # A resumed job's earlier checkpoints were evaluated by the run that made them.
+        self._last_eval_step = self.state.committed[-1] if self.state.committed else 0
         self._counted, self._count_from_now = {}, False
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
@@ -306,15 +349,23 @@ class CoordinatorGrain(Grain):
         names = set(dict(evaluator.model.named_parameters()))
         return {n: t for n, t in tensors.items() if n in names}
 
-    async def state_dict(self, step: int | None = None) -> dict[str, torch.Tensor]:
+    async def state_dict(self, step: int | None = None, best: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict()`` (parameters and buffers, fp32, on the CPU), which
         ``model.load_state_dict(..., strict=True)`` accepts; ``{}`` before the job has weights.
 
         ``step`` reads that committed checkpoint instead of the newest weights: what a caller
-        labels "step N" is then step N, even while the job trains on past it."""
+        labels "step N" is then step N, even while the job trains on past it. ``best`` reads the
+        checkpoint ``keep_best`` kept (``status().best_step``)."""
         if self.state.spec is None:
             return {}
-        if step is None:
+        if best:
+            if self.state.best_step is None:
+                raise errors.ConfigError(f"job {self.key} has kept no best checkpoint (keep_best: {self.state.spec.keep_best})")
+            evaluator = await self._job_evaluator()
+            store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+            snap = await store.with_timeout(120.0).read_best(self.state.run, self.state.best_step, evaluator.names, evaluator.extra)
+            tensors = {**snap.params, **snap.buffers}
+        elif step is None:
             tensors = await self._tensors()
         elif step in self.state.committed:
             tensors = await self._checkpoint(step)
@@ -403,15 +454,17 @@ class CoordinatorGrain(Grain):
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
         waits = [p.exchange_s / p.steps_done for p in ps if p.steps_done]
         exchange_ms = 1000 * sum(waits) / len(waits) if waits else 0.0
-        evaluated = False
-        if spec.eval_every and s.step - self._last_eval_step >= spec.eval_every:
-            self._last_eval_step = s.step
-            await self._evaluate()
-            evaluated = True
+        done = self._take_evaluation()
+        evaluated = done is not None
+        if done is not None:
+            stop = await self._after_evaluation(*done)
+            if stop is not None:
+                await self._stop_early(done[0], stop)
+                return
         s.history.append(HistoryPoint(step=s.step, loss=s.loss or 0.0, metrics=dict(s.metrics),
-                                      eval_metrics=dict(s.eval_metrics) if evaluated else None,
                                       samples_per_s=rate, at=time.time()))  # fmt: skip
         del s.history[:-_HISTORY]
+        self._start_due_evaluation()
         self._live = self._status_from_state(
             samples_per_s=rate,
             bytes_per_step=per_step,
@@ -421,6 +474,7 @@ class CoordinatorGrain(Grain):
             trainer_silos=trainer_silos or [progress[j].silo if j in progress else "" for j in range(s.slots)],
             stages=stages or [],
             shard_silos=[st.silo for st in statuses],
+            skipped=max([p.skipped for p in ps] + [st.skipped for st in statuses] + [0]),
         )
         if await self._publish(evaluated=evaluated):
             log.info("%s: cancel requested through the dashboard", self.key)
@@ -439,14 +493,19 @@ class CoordinatorGrain(Grain):
         self._count_from_now = False
         if new and s.slots:
             s.steps_run += new / s.slots
-            s.samples_run += new * s.spec.batch_size
+            s.samples_run += new * s.spec.slot_batch
 
     async def _finish(self, status: JobStatus) -> None:
         s = self.state
         if s.status in _TERMINAL:
             return
         if status == "completed":
-            await self._evaluate()
+            if not s.stopped_early:
+                stop = await self._catch_up_evaluations()
+                if stop is not None:
+                    await self._truncate(stop[0], f"stopped at step {stop[0]} by callback {stop[1]}")
+            if not s.stopped_early:
+                await self._evaluate()
             s.step = s.total_steps
         s.status = status
         s.finished_at = time.time()
@@ -465,6 +524,7 @@ class CoordinatorGrain(Grain):
             max_gap=self._live.max_gap,
             trainer_silos=self._live.trainer_silos,
             shard_silos=self._live.shard_silos,
+            skipped=self._live.skipped,
         )
         await self._publish(evaluated=status == "completed")
         ttl = s.spec.ttl_after_finished_s if s.spec is not None else None
@@ -472,6 +532,12 @@ class CoordinatorGrain(Grain):
             # A durable reminder, so the job is forgotten on time whatever becomes of this silo.
             await self.register_reminder(_FORGET, period_s=max(ttl, 60.0), due_s=ttl)
         log.info("%s: job %s at step %d (evaluation %s)", self.key, status, s.step, s.eval_metrics)
+        if s.spec is not None and s.spec.callbacks:
+            try:
+                callbacks = await self._job_callbacks()
+                await self.run_in_thread(callbacks.on_end, status, s.step)
+            except Exception as exc:  # noqa: BLE001 - the job has ended; nothing is left to fail
+                log.warning("%s: %s", self.key, exc)
 
     async def _write(self) -> None:
         async with self._write_lock:
@@ -486,29 +552,181 @@ class CoordinatorGrain(Grain):
         return self._evaluator
 
     async def _evaluate(self) -> dict[str, float]:
-        """Evaluate the current weights on the test split; the result goes into the job's state."""
+        """Evaluate the final weights on the test split; the result goes into the job's state."""
         s = self.state
+        self._stop_evaluation()
         evaluator = await self._job_evaluator()
         tensors = await self._tensors()
         s.eval_metrics = await self.run_in_thread(evaluator.evaluate, tensors)
-        s.eval_step = s.step
+        s.eval_step = s.total_steps or s.step
         s.accuracy = s.eval_metrics.get("accuracy")
         return s.eval_metrics
 
-    def _epoch(self) -> float:
+    # Mid-run evaluation reads a committed checkpoint: weights of one step (every holder's part
+    # of the same step), labelled with it, every eval_every steps exactly (checkpoint_due makes
+    # each multiple of eval_every a checkpoint). It runs beside the ticks, so training and the
+    # job's status go on; reading weights live from the grains while they train tore them
+    # across steps and labelled them with the slowest trainer's step.
+    def _start_due_evaluation(self) -> None:
         s = self.state
-        if not s.train_size or s.spec is None or not s.slots:
-            return 0.0
-        return s.step / steps_per_epoch(s.train_size, s.spec.batch_size, s.slots)
+        spec = s.spec
+        if spec is None or not spec.eval_every or (self._eval_task is not None and not self._eval_task.done()):
+            return
+        due = [c for c in s.committed if c > self._last_eval_step and c % spec.eval_every == 0 and c != s.total_steps]
+        if not due:
+            return
+        step = min(due)
+        self._last_eval_step = self._evaluating = step
+        self._eval_task = self.start_task(self._evaluate_checkpoint(step), name=f"{self.key} evaluation {step}")
+
+    async def _evaluate_checkpoint(self, step: int) -> tuple[int, dict[str, float]] | None:
+        evaluator = await self._job_evaluator()
+        try:
+            tensors = await self._checkpoint(step)
+        except errors.RedgrainError as exc:  # retention dropped it first (checkpoints much faster than evaluations)
+            log.warning("%s: checkpoint %d not evaluated: %s", self.key, step, exc)
+            return None
+        return step, await self.run_in_thread(evaluator.evaluate, tensors)
+
+    def _take_evaluation(self) -> tuple[int, dict[str, float]] | None:
+        """A finished background evaluation into the job's state and history: its step and metrics."""
+        task = self._eval_task
+        if task is None or not task.done():
+            return None
+        self._eval_task = None
+        self._evaluating = None
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.warning("%s: evaluation failed: %s", self.key, task.exception())
+            return None
+        result = task.result()
+        if result is None:
+            return None
+        step, metrics = result
+        s = self.state
+        s.eval_metrics, s.eval_step, s.accuracy = metrics, step, metrics.get("accuracy")
+        trained = [h for h in s.history if h.step <= step]
+        s.history.append(HistoryPoint(step=step, loss=trained[-1].loss if trained else s.loss or 0.0,
+                                      metrics=dict(trained[-1].metrics) if trained else {},
+                                      eval_metrics=dict(metrics), at=time.time()))  # fmt: skip
+        return result
+
+    async def _after_evaluation(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Keep the best checkpoint (``keep_best``) and tell the callbacks; the path of a callback
+        that asked to stop the job at ``step`` (None: go on)."""
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        best = spec.best_metric
+        if best is not None and best[0] in metrics:
+            name, larger = best
+            value = metrics[name]
+            if s.best_value is None or (value > s.best_value if larger else value < s.best_value):
+                await self._save_best(step, value)
+        with contextlib.suppress(errors.RedgrainError):
+            await self._prune()  # the evaluated checkpoint may go now
+        callbacks = await self._job_callbacks()
+        return await self.run_in_thread(callbacks.on_eval, step, metrics) if callbacks else None
+
+    async def _save_best(self, step: int, value: float) -> None:
+        evaluator = await self._job_evaluator()
+        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        try:
+            snap = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
+            await store.with_timeout(120.0).save_best(self.state.run, snap)
+        except errors.RedgrainError as exc:
+            log.warning("%s: checkpoint %d not kept as the best: %s", self.key, step, exc)
+            return
+        self.state.best_step, self.state.best_value = step, value
+
+    async def _on_commit(self, step: int) -> None:
+        """Checkpoint ``step`` was committed: retention, and the callbacks' ``on_checkpoint``."""
+        await self._prune()
+        if self.state.spec is not None and self.state.spec.callbacks:
+            callbacks = await self._job_callbacks()
+            await self.run_in_thread(callbacks.on_checkpoint, step)
+
+    async def _prune(self) -> None:
+        """With mid-run evaluation the coordinator applies retention (``checkpointing.retained``):
+        it deletes the run's complete checkpoints that are neither among the newest
+        ``keep_checkpoints`` nor due for (or in) an evaluation."""
+        s = self.state
+        spec = s.spec
+        if spec is None or not spec.eval_every or not s.committed:
+            return
+        g = group(self.key, s.run)
+        for info in await self.list_snapshots(g):
+            c = int(info.snapshot_id)
+            due = c % spec.eval_every == 0 and c > self._last_eval_step
+            if c in s.committed or c > s.committed[-1] or due or c == self._evaluating:
+                continue
+            await self.delete_snapshot(g, info.snapshot_id)
+
+    async def _job_callbacks(self) -> Callbacks:
+        spec = self.state.spec
+        assert spec is not None
+        if self._callbacks is None:
+            self._callbacks = await self.run_in_thread(Callbacks, spec.callbacks)
+        return self._callbacks
+
+    async def _catch_up_evaluations(self) -> tuple[int, str] | None:
+        """The job completed: the evaluations still due (the last steps ran faster than they did);
+        the step and callback of a request to stop earlier (None: none)."""
+        while True:
+            task = self._eval_task
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+                done = self._take_evaluation()
+                if done is not None:
+                    stop = await self._after_evaluation(*done)
+                    if stop is not None:
+                        return done[0], stop
+            self._start_due_evaluation()
+            if self._eval_task is None:
+                return None
+
+    async def _stop_early(self, step: int, callback: str) -> None:
+        """A callback stopped the job at evaluated step ``step``: it completes as of that step."""
+        await self._truncate(step, f"stopped at step {step} by callback {callback}")
+        await self._finish("completed")
+
+    async def _truncate(self, step: int, why: str) -> None:
+        """The job ends at committed checkpoint ``step``: later ones are dropped, as a rollback drops them."""
+        s = self.state
+        log.info("%s: %s", self.key, why)
+        s.stopped_early = why
+        s.committed = [c for c in s.committed if c <= step]
+        s.committed_at = {c: t for c, t in s.committed_at.items() if c <= step}
+        s.total_steps = step
+        self._stop_evaluation()
+        with contextlib.suppress(errors.RedgrainError):
+            await checkpointing.drop_after(self, self.key, s.run, step)
+
+    def _stop_evaluation(self) -> None:
+        task, self._eval_task = self._eval_task, None
+        self._evaluating = None
+        if task is not None and not task.done():
+            task.cancel()
+
+    def _position(self) -> tuple[float, int, int]:
+        """The data position at the current step: passes so far, and the epoch and offset it reads."""
+        s = self.state
+        if s.spec is None or not s.slots:
+            return 0.0, 0, 0
+        schedule = DataSchedule.of(s.train_size, s.spec.slot_batch, s.data_segments, s.slots)
+        step = max(s.step, schedule.segments[0].start_step)  # a resumed run's, before its first report
+        epoch, offset, _ = schedule.position(step)
+        return schedule.epochs_at(step), epoch, offset
 
     def _status_from_state(self, **live: Any) -> TrainingStatus:
         s = self.state
         end = s.finished_at or time.time()
+        epochs, data_epoch, data_offset = self._position()
         return TrainingStatus(
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
             accuracy=s.accuracy, metrics=dict(s.metrics), eval_metrics=dict(s.eval_metrics), eval_step=s.eval_step,
-            epoch=self._epoch(), steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
-            checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks,
+            epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
+            checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
             mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from grains.base import Grain
+from grains.training.data_position import DataSchedule
 from grains.training.elastic import SiloLook, TrainerSilos
 from grains.training.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
 from grains.training.records import StageInfo
@@ -139,6 +140,24 @@ class Driver(abc.ABC):
     def trainers(self) -> list[Any]:
         return [self.ref(self.trainer_type, k) for k in self.state.trainer_keys]
 
+    def resize_data(self, step: int, world: int) -> None:
+        """From ``step`` on, ``world`` trainers take the data, from the next unseen sample there
+        (:mod:`grains.training.data_position`); later segments, abandoned by a rollback, are
+        dropped. An epochs job's last step follows, so it ends after its epochs whatever the
+        trainer count did; a steps job's stays ``steps``."""
+        s = self.state
+        spec = s.spec
+        assert spec is not None
+        schedule = DataSchedule.of(s.train_size, spec.slot_batch, s.data_segments, world)
+        try:
+            schedule = schedule.resized(step, world)
+        except ValueError:  # restored before the first segment (a resume's); start the position there
+            first = schedule.segments[0]
+            log.warning("%s: step %d is before the data position's first step %d", self.key, step, first.start_step)
+            schedule = schedule.model_copy(update={"segments": [first.model_copy(update={"start_step": step, "world": world})]})
+        s.data_segments = list(schedule.segments)
+        s.total_steps = spec.steps if spec.steps is not None else schedule.end_step(spec.epochs or 1.0)
+
     def note_change(
         self, generation: int, reason: str, world: int, start_step: int, slots: list[int] | None = None
     ) -> None:
@@ -159,6 +178,7 @@ class Driver(abc.ABC):
         s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
         s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
         await self.coord._write()
+        await self.coord._on_commit(newest)
         return True
 
     async def report(

@@ -113,6 +113,17 @@ class TrainingJob(BaseModel):
         "fp32", description="fp32 | bf16 | fp16: autocast on trainers (fp16 with a gradient scaler on CUDA)."
     )
     autocast_bf16: bool = Field(False, description="Deprecated spelling of precision='bf16'.")
+    loss_scale: float = Field(
+        2.0**16, gt=0, description="fp16: the initial loss scale (torch.amp.GradScaler's default); halved on an overflow."
+    )
+    loss_scale_growth_interval: int = Field(
+        2000, gt=0, description="fp16: clean steps after which the loss scale doubles (GradScaler's default)."
+    )
+    grad_accumulation: int = Field(
+        1, ge=1,
+        description="Chunks of batch_size samples each trainer accumulates per step: a step takes batch_size x this"
+        " samples per trainer and equals one step on a batch that many times larger (pipeline: use microbatches).",
+    )
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per trainer (map-style datasets).")
     checkpoint_every: int = Field(50, ge=0, description="Consistent checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, gt=0, description="Committed checkpoints to retain.")
@@ -131,6 +142,48 @@ class TrainingJob(BaseModel):
         False,
         description="Continue this job id's last run from its newest committed checkpoint (saved in any mode).",
     )
+    resume_from_step: int | None = Field(
+        None, ge=0,
+        description="Continue this job id's last run from committed checkpoint N (not the newest): the later"
+        " ones are abandoned, as a rollback abandons them. Implies resume.",
+    )
+    callbacks: list[str] = Field(
+        default_factory=list,
+        description="Callback classes or objects `pkg.module:name` with on_eval(step, metrics) (True stops the job:"
+        " early stopping), on_checkpoint(step), on_end(status, step); run on the coordinator's silo.",
+    )
+    keep_best: str | None = Field(
+        None,
+        description="`eval.<metric>:max|min`: also keep the checkpoint whose mid-run evaluation was best"
+        " (state_dict(best=True)), beside the newest ones.",
+    )
+
+    @field_validator("callbacks")
+    @classmethod
+    def _callbacks(cls, v: list[str]) -> list[str]:
+        return [_import_path(p) for p in v]
+
+    @field_validator("keep_best")
+    @classmethod
+    def _keep_best(cls, v: str | None) -> str | None:
+        if v is not None:
+            what, _, goal = v.rpartition(":")
+            if not what.startswith("eval.") or len(what) <= 5 or goal not in ("max", "min"):
+                raise ValueError(f"keep_best {v!r}: use 'eval.<metric>:max' or 'eval.<metric>:min', e.g. 'eval.accuracy:max'")
+        return v
+
+    @property
+    def resuming(self) -> bool:
+        """This start continues the job id's last run (``resume`` or ``resume_from_step``)."""
+        return self.resume or self.resume_from_step is not None
+
+    @property
+    def best_metric(self) -> tuple[str, bool] | None:
+        """``keep_best``'s metric name and whether larger is better."""
+        if self.keep_best is None:
+            return None
+        what, _, goal = self.keep_best.rpartition(":")
+        return what.removeprefix("eval."), goal == "max"
 
     @field_validator("trainers")
     @classmethod
@@ -212,6 +265,8 @@ class TrainingJob(BaseModel):
                 raise ValueError("pipeline: compression compresses activations and their gradients: none, fp16 or bf16")
             if self.amp == "fp16":
                 raise ValueError("pipeline: precision fp16 needs one loss scale across stages, not built yet; use bf16")
+            if self.grad_accumulation != 1:
+                raise ValueError("pipeline: a step already accumulates its micro-batches; raise microbatches, not grad_accumulation")
         else:
             if self.split_points:
                 raise ValueError(f"split_points cut a pipeline; mode is {self.mode!r}")
@@ -226,6 +281,11 @@ class TrainingJob(BaseModel):
         return self
 
     @property
+    def slot_batch(self) -> int:
+        """Samples one trainer takes per step: ``batch_size x grad_accumulation``."""
+        return self.batch_size * self.grad_accumulation
+
+    @property
     def amp(self) -> Precision:
         """The precision trainers run at (``autocast_bf16`` is the old spelling of bf16)."""
         return "bf16" if self.autocast_bf16 else self.precision
@@ -236,7 +296,7 @@ class TrainingJob(BaseModel):
             return self.steps
         if train_size is None:
             raise ConfigError("a dataset without a length (an IterableDataset) needs 'steps', not epochs")
-        per_epoch = max(1, train_size // (self.batch_size * trainers))
+        per_epoch = max(1, train_size // (self.slot_batch * trainers))
         return max(1, math.ceil((self.epochs or 1.0) * per_epoch))
 
 

@@ -100,6 +100,7 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     evaluation breaks its contract on the first batch.
     """
     from grains.training.batches import Batches, batch_samples
+    from grains.training.callbacks import Callbacks
     from grains.training.datasets import dataset_size, load_dataset
     from grains.training.init import read_init
     from grains.training.models import build_model
@@ -117,10 +118,11 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     build_schedule(opt, spec)
     if spec.init_from is not None:
         model.load_state_dict(read_init(spec.init_from, model), strict=True)
+    Callbacks(spec.callbacks)  # their import paths and constructors, at submit
     program = Program.of(spec)
     with torch.random.fork_rng(devices=[]):
         try:
-            train_batch = train.batch(spec.batch_size, 1, 0, 0, spec.seed)
+            train_batch = train.batch(spec.slot_batch, 1, 0, 0, spec.seed)
             test_batch = next(iter(test.eval_batches(min(spec.eval_batch_size, 64))))
         except ConfigError:
             raise

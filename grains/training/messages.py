@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from grains.training.data_position import Segment
 from grains.training.job import TrainingJob
 from grains.training.records import MicroBatchSpan, StageInfo
 
@@ -61,6 +62,8 @@ class ShardStatus(BaseModel):
     """Pushes ignored because that (trainer, step) was already applied (retries)."""
     max_staleness: int = 0
     max_gap: int = 0
+    skipped: int = 0
+    """Steps whose update this shard skipped since it was configured (any trainer flagged them)."""
     silo: str = ""
 
 
@@ -76,6 +79,8 @@ class TrainerAssignment(BaseModel):
     end_step: int
     shard_keys: list[str]
     shard_names: list[list[str]]
+    data_segments: list[Segment] = Field(default_factory=list)
+    """The job's data position (:mod:`grains.training.data_position`); empty: ``slots`` trainers from step 0."""
 
 
 class GroupAssignment(BaseModel):
@@ -99,6 +104,8 @@ class GroupAssignment(BaseModel):
     """Trainer key holding the parameters and optimizer state of ``start_step`` (None: this one)."""
     restore_step: int | None = None
     """Committed checkpoint to load when no trainer holds ``start_step`` (None: seeded weights)."""
+    data_segments: list[Segment] = Field(default_factory=list)
+    """The job's data position (:mod:`grains.training.data_position`); empty: ``world`` trainers from step 0."""
 
 
 class StepPoint(BaseModel):
@@ -200,6 +207,10 @@ class TrainingStatus(BaseModel):
     """The step the latest evaluation ran at."""
     epoch: float = 0.0
     """Passes over the training set so far (0 for a dataset without a length)."""
+    data_epoch: int = 0
+    """The epoch whose permutation the current step reads (0 for a dataset without a length)."""
+    data_offset: int = 0
+    """Where the current step's samples begin in that epoch (a stream: the offset in the stream)."""
     steps_run: float = 0.0
     """Global steps executed so far, redone ones included (a counter: never goes back on a rollback)."""
     samples_run: int = 0
@@ -222,6 +233,13 @@ class TrainingStatus(BaseModel):
     restarts: int = 0
     """Trainer slots restarted after their trainer was lost."""
     rollbacks: int = 0
+    skipped: int = 0
+    """Steps of the current generation whose update was skipped everywhere (a non-finite loss with
+    on_nonfinite='skip', an fp16 overflow)."""
+    stopped_early: str = ""
+    """Why the job ended before its last step (a callback's request); empty otherwise."""
+    best_step: int | None = None
+    """``keep_best``: the step of the best evaluation, kept as ``state_dict(best=True)``."""
     """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
     elapsed_s: float = 0.0
     error: str = ""
@@ -262,6 +280,9 @@ class StageConfig(BaseModel):
     keep: bool = False
     """Go on from the state this stage holds (at ``start_step``): the pipeline shrank to fewer
     replicas without a rollback."""
+    data_segments: list[Segment] = Field(default_factory=list)
+    """The job's data position (:mod:`grains.training.data_position`); empty: one segment of
+    ``len(peer_keys)`` replicas from step 0."""
 
 
 class StageStatus(BaseModel):
@@ -287,3 +308,5 @@ class StageStatus(BaseModel):
     """Stage 0: per-step loss points from the asked step on."""
     samples_per_s: float = 0.0
     steps_done: int = 0
+    skipped: int = 0
+    """Steps of this generation whose update was skipped (non-finite loss, on_nonfinite='skip')."""

@@ -103,14 +103,14 @@ class PipelineDriver(Driver):
         s.trainer_keys, s.trainer_silos = keys, silos
         s.slots = replicas
         s.train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
-        s.total_steps = spec.total_steps(s.train_size, replicas)
         restore = s.committed[-1] if s.committed else None
         s.resumed_from = restore
+        self.resize_data(restore or 0, replicas)  # a resume goes on from the restored step's data position
         if restore is None:
             # The seeded weights become step 0 of the run, so every stage restores its part from a
             # checkpoint and builds only that (on the meta device) instead of the whole model.
             store = self.ref(CheckpointStoreGrain, self.key, 120.0)
-            await store.save_whole(s.run, initial, spec.keep_checkpoints)
+            await store.save_whole(s.run, initial, checkpointing.retained(spec))
             s.committed, s.committed_at = [0], {0: time.time()}
             restore = 0
         del initial
@@ -188,6 +188,7 @@ class PipelineDriver(Driver):
             activation_id=head.activation_id, silo=head.silo, generation=head.generation, slot=replica,
             status=head.status if head.status != "failed" else "running", step=head.step, loss=head.loss,  # type: ignore[arg-type]
             samples_per_s=head.samples_per_s, steps_done=head.steps_done, points=head.points,
+            skipped=head.skipped,
         )  # fmt: skip
 
     async def _configure(self, restore: int | None, keep_from: int | None = None) -> None:
@@ -199,7 +200,8 @@ class PipelineDriver(Driver):
             StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=chains[r],
                         replica=r, peer_keys=[c[i] for c in chains], checkpoint_keys=chains[0],
                         generation=s.generation, start_step=keep_from if keep_from is not None else restore or 0,
-                        end_step=s.total_steps, restore_step=restore, keep=keep_from is not None)
+                        end_step=s.total_steps, restore_step=restore, keep=keep_from is not None,
+                        data_segments=list(s.data_segments))
             for r in range(replicas) for i, layers in enumerate(self._layers)
         ]  # fmt: skip
         refs = [self.ref(PipelineStageGrain, k, 120.0) for k in s.trainer_keys]
@@ -242,6 +244,7 @@ class PipelineDriver(Driver):
         (step,) = steps
         lost_keys = [k for r in gone for k in s.trainer_keys[r * stages : (r + 1) * stages]]
         s.trainer_keys, s.trainer_silos, s.slots = keys, silos, len(keep)
+        self.resize_data(step, s.slots)  # fewer replicas from ``step``: on from the next unseen sample
         log.warning("%s: %s; going on with %d replica(s) from step %d (generation %d)", self.key, why, s.slots,
                     step, s.generation)  # fmt: skip
         self.note_change(s.generation, f"{why}; shrank to {s.slots} replica(s)", s.slots, step)
@@ -264,6 +267,7 @@ class PipelineDriver(Driver):
                 await self.commit_step(newest)
                 restore = newest
         await checkpointing.drop_after(self.coord, self.key, s.run, restore)
+        self.resize_data(restore or 0, s.slots)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.slots, restore or 0)

@@ -18,9 +18,10 @@ job fails at once with the reason instead of restarting the trainer.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +73,40 @@ def is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, getattr(torch, "OutOfMemoryError", ()))  # CUDA and MPS out of memory
 
 
+@dataclass(slots=True)
+class StepContext:
+    """What a step taking a third argument, ``fn(model, batch, ctx)``, is told about its step.
+
+    ``ctx.log(name, value)`` records a scalar of this step; it is reported beside the step's
+    metrics (the job's status, history and dashboard), averaged over the trainers.
+    """
+
+    step: int
+    """The global step (0-based)."""
+    epoch: int
+    """The epoch the step's samples come from (0 for a stream)."""
+    slot: int
+    """This trainer's index among the step's ``world`` (PS slot, all-reduce rank)."""
+    world: int
+    """Trainers taking this step."""
+    device: str
+    logged: dict[str, float] = field(default_factory=dict)
+
+    def log(self, name: str, value: float | torch.Tensor) -> None:
+        """Report ``value`` (a number or a one-element tensor) as this step's ``name``."""
+        self.logged.update(numbers({name: value}, "ctx.log"))
+
+
+def takes_context(fn: Callable[..., Any]) -> bool:
+    """Whether a step function takes the :class:`StepContext` as a third positional argument."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
 @dataclass(frozen=True, slots=True)
 class Program:
     """The resolved hooks of one job (resolve once per replica: imports are not free)."""
@@ -80,13 +115,16 @@ class Program:
     eval_fn: EvalFn
     precision: str
     device: str
+    context: bool = False
+    """The step takes a :class:`StepContext` third."""
 
     @classmethod
     def of(cls, spec: TrainingJob, device: str = "cpu") -> Program:
         # Pipeline mode runs a loss hook on the last stage, not a step (no stage holds the
         # whole model); as one process it is the step fn(model(input), target).
         step = loss_step(loss_function(spec)) if spec.mode == "pipeline" else resolve_path(spec.step, "step")
-        return cls(step, resolve_path(spec.evaluate, "evaluate"), spec.amp, device)
+        context = spec.mode != "pipeline" and takes_context(step)
+        return cls(step, resolve_path(spec.evaluate, "evaluate"), spec.amp, device, context)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast at the job's precision (fp32: none)."""
@@ -95,10 +133,16 @@ class Program:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(device_type=torch.device(self.device).type, dtype=dtype)
 
-    def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """The job's step on ``batch`` under autocast: the loss (not yet backpropagated) and metrics."""
+    def step(self, model: nn.Module, batch: Any, ctx: StepContext | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The job's step on ``batch`` under autocast: the loss (not yet backpropagated) and metrics
+        (with what the step logged through ``ctx``)."""
         with self.autocast():
-            return call_user("step", self.step_fn, model, batch)
+            if not self.context:
+                return call_user("step", self.step_fn, model, batch)
+            if ctx is None:
+                ctx = StepContext(step=0, epoch=0, slot=0, world=1, device=self.device)
+            loss, metrics = call_user("step", self.step_fn, model, batch, ctx)
+            return loss, {**metrics, **ctx.logged}
 
 
 def loss_function(spec: TrainingJob) -> LossFn:
@@ -163,11 +207,25 @@ def numbers(metrics: Mapping[str, Any], what: str) -> dict[str, float]:
     return out
 
 
+def is_metric(value: Any) -> bool:
+    """A metric object (``update()`` and ``compute()``, as torchmetrics' ``Metric``), not a number."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "compute", None)) and not isinstance(value, Mapping)
+
+
 def evaluate(program: Program, model: nn.Module, batches: Iterable[Any], samples: Callable[[Any], int]) -> dict[str, float]:
-    """The evaluation over ``batches`` in ``eval()`` mode: each metric's mean weighted by samples."""
+    """The evaluation over ``batches`` in ``eval()`` mode.
+
+    A number an evaluation returns is a mean over its batch: the result is each one's mean
+    weighted by samples. A metric object (``update()``/``compute()``: torchmetrics works
+    unmodified) is exact over the whole split instead: return the same object from every batch
+    (updated by you), or a new one per batch that redgrain merges (``merge_state``); the result
+    is its ``compute()`` at the end, so F1, AUROC or perplexity are those of the split, not a
+    mean of per-batch values. A held object is ``reset()`` after, ready for the next evaluation.
+    """
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
+    objects: dict[str, Any] = {}
     count = 0
     try:
         with torch.no_grad(), program.autocast():
@@ -179,12 +237,42 @@ def evaluate(program: Program, model: nn.Module, batches: Iterable[Any], samples
                     raise TrainingStepError(f"the evaluate function raised {type(exc).__name__}: {exc}") from exc
                 if not isinstance(got, Mapping):
                     raise TrainingStepError(f"the evaluate function must return {{name: float}}, not {type(got).__name__}")
-                for k, v in numbers(got, "evaluate").items():
+                plain = {k: v for k, v in got.items() if not is_metric(v)}
+                for k, v in got.items():
+                    if k not in plain:
+                        _merge(objects, k, v)
+                for k, v in numbers(plain, "evaluate").items():
                     sums[k] = sums.get(k, 0.0) + v * n
                 count += n
+        out = {k: v / max(1, count) for k, v in sums.items()}
+        for k, obj in objects.items():
+            try:
+                value = obj.compute()
+            except Exception as exc:
+                raise TrainingStepError(f"the evaluate function's metric {k!r}: compute() raised {type(exc).__name__}: {exc}") from exc
+            out.update(numbers({k: value}, "evaluate"))
+            reset = getattr(obj, "reset", None)
+            if callable(reset):
+                reset()
+        return out
     finally:
         model.train(was_training)
-    return {k: v / max(1, count) for k, v in sums.items()}
+
+
+def _merge(objects: dict[str, Any], name: str, metric: Any) -> None:
+    held = objects.get(name)
+    if held is None:
+        objects[name] = metric
+        return
+    if held is metric:
+        return
+    merge = getattr(held, "merge_state", None)
+    if not callable(merge):
+        raise TrainingStepError(
+            f"the evaluate function returned a new {type(metric).__name__} for {name!r} at each batch and it has no"
+            " merge_state(): return the same metric object from every batch"
+        )
+    merge(metric)
 
 
 def first(items: Iterable[Any]) -> Any:

@@ -102,10 +102,10 @@ class ParameterServerDriver(Driver):
         s.slots, s.shard_keys, s.shard_names, s.trainer_keys = slots, shard_keys, names, trainer_keys
         s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
         s.next_trainer = slots
-        s.total_steps = spec.total_steps(train_size, slots)
         s.train_size = train_size
         restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
         s.resumed_from = restore
+        self.resize_data(restore or 0, slots)  # a resume goes on from the restored step's data position
         await self._configure_shards(restore)
         await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
         s.status = "running"
@@ -222,6 +222,7 @@ class ParameterServerDriver(Driver):
         a = TrainerAssignment(
             job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation, run=s.run,
             start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
+            data_segments=list(s.data_segments),
         )  # fmt: skip
         await self.ref(TrainerGrain, s.trainer_keys[slot], 120.0).run(a)
 
@@ -231,6 +232,9 @@ class ParameterServerDriver(Driver):
         s.generation += 1
         s.rollbacks += 1
         restore = await self._restore_point()
+        # The data position of the restored step goes on with the (maybe new) slot count; an
+        # epochs job's last step follows it, before the shards learn their end step.
+        self.resize_data(restore or 0, s.slots)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.slots, restore or 0)
@@ -276,7 +280,7 @@ class ParameterServerDriver(Driver):
         """Trainers 'auto': give each trainer silo that has none a trainer.
 
         Done right after a checkpoint is committed: a new generation restores it with the
-        extra slots (the data re-split over them), so almost no work is lost.
+        extra slots (the data goes on from the next unseen sample), so almost no work is lost.
         """
         s = self.state
         if len(s.trainer_silos) != len(s.trainer_keys):
@@ -298,8 +302,8 @@ class ParameterServerDriver(Driver):
             log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
 
     async def _drop_slot(self, slot: int, why: str) -> None:
-        """Go on without trainer ``slot``: the others roll back to the last checkpoint with the
-        data re-split over one slot fewer (as a joining trainer is taken in, in reverse)."""
+        """Go on without trainer ``slot``: the others roll back to the last checkpoint with one
+        slot fewer, the data going on from there (as a joining trainer is taken in, in reverse)."""
         s = self.state
         key, silo = s.trainer_keys.pop(slot), s.trainer_silos.pop(slot)
         s.slots = len(s.trainer_keys)

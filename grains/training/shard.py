@@ -164,11 +164,9 @@ class ParamShardGrain(Grain):
         return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
 
     def _checkpoint_after(self, step: int) -> int:
-        """The next step > ``step`` to checkpoint: a multiple of checkpoint_every, or the last (0: none)."""
-        nxt = (step // self._every + 1) * self._every if self._every else 0
-        if self._end > step and (not nxt or nxt > self._end):
-            return self._end
-        return nxt
+        """The next step > ``step`` to checkpoint (:func:`checkpointing.next_checkpoint`; 0: none)."""
+        assert self._cfg is not None
+        return checkpointing.next_checkpoint(self._cfg.spec, step, self._end)
 
     async def stop(self, generation: int) -> None:
         """Refuse further exchanges of older generations (the job ended or was cancelled)."""
@@ -314,7 +312,7 @@ class ParamShardGrain(Grain):
         cfg = self._cfg
         assert cfg is not None
         try:
-            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, cfg.spec.keep_checkpoints)
+            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, checkpointing.retained(cfg.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return
@@ -362,6 +360,7 @@ class ParamShardGrain(Grain):
             duplicates=self._duplicates,
             max_staleness=self._max_staleness,
             max_gap=self._max_gap,
+            skipped=core.skipped if core else 0,
             silo=str(self.silo),
         )
 

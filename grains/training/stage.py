@@ -9,16 +9,28 @@ sends each one's activations forward; every stage computes its forward on
 the silo's executor and passes the output on (``forward``), the last stage
 computes the loss and the backward and sends the input's gradient back
 (``backward``), down to stage 0. Activations and gradients travel as tensors
-on the grain-call wire (zero-copy frames between silos). Calls return at
-once: each stage does its part in a background task, so no call waits on the
-whole chain.
+on the grain-call wire (zero-copy frames between silos).
 
-Schedules: ``gpipe``: stage 0 sends every micro-batch forward and the last
-stage starts the backwards once it has all of them (all forwards, then all
-backwards); ``1f1b``: the last stage runs each micro-batch's backward right
-after its forward and stage 0 keeps at most ``stages`` micro-batches in
-flight, so a stage holds at most that many activations. Both accumulate the
-same gradients (in another order: equal to float tolerance).
+Each stage runs a step as one *runner* task that walks the stage's action
+list (:mod:`grains.training.schedules`: ``gpipe`` or ``1f1b``) in order: an
+``F`` waits until its micro-batch's input is in (stage 0: its own chunk),
+computes and sends the output on; a ``B`` waits until its output's gradient
+is in (the last stage: computes the loss), computes and sends the input's
+gradient back. ``forward`` and ``backward`` calls only deposit their tensor
+in the (step, micro-batch) slot and return, so the order a stage computes in
+is its schedule's, whatever order the tensors arrive in, and the recorded
+timeline is that list. Every task a stage starts for a generation (runners,
+sends) is cancelled when it is configured again, stopped or released, and a
+deposit of another generation or step is refused: a late backward never
+takes a newer step's activation.
+
+A non-finite loss on the last stage goes through the job's ``on_nonfinite``
+(:func:`~grains.training.program.nonfinite`): ``fail`` raises a fatal
+NonFiniteLossError naming the step (the job fails, no rollback); ``skip``
+tells stage 0 (awaited, before the micro-batch's gradient goes back), the
+backwards still run, and stage 0 asks every stage to apply the step with
+``skip``: no update anywhere, the gradients dropped, the schedule and the
+step counter advanced (hybrid: a step any replica skips, every replica skips).
 
 When stage 0 has every micro-batch's backward, every later stage has too (a
 gradient reaches stage 0 through all of them); it then asks each stage to
@@ -37,6 +49,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -50,14 +63,17 @@ from grains.training.datasets import load_dataset
 from grains.training.messages import StageConfig, StageStatus, StepPoint
 from grains.training.optim import clip_coefficient
 from grains.training.pipeline import stage_module, tensor_names
-from grains.training.program import is_fatal
+from grains.training.program import is_fatal, nonfinite
 from grains.training.records import MicroBatchSpan
+from grains.training.schedules import actions
 from grains.training.shard import StaleGenerationError
 from grains.training.stage_core import StageCore
 
 log = logging.getLogger("redgrain.training.stage")
 
 _POINTS = 2000
+_SKIP = "#skip"
+"""Hybrid: the entry of a stage's reduced part that says a replica skips the step."""
 
 
 @keep_alive
@@ -82,11 +98,12 @@ class PipelineStageGrain(Grain):
         self._losses: list[float] = []
         self._metrics: list[dict[str, float]] = []  # last stage: the loss function's, per micro-batch
         self._points: deque[StepPoint] = deque(maxlen=_POINTS)
-        self._loop: asyncio.Task[None] | None = None
-        self._back: asyncio.Queue[int] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()  # this generation's: runners, sends, stage 0's loop
+        self._runners: dict[int, asyncio.Task[None]] = {}  # step -> its runner
+        self._slots: dict[tuple[str, int, int], asyncio.Future[Any]] = {}  # (F/B, step, mb) -> tensor in
+        self._skipping: set[int] = set()  # stage 0: steps the last stage found a non-finite loss in
+        self._skipped = 0
         self._failed: asyncio.Event = asyncio.Event()
-        self._window: asyncio.Semaphore | None = None
-        self._arrived: dict[int, int] = {}  # gpipe, last stage: forwards received per step
         self._steps_done = 0
         self._rate = 0.0
         self._labels: tuple[int, tuple[torch.Tensor, ...]] | None = None
@@ -95,12 +112,12 @@ class PipelineStageGrain(Grain):
         self._reduced = asyncio.Condition()
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
-        await self._stop_loop()
+        await self._stop_tasks()
 
     # --- the coordinator's API ---------------------------------------------
     async def configure(self, cfg: StageConfig) -> StageStatus:
         """Start (or restart) this stage for a generation; stage 0 starts running the steps."""
-        await self._stop_loop()
+        await self._stop_tasks()
         self._generation = cfg.generation
         core = self._core
         if cfg.keep:
@@ -122,20 +139,21 @@ class PipelineStageGrain(Grain):
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
         self._points.clear()
         self._losses, self._metrics = [], []
-        self._arrived = {}
         self._labels = None
-        self._steps_done = 0
-        self._back, self._failed = asyncio.Queue(), asyncio.Event()
+        self._steps_done = self._skipped = 0
+        self._skipping = set()
+        self._failed = asyncio.Event()
         self._parts, self._means = {}, {}
         async with self._reduced:
             self._reduced.notify_all()  # contributions of an older generation give up
+        self._begin(cfg.start_step)
         if first:
-            self._loop = self.start_task(self._run(cfg), name=f"{self.key} steps g{cfg.generation}")
+            self._spawn(self._run(cfg), f"steps g{cfg.generation}")
         return await self.status()
 
     async def stop(self) -> None:
         self._generation += 1  # messages of the stopped generation are refused from now on
-        await self._stop_loop()
+        await self._stop_tasks()
         if self._status == "running":
             self._status = "idle"
 
@@ -155,7 +173,7 @@ class PipelineStageGrain(Grain):
             points=[p for p in self._points if p.step >= since_step], samples_per_s=self._rate,
             timeline=[MicroBatchSpan(mb=m, kind=k, start=a, end=b) for m, k, a, b in (core.last_spans if core else [])],
             param_bytes=sum(p.numel() * p.element_size() for p in core.params.values()) if core else 0,
-            steps_done=self._steps_done,
+            steps_done=self._steps_done, skipped=self._skipped,
         )  # fmt: skip
 
     async def tensors(self) -> dict[str, torch.Tensor]:
@@ -164,30 +182,36 @@ class PipelineStageGrain(Grain):
 
     # --- between stages -------------------------------------------------------
     async def forward(self, generation: int, step: int, mb: int, x: torch.Tensor) -> None:
-        """Micro-batch ``mb``'s input from the previous stage; computed in the background."""
-        self._check(generation)
-        self.start_task(self._guard(generation, self._forward(generation, step, mb, x)), name=f"{self.key} f{step}.{mb}")
+        """Micro-batch ``mb``'s input from the previous stage, for the step's runner."""
+        self._deposit(generation, "F", step, mb, x)
 
     async def backward(self, generation: int, step: int, mb: int, grad: torch.Tensor | None) -> None:
-        """The gradient of micro-batch ``mb``'s output from the next stage; computed in the background."""
-        self._check(generation)
-        self.start_task(self._guard(generation, self._backward(generation, step, mb, grad)), name=f"{self.key} b{step}.{mb}")
+        """The gradient of micro-batch ``mb``'s output from the next stage, for the step's runner."""
+        self._deposit(generation, "B", step, mb, grad)
 
-    async def reduce(self, generation: int, step: int) -> None:
-        """Hybrid: average this stage's gradients and buffers of ``step`` over the replicas."""
+    async def skip_step(self, generation: int, step: int) -> None:
+        """Stage 0: the last stage found a non-finite loss in ``step`` (``on_nonfinite = "skip"``)."""
+        self._check(generation)
+        self._skipping.add(step)
+
+    async def reduce(self, generation: int, step: int, skip: bool = False) -> bool:
+        """Hybrid: average this stage's gradients and buffers of ``step`` over the replicas; whether
+        any replica skips the step (each replica's stage 0 says ``skip`` for its own)."""
         self._check(generation)
         cfg, core = self._cfg, self._core
         assert cfg is not None and core is not None
         replicas = len(cfg.peer_keys)
         if replicas <= 1:
-            return
+            return skip
         part = await self.run_in_thread(core.local_part)
+        part[_SKIP] = torch.tensor(float(skip))
         if cfg.replica == 0:
             mean = await self._collect(generation, step, 0, part, replicas)
         else:
             leader: Any = self.get_grain(PipelineStageGrain, cfg.peer_keys[0])
             mean = await leader.with_timeout(cfg.spec.step_timeout_s).contribute(generation, step, cfg.replica, part)
         await self.run_in_thread(core.take_mean, mean)
+        return bool(mean[_SKIP] > 0)
 
     async def contribute(self, generation: int, step: int, replica: int, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hybrid, replica 0's stage: another replica's part of ``step``; returns the replicas' mean."""
@@ -222,20 +246,26 @@ class PipelineStageGrain(Grain):
         assert core is not None
         return await self.run_in_thread(core.norm_sq)
 
-    async def apply(self, generation: int, step: int, coef: float) -> StepPoint:
-        """Apply step ``step`` here; the last stage returns the step's loss and the loss function's
-        metrics (means over the micro-batches)."""
+    async def apply(self, generation: int, step: int, coef: float, skip: bool = False) -> StepPoint:
+        """Apply step ``step`` here (``skip``: drop its gradients instead) and start the next step's
+        runner; the last stage returns the step's loss and the loss function's metrics (means over
+        the micro-batches)."""
         self._check(generation)
         core, cfg = self._core, self._cfg
         assert core is not None and cfg is not None
         if core.step != step:
             raise StaleGenerationError(f"{self.key} is at step {core.step}, asked to apply step {step}")
-        await self.run_in_thread(core.apply, coef)
+        runner = self._runners.pop(step, None)
+        if runner is not None:  # done: its last backward is in on stage 0
+            await asyncio.wait_for(asyncio.shield(runner), cfg.spec.step_timeout_s)
+        await self.run_in_thread(core.apply, coef, skip)
+        self._skipped += skip
+        self._check(generation)
+        self._begin(core.step)
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
         metrics = {k: sum(m[k] for m in self._metrics) / len(self._metrics) for k in self._metrics[0]} if self._metrics else {}
         self._losses, self._metrics = [], []
-        every = cfg.spec.checkpoint_every
-        if cfg.replica == 0 and ((every and core.step % every == 0) or core.step == cfg.end_step):
+        if cfg.replica == 0 and checkpointing.checkpoint_due(cfg.spec, core.step, cfg.end_step):
             snap = await self.run_in_thread(core.snapshot)
             self.start_task(self._save(cfg, snap, generation), name=f"{self.key} checkpoint {snap.step}")
         return StepPoint(step=step, loss=loss, metrics=metrics, at=time.time())
@@ -257,64 +287,112 @@ class PipelineStageGrain(Grain):
         ref: Any = self.get_grain(PipelineStageGrain, cfg.stage_keys[index])
         return ref.with_timeout(cfg.spec.step_timeout_s)
 
-    async def _guard(self, generation: int, work: Any) -> None:
+    def _spawn(self, work: Any, name: str) -> asyncio.Task[Any]:
+        """A task of this generation: cancelled when the stage is configured again, stopped or released."""
+        task = self.start_task(work, name=f"{self.key} {name}")
+        self._tasks.add(task)
+        task.add_done_callback(_forget(self._tasks))
+        return task
+
+    def _begin(self, step: int) -> None:
+        """Start the runner of ``step`` (stage 0's errors reach its loop; the others' go to stage 0)."""
+        cfg = self._cfg
+        assert cfg is not None
+        if step >= cfg.end_step or step in self._runners:
+            return
+        gen = cfg.generation
+        work = self._walk(gen, step) if cfg.index == 0 else self._guard(gen, lambda: self._walk(gen, step))
+        self._runners[step] = self._spawn(work, f"step {step}")
+
+    def _slot(self, kind: str, step: int, mb: int) -> asyncio.Future[Any]:
+        return self._slots.setdefault((kind, step, mb), asyncio.get_running_loop().create_future())
+
+    def _deposit(self, generation: int, kind: str, step: int, mb: int, t: torch.Tensor | None) -> None:
+        """Micro-batch ``mb``'s input (F) or output gradient (B) of ``step`` into its slot; refused
+        (StaleGenerationError) unless it is of this generation and of the step this stage runs."""
+        self._check(generation)
+        core, cfg = self._core, self._cfg
+        assert core is not None and cfg is not None
+        if step != core.step or not 0 <= mb < cfg.spec.microbatches:
+            raise StaleGenerationError(f"{self.key} runs step {core.step}, not {kind}{mb} of step {step}")
+        slot = self._slot(kind, step, mb)
+        if not slot.done():  # a second copy of a tensor already in is ignored
+            slot.set_result(t)
+
+    async def _take(self, kind: str, step: int, mb: int) -> Any:
+        cfg = self._cfg
+        assert cfg is not None
         try:
-            await work
+            return await asyncio.wait_for(self._slot(kind, step, mb), cfg.spec.step_timeout_s)
+        except TimeoutError:
+            what = "input" if kind == "F" else "output gradient"
+            raise RuntimeError(f"no {what} of micro-batch {mb} of step {step} within step_timeout_s={cfg.spec.step_timeout_s}") from None
+        finally:
+            self._slots.pop((kind, step, mb), None)
+
+    async def _guard(self, generation: int, work: Callable[[], Awaitable[Any]]) -> None:
+        # ``work`` makes its coroutine here: a task cancelled before it starts leaves none unawaited.
+        try:
+            await work()
         except StaleGenerationError:
             pass
         except Exception as exc:  # noqa: BLE001 - reported to stage 0, which stops the step
             if generation != self._generation:
                 return
             log.info("%s: generation %d: %s", self.key, generation, exc)
+            cfg = self._cfg
+            why = f"{self.key}: {type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
-                await self._peer(0).fail(generation, f"{self.key}: {type(exc).__name__}: {exc}", is_fatal(exc))
+                if cfg is not None and cfg.index == 0:
+                    await self.fail(generation, why, is_fatal(exc))
+                else:
+                    await self._peer(0).fail(generation, why, is_fatal(exc))
 
-    async def _forward(self, generation: int, step: int, mb: int, x: torch.Tensor) -> None:
+    async def _walk(self, generation: int, step: int) -> None:
+        """The runner of ``step``: this stage's actions in its schedule's order."""
         core, cfg = self._core, self._cfg
         assert core is not None and cfg is not None
-        y = await self.run_in_thread(core.forward, mb, x)
-        if not core.last:
-            await self._peer(cfg.index + 1).forward(generation, step, mb, y)
-            return
-        if cfg.spec.schedule == "1f1b":
-            await self._loss_backward(generation, step, mb)
-            return
-        self._arrived[step] = self._arrived.get(step, 0) + 1
-        if self._arrived[step] == cfg.spec.microbatches:  # gpipe: all forwards in, now all backwards
-            del self._arrived[step]
-            for m in range(cfg.spec.microbatches):
-                await self._loss_backward(generation, step, m)
+        i, m = cfg.index, cfg.spec.microbatches
+        for a in actions(cfg.spec.schedule, len(cfg.stage_keys), i, m):
+            if a.kind == "F":
+                x = await self._take("F", step, a.mb)
+                y = await self.run_in_thread(core.forward, a.mb, x)
+                if not core.last:
+                    self._send(i + 1, "forward", step, a.mb, y)
+                continue
+            if core.last:
+                grad = await self._loss_backward(generation, step, a.mb)
+            else:
+                out = await self._take("B", step, a.mb)
+                grad = await self.run_in_thread(core.backward, a.mb, out)
+            if i > 0:
+                self._send(i - 1, "backward", step, a.mb, grad)
 
-    async def _loss_backward(self, generation: int, step: int, mb: int) -> None:
+    async def _loss_backward(self, generation: int, step: int, mb: int) -> torch.Tensor | None:
+        """Last stage: the loss of micro-batch ``mb`` and its backward; the input's gradient."""
         core, cfg, batches = self._core, self._cfg, self._batches
         assert core is not None and cfg is not None and batches is not None
         if self._labels is None or self._labels[0] != step:  # once per step, not per micro-batch
             replicas = max(1, len(cfg.peer_keys))
-            _, labels = await self.run_in_thread(batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed)
+            _, labels = await self.run_in_thread(
+                batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed, cfg.data_segments
+            )
             self._labels = (step, tuple(labels.chunk(cfg.spec.microbatches)))
         target = self._labels[1][mb]
         loss, metrics, grad = await self.run_in_thread(core.loss_backward, mb, target)
-        if not math.isfinite(loss):
-            raise RuntimeError(f"step {step}: the loss is {loss}")
+        if nonfinite(loss, step, cfg.spec.on_nonfinite):  # "fail" raised: fatal, the job fails
+            # Stage 0 knows before this micro-batch's gradient goes back, so before it applies.
+            await (self.skip_step(generation, step) if cfg.index == 0 else self._peer(0).skip_step(generation, step))
         self._losses.append(loss)
         self._metrics.append(metrics)
-        await self._send_back(generation, step, mb, grad)
+        return grad
 
-    async def _backward(self, generation: int, step: int, mb: int, grad: torch.Tensor | None) -> None:
-        core = self._core
-        assert core is not None and grad is not None
-        out = await self.run_in_thread(core.backward, mb, grad)
-        await self._send_back(generation, step, mb, out)
-
-    async def _send_back(self, generation: int, step: int, mb: int, grad: torch.Tensor | None) -> None:
+    def _send(self, index: int, method: str, step: int, mb: int, t: torch.Tensor | None) -> None:
+        """Micro-batch ``mb``'s tensor to stage ``index`` (its ``forward`` or ``backward``), in a task."""
         cfg = self._cfg
         assert cfg is not None
-        if cfg.index == 0:
-            self._back.put_nowait(mb)
-            if self._window is not None:
-                self._window.release()
-        else:
-            await self._peer(cfg.index - 1).backward(generation, step, mb, grad)
+        gen = cfg.generation
+        self._spawn(self._guard(gen, lambda: getattr(self._peer(index), method)(gen, step, mb, t)), f"{method} {step}.{mb}")
 
     async def _run(self, cfg: StageConfig) -> None:
         """Stage 0: every step of this generation, micro-batch by micro-batch."""
@@ -335,35 +413,32 @@ class PipelineStageGrain(Grain):
         stages = len(cfg.stage_keys)
         replicas = max(1, len(cfg.peer_keys))
         others = [self._peer(i) for i in range(1, stages)]
-        last = self._peer(stages - 1) if stages > 1 else None
         t_first: float | None = None
         def gather(step: int) -> asyncio.Future[Any]:
-            return asyncio.ensure_future(self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed))
+            return asyncio.ensure_future(
+                self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed, cfg.data_segments)
+            )
 
         upcoming = gather(core.step) if core.step < cfg.end_step else None
         for step in range(core.step, cfg.end_step):
             assert upcoming is not None
             x, _ = await upcoming
-            chunks = x.chunk(m)
-            self._window = asyncio.Semaphore(stages if spec.schedule == "1f1b" else m)
-            for mb, chunk in enumerate(chunks):
-                await self._acquire(self._window, spec.step_timeout_s)
-                y = await self.run_in_thread(core.forward, mb, chunk.contiguous())
-                if last is None:  # one stage: the whole model here
-                    await self._loss_backward(gen, step, mb)
-                else:
-                    await others[0].forward(gen, step, mb, y)
-            # The next step's batch is gathered while this one's backwards run.
+            for mb, chunk in enumerate(x.chunk(m)):  # the F actions of this stage's runner take these
+                self._deposit(gen, "F", step, mb, chunk.contiguous())
+            # The next step's batch is gathered while this one runs.
             upcoming = gather(step + 1) if step + 1 < cfg.end_step else None
-            for _ in range(m):
-                await self._next_back(spec.step_timeout_s)
+            # Its runner done, every micro-batch's backward is done on every stage.
+            await self._wait(asyncio.shield(self._runners[step]), None, "the step")
+            skip = step in self._skipping
+            self._skipping.discard(step)
             if replicas > 1:  # hybrid: each stage's gradients averaged over the replicas first
-                await asyncio.gather(self.reduce(gen, step), *(p.reduce(gen, step) for p in others))
+                reduced = await asyncio.gather(self.reduce(gen, step, skip), *(p.reduce(gen, step) for p in others))
+                skip = reduced[0]  # a step any replica skips, every replica skips
             coef = 1.0
-            if spec.clip_grad_norm is not None:
+            if spec.clip_grad_norm is not None and not skip:
                 parts = await asyncio.gather(self.norm_sq(gen), *(p.norm_sq(gen) for p in others))
                 coef = clip_coefficient(math.sqrt(sum(parts)), spec.clip_grad_norm)
-            applied = await asyncio.gather(self.apply(gen, step, coef), *(p.apply(gen, step, coef) for p in others))
+            applied = await asyncio.gather(self.apply(gen, step, coef, skip), *(p.apply(gen, step, coef, skip) for p in others))
             self._loss = float(applied[-1].loss)
             now = time.monotonic()
             t_first = t_first or now
@@ -372,13 +447,8 @@ class PipelineStageGrain(Grain):
                 self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)  # this replica
             self._points.append(StepPoint(step=step, loss=self._loss, metrics=applied[-1].metrics, at=time.time()))
 
-    async def _acquire(self, window: asyncio.Semaphore, timeout_s: float) -> None:
-        await self._wait(window.acquire(), timeout_s, "a micro-batch slot")
-
-    async def _next_back(self, timeout_s: float) -> None:
-        await self._wait(self._back.get(), timeout_s, "a micro-batch's backward")
-
-    async def _wait(self, what: Any, timeout_s: float, name: str) -> None:
+    async def _wait(self, what: Any, timeout_s: float | None, name: str) -> Any:
+        """``what``'s result, or RuntimeError once a stage reports a failure (or after ``timeout_s``)."""
         waiter = asyncio.ensure_future(what)
         failed = asyncio.ensure_future(self._failed.wait())
         try:
@@ -388,6 +458,7 @@ class PipelineStageGrain(Grain):
         if waiter not in done:
             waiter.cancel()
             raise RuntimeError(self._error if self._failed.is_set() else f"no {name} within step_timeout_s={timeout_s}")
+        return waiter.result()
 
     async def _restore(self, cfg: StageConfig, module: torch.nn.Module) -> ShardSnapshot:
         assert cfg.restore_step is not None
@@ -396,16 +467,33 @@ class PipelineStageGrain(Grain):
 
     async def _save(self, cfg: StageConfig, snap: ShardSnapshot, generation: int) -> None:
         try:
-            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, cfg.spec.keep_checkpoints)
+            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, checkpointing.retained(cfg.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return
         if generation == self._generation:
             self._saved = [*self._saved, snap.step][-10:]
 
-    async def _stop_loop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None and not loop.done():
-            loop.cancel()
+    async def _stop_tasks(self) -> None:
+        """Cancel every task of the generation (stage 0's loop, runners, sends) and drop its slots."""
+        tasks, self._tasks = self._tasks, set()
+        self._runners = {}
+        for slot in self._slots.values():
+            slot.cancel()
+        self._slots = {}
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await loop
+                await task
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Any:
+    """A done callback: the task leaves ``tasks`` and its exception counts as retrieved."""
+
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done

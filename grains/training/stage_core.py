@@ -169,10 +169,15 @@ class StageCore:
         with self.lock:
             return squared_norm(p.grad for _, p in self.trainable if p.grad is not None)
 
-    def apply(self, coef: float) -> None:
-        """The step's optimizer update on this stage (gradients times the clip coefficient)."""
+    def apply(self, coef: float, skip: bool = False) -> None:
+        """The step's optimizer update on this stage (gradients times the clip coefficient); with
+        ``skip`` (a non-finite loss, ``on_nonfinite = "skip"``) the gradients are dropped instead,
+        and the schedule and the step counter advance all the same."""
         with self.lock:
-            if self.opt is not None:
+            if skip:
+                if self.opt is not None:
+                    self.opt.zero_grad(set_to_none=True)
+            elif self.opt is not None:
                 if coef != 1.0:
                     for _, p in self.trainable:
                         if p.grad is not None:

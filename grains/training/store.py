@@ -29,3 +29,15 @@ class CheckpointStoreGrain(Grain):
     async def read(self, run: int, step: int, names: list[str], extra: list[str]) -> ShardSnapshot:
         """Trainable parameters ``names`` (with optimizer state) and ``extra`` at checkpoint ``step``."""
         return await checkpointing.load_model(self, self.key, run, step, names, extra)
+
+    async def save_best(self, run: int, snapshot: ShardSnapshot) -> bool:
+        """Keep ``snapshot`` as the job's best checkpoint (``keep_best``), replacing the last one."""
+        self.state.snapshot = snapshot
+        try:
+            return await self.save_snapshot(checkpointing.best_group(self.key, run), snapshot.step, keep=1)
+        finally:
+            self.state.snapshot = None
+
+    async def read_best(self, run: int, step: int, names: list[str], extra: list[str]) -> ShardSnapshot:
+        """The checkpoint ``save_best`` kept at ``step``."""
+        return await checkpointing.load_model(self, self.key, run, step, names, extra, checkpointing.best_group(self.key, run))

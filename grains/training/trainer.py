@@ -26,25 +26,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
-from grains.training.batches import Batches, batch_samples
+from grains.training import checkpointing
+from grains.training.batches import Batches
 from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
 from grains.training.datasets import load_dataset
 from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
-from grains.training.program import NonFiniteLossError, Program, is_fatal, is_out_of_memory
+from grains.training.program import is_fatal, is_out_of_memory
 from grains.training.shard import ParamShardGrain
+from grains.training.step_runner import StepRunner
 from silo import errors
 
 log = logging.getLogger("redgrain.training.trainer")
@@ -66,30 +67,6 @@ class StepResult:
     """Nothing of this step is to be applied (non-finite loss with on_nonfinite='skip', fp16 overflow)."""
 
 
-class LossScale:
-    """Dynamic loss scaling for fp16 on a trainer that has no optimizer (its shards do).
-
-    The rule and defaults of ``torch.amp.GradScaler`` (scale 2**16, halved on an
-    overflow, doubled after 2000 clean steps), applied to the gradients before
-    they are sent: GradScaler itself only unscales into an optimizer's step.
-    """
-
-    def __init__(self, init: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.scale = init
-        self._clean = 0
-        self._interval = growth_interval
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale *= 0.5
-            self._clean = 0
-            return
-        self._clean += 1
-        if self._clean >= self._interval:
-            self.scale *= 2.0
-            self._clean = 0
-
-
 class Replica:
     """The model, the data and the compressor of one trainer run (used from the executor only)."""
 
@@ -101,17 +78,18 @@ class Replica:
         self.params = dict(self.model.named_parameters())
         self.trainable = [p for p in self.params.values() if p.requires_grad]
         self.buffers = dict(persistent_buffers(self.model))
-        self.program = Program.of(spec, device)
+        self.runner = StepRunner(spec, device, self.trainable)
         self.shard_grads = [[n for n in names if n in self.params and self.params[n].requires_grad] for names in a.shard_names]
         self.shard_buffers = [[n for n in names if n in self.buffers] for names in a.shard_names]
         self.batches = Batches(load_dataset(spec, "train"), device, spec.loader_workers)
-        self._stream = self.batches.iterate(spec.batch_size, a.slots, a.slot, a.start_step, a.end_step, spec.seed)
+        self._stream = self.batches.iterate(
+            spec.slot_batch, a.slots, a.slot, a.start_step, a.end_step, spec.seed, a.data_segments
+        )
         self._next_step = a.start_step
         self.compressor = Compressor(parse_compression(spec.compression))
-        self.scaler = LossScale() if spec.amp == "fp16" else None
         # Sync mode clips the averaged gradient on the shards (one global norm); async and ssp
-        # apply each push alone, so each trainer clips its own.
-        self.clip = spec.clip_grad_norm if spec.mode != "sync" else None
+        # apply each push alone, so each trainer clips its own (after the residual is added back).
+        self.clip = spec.mode != "sync"
         self.device = device
         self._prefetched: tuple[int, Any] | None = None
 
@@ -140,37 +118,22 @@ class Replica:
         for payload in payloads:
             self.load(payload)
         batch = self.batch(step)
-        for p in self.trainable:
-            p.grad = None
-        loss, metrics = self.program.step(self.model, batch)
-        skip = False
-        value = float(loss.detach())  # one read of the loss a step (on CUDA each read waits for the device)
-        if not math.isfinite(value):
-            if self.a.spec.on_nonfinite == "fail":
-                raise NonFiniteLossError(f"step {step}: the loss is {value} (on_nonfinite='fail')")
-            skip = True
-        else:
-            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
-            if self.scaler is not None:
-                inv = 1.0 / self.scaler.scale
-                for p in self.trainable:
-                    if p.grad is not None:
-                        p.grad.mul_(inv)
-                overflow = not all(bool(torch.isfinite(p.grad).all()) for p in self.trainable if p.grad is not None)
-                self.scaler.update(overflow)
-                skip = overflow
-            if self.clip is not None and not skip:
-                torch.nn.utils.clip_grad_norm_(self.trainable, self.clip)
+        epoch = self.batches.schedule(self.a.spec.slot_batch, self.a.slots, self.a.data_segments).position(step)[0]
+        b = self.runner.backward(self.model, batch, step, slot=self.a.slot, world=self.a.slots, epoch=epoch)
+        # An fp16 overflow skips the step as a non-finite loss does: the shards apply nothing.
+        skip = b.skip or self.runner.unscale([p.grad for p in self.trainable if p.grad is not None])
         grads: list[dict[str, Payload]]
         if skip:
             grads = [{n: torch.zeros_like(self.params[n]) for n in names} for names in self.shard_grads]
         else:
-            grads = [{n: self.compressor.compress(n, self._grad(n)) for n in names} for names in self.shard_grads]
+            dense = self.compressor.add_residual({n: self._grad(n) for names in self.shard_grads for n in names})
+            if self.clip:
+                self.runner.clip_tensors(dense.values())
+            grads = [{n: self.compressor.compress(n, dense[n]) for n in names} for names in self.shard_grads]
         buffers = [{n: self.buffers[n].detach().clone() for n in names} for names in self.shard_buffers]
-        samples = batch_samples(batch)
         if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
             self._prefetched = (step + 1, self.batch(step + 1))
-        return StepResult(value, metrics, samples, grads, buffers, skip)
+        return StepResult(b.loss, b.metrics, b.samples, grads, buffers, skip)
 
     def close(self) -> None:
         """End the batch stream (stops DataLoader workers, if any)."""
@@ -185,7 +148,7 @@ class Replica:
 
 
 class ResidualSnapshot(BaseModel):
-    """A trainer's error-feedback residual at checkpoint step ``step``."""
+    """A trainer slot's own state at checkpoint step ``step``: its error-feedback residual and loss scale."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -193,6 +156,8 @@ class ResidualSnapshot(BaseModel):
     slots: int
     """Trainer count of the job when saved (a residual is only reused with the same split)."""
     residual: dict[str, torch.Tensor]
+    scaler: dict[str, float] = Field(default_factory=dict)
+    """The slot's fp16 loss scaler (:meth:`StepRunner.state_dict`; {}: none)."""
 
 
 class TrainerState(BaseModel):
@@ -311,8 +276,10 @@ class TrainerGrain(Grain):
             *(s.exchange(a.generation, a.slot, a.start_step, None, -1, -1) for s in shards)
         )
         payloads = self._take(replies, versions)
-        every = a.spec.checkpoint_every if rep.compressor.lossy else 0
-        if every and a.start_step and a.start_step % every == 0:
+        # Per-slot state that lives outside the shards: the residual (lossy compression) and the
+        # loss scale (fp16), saved with each checkpoint so a restart from it continues with both.
+        own_state = rep.compressor.lossy or rep.runner.scaler is not None
+        if own_state and a.start_step:
             await self._restore_residual(a, rep)
         pipelined = a.spec.mode == "async"
         pending: asyncio.Future[list[ExchangeReply]] | None = None
@@ -327,7 +294,7 @@ class TrainerGrain(Grain):
                 payloads = self._take(await self._timed(pending), versions)
                 pending = None
             self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
-            if every and (step + 1) % every == 0:
+            if own_state and checkpointing.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, rep, step + 1)
             fut = asyncio.gather(
@@ -355,7 +322,8 @@ class TrainerGrain(Grain):
 
     async def _save_residual(self, a: TrainerAssignment, rep: Replica, step: int) -> None:
         residual = {n: t.to("cpu") for n, t in rep.compressor.residual().items()}
-        self.state = TrainerState(snapshot=ResidualSnapshot(step=step, slots=a.slots, residual=residual))
+        snap = ResidualSnapshot(step=step, slots=a.slots, residual=residual, scaler=rep.runner.state_dict())
+        self.state = TrainerState(snapshot=snap)
         try:
             await self.save_snapshot(residual_group(a), step, keep=a.spec.keep_checkpoints + 1)
         except errors.StateConflictError:
@@ -375,8 +343,10 @@ class TrainerGrain(Grain):
             log.info("%s: no residual saved at step %d (%s); starting with none", self.key, a.start_step, exc)
             return
         snap, self.state = self.state.snapshot, TrainerState()
-        if snap is not None and snap.step == a.start_step and snap.slots == a.slots:
-            rep.compressor.restore({n: t.to(rep.device) for n, t in snap.residual.items()})
+        if snap is not None and snap.step == a.start_step:
+            rep.runner.load_state_dict(snap.scaler)  # a loss scale is the slot's whatever the split
+            if snap.slots == a.slots:
+                rep.compressor.restore({n: t.to(rep.device) for n, t in snap.residual.items()})
 
     def _take(self, replies: list[ExchangeReply], versions: list[int]) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []

@@ -133,3 +133,28 @@ def test_dense_fp16_clamps_a_huge_gradient_and_keeps_the_excess_for_later():
     sent = c.compress("w", torch.tensor([1e6, 1.0]))
     assert isinstance(sent, torch.Tensor) and torch.isfinite(sent).all()
     assert float(sent[0]) == 65504.0 and float(c.residual()["w"][0]) == 1e6 - 65504.0
+
+
+def test_clipping_bounds_what_is_sent_once_the_residual_is_added_back():
+    # async/ssp trainers clip their own gradient; with error feedback, what is sent is the
+    # gradient plus the residual, so clipping must come after that sum, or the bound fails.
+    from grains.training.compression import Compressor, decompress_into, parse_compression
+    from grains.training.job import TrainingJob
+    from grains.training.step_runner import StepRunner
+
+    torch.manual_seed(0)
+    runner = StepRunner(TrainingJob(mode="async", clip_grad_norm=1.0), "cpu", [])
+    comp = Compressor(parse_compression("topk:0.1"))
+    comp.restore({"w": torch.randn(1000) * 5})  # a residual saved from earlier steps
+    grads = {"w": torch.randn(1000)}
+    runner.clip_tensors(comp.add_residual(grads).values())
+    sent = torch.zeros(1000)
+    decompress_into(sent, comp.compress("w", grads["w"]), add=False)
+    assert float(sent.norm()) <= 1.0 + 1e-5
+    assert float(sent.norm()) > 0.5  # and something was sent
+    # The old order (clip, then add the residual back, then compress) sends far more than the bound.
+    comp.restore({"w": torch.randn(1000) * 5})
+    g = torch.randn(1000)
+    g.mul_(min(1.0, 1.0 / float(g.norm())))
+    decompress_into(sent, comp.compress("w", g), add=False)
+    assert float(sent.norm()) > 2.0

@@ -1,0 +1,40 @@
+"""Mid-run evaluation runs on one committed step's weights, labelled with that step.
+
+It used to read each shard while training went on, at whatever step each was,
+and label the result with the slowest trainer's step (``eval_every = 80``
+evaluated "steps" like 83 and 165). Now every multiple of ``eval_every`` is a
+checkpoint, and the evaluation of step c is that of checkpoint c.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grains.training import CoordinatorGrain, TrainingJob
+from grains.training.batches import Batches, batch_samples
+from grains.training.datasets import load_dataset
+from grains.training.models import build_model
+from grains.training.program import Program, evaluate
+from silo.settings import MembershipSettings
+from tests.grains.training.conftest import GRAINS, run_job
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+async def test_mid_run_evaluations_are_those_of_the_committed_checkpoints_they_name(cluster, client, mode):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(mode=mode, trainers=2, steps=60, batch_size=32, lr=0.05, eval_every=15,
+                       checkpoint_every=25, keep_checkpoints=10, seed=2)  # fmt: skip
+    st = await run_job(client, f"eval-{mode}", spec)
+    assert st.status == "completed", st
+    coord = client.get_grain(CoordinatorGrain, f"eval-{mode}")
+    evals = [(h.step, h.eval_metrics) for h in await coord.history() if h.eval_metrics is not None]
+    assert [step for step, _ in evals] == [15, 30, 45], evals  # every eval_every steps, exactly
+    assert {15, 25, 30, 45, 50, 60} <= set(st.checkpoints), st  # evaluation steps are checkpoints
+    program = Program.of(spec)
+    test = Batches(load_dataset(spec, "test"))
+    model = build_model(spec)
+    for step, got in evals:
+        model.load_state_dict(await coord.state_dict(step=step), strict=True)
+        want = evaluate(program, model, test.eval_batches(spec.eval_batch_size), batch_samples)
+        assert got == want, (step, got, want)
+    assert st.eval_step == 60
