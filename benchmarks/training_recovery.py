@@ -91,27 +91,20 @@ async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any],
     job = TrainingJob(**{**spec, "mode": "pipeline", "trainers": 1, "stages": 2, "shards": 1})
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 300
-    # A coordinator whose silo has not yet seen every join places the two stages on the silos it
-    # knows (both on one, or one with it): such a start is cancelled and made again, a few times.
-    for attempt in range(5):
-        coord = client.get_grain(CoordinatorGrain, key_on("CoordinatorGrain", f"recovery-stage-{attempt}", rows[2].silo, rows))
-        await coord.start(job)
-        while True:
-            st = await coord.status()
-            if st.status == "running" and len(st.trainer_silos) == 2:
-                break
-            if st.status not in ("running", "starting") or loop.time() > deadline:
-                raise RuntimeError(f"job did not start: {st}")
-            await asyncio.sleep(0.01)
-        # The victim: a stage silo that hosts neither the other stage nor the coordinator (stage
-        # 1's unless the coordinator landed there; the coordinator's silo order is not by address).
-        victim = next((s for s in reversed(st.trainer_silos) if s != st.coordinator_silo), None)
-        if victim is not None and st.trainer_silos[0] != st.trainer_silos[1]:
+    # The coordinator reads membership fresh before it places the stages, so they land on two silos.
+    coord = client.get_grain(CoordinatorGrain, key_on("CoordinatorGrain", "recovery-stage", rows[2].silo, rows))
+    await coord.start(job)
+    while True:
+        st = await coord.status()
+        if st.status == "running" and len(st.trainer_silos) == 2:
             break
-        await coord.cancel()
-        await client.refresh()
-    else:
-        raise RuntimeError(f"no start put the stages on two silos apart from the coordinator: {st}")
+        if st.status not in ("running", "starting") or loop.time() > deadline:
+            raise RuntimeError(f"job did not start: {st}")
+        await asyncio.sleep(0.01)
+    # The victim: a stage silo that is not the coordinator's (the coordinator's silo order is not by address).
+    victim = next((s for s in reversed(st.trainer_silos) if s != st.coordinator_silo), None)
+    if victim is None or st.trainer_silos[0] == st.trainer_silos[1]:
+        raise RuntimeError(f"the stages were not placed on two silos apart from the coordinator: {st}")
     while True:
         st = await coord.status()
         if st.status == "running" and st.step >= kill_at_step and any(c > 0 for c in st.checkpoints):

@@ -85,6 +85,12 @@ class Grain:
         """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""
         return self._rg_context.cluster_members(type_name)
 
+    async def refresh_cluster_members(self) -> None:
+        """Re-read membership now, so :meth:`cluster_members` answers with every silo that has
+        joined or left so far (not as of this silo's last periodic refresh). For a placement that
+        must see the whole cluster, such as a job's first start."""
+        await self._rg_context.refresh_cluster_members()
+
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         """Run CPU-heavy ``fn`` on the silo's bounded executor, keeping the loop free."""
         return await self._rg_context.run_in_thread(fn, *args, **kwargs)

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grains.training.batches import Batches
+from grains.training.batches import job_batches
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.data_position import Segment
-from grains.training.datasets import load_dataset
 from grains.training.job import TrainingJob
 from grains.training.layout import frozen_parameters, persistent_buffers
 from grains.training.models import build_model
@@ -64,7 +63,7 @@ class GroupReplica:
         self.opt = build_optimizer(named, spec)
         self.schedule = build_schedule(self.opt, spec)
         self.runner = StepRunner(spec, device, self.params)
-        self.batches = Batches(load_dataset(spec, "train"), device)
+        self.batches = job_batches(spec, "train", device)
         self.segments: list[Segment] = []
         """The data position of the current group (its assignment's ``data_segments``)."""
         self.flat = torch.zeros(sum(p.numel() for p in self.params), device=device)

@@ -43,14 +43,15 @@ stream), so workers with one are refused.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from grains.training.data_position import DataSchedule, Segment
-from grains.training.datasets import dataset_size
+from grains.training.datasets import dataset_size, load_dataset
+from grains.training.job import TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 
@@ -121,6 +122,21 @@ def collate(items: Sequence[Any]) -> Any:
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"dataset items do not collate into a batch: {exc}") from None
     return _retuple(items[0], out)
+
+
+class _user_collate:
+    """A job's ``collate_fn`` (``pkg.module:fn``, items -> batch), its failures a ConfigError."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, items: Sequence[Any]) -> Any:
+        if not items:
+            raise ConfigError("cannot collate a batch of no items")
+        try:
+            return self.fn(list(items))
+        except Exception as exc:
+            raise ConfigError(f"the collate_fn raised {type(exc).__name__}: {exc}") from exc
 
 
 def _retuple(elem: Any, out: Any) -> Any:
@@ -238,10 +254,14 @@ class Batches:
     items. Used from one thread at a time.
     """
 
-    def __init__(self, ds: Dataset[Any], device: str | torch.device = "cpu", workers: int = 0) -> None:
+    def __init__(
+        self, ds: Dataset[Any], device: str | torch.device = "cpu", workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:  # fmt: skip
         if workers < 0:
             raise ConfigError(f"loader workers must be >= 0, not {workers}")
         self._ds = ds
+        self._collate: Callable[[Sequence[Any]], Any] = collate if collate_fn is None else _user_collate(collate_fn)
         self._device = device
         self._workers = workers
         self._size = dataset_size(ds)
@@ -256,7 +276,7 @@ class Batches:
             self._stream = _Stream(ds)
         else:
             tensors = getattr(ds, "tensors", None)
-            if isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+            if collate_fn is None and isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors):
                 self._tensors = tuple(t.to(device) for t in tensors)
         self._perm_key: tuple[int, int] | None = None
         self._perm: torch.Tensor | None = None
@@ -306,7 +326,7 @@ class Batches:
         """Trainer ``slot``'s batch (of ``slots``) at global ``step``, on the device."""
         if self._stream is not None:
             _, start = self._start(batch_size, slots, slot, step, segments)
-            return to_device(collate(self._stream.read(start, start + batch_size)), self._device)
+            return to_device(self._collate(self._stream.read(start, start + batch_size)), self._device)
         return self.gather(self.indices(batch_size, slots, slot, step, seed, segments))
 
     def iterate(
@@ -333,10 +353,10 @@ class Batches:
                 chunk.append(item)
                 seen += 1
                 if len(chunk) == batch_size:
-                    yield to_device(collate(chunk), self._device)
+                    yield to_device(self._collate(chunk), self._device)
                     chunk = []
             if chunk:
-                yield to_device(collate(chunk), self._device)
+                yield to_device(self._collate(chunk), self._device)
             if not seen:
                 raise ConfigError(f"{type(self._ds).__name__} yielded no items to evaluate on")
             return
@@ -350,14 +370,14 @@ class Batches:
             yield from self._load(chunks)
         else:
             for idx in chunks:
-                yield to_device(collate([self._ds[i] for i in idx]), self._device)
+                yield to_device(self._collate([self._ds[i] for i in idx]), self._device)
 
     def gather(self, idx: torch.Tensor) -> Any:
         """Map-style: the batch of the items at ``idx``, on the device."""
         if self._tensors is not None:
             i = idx.to(self._tensors[0].device)
             return tuple(t[i] for t in self._tensors)
-        return to_device(collate([self._ds[i] for i in idx.tolist()]), self._device)
+        return to_device(self._collate([self._ds[i] for i in idx.tolist()]), self._device)
 
     def all(self, limit: int | None = None) -> Any:
         """The first ``limit`` samples (all when None) as one batch."""
@@ -369,7 +389,7 @@ class Batches:
             if limit is not None and len(items) >= limit:
                 break
             items.append(item)
-        return to_device(collate(items), self._device)
+        return to_device(self._collate(items), self._device)
 
     def _map_size(self) -> int:
         if self._size is None:
@@ -381,7 +401,7 @@ class Batches:
             self._ds,
             batch_sampler=batch_sampler,
             num_workers=self._workers,
-            collate_fn=collate,
+            collate_fn=self._collate,
             pin_memory=str(self._device).startswith("cuda"),
             # Not forked from the silo: a fork of a process with an event loop and thread pools
             # inherits their state, and its workers died at shutdown (exit code 1). A forkserver
@@ -399,3 +419,13 @@ class Batches:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
+
+
+def collate_function(spec: TrainingJob) -> Callable[[list[Any]], Any] | None:
+    """The job's ``collate_fn`` resolved (None: :func:`collate`)."""
+    return None if spec.collate_fn is None else resolve_path(spec.collate_fn, "collate_fn")  # type: ignore[no-any-return]
+
+
+def job_batches(spec: TrainingJob, split: str, device: str | torch.device = "cpu", workers: int = 0) -> Batches:
+    """Split ``split`` of the job's dataset as :class:`Batches`, collated by the job's ``collate_fn``."""
+    return Batches(load_dataset(spec, split), device, workers, collate_function(spec))

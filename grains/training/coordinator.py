@@ -44,11 +44,10 @@ from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training import checkpointing
 from grains.training.allreduce_driver import AllreduceDriver
-from grains.training.batches import Batches, batch_samples
+from grains.training.batches import batch_samples, job_batches
 from grains.training.callbacks import Callbacks
 from grains.training.checkpointing import ShardSnapshot, group
 from grains.training.data_position import DataSchedule, Segment
-from grains.training.datasets import load_dataset
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
 from grains.training.init import read_init
@@ -101,7 +100,7 @@ class _Evaluator:
         self.names = [n for n, _ in trainable(self.model)]
         self.extra = [n for n, _ in frozen_parameters(self.model)] + [n for n, _ in persistent_buffers(self.model)]
         self.program = Program.of(spec)
-        self.batches = Batches(load_dataset(spec, "test"))
+        self.batches = job_batches(spec, "test")
         self.batch_size = spec.eval_batch_size
         self._lock = threading.Lock()  # one model: a background evaluation and an export take turns
 
@@ -412,7 +411,9 @@ class CoordinatorGrain(Grain):
             driver = self._job_driver()
             if not resume or not driver.placed():
                 # Re-activated with grains in place: re-attach; the first tick repairs what
-                # was lost with this silo.
+                # was lost with this silo. Placing reads membership fresh: this silo's view may
+                # not have seen the latest joins yet (a pipeline then put two stages on one silo).
+                await self.refresh_cluster_members()
                 await driver.place_and_start()
             while self.state.status in ("starting", "running"):
                 try:
@@ -623,10 +624,12 @@ class CoordinatorGrain(Grain):
             value = metrics[name]
             if s.best_value is None or (value > s.best_value if larger else value < s.best_value):
                 await self._save_best(step, value)
-        with contextlib.suppress(errors.RedgrainError):
-            await self._prune()  # the evaluated checkpoint may go now
         callbacks = await self._job_callbacks()
-        return await self.run_in_thread(callbacks.on_eval, step, metrics) if callbacks else None
+        stop = await self.run_in_thread(callbacks.on_eval, step, metrics) if callbacks else None
+        if stop is None:
+            with contextlib.suppress(errors.RedgrainError):
+                await self._prune()  # the evaluated checkpoint may go now (kept when it becomes the result)
+        return stop
 
     async def _save_best(self, step: int, value: float) -> None:
         evaluator = await self._job_evaluator()
@@ -695,8 +698,9 @@ class CoordinatorGrain(Grain):
         s = self.state
         log.info("%s: %s", self.key, why)
         s.stopped_early = why
-        s.committed = [c for c in s.committed if c <= step]
-        s.committed_at = {c: t for c, t in s.committed_at.items() if c <= step}
+        # The evaluated checkpoint is the result (retention may have moved past it in our list).
+        s.committed = sorted({c for c in s.committed if c <= step} | {step})[-s.spec.keep_checkpoints :] if s.spec else [step]
+        s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
         s.total_steps = step
         self._stop_evaluation()
         with contextlib.suppress(errors.RedgrainError):

@@ -48,6 +48,11 @@ class TrainingJob(BaseModel):
         description="Evaluation `pkg.module:fn`, fn(model, batch) -> {name: float}; run in eval() under no_grad.",
     )
     eval_batch_size: int = Field(512, gt=0, description="Batch size of evaluation over the whole test split.")
+    collate_fn: str | None = Field(
+        None,
+        description="`pkg.module:fn`, fn(list of dataset items) -> batch (e.g. padding variable-length text per"
+        " batch); default: torch's default_collate, tuples kept.",
+    )
     optimizer: str = Field(
         "sgd", description="sgd | momentum | adam | adamw, or the import path of a torch.optim.Optimizer subclass."
     )
@@ -203,7 +208,7 @@ class TrainingJob(BaseModel):
     def _path(cls, v: str) -> str:
         return _import_path(v)
 
-    @field_validator("lr_schedule", "loss")
+    @field_validator("lr_schedule", "loss", "collate_fn")
     @classmethod
     def _schedule_path(cls, v: str | None) -> str | None:
         return None if v is None else _import_path(v)

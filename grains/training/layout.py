@@ -99,7 +99,7 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     cannot be built, ``init_from`` does not fit the model, or the step or
     evaluation breaks its contract on the first batch.
     """
-    from grains.training.batches import Batches, batch_samples
+    from grains.training.batches import Batches, batch_samples, collate_function, job_batches
     from grains.training.callbacks import Callbacks
     from grains.training.datasets import dataset_size, load_dataset
     from grains.training.init import read_init
@@ -109,8 +109,8 @@ def check_job(spec: TrainingJob) -> ModelLayout:
 
     train_set = load_dataset(spec, "train")
     spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`
-    train = Batches(train_set, workers=spec.loader_workers)  # workers with a stream: refused here
-    test = Batches(load_dataset(spec, "test"))
+    train = Batches(train_set, workers=spec.loader_workers, collate_fn=collate_function(spec))  # workers with a stream: refused here
+    test = job_batches(spec, "test")
     model = build_model(spec)
     layout = layout_of(model)
     check_param_groups(model, spec)

@@ -57,9 +57,8 @@ import torch
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive, reentrant
 from grains.training import checkpointing
-from grains.training.batches import Batches
+from grains.training.batches import Batches, job_batches
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.datasets import load_dataset
 from grains.training.messages import StageConfig, StageStatus, StepPoint
 from grains.training.optim import clip_coefficient
 from grains.training.pipeline import stage_module, tensor_names
@@ -133,7 +132,7 @@ class PipelineStageGrain(Grain):
             self._core = await self.run_in_thread(StageCore, cfg, self.device, snapshot, module)
         self._cfg = cfg
         first, last = cfg.index == 0, cfg.index == len(cfg.stage_keys) - 1
-        self._batches = await self.run_in_thread(Batches, load_dataset(cfg.spec, "train"), self.device) if first or last else None
+        self._batches = await self.run_in_thread(job_batches, cfg.spec, "train", self.device) if first or last else None
         self._status, self._error, self._fatal = "running", "", False
         if not cfg.keep:
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []

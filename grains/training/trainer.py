@@ -37,9 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
 from grains.training import checkpointing
-from grains.training.batches import Batches
+from grains.training.batches import job_batches
 from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
-from grains.training.datasets import load_dataset
 from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
 from grains.training.models import build_model
@@ -81,7 +80,7 @@ class Replica:
         self.runner = StepRunner(spec, device, self.trainable)
         self.shard_grads = [[n for n in names if n in self.params and self.params[n].requires_grad] for names in a.shard_names]
         self.shard_buffers = [[n for n in names if n in self.buffers] for names in a.shard_names]
-        self.batches = Batches(load_dataset(spec, "train"), device, spec.loader_workers)
+        self.batches = job_batches(spec, "train", device, spec.loader_workers)
         self._stream = self.batches.iterate(
             spec.slot_batch, a.slots, a.slot, a.start_step, a.end_step, spec.seed, a.data_segments
         )

@@ -57,6 +57,9 @@ class ActivationContext:
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         return self._runtime.cluster_members(type_name)  # type: ignore[no-any-return]
 
+    async def refresh_cluster_members(self) -> None:
+        await self._runtime.refresh_cluster_members()
+
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         return await self._runtime.run_in_thread(fn, *args, **kwargs)  # type: ignore[no-any-return]
 

