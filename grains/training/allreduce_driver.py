@@ -47,7 +47,7 @@ class AllreduceDriver(Driver):
         s = self.state
         spec = s.spec
         assert spec is not None
-        coord = self.coord
+        coord = self.job.grain
         look = self.look()
         if not look.eligible:
             raise errors.ConfigError(
@@ -61,7 +61,7 @@ class AllreduceDriver(Driver):
         s.resumed_from = s.committed[-1] if s.committed else None
         await self._reform("job started")
         s.status = "running"
-        await coord._write()
+        await self.job.save()
 
     async def tick(self) -> None:
         s = self.state
@@ -102,7 +102,7 @@ class AllreduceDriver(Driver):
             await self.commit_step(step)  # every checkpoint rank 0 completed, oldest first
         await self.report([])
         if done == len(s.trainer_keys) and self.final_committed():
-            await self.coord._finish("completed")
+            await self.job.finish("completed")
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         snap = await self._newest()
@@ -134,7 +134,7 @@ class AllreduceDriver(Driver):
         watch = self.silos
         look = self.look()
         s.generation += 1
-        await self.coord._write()
+        await self.job.save()
         # Stop the old members first (never calling one whose silo is gone: that would
         # activate it again elsewhere); one that does not answer is left out.
         olds = [(k, silo) for k, silo in zip(s.trainer_keys, s.trainer_silos, strict=True) if silo in look.alive]
@@ -180,7 +180,7 @@ class AllreduceDriver(Driver):
         self.progress.clear()
         self.cursor = start
         self.note_change(s.generation, why, len(members), start)
-        await self.coord._write()
+        await self.job.save()
         if not members:
             log.warning("%s: no trainer silo available; waiting for one", self.key)
             return
@@ -200,7 +200,7 @@ class AllreduceDriver(Driver):
         s = self.state
         assert s.spec is not None
         # Generations only grow (across runs of a job id too), so each prefix is used by one group.
-        rendezvous = self.coord.rendezvous_prefix(self.key, s.generation)
+        rendezvous = self.job.grain.rendezvous_prefix(self.key, s.generation)
         return GroupAssignment(
             job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, world=len(s.trainer_keys),
             members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,13 +23,16 @@ from grains.training.batches import job_batches
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.data_position import Segment
 from grains.training.job import TrainingJob
-from grains.training.layout import frozen_parameters, persistent_buffers
+from grains.training.model_tensors import frozen_parameters, persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
 from grains.training.step_runner import StepRunner
 
-if TYPE_CHECKING:
-    from grains.training.allreduce import Group
+
+class Collective(Protocol):
+    """The group a step averages over (:class:`grains.training.allreduce.Group`)."""
+
+    def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event, raw: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -110,7 +113,7 @@ class GroupReplica:
                 scaler=self.runner.state_dict(),
             )
 
-    def step(self, step: int, rank: int, world: int, group: Group, abandon: threading.Event) -> StepResult:
+    def step(self, step: int, rank: int, world: int, group: Collective, abandon: threading.Event) -> StepResult:
         """Forward/backward on this rank's slice of global step ``step``, average, apply.
 
         A rank whose loss is non-finite (``on_nonfinite = "skip"``) sends NaN gradients, so

@@ -50,29 +50,31 @@ from grains.training.checkpointing import ShardSnapshot, group
 from grains.training.data_position import DataSchedule, Segment
 from grains.training.driver import Driver
 from grains.training.elastic import TrainerSilos
-from grains.training.init import read_init
-from grains.training.job import TrainingJob, check_job, parse_job
-from grains.training.layout import (
-    export_state_dict,
-    frozen_parameters,
-    load_tensors,
-    persistent_buffers,
-)
+from grains.training.init_weights import read_init, read_init_optimizer
+from grains.training.job import TrainingJob, parse_job
 from grains.training.messages import (
     GroupChange,
     HistoryPoint,
     JobStatus,
     ShardStatus,
+    TensorKinds,
     TrainerProgress,
     TrainingStatus,
 )
+from grains.training.model_tensors import (
+    export_state_dict,
+    frozen_parameters,
+    load_tensors,
+    persistent_buffers,
+)
 from grains.training.models import build_model
-from grains.training.optim import trainable
+from grains.training.optim import build_optimizer, trainable
 from grains.training.pipeline_driver import PipelineDriver
 from grains.training.program import Program, evaluate
 from grains.training.ps_driver import ParameterServerDriver
 from grains.training.records import StageInfo
 from grains.training.store import CheckpointStoreGrain
+from grains.training.submit import check_job
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -115,17 +117,29 @@ class _Evaluator:
             load_tensors(self.model, tensors)
             return export_state_dict(self.model)
 
-    def init_snapshot(self, path: str) -> ShardSnapshot:
-        """The weights of ``init_from`` as step 0 of a run (no optimizer state yet)."""
-        self.model.load_state_dict(read_init(path, self.model), strict=True)
-        named = dict(self.model.named_parameters())
-        buffers = dict(persistent_buffers(self.model))
-        def cpu(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-        return ShardSnapshot(
-            step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer={},
-            buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
-        )  # fmt: skip
+    def init_snapshot(self, path: str, spec: TrainingJob) -> ShardSnapshot:
+        """The weights of ``init_from`` as step 0 of a run; with ``init_optimizer``, the saved
+        optimizer's per-parameter state too (otherwise none yet)."""
+        with self._lock:
+            self.model.load_state_dict(read_init(path, self.model), strict=True)
+            named = dict(self.model.named_parameters())
+            buffers = dict(persistent_buffers(self.model))
+            optimizer: dict[str, Any] = {}
+            if spec.init_optimizer:
+                opt = build_optimizer(trainable(self.model), spec)
+                if opt is not None:
+                    read_init_optimizer(path, self.model, opt)
+                    sd = opt.state_dict()
+                    state = {k: {n: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in st.items()} for k, st in sd["state"].items()}
+                    optimizer = {"state": state, "param_groups": sd["param_groups"]}
+
+            def cpu(t: torch.Tensor) -> torch.Tensor:
+                return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+
+            return ShardSnapshot(
+                step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer=optimizer,
+                buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
+            )  # fmt: skip
 
 
 def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
@@ -135,6 +149,43 @@ def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
         return []
     schedule = DataSchedule.of(old.train_size, old.spec.slot_batch, old.data_segments, old.slots)
     return schedule.from_step(max(old.committed[-1], schedule.segments[0].start_step)).segments
+
+
+class _Job:
+    """The coordinator as its driver sees it (:class:`grains.training.driver.JobContext`)."""
+
+    def __init__(self, coord: CoordinatorGrain) -> None:
+        self._coord = coord
+
+    @property
+    def grain(self) -> Grain:
+        return self._coord
+
+    @property
+    def key(self) -> str:
+        return self._coord.key
+
+    @property
+    def state(self) -> CoordinatorGrain.State:
+        return self._coord.state
+
+    async def save(self) -> None:
+        await self._coord._write()
+
+    async def report(
+        self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus],
+        trainer_silos: list[str] | None = None, stages: list[StageInfo] | None = None,
+    ) -> None:  # fmt: skip
+        await self._coord._report(progress, statuses, trainer_silos, stages)
+
+    async def finish(self, status: JobStatus) -> None:
+        await self._coord._finish(status)
+
+    async def committed(self, step: int) -> None:
+        await self._coord._on_commit(step)
+
+    def show_shard_silos(self, silos: list[str]) -> None:
+        self._coord._live.shard_silos = silos
 
 
 def _mean_metrics(each: list[dict[str, float]]) -> dict[str, float]:
@@ -158,6 +209,8 @@ class CoordinatorGrain(Grain):
         total_steps: int = 0
         shard_keys: list[str] = Field(default_factory=list)
         shard_names: list[list[str]] = Field(default_factory=list)
+        tensor_kinds: TensorKinds | None = None
+        """The model's frozen parameters and buffers (shards restore without building the model)."""
         shard_activations: list[str] = Field(default_factory=list)
         trainer_keys: list[str] = Field(default_factory=list)
         trainer_silos: list[str] = Field(default_factory=list)
@@ -174,6 +227,8 @@ class CoordinatorGrain(Grain):
         metrics: dict[str, float] = Field(default_factory=dict)
         eval_metrics: dict[str, float] = Field(default_factory=dict)
         eval_step: int | None = None
+        eval_pending: list[int] = Field(default_factory=list)
+        """Committed checkpoints due for a mid-run evaluation, not yet evaluated."""
         train_size: int | None = None
         """Samples in the training split (None: a dataset without a length); for the epoch."""
         data_segments: list[Segment] = Field(default_factory=list)
@@ -272,7 +327,7 @@ class CoordinatorGrain(Grain):
             # The starting weights become step 0 of the run: every mode restores it like any
             # checkpoint, and a rollback before the first checkpoint comes back to it.
             evaluator = await self._job_evaluator()
-            snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from)
+            snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from, job)
             store: Any = self.get_grain(CheckpointStoreGrain, self.key)
             await store.with_timeout(120.0).save_whole(self.state.run, snap, checkpointing.retained(job))
             self.state.committed = [0]
@@ -403,7 +458,7 @@ class CoordinatorGrain(Grain):
             name = cls.trainer_type.__name__
             if self._silos is None or self._silos.type_name != name or self._silos.role != spec.trainer_role:
                 self._silos = TrainerSilos(name, spec.trainer_role)
-            self._driver = cls(self, self._silos)
+            self._driver = cls(_Job(self), self._silos)
         return self._driver
 
     async def _drive(self, *, resume: bool) -> None:
@@ -573,10 +628,12 @@ class CoordinatorGrain(Grain):
         spec = s.spec
         if spec is None or not spec.eval_every or (self._eval_task is not None and not self._eval_task.done()):
             return
-        due = [c for c in s.committed if c > self._last_eval_step and c % spec.eval_every == 0 and c != s.total_steps]
+        due = [c for c in s.eval_pending if c != s.total_steps]
+        s.eval_pending = due
         if not due:
             return
         step = min(due)
+        s.eval_pending = [c for c in due if c != step]
         self._last_eval_step = self._evaluating = step
         self._eval_task = self.start_task(self._evaluate_checkpoint(step), name=f"{self.key} evaluation {step}")
 
@@ -643,7 +700,10 @@ class CoordinatorGrain(Grain):
         self.state.best_step, self.state.best_value = step, value
 
     async def _on_commit(self, step: int) -> None:
-        """Checkpoint ``step`` was committed: retention, and the callbacks' ``on_checkpoint``."""
+        """Checkpoint ``step`` was committed: due for evaluation, retention, the callbacks' ``on_checkpoint``."""
+        spec = self.state.spec
+        if spec is not None and spec.eval_every and step % spec.eval_every == 0 and step > self._last_eval_step:
+            self.state.eval_pending = sorted({*self.state.eval_pending, step})
         await self._prune()
         if self.state.spec is not None and self.state.spec.callbacks:
             callbacks = await self._job_callbacks()
@@ -660,7 +720,7 @@ class CoordinatorGrain(Grain):
         g = group(self.key, s.run)
         for info in await self.list_snapshots(g):
             c = int(info.snapshot_id)
-            due = c % spec.eval_every == 0 and c > self._last_eval_step
+            due = c in s.eval_pending
             if c in s.committed or c > s.committed[-1] or due or c == self._evaluating:
                 continue
             await self.delete_snapshot(g, info.snapshot_id)
@@ -702,6 +762,7 @@ class CoordinatorGrain(Grain):
         s.committed = sorted({c for c in s.committed if c <= step} | {step})[-s.spec.keep_checkpoints :] if s.spec else [step]
         s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
         s.total_steps = step
+        s.eval_pending = []
         self._stop_evaluation()
         with contextlib.suppress(errors.RedgrainError):
             await checkpointing.drop_after(self, self.key, s.run, step)

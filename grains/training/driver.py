@@ -33,7 +33,7 @@ import abc
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -55,14 +55,52 @@ CALL_TIMEOUT_S = 10.0
 _CHANGES = 20
 
 
+class JobContext(Protocol):
+    """What a driver may ask of the job it runs, and nothing more (the coordinator hands one to
+    its driver). The grain API (calls, threads, membership, the checkpoint store) is the
+    coordinator grain's own public one; what is the coordinator's business (saving its state,
+    turning progress into status, ending the job) goes through these methods, never through
+    its internals."""
+
+    @property
+    def grain(self) -> Grain:
+        """The coordinator grain: ``get_grain``, ``run_in_thread``, membership, snapshots."""
+
+    @property
+    def key(self) -> str:
+        """The job id."""
+
+    @property
+    def state(self) -> CoordinatorGrain.State:
+        r"""The job's persisted state, which the driver updates in place and then :meth:`save`\ s."""
+
+    async def save(self) -> None:
+        """Write the job's state (one writer at a time)."""
+
+    async def report(
+        self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus],
+        trainer_silos: list[str] | None = None, stages: list[StageInfo] | None = None,
+    ) -> None:  # fmt: skip
+        """This tick's progress into the job's status, history and dashboard record."""
+
+    async def finish(self, status: JobStatus) -> None:
+        """End the job with ``status``."""
+
+    async def committed(self, step: int) -> None:
+        """Checkpoint ``step`` was committed (retention, callbacks)."""
+
+    def show_shard_silos(self, silos: list[str]) -> None:
+        """Where the job's shards are, for its status before the next report."""
+
+
 class Driver(abc.ABC):
-    """One mode's way of running a job, on behalf of the coordinator ``coord``."""
+    """One mode's way of running a job, through its :class:`JobContext` ``job``."""
 
     trainer_type: ClassVar[type[Grain]]
     """The grain type of the job's trainers (also what ``silos`` watches)."""
 
-    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
-        self.coord = coord
+    def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
+        self.job = job
         self.silos = silos
         self.progress: dict[int, TrainerProgress] = {}
         """Each trainer's last progress of the current generation, by slot (all-reduce: rank)."""
@@ -111,19 +149,19 @@ class Driver(abc.ABC):
     # --- shared by both modes -----------------------------------------------
     @property
     def state(self) -> CoordinatorGrain.State:
-        return self.coord.state
+        return self.job.state
 
     @property
     def key(self) -> str:
-        return self.coord.key
+        return self.job.key
 
     def ref(self, cls: type[Grain], key: str, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-        ref: Any = self.coord.get_grain(cls, key)
+        ref: Any = self.job.grain.get_grain(cls, key)
         return ref.with_timeout(timeout_s)
 
     def look(self) -> SiloLook:
         """Membership for this job: trainer silos, less those it shed (out of memory there)."""
-        return self.silos.look(self.coord).excluding(self.state.shed_silos)
+        return self.silos.look(self.job.grain).excluding(self.state.shed_silos)
 
     def shed(self, silo: str, why: str) -> bool:
         """An elastic job (``trainers = "auto"``) stops placing trainers on ``silo`` after a trainer
@@ -177,8 +215,8 @@ class Driver(abc.ABC):
         # The store keeps the newest keep_checkpoints complete snapshots; so do we.
         s.committed = [*s.committed, newest][-s.spec.keep_checkpoints :]
         s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
-        await self.coord._write()
-        await self.coord._on_commit(newest)
+        await self.job.save()
+        await self.job.committed(newest)
         return True
 
     async def report(
@@ -188,4 +226,4 @@ class Driver(abc.ABC):
         steps = [pt.step for p in self.progress.values() for pt in p.points]
         if steps:
             self.cursor = max(steps) + 1
-        await self.coord._report(self.progress, shards, trainer_silos, stages)
+        await self.job.report(self.progress, shards, trainer_silos, stages)

@@ -1,7 +1,7 @@
 """The training job spec: what a user submits, validated before anything starts.
 
 A spec travels to the coordinator as a registered pydantic model and is kept
-in its state. :func:`check_job` goes beyond field validation: it imports the
+in its state. :func:`grains.training.submit.check_job` goes beyond field validation: it imports the
 model and dataset factories and builds the model once, so an unknown import
 path or a model that does not fit the data fails with a ConfigError at
 submit time, not minutes later on some silo.
@@ -81,6 +81,11 @@ class TrainingJob(BaseModel):
     )
     init_from: str | None = Field(
         None, description="A saved state_dict file (torch.save) to start from; read by the coordinator's silo."
+    )
+    init_optimizer: bool = Field(
+        False,
+        description="With init_from: the file is {'model': state_dict, 'optimizer': optimizer.state_dict()} and the"
+        " job starts with that optimizer's per-parameter state (momentum, Adam's moments).",
     )
     batch_size: int = Field(64, gt=0, description="Samples per trainer per step (global batch = trainers x this).")
     steps: int | None = Field(None, gt=0, description="Global steps to run (each trainer runs this many).")
@@ -277,6 +282,8 @@ class TrainingJob(BaseModel):
                 raise ValueError(f"split_points cut a pipeline; mode is {self.mode!r}")
             if self.loss is not None:
                 raise ValueError(f"loss is pipeline mode's hook (run on the last stage); mode {self.mode!r} takes a step")
+        if self.init_optimizer and self.init_from is None:
+            raise ValueError("init_optimizer reads the optimizer state of init_from's file: give init_from")
         if self.autocast_bf16 and self.precision == "fp16":
             raise ValueError("autocast_bf16 and precision='fp16' disagree; use precision alone")
         if self.mode == "allreduce" and parse_compression(self.compression).kind not in ("none", "fp16", "bf16"):
@@ -337,13 +344,6 @@ def load_job_file(path: str) -> tuple[str | None, TrainingJob]:
         raise ConfigError(f"cannot read job file {path}: {exc}") from exc
     job_id = data.pop("job", None)
     return (str(job_id) if job_id is not None else None), parse_job(data)
-
-
-def check_job(spec: TrainingJob) -> Any:
-    """Build and try the job once (see :func:`grains.training.layout.check_job`); its ModelLayout."""
-    from grains.training.layout import check_job as check
-
-    return check(spec)
 
 
 def resolve_path(path: str, what: str) -> Any:

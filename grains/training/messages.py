@@ -14,6 +14,14 @@ from grains.training.records import MicroBatchSpan, StageInfo
 JobStatus = Literal["idle", "starting", "running", "completed", "failed", "cancelled"]
 
 
+class TensorKinds(BaseModel):
+    """Which of a holder's tensors are frozen parameters and which persistent buffers (the rest,
+    of its names, are trainable), so it restores from a checkpoint without building the model."""
+
+    frozen: list[str] = Field(default_factory=list)
+    buffers: list[str] = Field(default_factory=list)
+
+
 class ShardConfig(BaseModel):
     """A shard's part of the job; sent on (re)configuration with a new generation."""
 
@@ -33,6 +41,8 @@ class ShardConfig(BaseModel):
     """Committed checkpoint to restore, or None to start from the seeded initial weights."""
     end_step: int = 0
     """The job's last step: always checkpointed (0: unknown, only every ``checkpoint_every``)."""
+    kinds: TensorKinds | None = None
+    """The kinds of this shard's tensors (None: not known; the shard builds the model to learn them)."""
 
 
 class ExchangeReply(BaseModel):

@@ -33,7 +33,7 @@ from torch import nn
 
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.job import TrainingJob, resolve_path
-from grains.training.layout import frozen_parameters, persistent_buffers
+from grains.training.model_tensors import frozen_parameters, persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import trainable
 from grains.training.split import chain, split, stage_sizes

@@ -24,14 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from grains.training import checkpointing, cluster, pipeline
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.driver import Driver
+from grains.training.driver import Driver, JobContext
 from grains.training.elastic import TrainerSilos
 from grains.training.job import TrainingJob
 from grains.training.messages import StageConfig, StageStatus, TrainerProgress
@@ -42,9 +41,6 @@ from grains.training.stage import PipelineStageGrain
 from grains.training.stage_placement import place_stages
 from grains.training.store import CheckpointStoreGrain
 from silo import errors
-
-if TYPE_CHECKING:
-    from grains.training.coordinator import CoordinatorGrain
 
 log = logging.getLogger("redgrain.training.coordinator")
 
@@ -68,8 +64,8 @@ def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], ShardSnaps
 class PipelineDriver(Driver):
     trainer_type = PipelineStageGrain
 
-    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
-        super().__init__(coord, silos)
+    def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
+        super().__init__(job, silos)
         self._layers: list[tuple[int, int]] = []
         self._activations: list[str] = []
         self._failures = 0
@@ -81,7 +77,7 @@ class PipelineDriver(Driver):
         s = self.state
         spec = s.spec
         assert spec is not None
-        coord = self.coord
+        coord = self.job.grain
         layers, sizes, initial = await coord.run_in_thread(cut, spec)
         s.stage_layers = layers
         look = self.look()
@@ -117,7 +113,7 @@ class PipelineDriver(Driver):
         self._layers = layers
         await self._configure(restore)
         s.status = "running"
-        await coord._write()
+        await self.job.save()
 
     async def tick(self) -> None:
         s = self.state
@@ -167,7 +163,7 @@ class PipelineDriver(Driver):
         ]  # fmt: skip
         await self.report([], [st.silo for st in statuses], stage_info)  # every stage's silo, in pipeline order
         if all(h.status == "done" for h in heads) and self.final_committed():
-            await self.coord._finish("completed")
+            await self.job.finish("completed")
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -233,7 +229,7 @@ class PipelineDriver(Driver):
         keys = [s.trainer_keys[r * stages + i] for r in keep for i in range(stages)]
         silos = [s.trainer_silos[r * stages + i] for r in keep for i in range(stages)]
         s.generation += 1
-        await self.coord._write()
+        await self.job.save()
         refs = [self.ref(PipelineStageGrain, k) for k in keys]
         await asyncio.gather(*(r.stop() for r in refs), return_exceptions=True)
         held = await asyncio.gather(*(r.status() for r in refs), return_exceptions=True)
@@ -248,12 +244,12 @@ class PipelineDriver(Driver):
         log.warning("%s: %s; going on with %d replica(s) from step %d (generation %d)", self.key, why, s.slots,
                     step, s.generation)  # fmt: skip
         self.note_change(s.generation, f"{why}; shrank to {s.slots} replica(s)", s.slots, step)
-        await self.coord._write()
+        await self.job.save()
         await asyncio.gather(*(self.ref(PipelineStageGrain, k).release() for k in lost_keys), return_exceptions=True)
         self.progress.clear()
         self.cursor = step
         await self._configure(None, keep_from=step)
-        await self.coord._write()
+        await self.job.save()
         return True
 
     async def _rollback(self, why: str) -> None:
@@ -261,19 +257,19 @@ class PipelineDriver(Driver):
         s.generation += 1
         s.rollbacks += 1
         restore = s.committed[-1] if s.committed else None
-        if restore is None or not await checkpointing.exists(self.coord, self.key, s.run, restore):
-            newest = await checkpointing.newest_step(self.coord, self.key, s.run)
+        if restore is None or not await checkpointing.exists(self.job.grain, self.key, s.run, restore):
+            newest = await checkpointing.newest_step(self.job.grain, self.key, s.run)
             if newest is not None:
                 await self.commit_step(newest)
                 restore = newest
-        await checkpointing.drop_after(self.coord, self.key, s.run, restore)
+        await checkpointing.drop_after(self.job.grain, self.key, s.run, restore)
         self.resize_data(restore or 0, s.slots)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.slots, restore or 0)
-        await self.coord._write()
+        await self.job.save()
         await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         self.progress.clear()
         self.cursor = restore or 0
         await self._configure(restore)
-        await self.coord._write()
+        await self.job.save()

@@ -25,28 +25,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from grains.training import checkpointing, cluster
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.driver import Driver
+from grains.training.driver import Driver, JobContext
 from grains.training.elastic import TrainerSilos
-from grains.training.layout import model_layout
 from grains.training.messages import (
     JobStatus,
     ShardConfig,
     ShardStatus,
+    TensorKinds,
     TrainerAssignment,
     TrainerProgress,
 )
+from grains.training.model_tensors import model_layout
 from grains.training.shard import ParamShardGrain
 from grains.training.trainer import TrainerGrain
 from silo import errors
-
-if TYPE_CHECKING:
-    from grains.training.coordinator import CoordinatorGrain
 
 log = logging.getLogger("redgrain.training.coordinator")
 
@@ -68,8 +66,8 @@ def split_by_bytes(sizes: dict[str, int], shards: int) -> list[list[str]]:
 class ParameterServerDriver(Driver):
     trainer_type = TrainerGrain
 
-    def __init__(self, coord: CoordinatorGrain, silos: TrainerSilos) -> None:
-        super().__init__(coord, silos)
+    def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
+        super().__init__(job, silos)
         self._slot_failures: dict[int, int] = {}
 
     # --- what the coordinator asks ------------------------------------------
@@ -79,8 +77,9 @@ class ParameterServerDriver(Driver):
     async def place_and_start(self) -> None:
         spec = self.state.spec
         assert spec is not None
-        coord = self.coord
+        coord = self.job.grain
         layout = await coord.run_in_thread(model_layout, spec)  # start() ran check_job
+        self.state.tensor_kinds = TensorKinds(frozen=list(layout.frozen), buffers=list(layout.buffers))
         shard_rows = cluster.hosting_silos(coord, "ParamShardGrain")
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
         if not trainer_rows or not shard_rows:
@@ -109,7 +108,7 @@ class ParameterServerDriver(Driver):
         await self._configure_shards(restore)
         await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
         s.status = "running"
-        await coord._write()
+        await self.job.save()
 
     async def tick(self) -> None:
         s = self.state
@@ -177,7 +176,7 @@ class ParameterServerDriver(Driver):
         committed = await self._commit(statuses)
         await self.report(statuses)
         if done == s.slots and self.final_committed():
-            await self.coord._finish("completed")
+            await self.job.finish("completed")
         elif committed and s.spec.trainers == "auto":
             await self._grow_at_checkpoint()
 
@@ -208,13 +207,21 @@ class ParameterServerDriver(Driver):
         assert s.spec is not None
         cfgs = [
             ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
-                        generation=s.generation, run=s.run, restore_step=restore_step, end_step=s.total_steps)
+                        generation=s.generation, run=s.run, restore_step=restore_step, end_step=s.total_steps,
+                        kinds=self._kinds(names))
             for i, names in enumerate(s.shard_names)
         ]
         shards = [self.ref(ParamShardGrain, k, 120.0) for k in s.shard_keys]
         statuses: list[ShardStatus] = await asyncio.gather(*(sh.configure(c) for sh, c in zip(shards, cfgs, strict=True)))
         s.shard_activations = [st.activation_id for st in statuses]
-        self.coord._live.shard_silos = [st.silo for st in statuses]
+        self.job.show_shard_silos([st.silo for st in statuses])
+
+    def _kinds(self, names: list[str]) -> TensorKinds | None:
+        kinds = self.state.tensor_kinds
+        if kinds is None:
+            return None
+        own = set(names)
+        return TensorKinds(frozen=[n for n in kinds.frozen if n in own], buffers=[n for n in kinds.buffers if n in own])
 
     async def _run_slot(self, slot: int, start_step: int) -> None:
         s = self.state
@@ -238,13 +245,13 @@ class ParameterServerDriver(Driver):
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.slots, restore or 0)
-        await self.coord._write()
+        await self.job.save()
         await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         await self._configure_shards(restore)
         self.progress.clear()
         self.cursor = restore or 0
         await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(s.slots)))
-        await self.coord._write()
+        await self.job.save()
 
     async def _restore_point(self) -> int | None:
         """The checkpoint a rollback restores, and the later ones it abandons (deleted).
@@ -255,7 +262,7 @@ class ParameterServerDriver(Driver):
         complete in the store: then the store's newest is the one.
         """
         s = self.state
-        coord = self.coord
+        coord = self.job.grain
         restore = s.committed[-1] if s.committed else None
         if restore is None or not await checkpointing.exists(coord, self.key, s.run, restore):
             newest = await checkpointing.newest_step(coord, self.key, s.run)

@@ -55,8 +55,8 @@ from grains.placement import hash_placement, immovable, keep_alive, reentrant
 from grains.training import checkpointing
 from grains.training.checkpointing import ShardSnapshot, SnapshotState
 from grains.training.compression import Payload, payload_nbytes
-from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, ShardConfig, ShardStatus
+from grains.training.model_tensors import persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import build_optimizer, clip_coefficient
 from grains.training.shard_core import ShardCore
@@ -156,6 +156,10 @@ class ParamShardGrain(Grain):
 
     async def _restore(self, cfg: ShardConfig) -> ShardSnapshot:
         assert cfg.restore_step is not None
+        if cfg.kinds is not None:
+            held = set(cfg.kinds.frozen) | set(cfg.kinds.buffers)
+            names = [n for n in cfg.names if n not in held]
+            return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, [*cfg.kinds.frozen, *cfg.kinds.buffers])
         model = await self.run_in_thread(build_model, cfg.spec)
         own = set(cfg.names)
         names = [n for n, p in model.named_parameters() if n in own and p.requires_grad]

@@ -19,8 +19,8 @@ from torch import nn
 
 from grains.training.checkpointing import ShardSnapshot
 from grains.training.compression import Payload, decompress_into, parse_compression
-from grains.training.layout import persistent_buffers
 from grains.training.messages import ShardConfig
+from grains.training.model_tensors import persistent_buffers
 from grains.training.models import build_model
 from grains.training.optim import (
     advance,
@@ -36,15 +36,26 @@ class ShardCore:
 
     def __init__(self, cfg: ShardConfig, device: str, snapshot: ShardSnapshot | None) -> None:
         spec = cfg.spec
-        model = build_model(spec)
-        named = dict(model.named_parameters())
-        buffers = dict(persistent_buffers(model))
-        own = set(cfg.names)
-        self.names = [n for n, p in named.items() if n in own and p.requires_grad]
-        """Trainable parameters, model order (the optimizer's order)."""
-        self.frozen_names = [n for n, p in named.items() if n in own and not p.requires_grad]
-        self.buffer_names = [n for n in buffers if n in own]
+        if snapshot is not None and cfg.kinds is not None:
+            # Restoring, with the kinds of the shard's tensors known: the checkpoint holds every
+            # value, so no model is built (a shard built the whole model for its slice, twice).
+            self.frozen_names, self.buffer_names = list(cfg.kinds.frozen), list(cfg.kinds.buffers)
+            held = set(self.frozen_names) | set(self.buffer_names)
+            self.names = [n for n in cfg.names if n not in held]
+            named: dict[str, torch.Tensor] = {n: snapshot.params[n] for n in self.names}
+            named.update({n: snapshot.buffers[n] for n in self.frozen_names})
+            buffers = {n: snapshot.buffers[n] for n in self.buffer_names}
+        else:
+            model = build_model(spec)
+            params = dict(model.named_parameters())
+            named = dict(params)
+            buffers = dict(persistent_buffers(model))
+            own = set(cfg.names)
+            self.names = [n for n, p in params.items() if n in own and p.requires_grad]
+            self.frozen_names = [n for n, p in params.items() if n in own and not p.requires_grad]
+            self.buffer_names = [n for n in buffers if n in own]
         self.params = {n: nn.Parameter(named[n].detach().to(device, torch.float32).clone()) for n in self.names}
+        """Trainable parameters, model order (the optimizer's order)."""
         self.buffers = {n: _fp32(buffers[n]).to(device, copy=True) for n in self.buffer_names}
         self.frozen = {n: _fp32(named[n].detach()).to(device, copy=True) for n in self.frozen_names}
         self.opt = build_optimizer(list(self.params.items()), spec)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from grains.training.checkpointing import ShardSnapshot
-from grains.training.layout import persistent_buffers
 from grains.training.messages import StageConfig
+from grains.training.model_tensors import persistent_buffers
 from grains.training.optim import (
     advance,
     build_optimizer,

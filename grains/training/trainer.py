@@ -39,8 +39,8 @@ from grains.placement import hash_placement, immovable, keep_alive
 from grains.training import checkpointing
 from grains.training.batches import job_batches
 from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
-from grains.training.layout import persistent_buffers
 from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
+from grains.training.model_tensors import persistent_buffers
 from grains.training.models import build_model
 from grains.training.program import is_fatal, is_out_of_memory
 from grains.training.shard import ParamShardGrain

@@ -6,9 +6,9 @@ import torch
 
 from grains.training import CoordinatorGrain, ParamShardGrain, TrainingJob
 from grains.training.checkpointing import ShardSnapshot
-from grains.training.job import check_job
 from grains.training.messages import ShardConfig
 from grains.training.ps_driver import split_by_bytes
+from grains.training.submit import check_job
 from tests.grains.training.conftest import GRAINS, run_job
 
 

@@ -129,3 +129,46 @@ def test_bad_callback_and_keep_best_specs_are_refused_with_the_reason():
     with pytest.raises(errors.ConfigError, match="cannot import module"):
         resolve_callback("no_such_module:Thing")
     assert F is not None
+
+
+async def test_init_from_a_plain_loops_checkpoint_carries_its_adam_state_into_the_job(cluster, client, tmp_path):
+    # A plain loop trains 15 steps with Adam and saves torch's usual {"model", "optimizer"} dict;
+    # the job goes on from it. Adam's moments and step count matter from the first update on:
+    # a job starting them afresh differs from the continued plain loop by far more than floats.
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    from grains.training.datasets import load_dataset
+    from grains.training.models import build_model
+    from grains.training.shard import make_optimizer
+
+    common = {"trainers": 2, "batch_size": 32, "optimizer": "adam", "lr": 0.01, "seed": 6, "steps": 15, "checkpoint_every": 0}
+    base = TrainingJob(**common)
+    model = build_model(base)
+    opt = make_optimizer(list(model.parameters()), base)
+    x, y = load_dataset(base, "train").tensors  # type: ignore[attr-defined]
+    for t in range(15):
+        idx = torch.arange(t * 64, (t + 1) * 64)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    path = tmp_path / "plain.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    # The plain loop continued on the job's 15 batches.
+    n, per_epoch = len(y), len(y) // 64
+    for t in range(15):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(base.seed + t // per_epoch))
+        idx = perm[(t % per_epoch) * 64 : (t % per_epoch + 1) * 64]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+    for with_state in (True, False):
+        spec = TrainingJob(**common, init_from=str(path), init_optimizer=with_state)
+        st = await run_job(client, f"init-opt-{with_state}", spec)
+        assert st.status == "completed", st
+        got = await client.get_grain(CoordinatorGrain, f"init-opt-{with_state}").parameters()
+        close = all(torch.allclose(got[k], want[k], rtol=1e-3, atol=1e-4) for k in want)
+        assert close is with_state, (with_state, max(float((got[k] - want[k]).abs().max()) for k in want))
+    with pytest.raises(errors.ConfigError, match="init_optimizer reads"):
+        from grains.training.job import parse_job
+
+        parse_job({"init_optimizer": True})

@@ -1,4 +1,4 @@
-"""What a model holds, by kind, and the submit-time check that builds it once.
+"""What a model holds, by kind: its trainable and frozen parameters and its buffers.
 
 A model's tensors are of three kinds, each treated its own way:
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from grains.training.job import TrainingJob
+from grains.training.models import build_model
 from silo.errors import ConfigError
 
 
@@ -67,8 +68,6 @@ def layout_of(model: nn.Module) -> ModelLayout:
 
 def model_layout(spec: TrainingJob) -> ModelLayout:
     """The layout of the job's model (built once; no step run: ``check_job`` did that at submit)."""
-    from grains.training.models import build_model
-
     return layout_of(build_model(spec))
 
 
@@ -89,56 +88,3 @@ def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         k: (v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True))
         for k, v in model.state_dict().items()
     }
-
-
-def check_job(spec: TrainingJob) -> ModelLayout:
-    """Resolve every import path, build the model, run one step and one evaluation batch.
-
-    Raises ConfigError with the reason when a path does not resolve, a factory
-    fails, a parameter-group glob matches nothing, the optimizer or schedule
-    cannot be built, ``init_from`` does not fit the model, or the step or
-    evaluation breaks its contract on the first batch.
-    """
-    from grains.training.batches import Batches, batch_samples, collate_function, job_batches
-    from grains.training.callbacks import Callbacks
-    from grains.training.datasets import dataset_size, load_dataset
-    from grains.training.init import read_init
-    from grains.training.models import build_model
-    from grains.training.optim import build_optimizer, build_schedule, check_param_groups, trainable
-    from grains.training.program import Program, check_program
-
-    train_set = load_dataset(spec, "train")
-    spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`
-    train = Batches(train_set, workers=spec.loader_workers, collate_fn=collate_function(spec))  # workers with a stream: refused here
-    test = job_batches(spec, "test")
-    model = build_model(spec)
-    layout = layout_of(model)
-    check_param_groups(model, spec)
-    opt = build_optimizer(trainable(model), spec)
-    build_schedule(opt, spec)
-    if spec.init_from is not None:
-        model.load_state_dict(read_init(spec.init_from, model), strict=True)
-    Callbacks(spec.callbacks)  # their import paths and constructors, at submit
-    program = Program.of(spec)
-    with torch.random.fork_rng(devices=[]):
-        try:
-            train_batch = train.batch(spec.slot_batch, 1, 0, 0, spec.seed)
-            test_batch = next(iter(test.eval_batches(min(spec.eval_batch_size, 64))))
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a user dataset may raise anything
-            raise ConfigError(f"dataset {spec.dataset}: reading the first batch failed: {type(exc).__name__}: {exc}") from None
-        if spec.mode == "pipeline":
-            from grains.training.pipeline import check_cut
-
-            # An nn.Sequential with at least `stages` layers, or split points torch.fx can cut at,
-            # whose stages run one after another on a micro-batch.
-            check_cut(model, spec, _first_input(train_batch)[: max(1, spec.batch_size // spec.microbatches)])
-        check_program(program, model, train_batch, test_batch, batch_samples)
-    return layout
-
-
-def _first_input(batch: object) -> torch.Tensor:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    raise ConfigError(f"pipeline mode takes (input, target) batches whose input is a tensor, not {type(batch).__name__}")
