@@ -14,36 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from grains.training import CoordinatorGrain, TrainingJob
-from grains.training.datasets import load_dataset
-from grains.training.models import build_model
-from grains.training.shard import make_optimizer
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
+from tests.grains.training.test_sync import plain_steps
 
 
 def plain_loop(spec: TrainingJob, start: dict[str, torch.Tensor], first: int, last: int, trainers: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Plain SGD from ``start`` (the weights after ``first`` steps) through step ``last``, on the
+    """Plain torch from ``start`` (the weights after ``first`` steps) through step ``last``, on the
     documented schedule's global batches; the weights after every step."""
-    model = build_model(spec)
-    model.load_state_dict(start, strict=True)
-    opt = make_optimizer(list(model.parameters()), spec)
-    x_all, y_all = load_dataset(spec, "train").tensors  # type: ignore[attr-defined]
-    n = len(y_all)
-    global_batch = spec.batch_size * trainers
-    per_epoch = n // global_batch
-    out = {}
-    for t in range(first, last):
-        epoch, i = divmod(t, per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(spec.seed + epoch))
-        idx = perm[i * global_batch : (i + 1) * global_batch]
-        opt.zero_grad()
-        F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
-        opt.step()
-        out[t + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return out
+    return {t: {k: v.detach().clone() for k, v in m.state_dict().items()} for t, m in plain_steps(spec, trainers, first, last, start)}
 
 
 @pytest.mark.parametrize(("before", "after"), [("async", "sync"), ("ssp", "allreduce")])

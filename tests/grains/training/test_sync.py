@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -13,21 +15,35 @@ from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
 
 
-def reference_parameters(spec: TrainingJob, trainers: int, steps: int) -> dict[str, torch.Tensor]:
-    """One process, one model, plain torch: the global batch of each step, written out by hand."""
+def plain_steps(
+    spec: TrainingJob, trainers: int, first: int, last: int, start: dict[str, torch.Tensor] | None = None
+) -> Iterator[tuple[int, torch.nn.Module]]:
+    """One process, one model, plain torch, from ``start`` (the weights after ``first`` steps;
+    None: the seeded model at step 0): the global batch of each step written out by hand; yields
+    the step count and the model after each step."""
     model = build_model(spec)
+    if start is not None:
+        model.load_state_dict(start, strict=True)
     opt = make_optimizer(list(model.parameters()), spec)
     x_all, y_all = load_dataset(spec, "train").tensors  # type: ignore[attr-defined]
     n = len(y_all)
     global_batch = spec.batch_size * trainers
     per_epoch = n // global_batch
-    for t in range(steps):
+    for t in range(first, last):
         epoch, i = divmod(t, per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(spec.seed + epoch))
         idx = perm[i * global_batch : (i + 1) * global_batch]
         opt.zero_grad()
         F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
         opt.step()
+        yield t + 1, model
+
+
+def reference_parameters(spec: TrainingJob, trainers: int, steps: int) -> dict[str, torch.Tensor]:
+    """The parameters of :func:`plain_steps` after ``steps`` steps from the seeded model."""
+    model = build_model(spec)
+    for _, model in plain_steps(spec, trainers, 0, steps):
+        pass
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
