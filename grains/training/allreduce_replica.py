@@ -123,7 +123,9 @@ class GroupReplica:
             if self.held[1] != step:
                 raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
             batch = self.batches.batch(self.spec.slot_batch, world, rank, step, self.spec.seed, self.segments)
-            epoch = self.batches.schedule(self.spec.slot_batch, world, self.segments).position(step)[0]
+            epoch = 0
+            if self.runner.program.context:  # only a step that takes a context is told its epoch
+                epoch = self.batches.schedule(self.spec.slot_batch, world, self.segments).position(step)[0]
             b = self.runner.backward(self.model, batch, step, slot=rank, world=world, epoch=epoch)
             if b.skip:  # non-finite loss, on_nonfinite = "skip": the mean is non-finite everywhere
                 self.flat.fill_(math.nan)

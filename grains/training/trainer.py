@@ -117,7 +117,9 @@ class Replica:
         for payload in payloads:
             self.load(payload)
         batch = self.batch(step)
-        epoch = self.batches.schedule(self.a.spec.slot_batch, self.a.slots, self.a.data_segments).position(step)[0]
+        epoch = 0
+        if self.runner.program.context:  # only a step that takes a context is told its epoch
+            epoch = self.batches.schedule(self.a.spec.slot_batch, self.a.slots, self.a.data_segments).position(step)[0]
         b = self.runner.backward(self.model, batch, step, slot=self.a.slot, world=self.a.slots, epoch=epoch)
         # An fp16 overflow skips the step as a non-finite loss does: the shards apply nothing.
         skip = b.skip or self.runner.unscale([p.grad for p in self.trainable if p.grad is not None])
