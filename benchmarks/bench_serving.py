@@ -37,7 +37,7 @@ from benchmarks.serving_common import CONCURRENCY, MAX_BATCH, MODELS, drive, req
 def save_weights(directory: Path) -> dict[str, str]:
     import torch
 
-    from grains.training.job import resolve_path
+    from grains.training.api.job import resolve_path
 
     paths = {}
     for name, (factory, _) in MODELS.items():
@@ -52,7 +52,7 @@ async def in_process(weights: dict[str, str], quick: bool) -> dict[str, Any]:
     """One request at a time through the model, in this process; callers queue for it."""
     import torch
 
-    from grains.training.job import resolve_path
+    from grains.training.api.job import resolve_path
 
     out: dict[str, Any] = {}
     for name, (factory, features) in MODELS.items():

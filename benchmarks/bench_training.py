@@ -84,7 +84,7 @@ def comm_label(compression: str) -> str:
 
 def default_checkpoint_every() -> int:
     """The job spec's default checkpoint interval, the one the checkpoint-cost goal is read at."""
-    from grains.training.job import TrainingJob
+    from grains.training.api.job import TrainingJob
 
     return int(TrainingJob.model_fields["checkpoint_every"].default)
 
@@ -94,11 +94,11 @@ def plain_loop(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from grains.training.batches import Batches
+    from grains.training.api.job import TrainingJob
+    from grains.training.data.batches import Batches
     from grains.training.datasets import load_dataset
-    from grains.training.job import TrainingJob
     from grains.training.models import build_model
-    from grains.training.shard import make_optimizer
+    from grains.training.strategies.ps.shard import make_optimizer
 
     spec = TrainingJob(**cfg, **COMMON, steps=steps, trainers=1)
     model = build_model(spec)

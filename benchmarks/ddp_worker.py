@@ -37,11 +37,11 @@ def main() -> int:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from grains.training.batches import Batches
+    from grains.training.api.job import TrainingJob
+    from grains.training.data.batches import Batches
     from grains.training.datasets import load_dataset
-    from grains.training.job import TrainingJob
     from grains.training.models import build_model
-    from grains.training.shard import make_optimizer
+    from grains.training.strategies.ps.shard import make_optimizer
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -31,7 +31,7 @@ async def measure(weights: dict[str, str], quick: bool) -> dict[str, Any]:
     class Model:
         def __init__(self, factory: str, path: str) -> None:
             from benchmarks.common import fix_torch_threads
-            from grains.training.job import resolve_path
+            from grains.training.api.job import resolve_path
 
             fix_torch_threads()
             self.model = resolve_path(factory, "model")()

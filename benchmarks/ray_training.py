@@ -35,11 +35,11 @@ def measure(runs: list[dict[str, Any]]) -> dict[str, Any]:
     import ray
     import torch
 
-    from grains.training.batches import Batches
+    from grains.training.api.job import TrainingJob
+    from grains.training.data.batches import Batches
     from grains.training.datasets import load_dataset
-    from grains.training.job import TrainingJob
     from grains.training.models import build_model
-    from grains.training.shard import make_optimizer
+    from grains.training.strategies.ps.shard import make_optimizer
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
 

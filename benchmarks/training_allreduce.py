@@ -121,7 +121,7 @@ async def redgrain_recovery(
     """An allreduce job on the cluster's 2 silos; SIGKILL the silo hosting only a trainer mid-run;
     time from the kill to the next committed step. The cluster is down a silo afterwards."""
     from grains.training import CoordinatorGrain, TrainingJob
-    from grains.training.cluster import key_on
+    from grains.training.strategies.cluster import key_on
 
     await client.refresh()
     rows = sorted(client.view.hosting("CoordinatorGrain"), key=lambda r: r.address)

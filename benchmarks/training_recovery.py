@@ -47,7 +47,7 @@ async def ps_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any], victi
     last only shard 1. The cluster is one silo down afterwards.
     """
     from grains.training import CoordinatorGrain, TrainingJob
-    from grains.training.cluster import key_on
+    from grains.training.strategies.cluster import key_on
 
     rows = await wait_for_view(client, bc)
     if len(rows) != 3:
@@ -83,7 +83,7 @@ async def pipeline_recovery(client: Any, bc: BenchCluster, spec: dict[str, Any],
     one silo down afterwards.
     """
     from grains.training import CoordinatorGrain, TrainingJob
-    from grains.training.cluster import key_on
+    from grains.training.strategies.cluster import key_on
 
     rows = await wait_for_view(client, bc)
     if len(rows) != 3:

@@ -31,7 +31,7 @@ from dashboard.state_view import decoder, to_json
 from grains.ids import GrainId
 from grains.serving.records import WORKLOAD as SERVING
 from grains.serving.records import read_models
-from grains.training.records import JobPoint, JobProgress, read_jobs
+from grains.training.api.records import JobPoint, JobProgress, read_jobs
 from silo import errors
 from silo.keys import Keys
 from silo.records import (

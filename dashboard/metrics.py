@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from dashboard.reader import Snapshot
 from grains.serving.records import BATCH_BUCKETS, ModelSummary
-from grains.training.records import JobProgress
+from grains.training.api.records import JobProgress
 from silo.records import BUCKETS_MS, SiloStatus, dense
 
 

@@ -12,7 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from grains.training.records import CheckpointInfo, JobPoint, JobProgress, Placement, RecoveryInfo
+from grains.training.api.records import (
+    CheckpointInfo,
+    JobPoint,
+    JobProgress,
+    Placement,
+    RecoveryInfo,
+)
 from silo.records import ClusterEvent, LoadPoint, LogEntry, ReminderInfo, SiloStatsRecord
 
 __all__ = [

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from dashboard import models as m
-from grains.training.records import JobPoint, JobProgress
+from grains.training.api.records import JobPoint, JobProgress
 from silo import errors
 from silo.keys import Keys
 from silo.records import LIVE, LoadPoint, MemberRow, SiloStatsRecord, SiloStatus, dense, percentile

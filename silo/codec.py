@@ -126,8 +126,17 @@ class TypeRegistry:
         if name in self._by_name:
             raise ConfigError(f"wire type name {name!r} is taken by {_qualname(self._by_name[name])};"
                               f" register {_qualname(cls)} with register(cls, name=...)")  # fmt: skip
+        aliases = tuple(getattr(cls, "__wire_aliases__", ()))
+        for alias in aliases:
+            if alias in self._by_name or alias == name:
+                raise ConfigError(f"wire alias {alias!r} of {_qualname(cls)} is taken by "
+                                  f"{_qualname(self._by_name.get(alias, cls))}")  # fmt: skip
         self._by_name[name] = cls
         self._by_class[cls] = name
+        # A renamed class keeps reading what was stored under its old names; it is written only
+        # under the new one (values in Redis outlive the code that wrote them).
+        for alias in aliases:
+            self._by_name[alias] = cls
         return cls
 
     def register_annotations(self, obj: object) -> None:
@@ -151,7 +160,8 @@ class TypeRegistry:
                 self._collect_hints(member, seen)
 
     def names(self) -> list[str]:
-        return sorted(self._by_name)
+        """The names values are written under (aliases only read)."""
+        return sorted(self._by_class.values())
 
     def copy(self) -> TypeRegistry:
         other = TypeRegistry()

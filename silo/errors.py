@@ -24,7 +24,7 @@
     └── ConfigError                  bad settings, bad job spec, bad import path
 
 Workloads add their own leaves under ``RedgrainError`` next to their code
-(``grains.training.rendezvous.GroupAbandonedError``): the runtime knows none.
+(``grains.training.strategies.allreduce.rendezvous.GroupAbandonedError``): the runtime knows none.
 
 Errors are named for who is at fault: ``SiloClosedError`` means *we* closed
 it, ``SiloUnavailableError`` means the *peer* broke. Leaf classes build their

@@ -1,7 +1,7 @@
 """Package names that load on first use (PEP 562), so importing a package stays cheap.
 
 ``from silo import errors`` must not import the whole runtime, and the
-dashboard's ``import grains.training.records`` must not import torch: those
+dashboard's ``import grains.training.api.records`` must not import torch: those
 packages name their public classes in a table and let this module's
 ``__getattr__`` import each one's module when it is first asked for.
 """

@@ -15,7 +15,7 @@ through these records (and the keys they live under, ``silo/keys.py``):
 
 Workloads publish their own records through the public grain API
 (``Grain.publish_progress``); their schemas live with the workload
-(``grains/training/records.py``).
+(``grains/training/api/records.py``).
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ async def publish_progress(
     One pipelined round trip: SET the record under ``keys.job_progress``, XADD
     the point to the capped ``keys.job_history`` stream, SADD the job to
     ``keys.jobs``, and read the cancel flag :func:`request_cancel` sets. The
-    record's schema is the workload's (``grains/training/records.py``).
+    record's schema is the workload's (``grains/training/api/records.py``).
     """
     with redis_errors(f"publish progress of job {job}"):
         async with redis.pipeline(transaction=False) as pipe:

@@ -40,7 +40,7 @@ def tree_copy(tmp_path: Path) -> Path:
     ("module", "line", "broken"),
     [
         ("silo/keys.py", "import dashboard.reader", "Faces > workloads > runtime"),
-        ("silo/catalog/catalog.py", "import grains.training.job", "Faces > workloads > runtime"),
+        ("silo/catalog/catalog.py", "import grains.training.api.job", "Faces > workloads > runtime"),
         ("grains/base.py", "import silo.client", "Faces > workloads > runtime"),
         ("dashboard/reader.py", "import silo.cluster.membership", "The dashboard reads only"),
         ("dashboard/reader.py", "import grains.training.coordinator", "Faces > workloads > runtime"),
@@ -62,7 +62,7 @@ def test_records_errors_and_the_dashboard_load_without_torch_or_the_whole_runtim
     code = (
         "import sys\n"
         "from silo import errors\n"
-        "import silo.records, silo.keys, silo.settings, grains, grains.training.records, dashboard.app\n"
+        "import silo.records, silo.keys, silo.settings, grains, grains.training.api.records, dashboard.app\n"
         "heavy = [m for m in ('torch', 'numpy', 'silo.silo', 'silo.messaging.transport', 'silo.catalog.catalog',\n"
         "                     'grains.training.coordinator') if m in sys.modules]\n"
         "print(','.join(heavy))\n"

@@ -35,7 +35,7 @@ async def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from grains.training.records import read_jobs
+    from grains.training.api.records import read_jobs
     from silo.keys import Keys
     from silo.redis_util import connect_redis
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from grains.serving.errors import BadInputError, RequestTooLargeError
 from grains.serving.spec import Datatype, ModelInfo, ServeSpec, TensorSpec
-from grains.training.job import TrainingJob, resolve_path
+from grains.training.api.job import TrainingJob, resolve_path
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 

@@ -39,8 +39,8 @@ from grains.serving.loader import Inputs, LoadedModel
 from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
 from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
 from grains.serving.stats import ReplicaStats
+from grains.training.api.messages import TrainingStatus
 from grains.training.coordinator import CoordinatorGrain
-from grains.training.messages import TrainingStatus
 from silo import errors
 
 log = logging.getLogger("redgrain.serving")

@@ -5,8 +5,15 @@ Run silos with ``redgrain silo --grains grains.training`` and submit a job::
     job = TrainingJob(mode="sync", trainers=2, shards=2, steps=300)
     await client.get_grain(CoordinatorGrain, "digits-1").start(job)
 
+The package is split by concept, each layer importing only those below it
+(``.importlinter``): ``coordinator`` (owns a job) > ``strategies/{ps,
+allreduce, pipeline}`` (how each mode runs it) > ``state`` (the one snapshot
+format) > ``loop`` (the one step runner) > ``data`` (the data position,
+batches) > ``models``, ``datasets``, ``steps`` (the built-ins job specs name
+by import path) > ``api`` (the job spec, wire types, records).
+
 The grain classes live in their own modules and load on first use (PEP 562):
-importing the package, or its torch-free ``records`` module (the dashboard
+importing the package, or its torch-free ``api.records`` module (the dashboard
 does), does not import torch. A silo started with ``--grains
 grains.training`` hosts every grain named in ``__all__``
 (``AllreduceTrainerGrain``: the trainers of mode ``allreduce``).
@@ -19,28 +26,28 @@ from typing import TYPE_CHECKING
 from silo.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from grains.training.allreduce import AllreduceTrainerGrain
-    from grains.training.checkpointing import ShardSnapshot
+    from grains.training.api.job import TrainingJob, load_job_file, parse_job
+    from grains.training.api.messages import TrainingStatus
     from grains.training.coordinator import CoordinatorGrain
-    from grains.training.job import TrainingJob, load_job_file, parse_job
-    from grains.training.messages import TrainingStatus
-    from grains.training.shard import ParamShardGrain
-    from grains.training.stage import PipelineStageGrain
-    from grains.training.store import CheckpointStoreGrain
-    from grains.training.trainer import TrainerGrain
+    from grains.training.state.checkpoint import TrainingSnapshot
+    from grains.training.state.store import CheckpointStoreGrain
+    from grains.training.strategies.allreduce.trainer import AllreduceTrainerGrain
+    from grains.training.strategies.pipeline.stage import PipelineStageGrain
+    from grains.training.strategies.ps.shard import ParamShardGrain
+    from grains.training.strategies.ps.trainer import TrainerGrain
 
 _LAZY = {
-    "AllreduceTrainerGrain": "grains.training.allreduce",
-    "CheckpointStoreGrain": "grains.training.store",
+    "AllreduceTrainerGrain": "grains.training.strategies.allreduce.trainer",
+    "CheckpointStoreGrain": "grains.training.state.store",
     "CoordinatorGrain": "grains.training.coordinator",
-    "ParamShardGrain": "grains.training.shard",
-    "PipelineStageGrain": "grains.training.stage",
-    "ShardSnapshot": "grains.training.checkpointing",
-    "TrainerGrain": "grains.training.trainer",
-    "TrainingJob": "grains.training.job",
-    "TrainingStatus": "grains.training.messages",
-    "load_job_file": "grains.training.job",
-    "parse_job": "grains.training.job",
+    "ParamShardGrain": "grains.training.strategies.ps.shard",
+    "PipelineStageGrain": "grains.training.strategies.pipeline.stage",
+    "TrainingSnapshot": "grains.training.state.checkpoint",
+    "TrainerGrain": "grains.training.strategies.ps.trainer",
+    "TrainingJob": "grains.training.api.job",
+    "TrainingStatus": "grains.training.api.messages",
+    "load_job_file": "grains.training.api.job",
+    "parse_job": "grains.training.api.job",
 }
 
 __all__ = [
@@ -49,9 +56,9 @@ __all__ = [
     "CoordinatorGrain",
     "ParamShardGrain",
     "PipelineStageGrain",
-    "ShardSnapshot",
     "TrainerGrain",
     "TrainingJob",
+    "TrainingSnapshot",
     "TrainingStatus",
     "load_job_file",
     "parse_job",

@@ -5,20 +5,20 @@ starts), saves it and starts the run loop, a background task of the
 activation; ``status()``, ``cancel()``, ``history()`` and ``parameters()`` are
 answered while it runs. The loop hands the job to the driver of its mode and
 asks it to look at the job's grains every ``_TICK_S``, repairing what it
-finds (:mod:`grains.training.driver`):
+finds (:mod:`grains.training.strategies.driver`):
 
 - modes ``sync``, ``async``, ``ssp``: parameter shards and trainer slots; a
   lost trainer is restarted alone, a lost shard is a rollback to the last
-  committed checkpoint (:mod:`grains.training.ps_driver`);
+  committed checkpoint (:mod:`grains.training.strategies.ps.driver`);
 - mode ``allreduce``: a torch.distributed group of trainers, re-formed from
   the newest step a survivor holds whenever a member is lost or a trainer silo
-  joins (:mod:`grains.training.allreduce_driver`).
+  joins (:mod:`grains.training.strategies.allreduce.driver`).
 
 The coordinator itself re-activated (its silo died): its state says the job
 is running, so ``on_activate`` starts the loop again, and the driver
 re-attaches to the grains the state names.
 
-Elastic growth (both modes, :mod:`grains.training.elastic` answers which
+Elastic growth (both modes, :mod:`grains.training.strategies.elastic` answers which
 silos may host trainers): with ``trainers = "auto"`` a trainer silo that joins
 gets a trainer, in parameter-server mode at the next committed checkpoint, in
 ``allreduce`` mode at the next group generation.
@@ -42,17 +42,9 @@ from pydantic import BaseModel, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
-from grains.training import checkpointing
-from grains.training.allreduce_driver import AllreduceDriver
-from grains.training.batches import batch_samples, job_batches
-from grains.training.callbacks import Callbacks
-from grains.training.checkpointing import ShardSnapshot, group
-from grains.training.data_position import DataSchedule, Segment
-from grains.training.driver import Driver
-from grains.training.elastic import TrainerSilos
-from grains.training.init_weights import read_init, read_init_optimizer
-from grains.training.job import TrainingJob, parse_job
-from grains.training.messages import (
+from grains.training.api.callbacks import Callbacks
+from grains.training.api.job import TrainingJob, parse_job
+from grains.training.api.messages import (
     GroupChange,
     HistoryPoint,
     JobStatus,
@@ -61,19 +53,27 @@ from grains.training.messages import (
     TrainerProgress,
     TrainingStatus,
 )
-from grains.training.model_tensors import (
+from grains.training.api.records import StageInfo
+from grains.training.data.batches import batch_samples, job_batches
+from grains.training.data.position import DataSchedule, Segment
+from grains.training.loop.optim import build_optimizer, trainable
+from grains.training.loop.program import Program, evaluate
+from grains.training.models import build_model
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import TrainingSnapshot, group
+from grains.training.state.init_weights import read_init, read_init_optimizer
+from grains.training.state.model_tensors import (
     export_state_dict,
     frozen_parameters,
     load_tensors,
     persistent_buffers,
 )
-from grains.training.models import build_model
-from grains.training.optim import build_optimizer, trainable
-from grains.training.pipeline_driver import PipelineDriver
-from grains.training.program import Program, evaluate
-from grains.training.ps_driver import ParameterServerDriver
-from grains.training.records import StageInfo
-from grains.training.store import CheckpointStoreGrain
+from grains.training.state.store import CheckpointStoreGrain
+from grains.training.strategies.allreduce.driver import AllreduceDriver
+from grains.training.strategies.driver import Driver
+from grains.training.strategies.elastic import TrainerSilos
+from grains.training.strategies.pipeline.driver import PipelineDriver
+from grains.training.strategies.ps.driver import ParameterServerDriver
 from grains.training.submit import check_job
 from silo import errors
 
@@ -117,7 +117,7 @@ class _Evaluator:
             load_tensors(self.model, tensors)
             return export_state_dict(self.model)
 
-    def init_snapshot(self, path: str, spec: TrainingJob) -> ShardSnapshot:
+    def init_snapshot(self, path: str, spec: TrainingJob) -> TrainingSnapshot:
         """The weights of ``init_from`` as step 0 of a run; with ``init_optimizer``, the saved
         optimizer's per-parameter state too (otherwise none yet)."""
         with self._lock:
@@ -136,7 +136,7 @@ class _Evaluator:
             def cpu(t: torch.Tensor) -> torch.Tensor:
                 return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
 
-            return ShardSnapshot(
+            return TrainingSnapshot(
                 step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer=optimizer,
                 buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
             )  # fmt: skip
@@ -152,7 +152,7 @@ def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
 
 
 class _Job:
-    """The coordinator as its driver sees it (:class:`grains.training.driver.JobContext`)."""
+    """The coordinator as its driver sees it (:class:`grains.training.strategies.driver.JobContext`)."""
 
     def __init__(self, coord: CoordinatorGrain) -> None:
         self._coord = coord
@@ -232,7 +232,7 @@ class CoordinatorGrain(Grain):
         train_size: int | None = None
         """Samples in the training split (None: a dataset without a length); for the epoch."""
         data_segments: list[Segment] = Field(default_factory=list)
-        """The data position (:mod:`grains.training.data_position`), extended by the drivers
+        """The data position (:mod:`grains.training.data.position`), extended by the drivers
         whenever the trainer count changes; empty: one segment of ``slots`` trainers from step 0."""
         resumed_from: int | None = None
         steps_run: float = 0.0
@@ -307,7 +307,7 @@ class CoordinatorGrain(Grain):
                 )
             # The later checkpoints are abandoned, as a rollback to that step abandons them.
             old = old.model_copy(update={"committed": [c for c in old.committed if c <= job.resume_from_step]})
-            await checkpointing.drop_after(self, self.key, old.run, job.resume_from_step)
+            await checkpoint.drop_after(self, self.key, old.run, job.resume_from_step)
         self.state = self.State(
             spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time(),
             steps_run=old.steps_run, samples_run=old.samples_run,  # counters of the job id: they only grow
@@ -329,7 +329,7 @@ class CoordinatorGrain(Grain):
             evaluator = await self._job_evaluator()
             snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from, job)
             store: Any = self.get_grain(CheckpointStoreGrain, self.key)
-            await store.with_timeout(120.0).save_whole(self.state.run, snap, checkpointing.retained(job))
+            await store.with_timeout(120.0).save_whole(self.state.run, snap, checkpoint.retained(job))
             self.state.committed = [0]
             self.state.committed_at = {0: time.time()}
         await self._write()
@@ -442,7 +442,7 @@ class CoordinatorGrain(Grain):
     async def _checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         evaluator = await self._job_evaluator()
         store: Any = self.get_grain(CheckpointStoreGrain, self.key)
-        snap: ShardSnapshot = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
+        snap: TrainingSnapshot = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
         return {**snap.params, **snap.buffers}
 
     # --- the run loop -------------------------------------------------------
@@ -710,7 +710,7 @@ class CoordinatorGrain(Grain):
             await self.run_in_thread(callbacks.on_checkpoint, step)
 
     async def _prune(self) -> None:
-        """With mid-run evaluation the coordinator applies retention (``checkpointing.retained``):
+        """With mid-run evaluation the coordinator applies retention (``checkpoint.retained``):
         it deletes the run's complete checkpoints that are neither among the newest
         ``keep_checkpoints`` nor due for (or in) an evaluation."""
         s = self.state
@@ -765,7 +765,7 @@ class CoordinatorGrain(Grain):
         s.eval_pending = []
         self._stop_evaluation()
         with contextlib.suppress(errors.RedgrainError):
-            await checkpointing.drop_after(self, self.key, s.run, step)
+            await checkpoint.drop_after(self, self.key, s.run, step)
 
     def _stop_evaluation(self) -> None:
         task, self._eval_task = self._eval_task, None

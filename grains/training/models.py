@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grains.training.job import TrainingJob, resolve_path
+from grains.training.api.job import TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 

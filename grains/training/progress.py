@@ -1,4 +1,4 @@
-"""A job's progress as the dashboard's records (grains/training/records.py).
+"""A job's progress as the dashboard's records (grains/training/api/records.py).
 
 The coordinator calls :func:`publish` once a tick: it writes the job's
 ``JobProgress`` and this tick's curve points, a training one always and an
@@ -12,9 +12,9 @@ import time
 from collections.abc import Mapping
 
 from grains.base import Grain
-from grains.training.job import TrainingJob
-from grains.training.messages import TrainingStatus
-from grains.training.records import (
+from grains.training.api.job import TrainingJob
+from grains.training.api.messages import TrainingStatus
+from grains.training.api.records import (
     CheckpointInfo,
     JobProgress,
     Placement,

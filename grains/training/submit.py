@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from grains.training.batches import Batches, batch_samples, collate_function, job_batches
-from grains.training.callbacks import Callbacks
+from grains.training.api.callbacks import Callbacks
+from grains.training.api.job import TrainingJob
+from grains.training.data.batches import Batches, batch_samples, collate_function, job_batches
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.init_weights import read_init, read_init_optimizer
-from grains.training.job import TrainingJob
-from grains.training.model_tensors import ModelLayout, layout_of
+from grains.training.loop.optim import (
+    build_optimizer,
+    build_schedule,
+    check_param_groups,
+    trainable,
+)
+from grains.training.loop.program import Program, check_program
 from grains.training.models import build_model
-from grains.training.optim import build_optimizer, build_schedule, check_param_groups, trainable
-from grains.training.pipeline import check_cut
-from grains.training.program import Program, check_program
+from grains.training.state.init_weights import read_init, read_init_optimizer
+from grains.training.state.model_tensors import ModelLayout, layout_of
+from grains.training.strategies.pipeline.partition import check_cut
 from silo.errors import ConfigError
 
 

@@ -17,13 +17,12 @@ from pydantic import BaseModel, ConfigDict
 from dashboard import models as m
 from dashboard.app import create_app
 from grains.ids import GrainId
-from grains.training.records import JobProgress, Placement, publish_job_progress
+from grains.training.api.records import JobProgress, Placement, publish_job_progress
 from silo import errors
 from silo.client import ClusterClient
-from silo.records import EventLog
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
-from silo.records import read_events
+from silo.records import EventLog, read_events
 from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore

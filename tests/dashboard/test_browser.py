@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dashboard.server import DashboardThread
-from grains.training.records import (
+from grains.training.api.records import (
     CheckpointInfo,
     JobPoint,
     JobProgress,

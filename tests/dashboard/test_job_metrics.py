@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard import models as m
-from grains.training.records import JobProgress, publish_job_progress
+from grains.training.api.records import JobProgress, publish_job_progress
 from silo.keys import Keys
 from silo.redis_util import connect_redis
 

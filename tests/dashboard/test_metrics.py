@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from grains.training.messages import TrainingStatus
+from grains.training.api.messages import TrainingStatus
+from grains.training.api.records import JobProgress, publish_job_progress
 from grains.training.progress import job_progress
-from grains.training.records import JobProgress, publish_job_progress
 from silo.client import ClusterClient
 from silo.keys import Keys
 from silo.records import GpuRecord, SiloStatsRecord

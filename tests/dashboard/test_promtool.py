@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from grains.call import Call
-from grains.training.records import JobProgress, publish_job_progress
+from grains.training.api.records import JobProgress, publish_job_progress
 from silo import errors
 from silo.client import ClusterClient
 from silo.keys import Keys

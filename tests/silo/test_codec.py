@@ -9,7 +9,7 @@ import struct
 import sys
 import threading
 import uuid
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, ClassVar, Optional
 
 import msgpack
 import numpy as np
@@ -394,6 +394,32 @@ def test_register_rejects_a_taken_name_a_second_name_and_unsupported_classes() -
         reg.register(Leaf, "other")
     with pytest.raises(ConfigError, match="only pydantic models, dataclasses and Enums"):
         reg.register(dict)
+
+
+class Renamed(BaseModel):
+    """``Leaf`` after a rename: values stored under the old name still decode, as this class."""
+
+    __wire_aliases__: ClassVar[tuple[str, ...]] = ("Leaf",)
+    x: int
+
+
+def test_a_renamed_class_reads_values_stored_under_its_alias_and_writes_its_new_name() -> None:
+    old = TypeRegistry()
+    old.register(Leaf)
+    stored = Codec(old).encode(Leaf(x=7))
+    new = TypeRegistry()
+    new.register(Renamed)
+    codec = Codec(new)
+    assert codec.decode(stored.meta, stored.buffers) == Renamed(x=7)
+    assert b"Renamed" in codec.encode(Renamed(x=7)).meta and b"Leaf" not in codec.encode(Renamed(x=7)).meta
+    assert new.names() == ["Renamed"]
+
+
+def test_an_alias_taken_by_another_class_is_refused() -> None:
+    reg = TypeRegistry()
+    reg.register(Leaf)
+    with pytest.raises(ConfigError, match="wire alias 'Leaf' of .*Renamed is taken by .*Leaf"):
+        reg.register(Renamed)
 
 
 def test_grain_ids_need_no_registration() -> None:

@@ -61,7 +61,7 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 def _trainer_step() -> tuple[int, int, int] | None:
     """``(generation, slot, step)`` of the parameter-server trainer calling the step (None: another
     caller, such as the submit-time check)."""
-    from grains.training.trainer import Replica
+    from grains.training.strategies.ps.trainer import Replica
 
     frame = sys._getframe(1)
     while frame is not None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
-from grains.training.cluster import key_on
+from grains.training.strategies.cluster import key_on
 from silo import errors
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job, training_silos, wait_done

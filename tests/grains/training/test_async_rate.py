@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from grains.training import TrainingJob
-from grains.training.messages import ShardConfig
+from grains.training.api.messages import ShardConfig
 from grains.training.models import build_model
-from grains.training.shard import async_lr_scale
-from grains.training.shard_core import ShardCore, scaled_lr
+from grains.training.strategies.ps.shard import async_lr_scale
+from grains.training.strategies.ps.shard_core import ShardCore, scaled_lr
 
 
 def core(optimizer: str, slots: int) -> ShardCore:

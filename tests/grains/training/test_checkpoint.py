@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from grains.training import CoordinatorGrain, ParamShardGrain, TrainingJob
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.messages import ShardConfig
-from grains.training.ps_driver import split_by_bytes
+from grains.training.api.messages import ShardConfig
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.strategies.ps.driver import split_by_bytes
 from grains.training.submit import check_job
 from tests.grains.training.conftest import GRAINS, run_job
 
 
-def assert_identical(a: ShardSnapshot, b: ShardSnapshot) -> None:
+def assert_identical(a: TrainingSnapshot, b: TrainingSnapshot) -> None:
     assert a.version == b.version
     assert a.params.keys() == b.params.keys()
     for n in a.params:

@@ -23,8 +23,8 @@ def test_train_command_rejects_a_bad_job_file_with_a_clear_message(tmp_path, red
 
 
 def test_status_table_shows_the_last_recovery(capsys):
+    from grains.training.api.messages import GroupChange, TrainingStatus
     from grains.training.console import _print_table
-    from grains.training.messages import GroupChange, TrainingStatus
 
     change = GroupChange(generation=2, reason="shard(s) job/shard-1 lost or behind", at=100.0, world=2,
                          start_step=150, first_step_at=100.4)  # fmt: skip
@@ -34,7 +34,7 @@ def test_status_table_shows_the_last_recovery(capsys):
 
 
 def test_the_dashboard_record_lists_the_jobs_recoveries():
-    from grains.training.messages import GroupChange, TrainingStatus
+    from grains.training.api.messages import GroupChange, TrainingStatus
     from grains.training.progress import job_progress
 
     changes = [

@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from grains.training import TrainingJob
-from grains.training.compression import (
-    Compressor,
-    decompress_into,
-    parse_compression,
-    payload_nbytes,
-)
+from grains.training.api.job import parse_compression
+from grains.training.loop.compression import Compressor, decompress_into, payload_nbytes
 from silo.errors import ConfigError
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
@@ -127,7 +123,7 @@ async def test_topk_with_error_feedback_reaches_within_a_point_of_uncompressed_a
 
 
 def test_dense_fp16_clamps_a_huge_gradient_and_keeps_the_excess_for_later():
-    from grains.training.compression import Compressor, parse_compression
+    from grains.training.loop.compression import Compressor
 
     c = Compressor(parse_compression("fp16"))
     sent = c.compress("w", torch.tensor([1e6, 1.0]))
@@ -138,9 +134,9 @@ def test_dense_fp16_clamps_a_huge_gradient_and_keeps_the_excess_for_later():
 def test_clipping_bounds_what_is_sent_once_the_residual_is_added_back():
     # async/ssp trainers clip their own gradient; with error feedback, what is sent is the
     # gradient plus the residual, so clipping must come after that sum, or the bound fails.
-    from grains.training.compression import Compressor, decompress_into, parse_compression
-    from grains.training.job import TrainingJob
-    from grains.training.step_runner import StepRunner
+    from grains.training.api.job import TrainingJob
+    from grains.training.loop.compression import Compressor, decompress_into
+    from grains.training.loop.step_runner import StepRunner
 
     torch.manual_seed(0)
     runner = StepRunner(TrainingJob(mode="async", clip_grad_norm=1.0), "cpu", [])

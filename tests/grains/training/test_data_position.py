@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from grains.training import CoordinatorGrain, TrainingJob
-from grains.training.batches import Batches, batch_indices
-from grains.training.data_position import DataSchedule, Segment
+from grains.training.data.batches import Batches, batch_indices
+from grains.training.data.position import DataSchedule, Segment
 from silo.errors import ConfigError
 from tests.grains.training import data_ids
 from tests.grains.training.conftest import GRAINS, training_silos, wait_done

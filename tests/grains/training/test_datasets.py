@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from grains.training.batches import Batches, batch_indices, batch_samples, collate, to_device
+from grains.training.api.job import TrainingJob
+from grains.training.data.batches import Batches, batch_indices, batch_samples, collate, to_device
 from grains.training.datasets import dataset_size, load_dataset, regression, tokens, tokens_stream
-from grains.training.job import TrainingJob
 from grains.training.models import cnn_bn, regressor, tiny_lm
 from silo.errors import ConfigError
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from grains.training import CoordinatorGrain, TrainingJob
-from grains.training.batches import Batches, batch_samples
+from grains.training.data.batches import Batches, batch_samples
 from grains.training.datasets import load_dataset
+from grains.training.loop.program import Program, evaluate
 from grains.training.models import build_model
-from grains.training.program import Program, evaluate
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
-from grains.training.cluster import key_on
 from grains.training.datasets import load_dataset
 from grains.training.models import build_model
+from grains.training.strategies.cluster import key_on
 from silo import errors
 from tests.grains.training.conftest import training_silos
 from tests.grains.training.test_sync import reference_parameters

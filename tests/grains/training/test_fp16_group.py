@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from grains.training import CoordinatorGrain, TrainingJob
-from grains.training.allreduce_replica import GroupReplica
-from grains.training.checkpointing import extract
+from grains.training.state.checkpoint import extract
+from grains.training.state.store import CheckpointStoreGrain
 from grains.training.steps import classification_step
-from grains.training.store import CheckpointStoreGrain
+from grains.training.strategies.allreduce.replica import GroupReplica
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, wait_done
 from tests.grains.training.test_allreduce import status_when

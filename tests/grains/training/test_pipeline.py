@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.models import build_model
-from grains.training.pipeline import stage_layers
-from grains.training.schedules import actions
+from grains.training.strategies.pipeline.partition import stage_layers
+from grains.training.strategies.pipeline.schedules import actions
 from silo import errors
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
@@ -81,7 +81,7 @@ async def test_bad_pipeline_specs_fail_at_submit(cluster, client):
 
 @pytest.mark.slow
 async def test_sigkill_of_a_stage_silo_rolls_the_pipeline_back_and_it_finishes_as_undisturbed(silo_processes, client):
-    from grains.training.cluster import key_on
+    from grains.training.strategies.cluster import key_on
     from tests.grains.training.conftest import training_silos
     from tests.grains.training.test_faults import process_of, status_when
 
@@ -148,7 +148,7 @@ async def test_activations_compressed_to_fp16_and_bf16_autocast_train_as_well(cl
 
 
 def test_a_cut_by_measured_time_follows_the_costs_not_the_bytes():
-    from grains.training.pipeline import measured_costs
+    from grains.training.strategies.pipeline.partition import measured_costs
 
     model = build_model(TrainingJob(**DEEP))  # Flatten, Linear(64, 64), ReLU, Linear(64, 64), ReLU, Linear(64, 10)
     costs = measured_costs(model, torch.randn(16, 64))
@@ -169,7 +169,7 @@ async def test_a_job_cut_by_measured_time_trains(cluster, client):
 
 @pytest.mark.slow
 async def test_a_lost_replica_shrinks_the_hybrid_job_without_a_rollback(silo_processes, client):
-    from grains.training.cluster import key_on
+    from grains.training.strategies.cluster import key_on
     from tests.grains.training.conftest import training_silos
     from tests.grains.training.test_faults import process_of, status_when
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.models import build_model
-from grains.training.pipeline_driver import PipelineDriver
-from grains.training.schedules import Action, actions, peak_activations
+from grains.training.strategies.pipeline.driver import PipelineDriver
+from grains.training.strategies.pipeline.schedules import Action, actions, peak_activations
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
 from tests.grains.training.pipeline_data import samples
@@ -122,7 +122,7 @@ async def test_a_nan_loss_with_fail_fails_the_job_at_once_naming_the_step(cluste
 
 
 async def test_a_stage_refuses_a_tensor_of_an_older_generation_or_of_a_step_it_does_not_run(cluster, client):
-    from grains.training.stage import PipelineStageGrain
+    from grains.training.strategies.pipeline.stage import PipelineStageGrain
     from tests.grains.training.test_faults import status_when
 
     await cluster(2, grains=GRAINS, membership=MembershipSettings())

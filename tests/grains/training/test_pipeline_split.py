@@ -12,8 +12,8 @@ from torch import nn
 
 from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.models import build_model
-from grains.training.pipeline import cut, stage_module
-from grains.training.stage_placement import place_stages
+from grains.training.strategies.pipeline.partition import cut, stage_module
+from grains.training.strategies.pipeline.placement import place_stages
 from grains.training.submit import check_job
 from silo import errors
 from silo.records import MemberRow, SiloLoad

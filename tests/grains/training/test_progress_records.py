@@ -10,9 +10,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from grains.training import progress
+from grains.training.api.messages import GroupChange, TrainingStatus
+from grains.training.api.records import JobPoint, JobProgress, job_points
 from grains.training.console import metric_text, metrics_text
-from grains.training.messages import GroupChange, TrainingStatus
-from grains.training.records import JobPoint, JobProgress, job_points
 
 
 def test_progress_with_named_metrics_round_trips_through_json() -> None:
@@ -100,7 +100,7 @@ def test_job_progress_fills_the_named_figures_from_the_status() -> None:
 
 
 def test_job_progress_in_ssp_mode_keeps_the_gap_as_the_old_staleness_figure() -> None:
-    from grains.training.job import TrainingJob
+    from grains.training.api.job import TrainingJob
 
     p = progress.job_progress(status(), TrainingJob(mode="ssp"), [], [])
     assert (p.mode, p.max_staleness, p.max_gap, p.staleness) == ("ssp", 3.0, 2.0, 2.0)

@@ -11,7 +11,11 @@ import redis.asyncio as aioredis
 import torch
 import torch.distributed as dist
 
-from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
+from grains.training.strategies.allreduce.rendezvous import (
+    GroupAbandonedError,
+    RedisStore,
+    sync_client_like,
+)
 
 
 @pytest.fixture

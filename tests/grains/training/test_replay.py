@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
-from grains.training.cluster import key_on
+from grains.training.strategies.cluster import key_on
 from tests.grains.training.conftest import GRAINS, wait_done
 
 SPEC = {"mode": "sync", "trainers": 2, "shards": 2, "steps": 400, "batch_size": 32, "optimizer": "momentum",

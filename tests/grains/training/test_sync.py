@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.datasets import load_dataset
 from grains.training.models import build_model
-from grains.training.shard import make_optimizer
+from grains.training.strategies.ps.shard import make_optimizer
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
 

@@ -89,10 +89,10 @@ async def test_a_callback_stops_the_job_at_an_evaluated_step_which_is_then_its_r
     assert st.best_step == 10 and 10 not in st.checkpoints, st
     best = await coord.state_dict(best=True)
     history = {h.step: h.eval_metrics for h in await coord.history() if h.eval_metrics is not None}
-    from grains.training.batches import Batches, batch_samples
+    from grains.training.data.batches import Batches, batch_samples
     from grains.training.datasets import load_dataset
+    from grains.training.loop.program import Program, evaluate
     from grains.training.models import build_model
-    from grains.training.program import Program, evaluate
 
     model = build_model(spec)
     model.load_state_dict(best, strict=True)
@@ -119,10 +119,10 @@ async def test_a_job_resumes_from_an_older_committed_step_and_ends_as_if_it_had_
 
 def test_bad_callback_and_keep_best_specs_are_refused_with_the_reason():
     with pytest.raises(errors.ConfigError, match="keep_best"):
-        from grains.training.job import parse_job
+        from grains.training.api.job import parse_job
 
         parse_job({"keep_best": "accuracy:max"})
-    from grains.training.callbacks import resolve_callback
+    from grains.training.api.callbacks import resolve_callback
 
     with pytest.raises(errors.ConfigError, match="has none of on_eval"):
         resolve_callback(f"{__name__}:F")
@@ -138,7 +138,7 @@ async def test_init_from_a_plain_loops_checkpoint_carries_its_adam_state_into_th
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     from grains.training.datasets import load_dataset
     from grains.training.models import build_model
-    from grains.training.shard import make_optimizer
+    from grains.training.strategies.ps.shard import make_optimizer
 
     common = {"trainers": 2, "batch_size": 32, "optimizer": "adam", "lr": 0.01, "seed": 6, "steps": 15, "checkpoint_every": 0}
     base = TrainingJob(**common)
@@ -169,6 +169,6 @@ async def test_init_from_a_plain_loops_checkpoint_carries_its_adam_state_into_th
         close = all(torch.allclose(got[k], want[k], rtol=1e-3, atol=1e-4) for k in want)
         assert close is with_state, (with_state, max(float((got[k] - want[k]).abs().max()) for k in want))
     with pytest.raises(errors.ConfigError, match="init_optimizer reads"):
-        from grains.training.job import parse_job
+        from grains.training.api.job import parse_job
 
         parse_job({"init_optimizer": True})

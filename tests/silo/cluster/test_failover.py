@@ -13,8 +13,8 @@ from silo import errors
 from silo.client import ClusterClient
 from silo.messaging.transport import Transport
 from silo.settings import TransportSettings
-from tests.silo.cluster.grains import Resident, Tracked
 from tests.conftest import FAST_MEMBERSHIP
+from tests.silo.cluster.grains import Resident, Tracked
 
 GRAINS = "tests.silo.cluster.grains"
 # Keep the rebalancer (it re-activates keep-alive grains) but let it move nothing.

@@ -17,24 +17,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.compression import Payload, decompress_into, parse_compression
-from grains.training.messages import ShardConfig
-from grains.training.model_tensors import persistent_buffers
-from grains.training.models import build_model
-from grains.training.optim import (
+from grains.training.api.job import parse_compression
+from grains.training.api.messages import ShardConfig
+from grains.training.loop.compression import Payload, decompress_into
+from grains.training.loop.optim import (
     advance,
     build_optimizer,
     build_schedule,
     squared_norm,
     step_schedule,
 )
+from grains.training.models import build_model
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.model_tensors import persistent_buffers
 
 
 class ShardCore:
     """The tensors of one configuration; its methods run on the silo's executor."""
 
-    def __init__(self, cfg: ShardConfig, device: str, snapshot: ShardSnapshot | None) -> None:
+    def __init__(self, cfg: ShardConfig, device: str, snapshot: TrainingSnapshot | None) -> None:
         spec = cfg.spec
         if snapshot is not None and cfg.kinds is not None:
             # Restoring, with the kinds of the shard's tensors known: the checkpoint holds every
@@ -208,14 +209,14 @@ class ShardCore:
             self.schedule_step += 1
         self.current = (self.current[0] + 1, self.publish())
 
-    def snapshot(self, step: int) -> ShardSnapshot:
+    def snapshot(self, step: int) -> TrainingSnapshot:
         if self.opt is not None:
             sd = self.opt.state_dict()
             state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
             optimizer: dict[str, Any] = {"state": state, "param_groups": sd["param_groups"]}
         else:
             optimizer = {}
-        return ShardSnapshot(
+        return TrainingSnapshot(
             step=step,
             version=step,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},

@@ -2,7 +2,7 @@
 
 A step of a pipeline job is ``microbatches`` forwards (``F``) and as many
 backwards (``B``) on every stage; a schedule is only the order each stage
-runs them in. Each stage walks its list (:mod:`grains.training.stage`): an
+runs them in. Each stage walks its list (:mod:`grains.training.strategies.pipeline.stage`): an
 ``F`` waits for its micro-batch's input, a ``B`` for its output's gradient.
 Both schedules accumulate the same gradients; they differ in how many
 activations a stage holds at once (:func:`peak_activations`):

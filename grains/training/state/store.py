@@ -13,8 +13,8 @@ calls and is collected when idle.
 from __future__ import annotations
 
 from grains.base import Grain
-from grains.training import checkpointing
-from grains.training.checkpointing import ShardSnapshot, SnapshotState
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
 
 
 class CheckpointStoreGrain(Grain):
@@ -22,22 +22,22 @@ class CheckpointStoreGrain(Grain):
 
     State = SnapshotState
 
-    async def save_whole(self, run: int, snapshot: ShardSnapshot, keep: int) -> bool:
+    async def save_whole(self, run: int, snapshot: TrainingSnapshot, keep: int) -> bool:
         """Save ``snapshot`` as the whole model at its step (True: the snapshot is complete)."""
-        return await checkpointing.save_whole(self, self.key, run, snapshot, keep)
+        return await checkpoint.save_whole(self, self.key, run, snapshot, keep)
 
-    async def read(self, run: int, step: int, names: list[str], extra: list[str]) -> ShardSnapshot:
+    async def read(self, run: int, step: int, names: list[str], extra: list[str]) -> TrainingSnapshot:
         """Trainable parameters ``names`` (with optimizer state) and ``extra`` at checkpoint ``step``."""
-        return await checkpointing.load_model(self, self.key, run, step, names, extra)
+        return await checkpoint.load_model(self, self.key, run, step, names, extra)
 
-    async def save_best(self, run: int, snapshot: ShardSnapshot) -> bool:
+    async def save_best(self, run: int, snapshot: TrainingSnapshot) -> bool:
         """Keep ``snapshot`` as the job's best checkpoint (``keep_best``), replacing the last one."""
         self.state.snapshot = snapshot
         try:
-            return await self.save_snapshot(checkpointing.best_group(self.key, run), snapshot.step, keep=1)
+            return await self.save_snapshot(checkpoint.best_group(self.key, run), snapshot.step, keep=1)
         finally:
             self.state.snapshot = None
 
-    async def read_best(self, run: int, step: int, names: list[str], extra: list[str]) -> ShardSnapshot:
+    async def read_best(self, run: int, step: int, names: list[str], extra: list[str]) -> TrainingSnapshot:
         """The checkpoint ``save_best`` kept at ``step``."""
-        return await checkpointing.load_model(self, self.key, run, step, names, extra, checkpointing.best_group(self.key, run))
+        return await checkpoint.load_model(self, self.key, run, step, names, extra, checkpoint.best_group(self.key, run))

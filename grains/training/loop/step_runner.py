@@ -7,14 +7,14 @@ shards, averaged over the group). What is the same everywhere lives here,
 once:
 
 - autocast at the job's precision, and the user's step checked against its
-  contract (:mod:`grains.training.program`);
+  contract (:mod:`grains.training.loop.program`);
 - gradient accumulation: the slot's batch of ``batch_size x
   grad_accumulation`` samples runs as ``grad_accumulation`` chunks, each
   loss divided by their number, so the accumulated gradient is that of the
   whole batch (exactly, for a loss that is a mean over samples);
-- the non-finite rule (:func:`grains.training.program.nonfinite`): a NaN or
+- the non-finite rule (:func:`grains.training.loop.program.nonfinite`): a NaN or
   inf loss fails the job naming the step, or skips the step on every holder;
-- fp16 loss scaling (:class:`grains.training.loss_scale.LossScaler`): the
+- fp16 loss scaling (:class:`grains.training.loop.loss_scale.LossScaler`): the
   loss scaled before backward, the gradients the update uses (local or the
   group's mean) unscaled and checked once, an overflow skipping the step;
 - gradient clipping (``clip_grad_norm``) on what the update uses.
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.batches import batch_samples
-from grains.training.job import TrainingJob
-from grains.training.loss_scale import LossScaler
-from grains.training.optim import clip_coefficient, squared_norm
-from grains.training.program import Program, StepContext, nonfinite
+from grains.training.api.job import TrainingJob
+from grains.training.data.batches import batch_samples
+from grains.training.loop.loss_scale import LossScaler
+from grains.training.loop.optim import clip_coefficient, squared_norm
+from grains.training.loop.program import Program, StepContext, nonfinite
 
 
 @dataclass(slots=True)

@@ -36,15 +36,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive
-from grains.training import checkpointing
-from grains.training.batches import job_batches
-from grains.training.compression import Compressor, Payload, parse_compression, payload_nbytes
-from grains.training.messages import ExchangeReply, StepPoint, TrainerAssignment, TrainerProgress
-from grains.training.model_tensors import persistent_buffers
+from grains.training.api.job import parse_compression
+from grains.training.api.messages import (
+    ExchangeReply,
+    StepPoint,
+    TrainerAssignment,
+    TrainerProgress,
+)
+from grains.training.data.batches import job_batches
+from grains.training.loop.compression import Compressor, Payload, payload_nbytes
+from grains.training.loop.program import is_fatal, is_out_of_memory
+from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
-from grains.training.program import is_fatal, is_out_of_memory
-from grains.training.shard import ParamShardGrain
-from grains.training.step_runner import StepRunner
+from grains.training.state import checkpoint
+from grains.training.state.model_tensors import persistent_buffers
+from grains.training.strategies.ps.shard import ParamShardGrain
 from silo import errors
 
 log = logging.getLogger("redgrain.training.trainer")
@@ -295,7 +301,7 @@ class TrainerGrain(Grain):
                 payloads = self._take(await self._timed(pending), versions)
                 pending = None
             self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
-            if own_state and checkpointing.checkpoint_due(a.spec, step + 1, a.end_step):
+            if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, rep, step + 1)
             fut = asyncio.gather(

@@ -1,7 +1,7 @@
 """PipelineStageGrain: one stage of a pipeline-parallel job (mode ``pipeline``).
 
 A job's model (an ``nn.Sequential``, or any module at its ``split_points``)
-is cut into stages (:mod:`grains.training.pipeline`), each a grain on its
+is cut into stages (:mod:`grains.training.strategies.pipeline.partition`), each a grain on its
 own silo that builds and holds only its layers' parameters, gradients and
 optimizer state. Stage 0 runs the
 steps: per step it cuts the batch into ``microbatches`` micro-batches and
@@ -12,7 +12,7 @@ computes the loss and the backward and sends the input's gradient back
 on the grain-call wire (zero-copy frames between silos).
 
 Each stage runs a step as one *runner* task that walks the stage's action
-list (:mod:`grains.training.schedules`: ``gpipe`` or ``1f1b``) in order: an
+list (:mod:`grains.training.strategies.pipeline.schedules`: ``gpipe`` or ``1f1b``) in order: an
 ``F`` waits until its micro-batch's input is in (stage 0: its own chunk),
 computes and sends the output on; a ``B`` waits until its output's gradient
 is in (the last stage: computes the loss), computes and sends the input's
@@ -25,7 +25,7 @@ deposit of another generation or step is refused: a late backward never
 takes a newer step's activation.
 
 A non-finite loss on the last stage goes through the job's ``on_nonfinite``
-(:func:`~grains.training.program.nonfinite`): ``fail`` raises a fatal
+(:func:`~grains.training.loop.program.nonfinite`): ``fail`` raises a fatal
 NonFiniteLossError naming the step (the job fails, no rollback); ``skip``
 tells stage 0 (awaited, before the micro-batch's gradient goes back), the
 backwards still run, and stage 0 asks every stage to apply the step with
@@ -56,17 +56,16 @@ import torch
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, keep_alive, reentrant
-from grains.training import checkpointing
-from grains.training.batches import Batches, job_batches
-from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.messages import StageConfig, StageStatus, StepPoint
-from grains.training.optim import clip_coefficient
-from grains.training.pipeline import stage_module, tensor_names
-from grains.training.program import is_fatal, nonfinite
-from grains.training.records import MicroBatchSpan
-from grains.training.schedules import actions
-from grains.training.shard import StaleGenerationError
-from grains.training.stage_core import StageCore
+from grains.training.api.messages import StageConfig, StageStatus, StaleGenerationError, StepPoint
+from grains.training.api.records import MicroBatchSpan
+from grains.training.data.batches import Batches, job_batches
+from grains.training.loop.optim import clip_coefficient
+from grains.training.loop.program import is_fatal, nonfinite
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
+from grains.training.strategies.pipeline.partition import stage_module, tensor_names
+from grains.training.strategies.pipeline.schedules import actions
+from grains.training.strategies.pipeline.stage_core import StageCore
 
 log = logging.getLogger("redgrain.training.stage")
 
@@ -264,7 +263,7 @@ class PipelineStageGrain(Grain):
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
         metrics = {k: sum(m[k] for m in self._metrics) / len(self._metrics) for k in self._metrics[0]} if self._metrics else {}
         self._losses, self._metrics = [], []
-        if cfg.replica == 0 and checkpointing.checkpoint_due(cfg.spec, core.step, cfg.end_step):
+        if cfg.replica == 0 and checkpoint.checkpoint_due(cfg.spec, core.step, cfg.end_step):
             snap = await self.run_in_thread(core.snapshot)
             self.start_task(self._save(cfg, snap, generation), name=f"{self.key} checkpoint {snap.step}")
         return StepPoint(step=step, loss=loss, metrics=metrics, at=time.time())
@@ -459,14 +458,14 @@ class PipelineStageGrain(Grain):
             raise RuntimeError(self._error if self._failed.is_set() else f"no {name} within step_timeout_s={timeout_s}")
         return waiter.result()
 
-    async def _restore(self, cfg: StageConfig, module: torch.nn.Module) -> ShardSnapshot:
+    async def _restore(self, cfg: StageConfig, module: torch.nn.Module) -> TrainingSnapshot:
         assert cfg.restore_step is not None
         names, extra = tensor_names(module)  # in the stage's order: its optimizer state's
-        return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
+        return await checkpoint.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
 
-    async def _save(self, cfg: StageConfig, snap: ShardSnapshot, generation: int) -> None:
+    async def _save(self, cfg: StageConfig, snap: TrainingSnapshot, generation: int) -> None:
         try:
-            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, checkpointing.retained(cfg.spec))
+            await checkpoint.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, checkpoint.retained(cfg.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

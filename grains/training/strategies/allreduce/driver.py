@@ -1,7 +1,7 @@
 """The all-reduce driver (mode allreduce): one torch.distributed group, re-formed on every change.
 
 Mode ``allreduce`` has no shards: the driver forms a group of
-:class:`~grains.training.allreduce.AllreduceTrainerGrain`\\ s, one per trainer
+:class:`~grains.training.strategies.allreduce.trainer.AllreduceTrainerGrain`\\ s, one per trainer
 silo (at most ``trainers``), and re-forms it with a new generation whenever a
 member's silo leaves, a member fails, or a trainer silo joins (with
 ``trainers = "auto"``, or while the group is below the requested size).
@@ -10,7 +10,7 @@ Re-forming stops the survivors first (each reports the step it holds), then
 starts the new members from the newest step a survivor holds: members behind
 copy it from the one that holds it; the last committed checkpoint is the
 fallback when no survivor is at least that far (see
-:mod:`grains.training.allreduce`). A trainer whose call fails is quarantined a
+:mod:`grains.training.strategies.allreduce.trainer`). A trainer whose call fails is quarantined a
 while, so a dying silo that is not yet declared dead is not picked again at
 once. Checkpoints are rank 0's: each one it completed is committed, oldest
 first. A coordinator that re-activates with a group in place re-attaches to
@@ -24,13 +24,13 @@ import logging
 
 import torch
 
-from grains.training import cluster
-from grains.training.allreduce import AllreduceTrainerGrain
-from grains.training.checkpointing import ShardSnapshot
+from grains.training.api.messages import GroupAssignment, TrainerProgress
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.driver import Driver
-from grains.training.elastic import SiloLook
-from grains.training.messages import GroupAssignment, TrainerProgress
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.strategies import cluster
+from grains.training.strategies.allreduce.trainer import AllreduceTrainerGrain
+from grains.training.strategies.driver import Driver
+from grains.training.strategies.elastic import SiloLook
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -108,7 +108,7 @@ class AllreduceDriver(Driver):
         snap = await self._newest()
         return {**snap.params, **snap.buffers}
 
-    async def _newest(self) -> ShardSnapshot:
+    async def _newest(self) -> TrainingSnapshot:
         """The state of a group member holding the newest step."""
         s = self.state
         refs = [self.ref(AllreduceTrainerGrain, k) for k in s.trainer_keys]
@@ -117,7 +117,7 @@ class AllreduceDriver(Driver):
         if not held:
             raise errors.ConfigError(f"job {self.key}: no trainer holds the parameters")
         step, i = max(held)
-        snap: ShardSnapshot = await refs[i].replica(s.run, step)
+        snap: TrainingSnapshot = await refs[i].replica(s.run, step)
         return snap
 
     # --- the group ------------------------------------------------------------

@@ -19,18 +19,24 @@ from typing import Any, Protocol
 
 import torch
 
-from grains.training.batches import job_batches
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.data_position import Segment
-from grains.training.job import TrainingJob
-from grains.training.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.api.job import TrainingJob
+from grains.training.data.batches import job_batches
+from grains.training.data.position import Segment
+from grains.training.loop.optim import (
+    advance,
+    build_optimizer,
+    build_schedule,
+    step_schedule,
+    trainable,
+)
+from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
-from grains.training.optim import advance, build_optimizer, build_schedule, step_schedule, trainable
-from grains.training.step_runner import StepRunner
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
 
 
 class Collective(Protocol):
-    """The group a step averages over (:class:`grains.training.allreduce.Group`)."""
+    """The group a step averages over (:class:`grains.training.strategies.allreduce.trainer.Group`)."""
 
     def allreduce_mean(self, flat: torch.Tensor, abandon: threading.Event, raw: bool = False) -> torch.Tensor: ...
 
@@ -77,7 +83,7 @@ class GroupReplica:
         """Start from the seeded weights: the constructor's; only valid before any step."""
         self.held = (run, 0)
 
-    def load(self, snap: ShardSnapshot, run: int) -> None:
+    def load(self, snap: TrainingSnapshot, run: int) -> None:
         with self._lock, torch.no_grad():
             for n, p in zip(self.names, self.params, strict=True):
                 p.copy_(snap.params[n])
@@ -93,7 +99,7 @@ class GroupReplica:
             self.runner.load_state_dict(snap.scaler)
             self.held = (run, snap.step)
 
-    def snapshot(self) -> ShardSnapshot:
+    def snapshot(self) -> TrainingSnapshot:
         """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""
         with self._lock:
             optimizer: dict[str, Any] = {}
@@ -104,7 +110,7 @@ class GroupReplica:
                     for k, s in sd["state"].items()
                 }
                 optimizer = {"state": state, "param_groups": sd["param_groups"]}
-            return ShardSnapshot(
+            return TrainingSnapshot(
                 step=self.held[1],
                 version=self.held[1],
                 params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.job import DEFAULT_LOSS, TrainingJob, resolve_path
+from grains.training.api.job import DEFAULT_LOSS, TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 StepFn = Callable[[nn.Module, Any], Any]

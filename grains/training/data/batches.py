@@ -2,7 +2,7 @@
 
 The batch schedule is the contract that makes sync mode equal to plain
 training. Where a step's samples begin is the job's data position, counted in
-samples (:mod:`grains.training.data_position`: segments of constant trainer
+samples (:mod:`grains.training.data.position`: segments of constant trainer
 count ``k``, which the coordinator extends whenever ``k`` changes, so a
 resize continues from the next unseen sample).
 
@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from grains.training.data_position import DataSchedule, Segment
+from grains.training.api.job import TrainingJob, resolve_path
+from grains.training.data.position import DataSchedule, Segment
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.job import TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 
@@ -246,7 +246,7 @@ class _StepIndices:
 class Batches:
     """The batches of one dataset split by the schedule in the module docstring.
 
-    ``segments`` (:class:`~grains.training.data_position.Segment`, the job's data position)
+    ``segments`` (:class:`~grains.training.data.position.Segment`, the job's data position)
     say where each step's samples begin; None or empty: ``slots`` trainers from step 0.
     Map-style: keeps the current epoch's permutation, so a step costs one
     gather (tensor datasets) or one collate of its items. IterableDataset:

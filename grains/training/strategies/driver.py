@@ -4,11 +4,11 @@ A coordinator owns one job and keeps its state (``CoordinatorGrain.State``:
 placement, generation, committed checkpoints, recovery records). How the job
 is placed, watched and repaired depends on its mode, and that is a driver's:
 
-- :class:`~grains.training.ps_driver.ParameterServerDriver` (modes ``sync``,
+- :class:`~grains.training.strategies.ps.driver.ParameterServerDriver` (modes ``sync``,
   ``async``, ``ssp``): parameter shards and trainer slots; a lost trainer is
   restarted alone, a lost shard rolls every grain back to the last committed
   checkpoint;
-- :class:`~grains.training.allreduce_driver.AllreduceDriver` (mode
+- :class:`~grains.training.strategies.allreduce.driver.AllreduceDriver` (mode
   ``allreduce``): a torch.distributed group of trainers, re-formed with a new
   generation whenever a member is lost or a trainer silo joins.
 
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from grains.base import Grain
-from grains.training.data_position import DataSchedule
-from grains.training.elastic import SiloLook, TrainerSilos
-from grains.training.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
-from grains.training.records import StageInfo
+from grains.training.api.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
+from grains.training.api.records import StageInfo
+from grains.training.data.position import DataSchedule
+from grains.training.strategies.elastic import SiloLook, TrainerSilos
 
 if TYPE_CHECKING:
     from grains.training.coordinator import CoordinatorGrain
@@ -180,7 +180,7 @@ class Driver(abc.ABC):
 
     def resize_data(self, step: int, world: int) -> None:
         """From ``step`` on, ``world`` trainers take the data, from the next unseen sample there
-        (:mod:`grains.training.data_position`); later segments, abandoned by a rollback, are
+        (:mod:`grains.training.data.position`); later segments, abandoned by a rollback, are
         dropped. An epochs job's last step follows, so it ends after its epochs whatever the
         trainer count did; a steps job's stays ``steps``."""
         s = self.state

@@ -1,13 +1,13 @@
 """The pipeline driver (mode pipeline): stages on silos, stage 0 runs the steps, rollbacks.
 
-The driver cuts the model into ``stages`` (:mod:`grains.training.pipeline`),
+The driver cuts the model into ``stages`` (:mod:`grains.training.strategies.pipeline.partition`),
 writes the seeded initial weights as step 0 of the run (each stage then
 restores only its part), places one
-:class:`~grains.training.stage.PipelineStageGrain` per stage, on distinct
+:class:`~grains.training.strategies.pipeline.stage.PipelineStageGrain` per stage, on distinct
 silos with room for it where there are enough
-(:mod:`grains.training.stage_placement`: the trainer silos first), and
+(:mod:`grains.training.strategies.pipeline.placement`: the trainer silos first), and
 configures them; stage 0 then runs every step (see
-:mod:`grains.training.stage`). Each tick asks every stage how it is doing:
+:mod:`grains.training.strategies.pipeline.stage`). Each tick asks every stage how it is doing:
 
 - a stage lost (its activation changed, or it refuses our generation) or
   stage 0's run failed: a *rollback*, as for a lost parameter shard: a new
@@ -27,19 +27,21 @@ import time
 
 import torch
 
-from grains.training import checkpointing, cluster, pipeline
-from grains.training.checkpointing import ShardSnapshot
+from grains.training.api.job import TrainingJob
+from grains.training.api.messages import StageConfig, StageStatus, TrainerProgress
+from grains.training.api.records import StageInfo
 from grains.training.datasets import dataset_size, load_dataset
-from grains.training.driver import Driver, JobContext
-from grains.training.elastic import TrainerSilos
-from grains.training.job import TrainingJob
-from grains.training.messages import StageConfig, StageStatus, TrainerProgress
 from grains.training.models import build_model
-from grains.training.pipeline import measured_costs
-from grains.training.records import StageInfo
-from grains.training.stage import PipelineStageGrain
-from grains.training.stage_placement import place_stages
-from grains.training.store import CheckpointStoreGrain
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.store import CheckpointStoreGrain
+from grains.training.strategies import cluster
+from grains.training.strategies.driver import Driver, JobContext
+from grains.training.strategies.elastic import TrainerSilos
+from grains.training.strategies.pipeline import partition
+from grains.training.strategies.pipeline.partition import measured_costs
+from grains.training.strategies.pipeline.placement import place_stages
+from grains.training.strategies.pipeline.stage import PipelineStageGrain
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -47,18 +49,18 @@ log = logging.getLogger("redgrain.training.coordinator")
 _MAX_FAILURES = 5
 
 
-def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], ShardSnapshot]:
+def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], TrainingSnapshot]:
     """The job's stages (by parameter bytes, by layer times measured on one micro-batch, or at its
     split points), each stage's bytes, and the seeded initial weights as step 0."""
     model = build_model(spec)
     costs = None
     if spec.balance == "time" and not spec.split_points:
-        from grains.training.batches import Batches
+        from grains.training.data.batches import Batches
 
         x, _ = Batches(load_dataset(spec, "train")).batch(spec.batch_size // spec.microbatches, 1, 0, 0, spec.seed)
         costs = measured_costs(model, x)
-    layers, sizes = pipeline.cut(model, spec, costs)
-    return layers, sizes, pipeline.initial_snapshot(model)
+    layers, sizes = partition.cut(model, spec, costs)
+    return layers, sizes, partition.initial_snapshot(model)
 
 
 class PipelineDriver(Driver):
@@ -86,7 +88,7 @@ class PipelineDriver(Driver):
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
         stages = len(layers)
         replicas = max(1, len(rows) // stages) if spec.trainers == "auto" else int(spec.trainers)
-        placement = place_stages(rows, [pipeline.stage_need(n, spec) for _ in range(replicas) for n in sizes])
+        placement = place_stages(rows, [partition.stage_need(n, spec) for _ in range(replicas) for n in sizes])
         if placement.short:
             log.warning("%s: no silo has the free memory stage(s) %s need; placed where the most is left",
                         self.key, [j % stages for j in placement.short])  # fmt: skip
@@ -106,7 +108,7 @@ class PipelineDriver(Driver):
             # The seeded weights become step 0 of the run, so every stage restores its part from a
             # checkpoint and builds only that (on the meta device) instead of the whole model.
             store = self.ref(CheckpointStoreGrain, self.key, 120.0)
-            await store.save_whole(s.run, initial, checkpointing.retained(spec))
+            await store.save_whole(s.run, initial, checkpoint.retained(spec))
             s.committed, s.committed_at = [0], {0: time.time()}
             restore = 0
         del initial
@@ -257,12 +259,12 @@ class PipelineDriver(Driver):
         s.generation += 1
         s.rollbacks += 1
         restore = s.committed[-1] if s.committed else None
-        if restore is None or not await checkpointing.exists(self.job.grain, self.key, s.run, restore):
-            newest = await checkpointing.newest_step(self.job.grain, self.key, s.run)
+        if restore is None or not await checkpoint.exists(self.job.grain, self.key, s.run, restore):
+            newest = await checkpoint.newest_step(self.job.grain, self.key, s.run)
             if newest is not None:
                 await self.commit_step(newest)
                 restore = newest
-        await checkpointing.drop_after(self.job.grain, self.key, s.run, restore)
+        await checkpoint.drop_after(self.job.grain, self.key, s.run, restore)
         self.resize_data(restore or 0, s.slots)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip

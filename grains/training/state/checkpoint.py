@@ -3,7 +3,7 @@
 A part holds its trainable parameters with their optimizer state, and its
 frozen parameters and persistent buffers (``buffers``). Its optimizer's
 parameter groups carry their spec index as ``rg_group``
-(:mod:`grains.training.optim`), so :func:`extract` can cut the state of any
+(:mod:`grains.training.loop.optim`), so :func:`extract` can cut the state of any
 set of parameters out of parts of any layout and regroup it as the new
 holder's optimizer builds its groups.
 
@@ -16,14 +16,14 @@ from the shards' reports and restores only complete steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import Grain
-from grains.training.job import TrainingJob
-from grains.training.optim import DEFAULT_GROUP, group_order
+from grains.training.api.job import TrainingJob
+from grains.training.loop.optim import DEFAULT_GROUP, group_order
 from silo import errors
 
 
@@ -57,10 +57,14 @@ def retained(spec: TrainingJob) -> int:
 _EVALUATION_SLACK = 1_000_000
 
 
-class ShardSnapshot(BaseModel):
-    """Everything a shard needs to resume exactly: fp32 parameters and optimizer state."""
+class TrainingSnapshot(BaseModel):
+    """One holder's part of a checkpoint, the one format of every mode (a PS shard's slice, an
+    all-reduce rank's whole model, a pipeline stage's layers): fp32 parameters with their
+    optimizer state, buffers, the schedule's position and the loss scaler."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+    __wire_aliases__: ClassVar[tuple[str, ...]] = ("ShardSnapshot",)
+    """Checkpoints written before the rename (the codec tags values with class names)."""
 
     step: int
     """Global steps applied: the one meaning of a step number in every mode (a holder restored
@@ -74,14 +78,14 @@ class ShardSnapshot(BaseModel):
     buffers: dict[str, torch.Tensor] = Field(default_factory=dict)
     """Frozen parameters and persistent buffers (BatchNorm statistics) this part holds."""
     scaler: dict[str, float] = Field(default_factory=dict)
-    """The fp16 loss scaler of a holder that steps the optimizer (:class:`~grains.training.loss_scale.LossScaler`;
+    """The fp16 loss scaler of a holder that steps the optimizer (:class:`~grains.training.loop.loss_scale.LossScaler`;
     {}: none, or a mode whose trainers keep their own)."""
 
 
 class SnapshotState(BaseModel):
     """A shard's state: empty, except while a snapshot is being saved or loaded."""
 
-    snapshot: ShardSnapshot | None = None
+    snapshot: TrainingSnapshot | None = None
 
 
 def group(job: str, run: int) -> str:
@@ -99,7 +103,7 @@ def member(key: str, type_name: str = "ParamShardGrain") -> str:
 
 
 async def save(
-    shard: Grain, job: str, run: int, snapshot: ShardSnapshot, shard_keys: list[str], keep: int
+    shard: Grain, job: str, run: int, snapshot: TrainingSnapshot, shard_keys: list[str], keep: int
 ) -> bool:
     """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it."""
     shard.state.snapshot = snapshot
@@ -112,7 +116,7 @@ async def save(
         shard.state.snapshot = None
 
 
-async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, keep: int) -> bool:
+async def save_whole(grain: Grain, job: str, run: int, snapshot: TrainingSnapshot, keep: int) -> bool:
     """Save the whole model as the only member of the job's snapshot (all-reduce mode's rank 0)."""
     grain.state.snapshot = snapshot
     try:
@@ -123,7 +127,7 @@ async def save_whole(grain: Grain, job: str, run: int, snapshot: ShardSnapshot, 
 
 async def load_model(
     grain: Grain, job: str, run: int, step: int, names: list[str], extra: list[str] | None = None, name: str | None = None
-) -> ShardSnapshot:
+) -> TrainingSnapshot:
     """Parameters ``names`` (trainable, model order) with their optimizer state, and the frozen
     parameters and buffers ``extra``, at ``step``, from every member of the snapshot, whichever
     mode saved it (shards of any layout, or one all-reduce trainer or the job's init weights).
@@ -153,14 +157,14 @@ def _state_of(optimizer: dict[str, Any], j: int) -> tuple[Any, dict[str, Any] | 
     return st, None
 
 
-def extract(parts: list[ShardSnapshot], names: list[str], extra: list[str] | None = None) -> ShardSnapshot:
+def extract(parts: list[TrainingSnapshot], names: list[str], extra: list[str] | None = None) -> TrainingSnapshot:
     """The snapshot an owner of ``names`` (trainable, model order) and ``extra`` (frozen
     parameters, buffers) restores, cut from snapshots of any parts.
 
     A part's optimizer state is indexed by the order of its own ``params``; the result's by
-    ``names``, in groups ordered as :func:`grains.training.optim.build_optimizer` builds them.
+    ``names``, in groups ordered as :func:`grains.training.loop.optim.build_optimizer` builds them.
     """
-    where: dict[str, tuple[ShardSnapshot, int]] = {}
+    where: dict[str, tuple[TrainingSnapshot, int]] = {}
     held: dict[str, torch.Tensor] = {}
     for part in parts:
         for i, name in enumerate(part.params):
@@ -185,7 +189,7 @@ def extract(parts: list[ShardSnapshot], names: list[str], extra: list[str] | Non
             members.setdefault(tag, []).append(i)
             settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
     groups = [{**settings[t], "params": members[t]} for t in sorted(members, key=group_order)]
-    return ShardSnapshot(
+    return TrainingSnapshot(
         step=parts[0].step,
         version=max(p.version for p in parts),
         params={n: where[n][0].params[n] for n in names},
@@ -197,7 +201,7 @@ def extract(parts: list[ShardSnapshot], names: list[str], extra: list[str] | Non
 
 async def load(
     shard: Grain, job: str, run: int, step: int, names: list[str] | None = None, extra: list[str] | None = None
-) -> ShardSnapshot:
+) -> TrainingSnapshot:
     """This shard's part of snapshot ``step``; with ``names`` (and ``extra``), also from a snapshot
     saved in another layout (other shards, all-reduce mode's whole model, init weights): a job
     may switch modes."""

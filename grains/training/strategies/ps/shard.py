@@ -18,7 +18,7 @@ exchange never blocks the pushes that will release it. Every call carries the
 coordinator's generation; after a rollback, calls of an older generation are
 refused.
 
-The optimizer is the job's (:mod:`grains.training.optim`: any torch
+The optimizer is the job's (:mod:`grains.training.loop.optim`: any torch
 optimizer, parameter groups, a learning-rate schedule stepped once per global
 step). A shard also holds its part of the frozen parameters (sent once, on a
 trainer's first pull) and of the persistent buffers: trainers push their
@@ -52,14 +52,19 @@ from torch import nn
 
 from grains.base import Grain
 from grains.placement import hash_placement, immovable, keep_alive, reentrant
-from grains.training import checkpointing
-from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.compression import Payload, payload_nbytes
-from grains.training.messages import ExchangeReply, ShardConfig, ShardStatus
-from grains.training.model_tensors import persistent_buffers
+from grains.training.api.messages import (
+    ExchangeReply,
+    ShardConfig,
+    ShardStatus,
+    StaleGenerationError,
+)
+from grains.training.loop.compression import Payload, payload_nbytes
+from grains.training.loop.optim import build_optimizer, clip_coefficient
 from grains.training.models import build_model
-from grains.training.optim import build_optimizer, clip_coefficient
-from grains.training.shard_core import ShardCore
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
+from grains.training.state.model_tensors import persistent_buffers
+from grains.training.strategies.ps.shard_core import ShardCore
 
 log = logging.getLogger("redgrain.training.shard")
 
@@ -75,10 +80,6 @@ def async_lr_scale(slots: int) -> float:
     momentum-SGD diverges (measured: 38-93% where sync reaches 97%).
     """
     return 1.0 / max(1, slots)
-
-
-class StaleGenerationError(Exception):
-    """The job moved on (rollback or restart); the caller belongs to an older generation."""
 
 
 def make_optimizer(params: list[nn.Parameter], spec: Any) -> torch.optim.Optimizer:
@@ -154,23 +155,23 @@ class ParamShardGrain(Grain):
             self._changed.notify_all()
         return await self.status()
 
-    async def _restore(self, cfg: ShardConfig) -> ShardSnapshot:
+    async def _restore(self, cfg: ShardConfig) -> TrainingSnapshot:
         assert cfg.restore_step is not None
         if cfg.kinds is not None:
             held = set(cfg.kinds.frozen) | set(cfg.kinds.buffers)
             names = [n for n in cfg.names if n not in held]
-            return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, [*cfg.kinds.frozen, *cfg.kinds.buffers])
+            return await checkpoint.load(self, cfg.job, cfg.run, cfg.restore_step, names, [*cfg.kinds.frozen, *cfg.kinds.buffers])
         model = await self.run_in_thread(build_model, cfg.spec)
         own = set(cfg.names)
         names = [n for n, p in model.named_parameters() if n in own and p.requires_grad]
         extra = [n for n, p in model.named_parameters() if n in own and not p.requires_grad]
         extra += [n for n, _ in persistent_buffers(model) if n in own]
-        return await checkpointing.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
+        return await checkpoint.load(self, cfg.job, cfg.run, cfg.restore_step, names, extra)
 
     def _checkpoint_after(self, step: int) -> int:
-        """The next step > ``step`` to checkpoint (:func:`checkpointing.next_checkpoint`; 0: none)."""
+        """The next step > ``step`` to checkpoint (:func:`checkpoint.next_checkpoint`; 0: none)."""
         assert self._cfg is not None
-        return checkpointing.next_checkpoint(self._cfg.spec, step, self._end)
+        return checkpoint.next_checkpoint(self._cfg.spec, step, self._end)
 
     async def stop(self, generation: int) -> None:
         """Refuse further exchanges of older generations (the job ended or was cancelled)."""
@@ -312,11 +313,11 @@ class ParamShardGrain(Grain):
         generation = self._generation
         self.start_task(self._save(snap, generation), name=f"{self.key} checkpoint {step}")
 
-    async def _save(self, snap: ShardSnapshot, generation: int) -> None:
+    async def _save(self, snap: TrainingSnapshot, generation: int) -> None:
         cfg = self._cfg
         assert cfg is not None
         try:
-            await checkpointing.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, checkpointing.retained(cfg.spec))
+            await checkpoint.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, checkpoint.retained(cfg.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return
@@ -395,7 +396,7 @@ class ParamShardGrain(Grain):
             self._core = None
         self.deactivate_on_idle()
 
-    async def export_state(self) -> ShardSnapshot | None:
+    async def export_state(self) -> TrainingSnapshot | None:
         """Parameters and optimizer state as a checkpoint would hold them now."""
         core = self._core
         if core is None:

@@ -7,9 +7,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from grains.training.data_position import Segment
-from grains.training.job import TrainingJob
-from grains.training.records import MicroBatchSpan, StageInfo
+from grains.training.api.job import TrainingJob
+from grains.training.api.records import MicroBatchSpan, StageInfo
+from grains.training.data.position import Segment
 
 JobStatus = Literal["idle", "starting", "running", "completed", "failed", "cancelled"]
 
@@ -90,7 +90,7 @@ class TrainerAssignment(BaseModel):
     shard_keys: list[str]
     shard_names: list[list[str]]
     data_segments: list[Segment] = Field(default_factory=list)
-    """The job's data position (:mod:`grains.training.data_position`); empty: ``slots`` trainers from step 0."""
+    """The job's data position (:mod:`grains.training.data.position`); empty: ``slots`` trainers from step 0."""
 
 
 class GroupAssignment(BaseModel):
@@ -115,7 +115,7 @@ class GroupAssignment(BaseModel):
     restore_step: int | None = None
     """Committed checkpoint to load when no trainer holds ``start_step`` (None: seeded weights)."""
     data_segments: list[Segment] = Field(default_factory=list)
-    """The job's data position (:mod:`grains.training.data_position`); empty: ``world`` trainers from step 0."""
+    """The job's data position (:mod:`grains.training.data.position`); empty: ``world`` trainers from step 0."""
 
 
 class StepPoint(BaseModel):
@@ -291,7 +291,7 @@ class StageConfig(BaseModel):
     """Go on from the state this stage holds (at ``start_step``): the pipeline shrank to fewer
     replicas without a rollback."""
     data_segments: list[Segment] = Field(default_factory=list)
-    """The job's data position (:mod:`grains.training.data_position`); empty: one segment of
+    """The job's data position (:mod:`grains.training.data.position`); empty: one segment of
     ``len(peer_keys)`` replicas from step 0."""
 
 
@@ -320,3 +320,7 @@ class StageStatus(BaseModel):
     steps_done: int = 0
     skipped: int = 0
     """Steps of this generation whose update was skipped (non-finite loss, on_nonfinite='skip')."""
+
+
+class StaleGenerationError(Exception):
+    """The job moved on (rollback or restart); the caller belongs to an older generation."""

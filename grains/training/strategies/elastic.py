@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from grains.base import Grain
-from grains.training import cluster
+from grains.training.strategies import cluster
 from silo.records import MemberRow
 
 QUARANTINE_S = 10.0

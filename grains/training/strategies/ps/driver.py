@@ -29,11 +29,7 @@ from typing import Any
 
 import torch
 
-from grains.training import checkpointing, cluster
-from grains.training.datasets import dataset_size, load_dataset
-from grains.training.driver import Driver, JobContext
-from grains.training.elastic import TrainerSilos
-from grains.training.messages import (
+from grains.training.api.messages import (
     JobStatus,
     ShardConfig,
     ShardStatus,
@@ -41,9 +37,14 @@ from grains.training.messages import (
     TrainerAssignment,
     TrainerProgress,
 )
-from grains.training.model_tensors import model_layout
-from grains.training.shard import ParamShardGrain
-from grains.training.trainer import TrainerGrain
+from grains.training.datasets import dataset_size, load_dataset
+from grains.training.state import checkpoint
+from grains.training.state.model_tensors import model_layout
+from grains.training.strategies import cluster
+from grains.training.strategies.driver import Driver, JobContext
+from grains.training.strategies.elastic import TrainerSilos
+from grains.training.strategies.ps.shard import ParamShardGrain
+from grains.training.strategies.ps.trainer import TrainerGrain
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -264,13 +265,13 @@ class ParameterServerDriver(Driver):
         s = self.state
         coord = self.job.grain
         restore = s.committed[-1] if s.committed else None
-        if restore is None or not await checkpointing.exists(coord, self.key, s.run, restore):
-            newest = await checkpointing.newest_step(coord, self.key, s.run)
+        if restore is None or not await checkpoint.exists(coord, self.key, s.run, restore):
+            newest = await checkpoint.newest_step(coord, self.key, s.run)
             if newest is not None and (restore is None or newest > restore):
                 log.info("%s: checkpoint %s is gone; the store's newest complete one is %d", self.key, restore, newest)
                 await self.commit_step(newest)
                 restore = newest
-        if await checkpointing.drop_after(coord, self.key, s.run, restore):
+        if await checkpoint.drop_after(coord, self.key, s.run, restore):
             log.info("%s: dropped checkpoints after %s (abandoned by the rollback)", self.key, restore)
         return restore
 

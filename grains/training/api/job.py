@@ -10,11 +10,12 @@ submit time, not minutes later on some silo.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grains.training.compression import parse_compression
 from silo.errors import ConfigError
 
 Mode = Literal["sync", "async", "ssp", "allreduce", "pipeline"]
@@ -363,3 +364,39 @@ def resolve_path(path: str, what: str) -> Any:
     if not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable")
     return obj
+
+
+# --- compression: what the spec's ``compression`` string means (the engine: loop/compression.py)
+@dataclass(frozen=True, slots=True)
+class CompressionSpec:
+    kind: Literal["none", "fp16", "bf16", "topk"]
+    ratio: float = 1.0
+    """Share of each tensor's entries top-k sends (1.0 for the dense kinds)."""
+    value_dtype: torch.dtype = torch.float32
+    """The dtype top-k's values travel in (``topk:<ratio>:fp16``: float16); the dense
+    kinds' dtype follows from ``kind``."""
+
+    @property
+    def pull_dtype(self) -> torch.dtype:
+        """The dtype shards send parameters in for this compression."""
+        return {"none": torch.float32, "bf16": torch.bfloat16}.get(self.kind, torch.float16)
+
+
+def parse_compression(text: str) -> CompressionSpec:
+    """``none`` | ``fp16`` | ``bf16`` | ``topk:<ratio>`` | ``topk:<ratio>:fp16`` with
+    0 < ratio <= 1; ConfigError otherwise."""
+    t = text.strip().lower()
+    if t in ("none", "fp16", "bf16"):
+        return CompressionSpec(t)  # type: ignore[arg-type]
+    parts = [p.strip() for p in t.split(":")]
+    if parts[0] == "topk" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == "fp16"):
+        try:
+            ratio = float(parts[1])
+        except ValueError:
+            ratio = -1.0
+        if 0.0 < ratio <= 1.0:  # also false for nan
+            return CompressionSpec("topk", ratio, torch.float16 if len(parts) == 3 else torch.float32)
+    raise ConfigError(
+        f"bad compression {text!r}: use none, fp16, bf16, topk:<ratio> or topk:<ratio>:fp16"
+        " with 0 < ratio <= 1 (e.g. topk:0.01)"
+    )

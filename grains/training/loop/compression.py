@@ -22,12 +22,9 @@ and pulls halve, so top-k 1% moves about a quarter of the bytes of ``none``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-from silo.errors import ConfigError
+from grains.training.api.job import CompressionSpec
 
 Payload = torch.Tensor | list[torch.Tensor]
 """One tensor's gradient on the wire: a dense tensor, or ``[values, indices]`` for top-k."""
@@ -36,41 +33,6 @@ Payload = torch.Tensor | list[torch.Tensor]
 # The largest finite fp16: a top-k value beyond it is sent clamped (the excess stays in
 # the residual) rather than as inf, which would poison the shard's parameters.
 _FP16_MAX = float(torch.finfo(torch.float16).max)
-
-
-@dataclass(frozen=True, slots=True)
-class CompressionSpec:
-    kind: Literal["none", "fp16", "bf16", "topk"]
-    ratio: float = 1.0
-    """Share of each tensor's entries top-k sends (1.0 for the dense kinds)."""
-    value_dtype: torch.dtype = torch.float32
-    """The dtype top-k's values travel in (``topk:<ratio>:fp16``: float16); the dense
-    kinds' dtype follows from ``kind``."""
-
-    @property
-    def pull_dtype(self) -> torch.dtype:
-        """The dtype shards send parameters in for this compression."""
-        return {"none": torch.float32, "bf16": torch.bfloat16}.get(self.kind, torch.float16)
-
-
-def parse_compression(text: str) -> CompressionSpec:
-    """``none`` | ``fp16`` | ``bf16`` | ``topk:<ratio>`` | ``topk:<ratio>:fp16`` with
-    0 < ratio <= 1; ConfigError otherwise."""
-    t = text.strip().lower()
-    if t in ("none", "fp16", "bf16"):
-        return CompressionSpec(t)  # type: ignore[arg-type]
-    parts = [p.strip() for p in t.split(":")]
-    if parts[0] == "topk" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == "fp16"):
-        try:
-            ratio = float(parts[1])
-        except ValueError:
-            ratio = -1.0
-        if 0.0 < ratio <= 1.0:  # also false for nan
-            return CompressionSpec("topk", ratio, torch.float16 if len(parts) == 3 else torch.float32)
-    raise ConfigError(
-        f"bad compression {text!r}: use none, fp16, bf16, topk:<ratio> or topk:<ratio>:fp16"
-        " with 0 < ratio <= 1 (e.g. topk:0.01)"
-    )
 
 
 def payload_nbytes(payload: Payload | None) -> int:

@@ -9,7 +9,7 @@ checkpoints and the exported ``state_dict`` read the same in every mode:
   parameter bytes (or of measured times, ``balance = "time"``) crosses
   ``k / stages`` of the total, each stage getting at least one child;
 - any module with ``split_points``: cut at those submodules by torch.fx
-  (:mod:`grains.training.split`); stage ``i``'s "layers" are then ``(i,
+  (:mod:`grains.training.strategies.pipeline.split`); stage ``i``'s "layers" are then ``(i,
   i + 1)``, the ``i``-th piece of the split.
 
 A stage builds only its own part (:func:`stage_module`): the model is built
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.job import TrainingJob, resolve_path
-from grains.training.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.api.job import TrainingJob, resolve_path
+from grains.training.loop.optim import trainable
 from grains.training.models import build_model
-from grains.training.optim import trainable
-from grains.training.split import chain, split, stage_sizes
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.strategies.pipeline.split import chain, split, stage_sizes
 from silo.errors import ConfigError
 
 
@@ -179,7 +179,7 @@ def tensor_names(module: nn.Module) -> tuple[list[str], list[str]]:
     return [n for n, _ in trainable(module)], [n for n, _ in frozen_parameters(module)] + [n for n, _ in persistent_buffers(module)]
 
 
-def initial_snapshot(model: nn.Module) -> ShardSnapshot:
+def initial_snapshot(model: nn.Module) -> TrainingSnapshot:
     """The seeded model's weights as step 0 of a run (no optimizer state yet), for the stages to restore."""
 
     def cpu(t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def initial_snapshot(model: nn.Module) -> ShardSnapshot:
 
     buffers = {n: cpu(p) for n, p in frozen_parameters(model)}
     buffers.update({n: cpu(b) for n, b in persistent_buffers(model)})
-    return ShardSnapshot(step=0, version=0, params={n: cpu(p) for n, p in trainable(model)}, optimizer={}, buffers=buffers)
+    return TrainingSnapshot(step=0, version=0, params={n: cpu(p) for n, p in trainable(model)}, optimizer={}, buffers=buffers)
 
 
 def stage_need(param_bytes: int, spec: TrainingJob) -> int:

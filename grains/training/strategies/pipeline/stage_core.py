@@ -19,17 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from grains.training.checkpointing import ShardSnapshot
-from grains.training.messages import StageConfig
-from grains.training.model_tensors import persistent_buffers
-from grains.training.optim import (
+from grains.training.api.messages import StageConfig
+from grains.training.loop.optim import (
     advance,
     build_optimizer,
     build_schedule,
     squared_norm,
     step_schedule,
 )
-from grains.training.program import loss_function, run_loss
+from grains.training.loop.program import loss_function, run_loss
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.model_tensors import persistent_buffers
 
 
 def to_device(t: Any, device: str) -> Any:
@@ -44,7 +44,7 @@ def to_device(t: Any, device: str) -> Any:
 
 
 class StageCore:
-    def __init__(self, cfg: StageConfig, device: str, snapshot: ShardSnapshot | None, module: nn.Module) -> None:
+    def __init__(self, cfg: StageConfig, device: str, snapshot: TrainingSnapshot | None, module: nn.Module) -> None:
         spec = cfg.spec
         self.module = module  # its parameters and buffers carry the whole model's names
         self.module.train()
@@ -189,7 +189,7 @@ class StageCore:
             self.last_spans, self.spans = self.spans, []
             self.step += 1
 
-    def snapshot(self) -> ShardSnapshot:
+    def snapshot(self) -> TrainingSnapshot:
         with self.lock:
             optimizer: dict[str, Any] = {}
             if self.opt is not None:
@@ -197,7 +197,7 @@ class StageCore:
                 state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
                 optimizer = {"state": state, "param_groups": sd["param_groups"]}
             trainable = {n for n, _ in self.trainable}
-            return ShardSnapshot(
+            return TrainingSnapshot(
                 step=self.step,
                 version=self.step,
                 params={n: p.detach().to("cpu", copy=True) for n, p in self.trainable},

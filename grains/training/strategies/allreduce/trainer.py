@@ -11,7 +11,7 @@ process on the global batch, as in sync parameter-server mode.
 
 The coordinator hands each trainer a :class:`GroupAssignment`: rank, world
 size, group generation, a rendezvous prefix in Redis
-(:mod:`grains.training.rendezvous`) and the state to start from. The group is
+(:mod:`grains.training.strategies.allreduce.rendezvous`) and the state to start from. The group is
 a ``ProcessGroupGloo`` (``ProcessGroupNCCL`` when every member has a GPU) built
 directly on that store, never torch's global default group, so any number of
 trainers can live in one process.
@@ -30,7 +30,7 @@ member that holds it (:meth:`AllreduceTrainerGrain.replica`), new members
 too, and the last committed checkpoint is the fallback when none does.
 
 Rank 0 saves checkpoints with the same snapshot API and format as the shards
-(:mod:`grains.training.checkpointing`: one member holding the whole model), so
+(:mod:`grains.training.state.checkpoint`: one member holding the whole model), so
 either mode can restore the other's.
 """
 
@@ -51,12 +51,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, reentrant
-from grains.training import checkpointing
-from grains.training.allreduce_replica import GroupReplica, StepResult
-from grains.training.checkpointing import ShardSnapshot, SnapshotState
-from grains.training.messages import GroupAssignment, StepPoint, TrainerProgress
-from grains.training.program import is_fatal, is_out_of_memory
-from grains.training.rendezvous import GroupAbandonedError, RedisStore, sync_client_like
+from grains.training.api.messages import GroupAssignment, StepPoint, TrainerProgress
+from grains.training.loop.program import is_fatal, is_out_of_memory
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
+from grains.training.strategies.allreduce.rendezvous import (
+    GroupAbandonedError,
+    RedisStore,
+    sync_client_like,
+)
+from grains.training.strategies.allreduce.replica import GroupReplica, StepResult
 from silo import errors
 
 log = logging.getLogger("redgrain.training.allreduce")
@@ -228,7 +232,7 @@ class AllreduceTrainerGrain(Grain):
         return self._p.model_copy(update={"points": points, "held_run": run, "held_step": step,
                                           "saved_steps": list(self._saved)})  # fmt: skip
 
-    async def replica(self, run: int, step: int) -> ShardSnapshot:
+    async def replica(self, run: int, step: int) -> TrainingSnapshot:
         """The parameters and optimizer state after ``step`` steps of ``run`` (a peer restores from it)."""
         rep = self._rep
         if rep is None or rep.held != (run, step):
@@ -277,7 +281,7 @@ class AllreduceTrainerGrain(Grain):
             for step in range(a.start_step, a.end_step):
                 r = await self.run_in_thread(rep.step, step, a.rank, a.world, group, abandon)
                 self._record(step, r)
-                if a.rank == 0 and checkpointing.checkpoint_due(a.spec, step + 1, a.end_step):
+                if a.rank == 0 and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                     await self._checkpoint(a, rep)
             # Done means saved too: the coordinator commits what the final report lists.
             await asyncio.gather(*self._saves, return_exceptions=True)
@@ -318,7 +322,7 @@ class AllreduceTrainerGrain(Grain):
             snap = await peer.with_timeout(a.spec.step_timeout_s).replica(a.run, a.start_step)
             await self.run_in_thread(rep.load, snap, a.run)
         elif a.restore_step is not None:
-            snap = await checkpointing.load_model(
+            snap = await checkpoint.load_model(
                 self, a.job, a.run, a.restore_step, rep.names, [*rep.frozen, *rep.buffers]
             )  # any mode's
             await self.run_in_thread(rep.load, snap, a.run)
@@ -338,9 +342,9 @@ class AllreduceTrainerGrain(Grain):
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
 
-    async def _save(self, a: GroupAssignment, snap: ShardSnapshot) -> None:
+    async def _save(self, a: GroupAssignment, snap: TrainingSnapshot) -> None:
         try:
-            await checkpointing.save_whole(self, a.job, a.run, snap, checkpointing.retained(a.spec))
+            await checkpoint.save_whole(self, a.job, a.run, snap, checkpoint.retained(a.spec))
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from grains.training.job import TrainingJob
+from grains.training.api.job import TrainingJob
 from grains.training.models import build_model
 from silo.errors import ConfigError
 

@@ -6,7 +6,7 @@ survivors; that re-activation is hash placement's, not this).
 Silos publish the host memory available to new allocations with every
 heartbeat (``MemberRow.load.memory_available_bytes``; 0 from a silo that
 does not report it). A stage needs about its parameter bytes times
-(2 + the optimizer's state copies) (:func:`grains.training.pipeline.stage_need`).
+(2 + the optimizer's state copies) (:func:`grains.training.strategies.pipeline.partition.stage_need`).
 
 Stages are taken in pipeline order; each goes to the first silo, in the
 order the trainer silos come (the role's silos, GPU ones first), that

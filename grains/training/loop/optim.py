@@ -14,7 +14,7 @@ parameters:
   ``named_parameters()``) matches, the rest form the default group, built
   last. Each group carries its index in the spec as ``rg_group`` (-1: the
   default), so a checkpoint saved by one layout of shards restores into any
-  other (see :mod:`grains.training.checkpointing`).
+  other (see :mod:`grains.training.state.checkpoint`).
 - ``lr_schedule``: any ``torch.optim.lr_scheduler`` class, with
   ``lr_schedule_args``; ``warmup_steps`` puts a ``LinearLR`` from
   ``1/(warmup_steps+1)`` to 1 in front of it (``SequentialLR`` at milestone
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LinearLR, LRScheduler, ReduceLROnPlateau, SequentialLR
 
-from grains.training.job import TrainingJob, resolve_path
+from grains.training.api.job import TrainingJob, resolve_path
 from silo.errors import ConfigError
 
 DEFAULT_GROUP = -1
