@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from typing import Any
 
@@ -45,6 +44,7 @@ from grains.placement import hash_placement, keep_alive
 from grains.training.api.callbacks import Callbacks
 from grains.training.api.job import TrainingJob, parse_job
 from grains.training.api.messages import (
+    Evaluation,
     GroupChange,
     HistoryPoint,
     JobStatus,
@@ -54,20 +54,10 @@ from grains.training.api.messages import (
     TrainingStatus,
 )
 from grains.training.api.records import StageInfo
-from grains.training.data.batches import batch_samples, job_batches
 from grains.training.data.position import DataSchedule, Segment
-from grains.training.loop.optim import build_optimizer, trainable
-from grains.training.loop.program import Program, evaluate
-from grains.training.models import build_model
+from grains.training.evaluation import Evaluator
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot, group
-from grains.training.state.init_weights import read_init, read_init_optimizer
-from grains.training.state.model_tensors import (
-    export_state_dict,
-    frozen_parameters,
-    load_tensors,
-    persistent_buffers,
-)
 from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies.allreduce.driver import AllreduceDriver
 from grains.training.strategies.driver import Driver
@@ -80,6 +70,8 @@ from silo import errors
 log = logging.getLogger("redgrain.training.coordinator")
 
 _TICK_S = 0.2
+EVALUATION_TIMEOUT_S = 600.0
+"""The least a trainer is given to evaluate a checkpoint (read it, then the whole test split)."""
 _HISTORY = 2000
 _TERMINAL = ("completed", "failed", "cancelled")
 _FORGET = "forget"
@@ -92,54 +84,6 @@ def _job_group(job: str, name: str) -> bool:
     prefix = group(job, 0)[:-1]
     run, _, rest = name.removeprefix(prefix).partition(".")
     return name.startswith(prefix) and run.isdigit() and (not rest or rest.startswith("residual.") or rest == "best")
-
-
-class _Evaluator:
-    """The model and test split for evaluations and exports (built once per job, used off the loop)."""
-
-    def __init__(self, spec: TrainingJob) -> None:
-        self.model = build_model(spec)
-        self.names = [n for n, _ in trainable(self.model)]
-        self.extra = [n for n, _ in frozen_parameters(self.model)] + [n for n, _ in persistent_buffers(self.model)]
-        self.program = Program.of(spec)
-        self.batches = job_batches(spec, "test")
-        self.batch_size = spec.eval_batch_size
-        self._lock = threading.Lock()  # one model: a background evaluation and an export take turns
-
-    def evaluate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """The job's evaluation over the whole test split with these weights and buffers."""
-        with self._lock:
-            load_tensors(self.model, tensors)
-            return evaluate(self.program, self.model, self.batches.eval_batches(self.batch_size), batch_samples)
-
-    def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        with self._lock:
-            load_tensors(self.model, tensors)
-            return export_state_dict(self.model)
-
-    def init_snapshot(self, path: str, spec: TrainingJob) -> TrainingSnapshot:
-        """The weights of ``init_from`` as step 0 of a run; with ``init_optimizer``, the saved
-        optimizer's per-parameter state too (otherwise none yet)."""
-        with self._lock:
-            self.model.load_state_dict(read_init(path, self.model), strict=True)
-            named = dict(self.model.named_parameters())
-            buffers = dict(persistent_buffers(self.model))
-            optimizer: dict[str, Any] = {}
-            if spec.init_optimizer:
-                opt = build_optimizer(trainable(self.model), spec)
-                if opt is not None:
-                    read_init_optimizer(path, self.model, opt)
-                    sd = opt.state_dict()
-                    state = {k: {n: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in st.items()} for k, st in sd["state"].items()}
-                    optimizer = {"state": state, "param_groups": sd["param_groups"]}
-
-            def cpu(t: torch.Tensor) -> torch.Tensor:
-                return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-
-            return TrainingSnapshot(
-                step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer=optimizer,
-                buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
-            )  # fmt: skip
 
 
 def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
@@ -227,6 +171,8 @@ class CoordinatorGrain(Grain):
         metrics: dict[str, float] = Field(default_factory=dict)
         eval_metrics: dict[str, float] = Field(default_factory=dict)
         eval_step: int | None = None
+        eval_silo: str | None = None
+        eval_device: str | None = None
         eval_pending: list[int] = Field(default_factory=list)
         """Committed checkpoints due for a mid-run evaluation, not yet evaluated."""
         train_size: int | None = None
@@ -261,9 +207,9 @@ class CoordinatorGrain(Grain):
         self._driver: Driver | None = None
         self._write_lock = asyncio.Lock()
         self._live = TrainingStatus(job="")
-        self._evaluator: _Evaluator | None = None
+        self._evaluator: Evaluator | None = None
         self._last_eval_step = 0
-        self._eval_task: asyncio.Task[tuple[int, dict[str, float]] | None] | None = None
+        self._eval_task: asyncio.Task[Evaluation | None] | None = None
         self._callbacks: Callbacks | None = None
         self._evaluating: int | None = None
         """The step of the evaluation in progress (its checkpoint is not pruned)."""
@@ -600,23 +546,33 @@ class CoordinatorGrain(Grain):
             await self.write_state()
 
     # --- status ---------------------------------------------------------------
-    async def _job_evaluator(self) -> _Evaluator:
+    async def _job_evaluator(self) -> Evaluator:
         spec = self.state.spec
         assert spec is not None
         if self._evaluator is None:
-            self._evaluator = await self.run_in_thread(_Evaluator, spec)
+            self._evaluator = await self.run_in_thread(Evaluator, spec, self.device)
         return self._evaluator
 
     async def _evaluate(self) -> dict[str, float]:
-        """Evaluate the final weights on the test split; the result goes into the job's state."""
+        """Evaluate the final weights on the test split; the result goes into the job's state.
+        The final checkpoint where it is committed (where the job trains, as mid-run ones), else
+        the weights the grains hold (a cancelled or failed job's)."""
         s = self.state
         self._stop_evaluation()
-        evaluator = await self._job_evaluator()
-        tensors = await self._tensors()
-        s.eval_metrics = await self.run_in_thread(evaluator.evaluate, tensors)
-        s.eval_step = s.total_steps or s.step
-        s.accuracy = s.eval_metrics.get("accuracy")
+        final = s.total_steps or s.step
+        done = await self._evaluate_checkpoint(final) if final in s.committed else None
+        if done is None:
+            evaluator = await self._job_evaluator()
+            tensors = await self._tensors()
+            metrics = await self.run_in_thread(evaluator.evaluate, tensors)
+            done = Evaluation(step=final, metrics=metrics, silo=str(self.silo), device=self.device)
+        self._record_evaluation(done)
         return s.eval_metrics
+
+    def _record_evaluation(self, done: Evaluation) -> None:
+        s = self.state
+        s.eval_metrics, s.eval_step, s.accuracy = done.metrics, done.step, done.metrics.get("accuracy")
+        s.eval_silo, s.eval_device = done.silo, done.device
 
     # Mid-run evaluation reads a committed checkpoint: weights of one step (every holder's part
     # of the same step), labelled with it, every eval_every steps exactly (checkpoint_due makes
@@ -637,14 +593,26 @@ class CoordinatorGrain(Grain):
         self._last_eval_step = self._evaluating = step
         self._eval_task = self.start_task(self._evaluate_checkpoint(step), name=f"{self.key} evaluation {step}")
 
-    async def _evaluate_checkpoint(self, step: int) -> tuple[int, dict[str, float]] | None:
+    async def _evaluate_checkpoint(self, step: int) -> Evaluation | None:
+        """Checkpoint ``step`` evaluated where the job trains (a trainer's silo and device), else
+        here (:mod:`grains.training.evaluation`); None: the checkpoint is gone."""
+        s = self.state
+        assert s.spec is not None
+        trainer = self._job_driver().evaluator(max(EVALUATION_TIMEOUT_S, s.spec.step_timeout_s))
+        if trainer is not None:
+            try:
+                done: Evaluation = await trainer.evaluate(self.key, s.spec, s.run, step)
+                return done
+            except errors.RedgrainError as exc:  # lost, released, or the checkpoint went: try here
+                log.info("%s: checkpoint %d not evaluated by a trainer (%s); evaluating here", self.key, step, exc)
         evaluator = await self._job_evaluator()
         try:
             tensors = await self._checkpoint(step)
         except errors.RedgrainError as exc:  # retention dropped it first (checkpoints much faster than evaluations)
             log.warning("%s: checkpoint %d not evaluated: %s", self.key, step, exc)
             return None
-        return step, await self.run_in_thread(evaluator.evaluate, tensors)
+        metrics = await self.run_in_thread(evaluator.evaluate, tensors)
+        return Evaluation(step=step, metrics=metrics, silo=str(self.silo), device=self.device)
 
     def _take_evaluation(self) -> tuple[int, dict[str, float]] | None:
         """A finished background evaluation into the job's state and history: its step and metrics."""
@@ -657,17 +625,17 @@ class CoordinatorGrain(Grain):
             if not task.cancelled():
                 log.warning("%s: evaluation failed: %s", self.key, task.exception())
             return None
-        result = task.result()
-        if result is None:
+        done: Evaluation | None = task.result()
+        if done is None:
             return None
-        step, metrics = result
+        step, metrics = done.step, done.metrics
         s = self.state
-        s.eval_metrics, s.eval_step, s.accuracy = metrics, step, metrics.get("accuracy")
+        self._record_evaluation(done)
         trained = [h for h in s.history if h.step <= step]
         s.history.append(HistoryPoint(step=step, loss=trained[-1].loss if trained else s.loss or 0.0,
                                       metrics=dict(trained[-1].metrics) if trained else {},
                                       eval_metrics=dict(metrics), at=time.time()))  # fmt: skip
-        return result
+        return step, metrics
 
     async def _after_evaluation(self, step: int, metrics: dict[str, float]) -> str | None:
         """Keep the best checkpoint (``keep_best``) and tell the callbacks; the path of a callback
@@ -790,6 +758,7 @@ class CoordinatorGrain(Grain):
         return TrainingStatus(
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
             accuracy=s.accuracy, metrics=dict(s.metrics), eval_metrics=dict(s.eval_metrics), eval_step=s.eval_step,
+            eval_silo=s.eval_silo, eval_device=s.eval_device,
             epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,

@@ -214,7 +214,12 @@ class TrainingStatus(BaseModel):
     eval_metrics: dict[str, float] = Field(default_factory=dict)
     """The latest evaluation on the test split, by name (the default: ``loss``, ``accuracy``)."""
     eval_step: int | None = None
-    """The step the latest evaluation ran at."""
+    """The step the latest evaluation ran at (a committed checkpoint's)."""
+    eval_silo: str | None = None
+    """The silo that ran the latest evaluation (a trainer's, or the coordinator's: pipeline mode,
+    or no trainer could answer)."""
+    eval_device: str | None = None
+    """The device it ran on (that silo's)."""
     epoch: float = 0.0
     """Passes over the training set so far (0 for a dataset without a length)."""
     data_epoch: int = 0
@@ -324,3 +329,12 @@ class StageStatus(BaseModel):
 
 class StaleGenerationError(Exception):
     """The job moved on (rollback or restart); the caller belongs to an older generation."""
+
+
+class Evaluation(BaseModel):
+    """One evaluation of a committed checkpoint: its step, the metrics, and where it ran."""
+
+    step: int
+    metrics: dict[str, float]
+    silo: str
+    device: str

@@ -98,6 +98,9 @@ class Driver(abc.ABC):
 
     trainer_type: ClassVar[type[Grain]]
     """The grain type of the job's trainers (also what ``silos`` watches)."""
+    trainers_evaluate: ClassVar[bool] = True
+    """Whether a trainer grain holds the whole model, so it can evaluate the job's checkpoints on
+    its silo (``evaluate(job, spec, run, step)``); pipeline stages hold a part."""
 
     def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
         self.job = job
@@ -177,6 +180,12 @@ class Driver(abc.ABC):
 
     def trainers(self) -> list[Any]:
         return [self.ref(self.trainer_type, k) for k in self.state.trainer_keys]
+
+    def evaluator(self, timeout_s: float) -> Any | None:
+        """The grain that evaluates the job's checkpoints where the job trains: the rank-0
+        trainer's (:mod:`grains.training.evaluation`); None: the coordinator evaluates."""
+        keys = self.state.trainer_keys
+        return self.ref(self.trainer_type, keys[0], timeout_s) if self.trainers_evaluate and keys else None
 
     def resize_data(self, step: int, world: int) -> None:
         """From ``step`` on, ``world`` trainers take the data, from the next unseen sample there

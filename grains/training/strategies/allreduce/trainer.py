@@ -51,7 +51,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, reentrant
-from grains.training.api.messages import GroupAssignment, StepPoint, TrainerProgress
+from grains.training.api.job import TrainingJob
+from grains.training.api.messages import Evaluation, GroupAssignment, StepPoint, TrainerProgress
+from grains.training.evaluation import CheckpointEvaluations
 from grains.training.loop.program import is_fatal, is_out_of_memory
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
@@ -183,6 +185,7 @@ class AllreduceTrainerGrain(Grain):
         self._saved: list[int] = []
         self._saved_run = -1
         self._saves: set[asyncio.Task[None]] = set()
+        self._evaluations = CheckpointEvaluations()
 
     async def on_activate(self) -> None:
         self._p = TrainerProgress(activation_id=self.activation_id, silo=str(self.silo))
@@ -223,7 +226,13 @@ class AllreduceTrainerGrain(Grain):
         """The job is over: leave the group, drop the replica, deactivate."""
         await self._abandon_loop()
         self._rep = None
+        self._evaluations.clear()
         self.deactivate_on_idle()
+
+    async def evaluate(self, job: str, spec: TrainingJob, run: int, step: int) -> Evaluation:
+        """Evaluate the job's checkpoint ``step`` on this silo's device, beside training
+        (:mod:`grains.training.evaluation`)."""
+        return await self._evaluations.evaluate(self, spec, job, run, step)
 
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current generation, and the per-step points from ``since_step`` on."""

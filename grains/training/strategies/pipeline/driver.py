@@ -65,6 +65,7 @@ def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], TrainingSn
 
 class PipelineDriver(Driver):
     trainer_type = PipelineStageGrain
+    trainers_evaluate = False  # a stage holds its layers only: the coordinator evaluates
 
     def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
         super().__init__(job, silos)

@@ -35,15 +35,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
-from grains.placement import hash_placement, immovable, keep_alive
-from grains.training.api.job import parse_compression
+from grains.placement import hash_placement, immovable, interleave, keep_alive
+from grains.training.api.job import TrainingJob, parse_compression
 from grains.training.api.messages import (
+    Evaluation,
     ExchangeReply,
     StepPoint,
     TrainerAssignment,
     TrainerProgress,
 )
 from grains.training.data.batches import job_batches
+from grains.training.evaluation import CheckpointEvaluations
 from grains.training.loop.compression import Compressor, Payload, payload_nbytes
 from grains.training.loop.program import is_fatal, is_out_of_memory
 from grains.training.loop.step_runner import StepRunner
@@ -201,6 +203,7 @@ class TrainerGrain(Grain):
         self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
         self._points: deque[StepPoint] = deque(maxlen=_POINTS)
         self._staleness_sum = self._replies = 0
+        self._evaluations = CheckpointEvaluations()
 
     async def on_activate(self) -> None:
         self._p = TrainerProgress(activation_id=self.activation_id, silo=str(self.silo))
@@ -229,7 +232,14 @@ class TrainerGrain(Grain):
     async def release(self) -> None:
         """The job is over: stop, drop the replica with the loop, and deactivate."""
         await self._cancel()
+        self._evaluations.clear()
         self.deactivate_on_idle()
+
+    @interleave
+    async def evaluate(self, job: str, spec: TrainingJob, run: int, step: int) -> Evaluation:
+        """Evaluate the job's checkpoint ``step`` on this silo's device, beside training
+        (:mod:`grains.training.evaluation`)."""
+        return await self._evaluations.evaluate(self, spec, job, run, step)
 
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current run, and the per-step points from ``since_step`` on."""
