@@ -17,7 +17,9 @@ once:
 - fp16 loss scaling (:class:`grains.training.loop.loss_scale.LossScaler`): the
   loss scaled before backward, the gradients the update uses (local or the
   group's mean) unscaled and checked once, an overflow skipping the step;
-- gradient clipping (``clip_grad_norm``) on what the update uses.
+- gradient clipping (``clip_grad_norm``) on what the update uses;
+- the step's random draws seeded from (seed, step, rank) (:mod:`grains.training.loop.rng`),
+  so a resumed step draws what it drew the first time.
 
 The runner's state (the scaler's) is part of every mode's snapshot.
 """
@@ -37,6 +39,7 @@ from grains.training.data.batches import batch_samples
 from grains.training.loop.loss_scale import LossScaler
 from grains.training.loop.optim import clip_coefficient, squared_norm
 from grains.training.loop.program import Program, StepContext, nonfinite
+from grains.training.loop.rng import draws
 
 
 @dataclass(slots=True)
@@ -85,6 +88,7 @@ class StepRunner:
         self.clip_norm = spec.clip_grad_norm
         self.chunks = spec.grad_accumulation
         self.scaler = LossScaler(spec.loss_scale, spec.loss_scale_growth_interval) if spec.amp == "fp16" else None
+        self.seed = spec.seed
 
     def backward(self, model: nn.Module, batch: Any, step: int, *, slot: int = 0, world: int = 1, epoch: int = 0) -> Backward:
         """The user's step on ``batch`` (in ``grad_accumulation`` chunks) and its backward; the
@@ -94,9 +98,10 @@ class StepRunner:
             p.grad = None
         losses: list[float] = []
         sums: dict[str, float] = {}
-        for chunk in split_batch(batch, self.chunks):
+        for i, chunk in enumerate(split_batch(batch, self.chunks)):
             ctx = StepContext(step=step, epoch=epoch, slot=slot, world=world, device=self.program.device)
-            loss, metrics = self.program.step(model, chunk, ctx)
+            with draws(self.seed, step, slot, self.program.device, part=i):  # a resumed step draws as the first run did
+                loss, metrics = self.program.step(model, chunk, ctx)
             value = float(loss.detach())  # one read of the loss a chunk (on CUDA each read waits)
             if nonfinite(value, step, self.policy):
                 for p in self.params:

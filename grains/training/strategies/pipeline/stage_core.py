@@ -28,6 +28,7 @@ from grains.training.loop.optim import (
     step_schedule,
 )
 from grains.training.loop.program import loss_function, run_loss
+from grains.training.loop.rng import draws
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
 
@@ -53,6 +54,7 @@ class StageCore:
         self.last = cfg.index == len(cfg.stage_keys) - 1
         self.loss_fn = loss_function(spec)
         self.scale = 1.0 / spec.microbatches
+        self.seed, self.rank, self.index, self.microbatches = spec.seed, cfg.replica, cfg.index, spec.microbatches
         self.wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.compression)
         """Activations and their gradients travel in this dtype (None: as computed)."""
         self.autocast = spec.amp == "bf16"
@@ -88,7 +90,10 @@ class StageCore:
             x = x.to(self.device)
             if x.is_floating_point() and not self.first:
                 x = x.float().requires_grad_(True)  # a compressed activation computes in fp32
-            with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+            # Each micro-batch's draws on each stage, whatever order the schedule ran them in.
+            part = 1 + self.index * self.microbatches + mb
+            with draws(self.seed, self.step, self.rank, self.device, part), \
+                    torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
                 y = self.module(x)
             self.acts[mb] = (x, y)
             self._span(mb, "F", t0)
