@@ -60,15 +60,21 @@ async def test_each_stage_computes_in_its_schedules_order(cluster, client, stage
 
 # --- on_nonfinite -----------------------------------------------------------------
 B, STEPS, NAN_STEP = 32, 12, 7
-NAN_AT = NAN_STEP * B + 17  # micro-batch 2 of step 7 (micro-batches of 8)
 
 
-def nan_job(on_nonfinite: str) -> TrainingJob:
-    return TrainingJob(model_args={"hidden": [64, 64]}, mode="pipeline", trainers=1, stages=2, microbatches=4,
+def nan_job(on_nonfinite: str, trainers: int = 1) -> TrainingJob:
+    """Step 7's loss is NaN; with several trainers (hybrid), only in the last one's share."""
+    return TrainingJob(model_args={"hidden": [64, 64]}, mode="pipeline", trainers=trainers, stages=2, microbatches=4,
                        schedule="1f1b", batch_size=B, steps=STEPS, optimizer="momentum", lr=0.05, warmup_steps=STEPS,
                        clip_grad_norm=1.0, checkpoint_every=5, seed=3, on_nonfinite=on_nonfinite,
                        dataset="tests.grains.training.pipeline_data:marked_digits",
-                       dataset_args={"n": STEPS * B, "nan_at": NAN_AT})  # fmt: skip
+                       dataset_args={"n": STEPS * B * trainers, "nan_at": nan_at(trainers)})  # fmt: skip
+
+
+def nan_at(trainers: int) -> int:
+    """Micro-batch 2 of step 7 of the last trainer (the stream's global batch of a step is the
+    trainers' batches in rank order)."""
+    return NAN_STEP * B * trainers + (trainers - 1) * B + 17
 
 
 def skipping_loop(spec: TrainingJob) -> dict[str, torch.Tensor]:
@@ -77,10 +83,11 @@ def skipping_loop(spec: TrainingJob) -> dict[str, torch.Tensor]:
     model = build_model(spec)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / (STEPS + 1), end_factor=1.0, total_iters=STEPS)
-    x_all, y_all = samples("train", STEPS * B, NAN_AT)
+    k = int(spec.trainers)
+    x_all, y_all = samples("train", STEPS * B * k, nan_at(k))
     for t in range(STEPS):
         opt.zero_grad()
-        x, y = x_all[t * B : (t + 1) * B], y_all[t * B : (t + 1) * B]
+        x, y = x_all[t * B * k : (t + 1) * B * k], y_all[t * B * k : (t + 1) * B * k]
         loss = F.cross_entropy(model(x), y)
         assert torch.isfinite(loss).item() == (t != NAN_STEP), t
         if t != NAN_STEP:
@@ -107,6 +114,22 @@ async def test_a_nan_loss_with_skip_skips_that_step_on_every_stage_and_counts_it
     assert st.status == "completed" and st.rollbacks == 0 and st.step == STEPS, st
     assert reported and reported[-1].skipped == 1, reported[-1:]  # the skip count the status reads
     got = await client.get_grain(CoordinatorGrain, "nan-pipe-skip").state_dict()
+    want = skipping_loop(spec)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.isfinite(got[k]).all(), k
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+
+
+async def test_in_hybrid_a_step_one_replica_finds_nan_is_skipped_by_every_replica(cluster, client):
+    """Two copies of two stages: only the second copy's share of step 7 is NaN; both skip the step
+    (its stage 0 says so to the reduction), the learning-rate schedule steps on, nothing rolls back."""
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = nan_job("skip", trainers=2)
+    st = await run_job(client, "nan-hybrid-skip", spec, timeout_s=120)
+    assert st.status == "completed" and st.rollbacks == 0 and st.step == STEPS, st
+    assert st.trainers == 2 and len(st.stages) == 4, st
+    got = await client.get_grain(CoordinatorGrain, "nan-hybrid-skip").state_dict()
     want = skipping_loop(spec)
     assert set(got) == set(want)
     for k, v in want.items():

@@ -5,9 +5,11 @@ model after ``c`` global steps, and whoever restores it (parameter shards of any
 mode, all-reduce ranks) continues at step ``c`` with its own rule. Async and ssp
 shards count one update per push; a sync start from their checkpoint used to
 adopt that count, so its replies never waited and its steps mixed (the job
-still said "completed"). Each case here trains a while in an asynchronous mode,
-resumes in a synchronous one, and compares every later step with a plain torch
-loop started from the resume point's exported weights on the same batches.
+still said "completed"). Each case here trains a while in one mode (an
+asynchronous one, or pipeline), resumes in another (pipeline from a parameter
+server's shards, all-reduce from pipeline stages), and compares every later
+step with a plain torch loop started from the resume point's exported weights
+on the same batches.
 """
 
 from __future__ import annotations
@@ -27,17 +29,22 @@ def plain_loop(spec: TrainingJob, start: dict[str, torch.Tensor], first: int, la
     return {t: {k: v.detach().clone() for k, v in m.state_dict().items()} for t, m in plain_steps(spec, trainers, first, last, start)}
 
 
-@pytest.mark.parametrize(("before", "after"), [("async", "sync"), ("ssp", "allreduce")])
-async def test_an_asynchronous_run_resumed_synchronously_equals_a_plain_loop_from_the_resume_point(cluster, client, before, after):
+EXTRA = {"pipeline": {"stages": 2}}
+"""Pipeline mode with two trainers is hybrid: two copies of two stages, the global batch as in
+the data-parallel modes."""
+
+
+@pytest.mark.parametrize(("before", "after"), [("async", "sync"), ("ssp", "allreduce"), ("sync", "pipeline"), ("pipeline", "allreduce")])
+async def test_a_run_resumed_in_another_mode_equals_a_plain_loop_from_the_resume_point(cluster, client, before, after):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     common = {"trainers": 2, "batch_size": 32, "optimizer": "sgd", "lr": 0.05, "checkpoint_every": 10, "seed": 7}
     job = f"resume-{before}-{after}"
     coord = client.get_grain(CoordinatorGrain, job)
-    first = await run_job(client, job, TrainingJob(**common, mode=before, steps=40))
+    first = await run_job(client, job, TrainingJob(**common, mode=before, **EXTRA.get(before, {}), steps=40), timeout_s=120)
     assert first.status == "completed" and first.checkpoints[-1] == 40, first
     start = await coord.state_dict(step=40)
-    spec = TrainingJob(**common, mode=after, steps=70, resume=True)
-    second = await run_job(client, job, spec)
+    spec = TrainingJob(**common, mode=after, **EXTRA.get(after, {}), steps=70, resume=True)
+    second = await run_job(client, job, spec, timeout_s=120)
     assert second.status == "completed", second
     assert second.resumed_from == 40, second
     # The job says completed only with its last step committed, and that is what it exports.
