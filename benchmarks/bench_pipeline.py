@@ -84,8 +84,8 @@ async def run_job(client: Any, name: str, steps: int, **kw: Any) -> dict[str, An
         step_s = (points[-1].at - points[0].at) / (points[-1].step - points[0].step)
     else:
         step_s = st.elapsed_s / steps
-    replicas = int(kw.get("trainers", 1)) if kw.get("mode") != "pipeline" else 1
-    return {"step_ms": 1000 * step_s, "samples_per_s": spec.batch_size * replicas / step_s,
+    trainers = int(kw.get("trainers", 1)) if kw.get("mode") != "pipeline" else 1
+    return {"step_ms": 1000 * step_s, "samples_per_s": spec.batch_size * trainers / step_s,
             "stages": [{"silo": g.silo, "forward_ms": g.forward_ms, "backward_ms": g.backward_ms} for g in stages]}  # fmt: skip
 
 

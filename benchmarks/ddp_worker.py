@@ -1,7 +1,7 @@
 """The torchrun + DDP baseline of the training benchmark: one worker (run by torchrun, not directly).
 
 Same model, optimizer, data and batch schedule as a redgrain job of the same
-config (rank r of w takes slot r of the global batch). Rank 0 appends one
+config (rank r of k trainers takes the r-th share of the global batch). Rank 0 appends one
 line per committed step to ``--events`` (``step wall_time restart_count``) and
 saves a checkpoint every ``--ckpt-every`` steps; a restarted worker resumes
 from it, which is how torchrun recovers from a lost worker. Every worker
@@ -44,15 +44,15 @@ def main() -> int:
     from grains.training.strategies.ps.shard import make_optimizer
 
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, trainers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     Path(args.pids).mkdir(parents=True, exist_ok=True)
     (Path(args.pids) / f"rank{rank}").write_text(str(os.getpid()))
     # torchrun's agent hosts the store; its restarted workers would read the dead attempt's
     # gloo addresses from it (seen with torch 2.13, --standalone), so each attempt gets a prefix.
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), trainers, is_master=False)
     store = dist.PrefixStore(f"redgrain_attempt_{restart}", agent_store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=trainers)
     spec = TrainingJob(**json.loads(args.spec))
     model = build_model(spec)
     ddp = DistributedDataParallel(model)
@@ -68,7 +68,7 @@ def main() -> int:
     steps = spec.steps or 0
     events = open(args.events, "a") if rank == 0 else None  # noqa: SIM115 - kept open for the run
     for t in range(start, steps):
-        x, y = data.batch(spec.batch_size, world, rank, t, spec.seed)
+        x, y = data.batch(spec.batch_size, trainers, rank, t, spec.seed)
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         opt.step()

@@ -11,7 +11,7 @@ weights, whose ObjectRef feeds the next step::
         grads = [w.compute_gradients.remote(weights, t) for w in workers]
         weights = ps.apply_gradients.remote(*grads)
 
-Same model, data, batch schedule (worker j takes slot j's batch of global step
+Same model, data, batch schedule (worker j takes rank j's batch of global step
 t, as a redgrain trainer does), optimizer and thread count (one torch thread
 per process) as the redgrain rows. Weights and gradients travel as numpy
 arrays, Ray's zero-copy path. Prints one JSON line last:
@@ -82,9 +82,9 @@ def measure(runs: list[dict[str, Any]]) -> dict[str, Any]:
         def __init__(self) -> None:
             common.fix_torch_threads()
 
-        def setup(self, spec: dict[str, Any], slot: int) -> None:
+        def setup(self, spec: dict[str, Any], rank: int) -> None:
             self.spec = TrainingJob(**spec)
-            self.slot = slot
+            self.rank = rank
             self.model = build_model(self.spec)
             self.data = Batches(load_dataset(self.spec, "train"))
 
@@ -93,7 +93,7 @@ def measure(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
             load(self.model, weights)
             s = self.spec
-            x, y = self.data.batch(s.batch_size, int(s.trainers), self.slot, step, s.seed)
+            x, y = self.data.batch(s.batch_size, int(s.trainers), self.rank, step, s.seed)
             self.model.zero_grad(set_to_none=True)
             F.cross_entropy(self.model(x), y).backward()
             return [p.grad.numpy() for p in self.model.parameters()]  # type: ignore[union-attr]

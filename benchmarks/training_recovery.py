@@ -8,7 +8,7 @@ trainer and another only a shard; one of them is SIGKILLed mid-run. Measured:
 the wall time from the kill to the next committed step (the coordinator's
 record of the recovery: when every restarted trainer committed its first
 step), and the steps redone (a lost shard rolls every trainer back to the
-last complete checkpoint; a lost trainer's slot resumes where it stopped).
+last complete checkpoint; a lost trainer resumes where it stopped).
 """
 
 from __future__ import annotations

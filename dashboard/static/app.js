@@ -391,9 +391,9 @@ function metricCards(p) {
 // (one row per stage, a box per forward F / backward B, placed by its wall-clock time).
 function stagesSection(stages) {
   let html = `<h2>Pipeline stages (${stages.length})</h2><div class="table-wrap"><table data-testid="stages"><thead><tr>` +
-    `<th class="num">Replica</th><th class="num">Stage</th><th>Key</th><th>Silo</th><th class="num">Forward / micro-batch</th>` +
+    `<th class="num">Trainer</th><th class="num">Stage</th><th>Key</th><th>Silo</th><th class="num">Forward / micro-batch</th>` +
     `<th class="num">Backward / micro-batch</th><th class="num">Parameters</th></tr></thead><tbody>` +
-    stages.map((g) => `<tr><td class="num">${num(g.replica)}</td><td class="num">${num(g.index)}</td><td>${esc(g.key)}</td>` +
+    stages.map((g) => `<tr><td class="num">${num(g.rank)}</td><td class="num">${num(g.index)}</td><td>${esc(g.key)}</td>` +
       `<td>${g.silo ? link("/silos/" + enc(g.silo), g.silo) : "–"}</td><td class="num">${num(g.forward_ms, 2)} ms</td>` +
       `<td class="num">${num(g.backward_ms, 2)} ms</td><td class="num">${bytes(g.param_bytes)}</td></tr>`).join("") +
     `</tbody></table></div>`;
@@ -403,7 +403,7 @@ function stagesSection(stages) {
   const W = chartWidth(true), row = 26, left = 90, width = Math.max(1, W - left - 10), scale = width / Math.max(1e-6, t1 - t0);
   let svg = `<svg class="timeline" data-testid="microbatch-timeline" width="${W}" height="${stages.length * row + 24}">`;
   stages.forEach((g, i) => {
-    svg += `<text x="4" y="${i * row + 17}" class="axis">r${g.replica} stage ${g.index}</text>`;
+    svg += `<text x="4" y="${i * row + 17}" class="axis">r${g.rank} stage ${g.index}</text>`;
     for (const x of g.timeline || []) {
       const fill = x.kind === "F" ? "#3b6cf6" : "#e08a2c";
       const xs = left + (x.start - t0) * scale, w = Math.max(1, (x.end - x.start) * scale);

@@ -7,7 +7,7 @@ answered while it runs. The loop hands the job to the driver of its mode and
 asks it to look at the job's grains every ``_TICK_S``, repairing what it
 finds (:mod:`grains.training.strategies.driver`):
 
-- modes ``sync``, ``async``, ``ssp``: parameter shards and trainer slots; a
+- modes ``sync``, ``async``, ``ssp``: parameter shards and trainers; a
   lost trainer is restarted alone, a lost shard is a rollback to the last
   committed checkpoint (:mod:`grains.training.strategies.ps.driver`);
 - mode ``allreduce``: a torch.distributed group of trainers, re-formed from
@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
@@ -89,9 +89,9 @@ def _job_group(job: str, name: str) -> bool:
 def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
     """The data position a resumed run starts from: the last run's at its newest committed step,
     in samples (so the new start may have another trainer count or batch size)."""
-    if old.spec is None or not old.slots or not old.committed:
+    if old.spec is None or not old.trainers or not old.committed:
         return []
-    schedule = DataSchedule.of(old.train_size, old.spec.slot_batch, old.data_segments, old.slots)
+    schedule = DataSchedule.of(old.train_size, old.spec.trainer_batch, old.data_segments, old.trainers)
     return schedule.from_step(max(old.committed[-1], schedule.segments[0].start_step)).segments
 
 
@@ -149,7 +149,8 @@ class CoordinatorGrain(Grain):
         status: JobStatus = "idle"
         generation: int = 0
         run: int = 0
-        slots: int = 0
+        trainers: int = Field(0, validation_alias=AliasChoices("trainers", "slots"))
+        """Trainers taking each step now (read under its old name ``slots`` too)."""
         total_steps: int = 0
         shard_keys: list[str] = Field(default_factory=list)
         shard_names: list[list[str]] = Field(default_factory=list)
@@ -179,7 +180,7 @@ class CoordinatorGrain(Grain):
         """Samples in the training split (None: a dataset without a length); for the epoch."""
         data_segments: list[Segment] = Field(default_factory=list)
         """The data position (:mod:`grains.training.data.position`), extended by the drivers
-        whenever the trainer count changes; empty: one segment of ``slots`` trainers from step 0."""
+        whenever the trainer count changes; empty: one segment of ``trainers`` trainers from step 0."""
         resumed_from: int | None = None
         steps_run: float = 0.0
         """Global steps executed, redone ones included (never decreases)."""
@@ -216,7 +217,7 @@ class CoordinatorGrain(Grain):
         self._last_publish_failed = False
         self._silos: TrainerSilos | None = None
         self._counted: dict[str, int] = {}
-        """Steps already counted of each trainer run (activation/generation/slot -> steps_done)."""
+        """Steps already counted of each trainer run (activation/generation/rank -> steps_done)."""
         self._count_from_now = False
         """Re-activated: the runs found at the first tick were counted by the previous activation."""
 
@@ -442,13 +443,13 @@ class CoordinatorGrain(Grain):
         trainer_silos: list[str] | None = None,
         stages: list[StageInfo] | None = None,
     ) -> None:
-        """This tick's trainer progress (by slot or rank) and shard statuses into the job's status."""
+        """This tick's trainer progress (by rank) and shard statuses into the job's status."""
         s = self.state
         spec = s.spec
         assert spec is not None
         ps = list(progress.values())
         if ps:
-            s.step = min(p.step for p in ps) if len(ps) == s.slots else s.step
+            s.step = min(p.step for p in ps) if len(ps) == s.trainers else s.step
             s.loss = sum(p.loss for p in ps) / len(ps)
             s.metrics = _mean_metrics([p.points[-1].metrics for p in ps if p.points]) or s.metrics
         self._count(ps)
@@ -473,7 +474,7 @@ class CoordinatorGrain(Grain):
             exchange_ms_per_step=exchange_ms,
             max_staleness=max([p.max_staleness for p in ps] + [st.max_staleness for st in statuses] + [0]),
             max_gap=max([p.max_gap for p in ps] + [st.max_gap for st in statuses] + [0]),
-            trainer_silos=trainer_silos or [progress[j].silo if j in progress else "" for j in range(s.slots)],
+            trainer_silos=trainer_silos or [progress[j].silo if j in progress else "" for j in range(s.trainers)],
             stages=stages or [],
             shard_silos=[st.silo for st in statuses],
             skipped=max([p.skipped for p in ps] + [st.skipped for st in statuses] + [0]),
@@ -488,14 +489,14 @@ class CoordinatorGrain(Grain):
         assert s.spec is not None
         new = 0
         for p in ps:
-            run = f"{p.activation_id}/{p.generation}/{p.slot}"
+            run = f"{p.activation_id}/{p.generation}/{p.rank}"
             before = self._counted.get(run, p.steps_done if self._count_from_now else 0)
             new += max(0, p.steps_done - before)
             self._counted[run] = p.steps_done
         self._count_from_now = False
-        if new and s.slots:
-            s.steps_run += new / s.slots
-            s.samples_run += new * s.spec.slot_batch
+        if new and s.trainers:
+            s.steps_run += new / s.trainers
+            s.samples_run += new * s.spec.trainer_batch
 
     async def _finish(self, status: JobStatus) -> None:
         s = self.state
@@ -744,9 +745,9 @@ class CoordinatorGrain(Grain):
     def _position(self) -> tuple[float, int, int]:
         """The data position at the current step: passes so far, and the epoch and offset it reads."""
         s = self.state
-        if s.spec is None or not s.slots:
+        if s.spec is None or not s.trainers:
             return 0.0, 0, 0
-        schedule = DataSchedule.of(s.train_size, s.spec.slot_batch, s.data_segments, s.slots)
+        schedule = DataSchedule.of(s.train_size, s.spec.trainer_batch, s.data_segments, s.trainers)
         step = max(s.step, schedule.segments[0].start_step)  # a resumed run's, before its first report
         epoch, offset, _ = schedule.position(step)
         return schedule.epochs_at(step), epoch, offset
@@ -759,7 +760,7 @@ class CoordinatorGrain(Grain):
             job=self.key, status=s.status, step=s.step, total_steps=s.total_steps, loss=s.loss,
             accuracy=s.accuracy, metrics=dict(s.metrics), eval_metrics=dict(s.eval_metrics), eval_step=s.eval_step,
             eval_silo=s.eval_silo, eval_device=s.eval_device,
-            epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.slots, shards=len(s.shard_keys), generation=s.generation, run=s.run,
+            epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.trainers, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),

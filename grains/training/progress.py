@@ -64,7 +64,7 @@ def job_progress(
                 reason=c.reason,
                 start_step=c.start_step,
                 at=c.at,
-                trainers=len(c.slots),
+                trainers=len(c.ranks),
                 back_after_s=(c.first_step_at - c.at) if c.first_step_at is not None else None,
             )
             for c in st.changes

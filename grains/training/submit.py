@@ -54,7 +54,7 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     program = Program.of(spec)
     with torch.random.fork_rng(devices=[]):
         try:
-            train_batch = train.batch(spec.slot_batch, 1, 0, 0, spec.seed)
+            train_batch = train.batch(spec.trainer_batch, 1, 0, 0, spec.seed)
             test_batch = next(iter(test.eval_batches(min(spec.eval_batch_size, 64))))
         except ConfigError:
             raise

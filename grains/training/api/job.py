@@ -294,7 +294,7 @@ class TrainingJob(BaseModel):
         return self
 
     @property
-    def slot_batch(self) -> int:
+    def trainer_batch(self) -> int:
         """Samples one trainer takes per step: ``batch_size x grad_accumulation``."""
         return self.batch_size * self.grad_accumulation
 
@@ -309,7 +309,7 @@ class TrainingJob(BaseModel):
             return self.steps
         if train_size is None:
             raise ConfigError("a dataset without a length (an IterableDataset) needs 'steps', not epochs")
-        per_epoch = max(1, train_size // (self.slot_batch * trainers))
+        per_epoch = max(1, train_size // (self.trainer_batch * trainers))
         return max(1, math.ceil((self.epochs or 1.0) * per_epoch))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from grains.training.api.job import TrainingJob
 from grains.training.api.records import MicroBatchSpan, StageInfo
@@ -32,8 +32,8 @@ class ShardConfig(BaseModel):
     """Tensors this shard owns (trainable and frozen parameters, persistent buffers), in model order."""
     shard_keys: list[str]
     """Keys of every shard of the job (the members of its checkpoints)."""
-    slots: int
-    """Trainer slots pushing to this shard."""
+    trainers: int
+    """Trainers pushing to this shard."""
     generation: int
     run: int = 0
     """Which start of the job this is; checkpoints of different runs never mix."""
@@ -64,7 +64,7 @@ class ShardStatus(BaseModel):
     generation: int
     version: int
     next_steps: list[int]
-    """Per trainer slot: the next step the shard expects from it."""
+    """Per trainer (by rank): the next step the shard expects from it."""
     saved_steps: list[int]
     """Checkpoint steps this shard has saved."""
     pushes: int = 0
@@ -78,9 +78,12 @@ class ShardStatus(BaseModel):
 
 
 class TrainerAssignment(BaseModel):
+    """A parameter-server trainer's part in one generation (modes ``sync``, ``async``, ``ssp``)."""
+
     job: str
-    slot: int
-    slots: int
+    rank: int
+    """This trainer's index, 0 .. ``trainers`` - 1."""
+    trainers: int
     spec: TrainingJob
     generation: int
     run: int = 0
@@ -90,7 +93,7 @@ class TrainerAssignment(BaseModel):
     shard_keys: list[str]
     shard_names: list[list[str]]
     data_segments: list[Segment] = Field(default_factory=list)
-    """The job's data position (:mod:`grains.training.data.position`); empty: ``slots`` trainers from step 0."""
+    """The job's data position (:mod:`grains.training.data.position`); empty: ``trainers`` trainers from step 0."""
 
 
 class GroupAssignment(BaseModel):
@@ -102,7 +105,7 @@ class GroupAssignment(BaseModel):
     generation: int
     """The group generation: a new one each time the coordinator re-forms the group."""
     rank: int
-    world: int
+    trainers: int
     members: list[str]
     """Trainer keys by rank."""
     rendezvous: str
@@ -115,7 +118,7 @@ class GroupAssignment(BaseModel):
     restore_step: int | None = None
     """Committed checkpoint to load when no trainer holds ``start_step`` (None: seeded weights)."""
     data_segments: list[Segment] = Field(default_factory=list)
-    """The job's data position (:mod:`grains.training.data.position`); empty: ``world`` trainers from step 0."""
+    """The job's data position (:mod:`grains.training.data.position`); empty: ``trainers`` trainers from step 0."""
 
 
 class StepPoint(BaseModel):
@@ -132,7 +135,8 @@ class TrainerProgress(BaseModel):
     activation_id: str
     silo: str
     generation: int = -1
-    slot: int = -1
+    rank: int = -1
+    """The trainer's index (a parameter-server trainer, an all-reduce rank, a hybrid pipeline copy)."""
     status: Literal["idle", "running", "done", "failed"] = "idle"
     step: int = 0
     """Next step this trainer will run."""
@@ -164,24 +168,28 @@ class TrainerProgress(BaseModel):
     """All-reduce: the step whose parameters and optimizer state this trainer holds (-1: none)."""
     saved_steps: list[int] = Field(default_factory=list)
     """All-reduce: checkpoint steps this trainer saved (complete snapshots)."""
-    rank: int = -1
-    world: int = 0
+    trainers: int = 0
+    """All-reduce: the group's size (0: not said)."""
 
 
 class GroupChange(BaseModel):
     """One recovery or resize: an all-reduce group re-formed; in parameter-server mode a
-    rollback to a checkpoint (a shard lost, a trainer added) or trainer slots restarted."""
+    rollback to a checkpoint (a shard lost, a trainer added) or trainers restarted.
+
+    Kept in the coordinator's state: ``trainers`` and ``ranks`` are read under their old
+    names ``world`` and ``slots`` too."""
 
     generation: int
     reason: str
     at: float
     """When the coordinator decided it."""
-    world: int
+    trainers: int = Field(validation_alias=AliasChoices("trainers", "world"))
+    """Trainers from ``start_step`` on."""
     start_step: int
     first_step_at: float | None = None
-    """When the new group (or the restarted slots) committed its first step (None: not yet)."""
-    slots: list[int] = Field(default_factory=list)
-    """Parameter-server mode: the trainer slots restarted (empty: every slot)."""
+    """When the new group (or the restarted trainers) committed its first step (None: not yet)."""
+    ranks: list[int] = Field(default_factory=list, validation_alias=AliasChoices("ranks", "slots"))
+    """Parameter-server mode: the ranks of the trainers restarted (empty: every trainer)."""
 
 
 class HistoryPoint(BaseModel):
@@ -246,7 +254,7 @@ class TrainingStatus(BaseModel):
     resumed_from: int | None = None
     """The checkpoint step this start of the job restored (None: it began from its initial weights)."""
     restarts: int = 0
-    """Trainer slots restarted after their trainer was lost."""
+    """Trainers restarted after one was lost."""
     rollbacks: int = 0
     skipped: int = 0
     """Steps of the current generation whose update was skipped everywhere (a non-finite loss with
@@ -280,24 +288,24 @@ class StageConfig(BaseModel):
     layers: tuple[int, int]
     """The slice ``[start, end)`` of the model's ``nn.Sequential`` children this stage runs."""
     stage_keys: list[str]
-    """Keys of this replica's stages, in pipeline order (replica 0's: the members of the job's checkpoints)."""
-    replica: int = 0
-    """Which copy of the whole pipeline this stage belongs to (hybrid parallelism: ``trainers`` copies)."""
+    """Keys of this trainer's stages, in pipeline order (rank 0's: the members of the job's checkpoints)."""
+    rank: int = 0
+    """Which trainer (copy of the whole pipeline) this stage belongs to (hybrid parallelism: ``trainers`` copies)."""
     peer_keys: list[str] = Field(default_factory=list)
-    """This stage in every replica, by replica (one entry: no replicas)."""
+    """This stage in every trainer, by rank (one entry: one trainer)."""
     checkpoint_keys: list[str] = Field(default_factory=list)
-    """Replica 0's stage keys: the members of the job's checkpoints."""
+    """Rank 0's stage keys: the members of the job's checkpoints."""
     generation: int
     start_step: int = 0
     end_step: int = 0
     restore_step: int | None = None
     """Committed checkpoint to restore (None: the seeded initial weights)."""
     keep: bool = False
-    """Go on from the state this stage holds (at ``start_step``): the pipeline shrank to fewer
-    replicas without a rollback."""
+    """Go on from the state this stage holds (at ``start_step``): the hybrid job shrank to fewer
+    trainers without a rollback."""
     data_segments: list[Segment] = Field(default_factory=list)
     """The job's data position (:mod:`grains.training.data.position`); empty: one segment of
-    ``len(peer_keys)`` replicas from step 0."""
+    ``len(peer_keys)`` trainers from step 0."""
 
 
 class StageStatus(BaseModel):

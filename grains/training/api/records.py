@@ -26,7 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from silo.keys import Keys
 from silo.records import publish_progress
@@ -77,7 +84,11 @@ class StageInfo(BaseModel):
 
     key: str
     silo: str = ""
-    replica: int = 0
+    rank: int = Field(  # read under its old name, replica, too (records in Redis)
+        default=0,
+        validation_alias=AliasChoices("rank", "replica"),
+        description="The trainer (one copy of the whole pipeline, hybrid parallelism) the stage belongs to.",
+    )
     index: int = 0
     forward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's forward.")
     backward_ms: float = Field(default=0.0, description="Mean compute time of one micro-batch's backward.")
@@ -92,7 +103,7 @@ class CheckpointInfo(BaseModel):
 
 
 class RecoveryInfo(BaseModel):
-    """One recovery or resize of a training job (a trainer slot restarted, a rollback to a
+    """One recovery or resize of a training job (a trainer restarted, a rollback to a
     checkpoint, an all-reduce group re-formed, a trainer added)."""
 
     reason: str
@@ -162,7 +173,7 @@ class JobProgress(BaseModel):
     mode: str = Field(default="sync", description="sync, async, ssp, allreduce or pipeline.")
     trainers: list[Placement] = Field(default_factory=list)
     shards: list[Placement] = Field(default_factory=list)
-    stages: list[StageInfo] = Field(default_factory=list, description="Pipeline mode: the stages, by replica then index.")
+    stages: list[StageInfo] = Field(default_factory=list, description="Pipeline mode: the stages, by rank then index.")
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
     recoveries: list[RecoveryInfo] = Field(default_factory=list)
     updated_at: float = 0.0

@@ -8,7 +8,7 @@ resize continues from the next unseen sample).
 
 *Map-style*: epoch ``e`` shuffles the training set with ``torch.randperm(n,
 generator=seed + e)``; each global step takes the next ``k * B`` samples of
-the current epoch's permutation, and trainer slot ``j`` gets the ``j``-th
+the current epoch's permutation, and trainer ``j`` (its rank) gets the ``j``-th
 ``B`` of them. When fewer than ``k * B`` remain, the rest of the epoch is
 dropped and the step starts epoch ``e + 1`` at offset 0. With ``k`` constant
 from step 0 this is: step ``t`` (epoch ``t // S``, ``S = n // (k * B)``)
@@ -20,9 +20,9 @@ method; otherwise every pass must yield the same items in the same order).
 Nothing is dropped and nothing is shuffled: the position is a plain offset in
 the stream, each global step takes its next ``k * B`` items (with ``k``
 constant: ``[t * k * B, (t + 1) * k * B)``), so a global batch may span
-the end of one pass and the start of the next, and slot ``j`` gets the
-``j``-th ``B`` of them. Every slot reads the whole stream and keeps its
-share: with k slots each item is produced k times, the price of not asking
+the end of one pass and the start of the next, and trainer ``j`` gets the
+``j``-th ``B`` of them. Every trainer reads the whole stream and keeps its
+share: with k trainers each item is produced k times, the price of not asking
 the dataset to shard itself. Steps read in order cost only their own items.
 A fresh reader (a trainer restarted at step ``t`` from a checkpoint) produces
 and throws away the items before its first batch, once, and
@@ -153,17 +153,17 @@ def _retuple(elem: Any, out: Any) -> Any:
     return out
 
 
-def steps_per_epoch(n: int, batch_size: int, slots: int) -> int:
-    return max(1, n // (batch_size * slots))
+def steps_per_epoch(n: int, batch_size: int, trainers: int) -> int:
+    return max(1, n // (batch_size * trainers))
 
 
-def batch_indices(n: int, batch_size: int, slots: int, slot: int, step: int, seed: int) -> torch.Tensor:
-    """Indices of trainer ``slot``'s batch at global ``step`` with ``slots`` trainers from step 0
+def batch_indices(n: int, batch_size: int, trainers: int, rank: int, step: int, seed: int) -> torch.Tensor:
+    """Indices of trainer ``rank``'s batch at global ``step`` with ``trainers`` trainers from step 0
     (the closed form of the module docstring's rule; :meth:`Batches.indices` takes any schedule)."""
-    per_epoch = steps_per_epoch(n, batch_size, slots)
+    per_epoch = steps_per_epoch(n, batch_size, trainers)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-    start = (i * slots + slot) * batch_size
+    start = (i * trainers + rank) * batch_size
     return perm[start : start + batch_size]
 
 
@@ -225,14 +225,14 @@ class _Stream:
 
 
 class _StepIndices:
-    """The index lists of one slot's steps, a DataLoader ``batch_sampler``."""
+    """The index lists of one rank's steps, a DataLoader ``batch_sampler``."""
 
     def __init__(
-        self, batches: Batches, batch_size: int, slots: int, slot: int, steps: range, seed: int,
+        self, batches: Batches, batch_size: int, trainers: int, rank: int, steps: range, seed: int,
         segments: Sequence[Segment] | None,
     ) -> None:  # fmt: skip
         self._batches, self._steps = batches, steps
-        self._args = (batch_size, slots, slot, seed, segments)
+        self._args = (batch_size, trainers, rank, seed, segments)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -247,7 +247,7 @@ class Batches:
     """The batches of one dataset split by the schedule in the module docstring.
 
     ``segments`` (:class:`~grains.training.data.position.Segment`, the job's data position)
-    say where each step's samples begin; None or empty: ``slots`` trainers from step 0.
+    say where each step's samples begin; None or empty: ``trainers`` trainers from step 0.
     Map-style: keeps the current epoch's permutation, so a step costs one
     gather (tensor datasets) or one collate of its items. IterableDataset:
     keeps its place in the stream, so steps read in order cost only their
@@ -293,27 +293,27 @@ class Batches:
             raise TypeError(f"{type(self._ds).__name__} has no length")
         return self._size
 
-    def schedule(self, batch_size: int, slots: int, segments: Sequence[Segment] | None = None) -> DataSchedule:
+    def schedule(self, batch_size: int, trainers: int, segments: Sequence[Segment] | None = None) -> DataSchedule:
         """The data position of this split's steps (kept while the arguments stay the same)."""
-        key = (batch_size, slots, tuple(segments or ()))
+        key = (batch_size, trainers, tuple(segments or ()))
         if self._schedule is None or self._schedule_key != key:
-            self._schedule = DataSchedule.of(self._size, batch_size, key[2], slots)
+            self._schedule = DataSchedule.of(self._size, batch_size, key[2], trainers)
             self._schedule_key = key
         return self._schedule
 
-    def _start(self, batch_size: int, slots: int, slot: int, step: int, segments: Sequence[Segment] | None) -> tuple[int, int]:
-        """``(epoch, first sample)`` of ``slot``'s batch at ``step``."""
-        epoch, offset, world = self.schedule(batch_size, slots, segments).position(step)
-        if not 0 <= slot < world:
-            raise ValueError(f"slot {slot} of a step that {world} trainer(s) take (step {step})")
-        return epoch, offset + slot * batch_size
+    def _start(self, batch_size: int, trainers: int, rank: int, step: int, segments: Sequence[Segment] | None) -> tuple[int, int]:
+        """``(epoch, first sample)`` of ``rank``'s batch at ``step``."""
+        epoch, offset, taking = self.schedule(batch_size, trainers, segments).position(step)
+        if not 0 <= rank < taking:
+            raise ValueError(f"rank {rank} of a step that {taking} trainer(s) take (step {step})")
+        return epoch, offset + rank * batch_size
 
     def indices(
-        self, batch_size: int, slots: int, slot: int, step: int, seed: int, segments: Sequence[Segment] | None = None
+        self, batch_size: int, trainers: int, rank: int, step: int, seed: int, segments: Sequence[Segment] | None = None
     ) -> torch.Tensor:
-        """Map-style: the dataset indices of ``slot``'s batch at ``step`` (one segment: = :func:`batch_indices`)."""
+        """Map-style: the dataset indices of ``rank``'s batch at ``step`` (one segment: = :func:`batch_indices`)."""
         n = self._map_size()
-        epoch, start = self._start(batch_size, slots, slot, step, segments)
+        epoch, start = self._start(batch_size, trainers, rank, step, segments)
         if self._perm_key != (seed, epoch):
             self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
             self._perm_key = (seed, epoch)
@@ -321,16 +321,16 @@ class Batches:
         return self._perm[start : start + batch_size]
 
     def batch(
-        self, batch_size: int, slots: int, slot: int, step: int, seed: int, segments: Sequence[Segment] | None = None
+        self, batch_size: int, trainers: int, rank: int, step: int, seed: int, segments: Sequence[Segment] | None = None
     ) -> Any:
-        """Trainer ``slot``'s batch (of ``slots``) at global ``step``, on the device."""
+        """Trainer ``rank``'s batch (of ``trainers``) at global ``step``, on the device."""
         if self._stream is not None:
-            _, start = self._start(batch_size, slots, slot, step, segments)
+            _, start = self._start(batch_size, trainers, rank, step, segments)
             return to_device(self._collate(self._stream.read(start, start + batch_size)), self._device)
-        return self.gather(self.indices(batch_size, slots, slot, step, seed, segments))
+        return self.gather(self.indices(batch_size, trainers, rank, step, seed, segments))
 
     def iterate(
-        self, batch_size: int, slots: int, slot: int, start_step: int, end_step: int, seed: int,
+        self, batch_size: int, trainers: int, rank: int, start_step: int, end_step: int, seed: int,
         segments: Sequence[Segment] | None = None,
     ) -> Iterator[Any]:  # fmt: skip
         """The batches of steps ``start_step .. end_step - 1`` in order (in workers when configured).
@@ -339,9 +339,9 @@ class Batches:
         """
         if self._workers == 0 or self._tensors is not None or self._stream is not None:
             for step in range(start_step, end_step):
-                yield self.batch(batch_size, slots, slot, step, seed, segments)
+                yield self.batch(batch_size, trainers, rank, step, seed, segments)
             return
-        sampler = _StepIndices(self, batch_size, slots, slot, range(start_step, end_step), seed, segments)
+        sampler = _StepIndices(self, batch_size, trainers, rank, range(start_step, end_step), seed, segments)
         yield from self._load(sampler)
 
     def eval_batches(self, batch_size: int) -> Iterator[Any]:

@@ -5,12 +5,12 @@ A step of ``k`` trainers takes the next ``k * B`` samples (``B``: the job's
 whenever ``k`` changed: grown from 1 to 2 trainers at step 50, a digits job
 went from epoch 2 to epoch 4, and a 2-epoch job over 2,048 ids visited 7,808
 of them. So the position is kept as a list of :class:`Segment`: from global
-step ``start_step`` on, ``world`` trainers each take ``B`` samples a step,
+step ``start_step`` on, ``trainers`` trainers each take ``B`` samples a step,
 starting at sample ``offset`` of epoch ``epoch``. A resize appends a segment
 that starts at the next unseen sample; the coordinator keeps the list in its
 state and sends it with every assignment.
 
-*Map-style* (``size`` samples): each step takes the next ``world * B``
+*Map-style* (``size`` samples): each step takes the next ``trainers * B``
 samples of the current epoch's permutation; when fewer remain, the rest of
 the epoch is dropped and the step starts the next epoch at offset 0 (an epoch
 smaller than one global batch is one step). With one segment this is the old
@@ -27,19 +27,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from silo.errors import ConfigError
 
 
 class Segment(BaseModel):
-    """From global step ``start_step`` on, ``world`` trainers each take ``batch_size`` samples a
-    step, starting at sample ``offset`` of epoch ``epoch``'s permutation (a stream: of the stream)."""
+    """From global step ``start_step`` on, ``trainers`` trainers each take ``batch_size`` samples a
+    step, starting at sample ``offset`` of epoch ``epoch``'s permutation (a stream: of the stream).
+
+    Kept in the coordinator's state: ``trainers`` is read under its old name ``world`` too."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     start_step: int = Field(ge=0)
-    world: int = Field(gt=0)
+    trainers: int = Field(gt=0, validation_alias=AliasChoices("trainers", "world"))
     epoch: int = Field(0, ge=0)
     offset: int = Field(0, ge=0)
 
@@ -55,39 +57,39 @@ class DataSchedule(BaseModel):
     segments: list[Segment] = Field(min_length=1)
 
     @classmethod
-    def of(cls, size: int | None, batch_size: int, segments: Sequence[Segment], world: int) -> DataSchedule:
-        """The schedule of ``segments``; none means one segment of ``world`` trainers from step 0."""
-        return cls(size=size, batch_size=batch_size, segments=list(segments) or [Segment(start_step=0, world=world)])
+    def of(cls, size: int | None, batch_size: int, segments: Sequence[Segment], trainers: int) -> DataSchedule:
+        """The schedule of ``segments``; none means one segment of ``trainers`` trainers from step 0."""
+        return cls(size=size, batch_size=batch_size, segments=list(segments) or [Segment(start_step=0, trainers=trainers)])
 
     def position(self, step: int) -> tuple[int, int, int]:
-        """``(epoch, offset, world)`` of global ``step``: its samples begin at ``offset`` of
-        ``epoch``'s permutation (a stream: epoch 0, the stream offset), ``world`` trainers take them."""
+        """``(epoch, offset, trainers)`` of global ``step``: its samples begin at ``offset`` of
+        ``epoch``'s permutation (a stream: epoch 0, the stream offset), ``trainers`` trainers take them."""
         seg = self._segment(step)
         epoch, offset = self._at(seg, step - seg.start_step)
-        return epoch, offset, seg.world
+        return epoch, offset, seg.trainers
 
     def epochs_at(self, step: int) -> float:
         """Passes over the data at the start of ``step``: the epoch plus the share of its usable
-        samples (``S * world * B``) already taken; 0 for a stream."""
+        samples (``S * trainers * B``) already taken; 0 for a stream."""
         if self.size is None:
             return 0.0
-        epoch, offset, world = self.position(step)
-        return epoch + offset / (self._per_epoch(world) * world * self.batch_size)
+        epoch, offset, trainers = self.position(step)
+        return epoch + offset / (self._per_epoch(trainers) * trainers * self.batch_size)
 
-    def resized(self, step: int, world: int) -> DataSchedule:
-        """The schedule with ``world`` trainers from ``step`` on, continuing from the next unseen
+    def resized(self, step: int, trainers: int) -> DataSchedule:
+        """The schedule with ``trainers`` trainers from ``step`` on, continuing from the next unseen
         sample there. Segments that start after ``step`` are dropped (a rollback to a step before
-        them abandons them); an unchanged world adds no segment."""
+        them abandons them); an unchanged trainer count adds no segment."""
         kept = [s for s in self.segments if s.start_step <= step]
         if not kept:
             raise ValueError(f"step {step} is before the schedule's first step {self.segments[0].start_step}")
         last = kept[-1]
-        if last.world == world:
+        if last.trainers == trainers:
             return self.model_copy(update={"segments": kept})
         epoch, offset = self._next_unseen(last, step)
         if last.start_step == step:
-            kept.pop()  # resized twice at one step: the later world wins, from the same sample
-        seg = Segment(start_step=step, world=world, epoch=epoch, offset=offset)
+            kept.pop()  # resized twice at one step: the later trainer count wins, from the same sample
+        seg = Segment(start_step=step, trainers=trainers, epoch=epoch, offset=offset)
         return self.model_copy(update={"segments": [*kept, seg]})
 
     def from_step(self, step: int) -> DataSchedule:
@@ -99,7 +101,7 @@ class DataSchedule(BaseModel):
 
     def end_step(self, epochs: float) -> int:
         """The first step at which the position reaches ``epochs`` epochs (for an integer N: the step
-        that would start epoch N), the last segment's world going on to the end; at least 1."""
+        that would start epoch N), the last segment's trainer count going on to the end; at least 1."""
         if self.size is None:
             raise ConfigError("a dataset without a length (an IterableDataset) needs 'steps', not epochs")
         segs = self.segments
@@ -120,19 +122,19 @@ class DataSchedule(BaseModel):
             raise ValueError(f"step {step} is before the schedule's first step {self.segments[0].start_step}")
         return found
 
-    def _per_epoch(self, world: int) -> int:
+    def _per_epoch(self, trainers: int) -> int:
         assert self.size is not None
-        return max(1, self.size // (world * self.batch_size))
+        return max(1, self.size // (trainers * self.batch_size))
 
     def _spans(self, seg: Segment) -> tuple[int, int]:
         """Steps of ``seg`` in the epoch it starts in, and in each later epoch."""
         assert self.size is not None
-        take, per = seg.world * self.batch_size, self._per_epoch(seg.world)
+        take, per = seg.trainers * self.batch_size, self._per_epoch(seg.trainers)
         return (per if seg.offset == 0 else max(0, (self.size - seg.offset) // take)), per
 
     def _at(self, seg: Segment, i: int) -> tuple[int, int]:
         """``(epoch, offset)`` of the ``i``-th step of ``seg``."""
-        take = seg.world * self.batch_size
+        take = seg.trainers * self.batch_size
         if self.size is None:
             return 0, seg.offset + i * take
         first, per = self._spans(seg)
@@ -146,7 +148,7 @@ class DataSchedule(BaseModel):
         if step == seg.start_step:
             return seg.epoch, seg.offset
         epoch, offset = self._at(seg, step - 1 - seg.start_step)
-        return epoch, offset + seg.world * self.batch_size
+        return epoch, offset + seg.trainers * self.batch_size
 
     def _reach(self, seg: Segment, epochs: float) -> int:
         """The first step of ``seg`` (counted from its start) at which the position reaches ``epochs``."""
@@ -155,5 +157,5 @@ class DataSchedule(BaseModel):
             return max(0, math.ceil((epochs - seg.epoch) * per))
         if epochs >= seg.epoch + 1:
             return first + max(0, math.ceil((epochs - seg.epoch - 1) * per))
-        part = math.ceil((epochs - seg.epoch) * per - seg.offset / (seg.world * self.batch_size))
+        part = math.ceil((epochs - seg.epoch) * per - seg.offset / (seg.trainers * self.batch_size))
         return min(max(0, part), first)

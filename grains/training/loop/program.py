@@ -85,9 +85,9 @@ class StepContext:
     """The global step (0-based)."""
     epoch: int
     """The epoch the step's samples come from (0 for a stream)."""
-    slot: int
-    """This trainer's index among the step's ``world`` (PS slot, all-reduce rank)."""
-    world: int
+    rank: int
+    """This trainer's index among the step's ``trainers`` (0 .. trainers - 1)."""
+    trainers: int
     """Trainers taking this step."""
     device: str
     logged: dict[str, float] = field(default_factory=dict)
@@ -109,7 +109,7 @@ def takes_context(fn: Callable[..., Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Program:
-    """The resolved hooks of one job (resolve once per replica: imports are not free)."""
+    """The resolved hooks of one job (resolve once per trainer or stage: imports are not free)."""
 
     step_fn: StepFn
     eval_fn: EvalFn
@@ -140,7 +140,7 @@ class Program:
             if not self.context:
                 return call_user("step", self.step_fn, model, batch)
             if ctx is None:
-                ctx = StepContext(step=0, epoch=0, slot=0, world=1, device=self.device)
+                ctx = StepContext(step=0, epoch=0, rank=0, trainers=1, device=self.device)
             loss, metrics = call_user("step", self.step_fn, model, batch, ctx)
             return loss, {**metrics, **ctx.logged}
 

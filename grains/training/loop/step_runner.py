@@ -8,7 +8,7 @@ once:
 
 - autocast at the job's precision, and the user's step checked against its
   contract (:mod:`grains.training.loop.program`);
-- gradient accumulation: the slot's batch of ``batch_size x
+- gradient accumulation: the trainer's batch of ``batch_size x
   grad_accumulation`` samples runs as ``grad_accumulation`` chunks, each
   loss divided by their number, so the accumulated gradient is that of the
   whole batch (exactly, for a loss that is a mean over samples);
@@ -47,7 +47,7 @@ class Backward:
     """What one step's forward and backward left behind (the gradients are on the parameters)."""
 
     loss: float
-    """The loss of the slot's whole batch (the chunks' mean)."""
+    """The loss of the trainer's whole batch (the chunks' mean)."""
     metrics: dict[str, float]
     samples: int
     skip: bool
@@ -90,17 +90,17 @@ class StepRunner:
         self.scaler = LossScaler(spec.loss_scale, spec.loss_scale_growth_interval) if spec.amp == "fp16" else None
         self.seed = spec.seed
 
-    def backward(self, model: nn.Module, batch: Any, step: int, *, slot: int = 0, world: int = 1, epoch: int = 0) -> Backward:
+    def backward(self, model: nn.Module, batch: Any, step: int, *, rank: int = 0, trainers: int = 1, epoch: int = 0) -> Backward:
         """The user's step on ``batch`` (in ``grad_accumulation`` chunks) and its backward; the
-        gradients are left, still scaled, on the parameters. ``slot`` of ``world`` and ``epoch``
+        gradients are left, still scaled, on the parameters. ``rank`` of ``trainers`` and ``epoch``
         are what a step that takes a context is told."""
         for p in self.params:
             p.grad = None
         losses: list[float] = []
         sums: dict[str, float] = {}
         for i, chunk in enumerate(split_batch(batch, self.chunks)):
-            ctx = StepContext(step=step, epoch=epoch, slot=slot, world=world, device=self.program.device)
-            with draws(self.seed, step, slot, self.program.device, part=i):  # a resumed step draws as the first run did
+            ctx = StepContext(step=step, epoch=epoch, rank=rank, trainers=trainers, device=self.program.device)
+            with draws(self.seed, step, rank, self.program.device, part=i):  # a resumed step draws as the first run did
                 loss, metrics = self.program.step(model, chunk, ctx)
             value = float(loss.detach())  # one read of the loss a chunk (on CUDA each read waits)
             if nonfinite(value, step, self.policy):

@@ -13,7 +13,7 @@ A model's tensors are of three kinds, each treated its own way:
   same), checkpointed, used in evaluation and exported.
 
 Non-persistent buffers are not state (they are not in ``state_dict()``):
-every replica builds its own.
+every trainer and stage builds its own.
 """
 
 from __future__ import annotations

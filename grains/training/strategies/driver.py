@@ -5,7 +5,7 @@ placement, generation, committed checkpoints, recovery records). How the job
 is placed, watched and repaired depends on its mode, and that is a driver's:
 
 - :class:`~grains.training.strategies.ps.driver.ParameterServerDriver` (modes ``sync``,
-  ``async``, ``ssp``): parameter shards and trainer slots; a lost trainer is
+  ``async``, ``ssp``): parameter shards and trainers; a lost trainer is
   restarted alone, a lost shard rolls every grain back to the last committed
   checkpoint;
 - :class:`~grains.training.strategies.allreduce.driver.AllreduceDriver` (mode
@@ -106,7 +106,7 @@ class Driver(abc.ABC):
         self.job = job
         self.silos = silos
         self.progress: dict[int, TrainerProgress] = {}
-        """Each trainer's last progress of the current generation, by slot (all-reduce: rank)."""
+        """Each trainer's last progress of the current generation, by rank."""
         self.cursor = 0
         """Trainers report the history points from this step on (the ones not yet seen)."""
         self._final_wait: float | None = None
@@ -187,31 +187,31 @@ class Driver(abc.ABC):
         keys = self.state.trainer_keys
         return self.ref(self.trainer_type, keys[0], timeout_s) if self.trainers_evaluate and keys else None
 
-    def resize_data(self, step: int, world: int) -> None:
-        """From ``step`` on, ``world`` trainers take the data, from the next unseen sample there
+    def resize_data(self, step: int, trainers: int) -> None:
+        """From ``step`` on, ``trainers`` trainers take the data, from the next unseen sample there
         (:mod:`grains.training.data.position`); later segments, abandoned by a rollback, are
         dropped. An epochs job's last step follows, so it ends after its epochs whatever the
         trainer count did; a steps job's stays ``steps``."""
         s = self.state
         spec = s.spec
         assert spec is not None
-        schedule = DataSchedule.of(s.train_size, spec.slot_batch, s.data_segments, world)
+        schedule = DataSchedule.of(s.train_size, spec.trainer_batch, s.data_segments, trainers)
         try:
-            schedule = schedule.resized(step, world)
+            schedule = schedule.resized(step, trainers)
         except ValueError:  # restored before the first segment (a resume's); start the position there
             first = schedule.segments[0]
             log.warning("%s: step %d is before the data position's first step %d", self.key, step, first.start_step)
-            schedule = schedule.model_copy(update={"segments": [first.model_copy(update={"start_step": step, "world": world})]})
+            schedule = schedule.model_copy(update={"segments": [first.model_copy(update={"start_step": step, "trainers": trainers})]})
         s.data_segments = list(schedule.segments)
         s.total_steps = spec.steps if spec.steps is not None else schedule.end_step(spec.epochs or 1.0)
 
     def note_change(
-        self, generation: int, reason: str, world: int, start_step: int, slots: list[int] | None = None
+        self, generation: int, reason: str, trainers: int, start_step: int, ranks: list[int] | None = None
     ) -> None:
         """Record one recovery or resize (the newest ``_CHANGES`` are kept)."""
         s = self.state
         change = GroupChange(
-            generation=generation, reason=reason, at=time.time(), world=world, start_step=start_step, slots=slots or []
+            generation=generation, reason=reason, at=time.time(), trainers=trainers, start_step=start_step, ranks=ranks or []
         )
         s.changes = [*s.changes, change][-_CHANGES:]
 

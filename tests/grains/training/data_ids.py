@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 RECORDS: list[tuple[int, int, int, list[int]]] = []
-"""``(generation, slot, step, ids)`` of every step a trainer ran."""
+"""``(generation, rank, step, ids)`` of every step a trainer ran."""
 CONTROL: dict[str, int | None] = {"limit": None, "oom_at": None, "oom_gen": None}
 _CHANGED = threading.Condition()
 _WAIT_S = 60.0
@@ -47,39 +47,39 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     x, y, i = batch
     where = _trainer_step()
     if where is not None:
-        generation, slot, t = where
+        generation, rank, t = where
         with _CHANGED:
             _CHANGED.wait_for(lambda: (limit := CONTROL["limit"]) is None or t < limit, timeout=_WAIT_S)
             oom_at, oom_gen = CONTROL["oom_at"], CONTROL["oom_gen"]
             if oom_at is not None and oom_gen is not None and t >= oom_at and generation >= oom_gen:
                 CONTROL["oom_at"] = None
                 raise MemoryError(f"simulated: no memory for step {t}")
-            RECORDS.append((generation, slot, t, i.tolist()))
+            RECORDS.append((generation, rank, t, i.tolist()))
     return F.cross_entropy(model(x), y)
 
 
 def _trainer_step() -> tuple[int, int, int] | None:
-    """``(generation, slot, step)`` of the parameter-server trainer calling the step (None: another
+    """``(generation, rank, step)`` of the parameter-server trainer calling the step (None: another
     caller, such as the submit-time check)."""
-    from grains.training.strategies.ps.trainer import Replica
+    from grains.training.strategies.ps.trainer import TrainerCore
 
     frame = sys._getframe(1)
     while frame is not None:
         me, t = frame.f_locals.get("self"), frame.f_locals.get("step")
-        if isinstance(me, Replica) and isinstance(t, int):
-            return me.a.generation, me.a.slot, t
+        if isinstance(me, TrainerCore) and isinstance(t, int):
+            return me.a.generation, me.a.rank, t
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
 
 def last_attempts(records: list[tuple[int, int, int, list[int]]]) -> dict[tuple[int, int], list[int]]:
-    """Each ``(step, slot)``'s ids in the run that counts: a generation's steps from the first step
+    """Each ``(step, rank)``'s ids in the run that counts: a generation's steps from the first step
     a later generation ran on were rolled back (re-run, or abandoned past a new end)."""
     first: dict[int, int] = {}
     for g, _, t, _ in records:
         first[g] = min(first.get(g, t), t)
     out: dict[tuple[int, int], list[int]] = {}
-    for g, slot, t, batch in sorted(records, key=lambda r: r[0]):
+    for g, rank, t, batch in sorted(records, key=lambda r: r[0]):
         if all(t < first[later] for later in first if later > g):
-            out[(t, slot)] = batch
+            out[(t, rank)] = batch
     return out

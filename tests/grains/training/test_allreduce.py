@@ -67,7 +67,7 @@ async def test_a_trainer_silo_that_joins_is_taken_into_the_next_group_generation
     (joiner,) = await cluster(1, grains=GRAINS)
     grown = await status_when(coord, lambda s: s.trainers == 2 and s.generation > first.generation)
     change = grown.changes[-1]
-    assert "joined" in change.reason and change.world == 2
+    assert "joined" in change.reason and change.trainers == 2
     assert change.start_step >= first.step  # the new member copied the survivor's state: nothing redone
     st = await wait_done(coord)
     assert st.status == "completed", st
@@ -94,8 +94,8 @@ async def test_sigkill_of_a_trainer_silo_reforms_the_group_and_the_job_finishes_
 
     after = await status_when(coord, lambda s: s.status == "completed", timeout_s=60)
     change = after.changes[-1]
-    assert change.world == 1 and after.trainer_silos == [str(keeper.address)], after
-    assert change.start_step >= before.step  # restored from the survivor's replica, not a checkpoint
+    assert change.trainers == 1 and after.trainer_silos == [str(keeper.address)], after
+    assert change.start_step >= before.step  # restored from the survivor's copy, not a checkpoint
     assert change.first_step_at is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # this process is idle now; more threads only contend on 2 cores

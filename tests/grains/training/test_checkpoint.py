@@ -42,7 +42,7 @@ async def test_checkpoint_restores_parameters_and_adam_state_bit_exactly(cluster
         shard = client.get_grain(ParamShardGrain, key)
         names = layout[i]
         cfg = ShardConfig(job="ckpt", index=i, spec=spec, names=names, shard_keys=st.shard_keys,
-                          slots=2, generation=st.generation + 1, run=st.run, restore_step=30)  # fmt: skip
+                          trainers=2, generation=st.generation + 1, run=st.run, restore_step=30)  # fmt: skip
         await shard.configure(cfg)
         at_30 = await shard.export_state()
         for n in at_30.params:

@@ -26,7 +26,7 @@ def test_status_table_shows_the_last_recovery(capsys):
     from grains.training.api.messages import GroupChange, TrainingStatus
     from grains.training.console import _print_table
 
-    change = GroupChange(generation=2, reason="shard(s) job/shard-1 lost or behind", at=100.0, world=2,
+    change = GroupChange(generation=2, reason="shard(s) job/shard-1 lost or behind", at=100.0, trainers=2,
                          start_step=150, first_step_at=100.4)  # fmt: skip
     _print_table(TrainingStatus(job="j", status="running", step=170, total_steps=400, rollbacks=1, changes=[change]))
     out = capsys.readouterr().out
@@ -38,9 +38,9 @@ def test_the_dashboard_record_lists_the_jobs_recoveries():
     from grains.training.progress import job_progress
 
     changes = [
-        GroupChange(generation=1, reason="trainer slot 1 restarted", at=10.0, world=2, start_step=40, first_step_at=10.3,
-                    slots=[1]),
-        GroupChange(generation=2, reason="shard lost", at=20.0, world=2, start_step=50),
+        GroupChange(generation=1, reason="trainer 1 restarted", at=10.0, trainers=2, start_step=40, first_step_at=10.3,
+                    ranks=[1]),
+        GroupChange(generation=2, reason="shard lost", at=20.0, trainers=2, start_step=50),
     ]  # fmt: skip
     rec = job_progress(TrainingStatus(job="j", status="running", changes=changes), None, [], []).recoveries
     assert [(r.start_step, r.trainers, r.back_after_s) for r in rec] == [(40, 1, pytest.approx(0.3)), (50, 0, None)]

@@ -24,20 +24,20 @@ def values(t: torch.Tensor) -> list[int]:
 
 
 def epochs_read(batches: Batches, b: int, segments: list[Segment], steps: int, seed: int) -> dict[int, list[int]]:
-    """Every index each epoch gave out over ``steps`` steps, in order, all slots."""
-    schedule = batches.schedule(b, segments[0].world, segments)
+    """Every index each epoch gave out over ``steps`` steps, in order, all ranks."""
+    schedule = batches.schedule(b, segments[0].trainers, segments)
     seen: dict[int, list[int]] = {}
     for t in range(steps):
-        epoch, _, world = schedule.position(t)
-        for j in range(world):
-            seen.setdefault(epoch, []).extend(values(batches.indices(b, world, j, t, seed, segments)))
+        epoch, _, trainers = schedule.position(t)
+        for j in range(trainers):
+            seen.setdefault(epoch, []).extend(values(batches.indices(b, trainers, j, t, seed, segments)))
     return seen
 
 
 def test_one_segment_gives_the_indices_of_the_closed_form() -> None:
     for n, b, k in [(23, 3, 2), (40, 4, 3), (1437, 64, 2), (10, 4, 3), (64, 8, 1)]:
         batches = Batches(TensorDataset(torch.arange(n)))
-        one = [Segment(start_step=0, world=k)]
+        one = [Segment(start_step=0, trainers=k)]
         for t in range(50):
             for j in range(k):
                 want = batch_indices(n, b, k, j, t, seed=5)
@@ -74,17 +74,17 @@ def test_the_end_step_of_epochs_follows_the_trainer_count() -> None:
     assert shrunk.epochs_at(48) == 2.0
 
 
-def test_resized_drops_the_segments_after_the_step_and_adds_none_for_the_same_world() -> None:
+def test_resized_drops_the_segments_after_the_step_and_adds_none_for_the_same_trainer_count() -> None:
     schedule = DataSchedule.of(512, 16, [], 1).resized(24, 2).resized(40, 1)
     assert schedule.resized(50, 1) == schedule
     back = schedule.resized(32, 2)  # a rollback to 32: the shrink at 40 never happened
     assert [s.start_step for s in back.segments] == [0, 24]
-    assert schedule.resized(24, 3).segments[-1] == Segment(start_step=24, world=3, epoch=0, offset=384)
-    assert schedule.resized(8, 1).segments == [Segment(start_step=0, world=1)]
+    assert schedule.resized(24, 3).segments[-1] == Segment(start_step=24, trainers=3, epoch=0, offset=384)
+    assert schedule.resized(8, 1).segments == [Segment(start_step=0, trainers=1)]
     with pytest.raises(ValueError):
         schedule.from_step(30).resized(20, 2)
     resumed = schedule.from_step(44)  # a resume: one segment from the restored step's position
-    assert resumed.segments == [Segment(start_step=44, world=1, epoch=1, offset=448)]
+    assert resumed.segments == [Segment(start_step=44, trainers=1, epoch=1, offset=448)]
     assert resumed.position(44) == schedule.position(44)
 
 
@@ -92,13 +92,50 @@ def test_a_resume_goes_on_from_the_position_of_the_restored_step() -> None:
     from grains.training.coordinator import _resumed_segments
 
     grown = DataSchedule.of(512, 16, [], 1).resized(24, 2)
-    old = CoordinatorGrain.State(spec=TrainingJob(batch_size=16), slots=2, train_size=512, committed=[32, 40],
+    old = CoordinatorGrain.State(spec=TrainingJob(batch_size=16), trainers=2, train_size=512, committed=[32, 40],
                                  data_segments=grown.segments)  # fmt: skip
     (seg,) = _resumed_segments(old)
-    assert seg == Segment(start_step=40, world=2, epoch=1, offset=384)  # 12 steps of 32 into epoch 1
+    assert seg == Segment(start_step=40, trainers=2, epoch=1, offset=384)  # 12 steps of 32 into epoch 1
     # Resumed with 3 trainers of 8 samples: on from sample 384 of epoch 1, 24 a step.
     again = DataSchedule.of(512, 8, [seg], 2).resized(40, 3)
     assert again.position(40) == (1, 384, 3) and again.position(41) == (1, 408, 3)
+
+
+def test_state_written_under_the_old_names_loads_under_the_new_ones() -> None:
+    """Coordinator state saved before the vocabulary was trainer / rank / trainers (``world`` and
+    ``slots``) loads as the codec decodes it (model_validate), and is written back under the new names."""
+    from grains.training.api.messages import GroupChange
+
+    seg = Segment.model_validate({"start_step": 40, "world": 2, "epoch": 1, "offset": 384})
+    assert seg == Segment(start_step=40, trainers=2, epoch=1, offset=384)
+    assert seg.model_dump() == {"start_step": 40, "trainers": 2, "epoch": 1, "offset": 384}
+    old = {
+        "spec": {"batch_size": 16}, "status": "running", "slots": 2, "train_size": 512, "committed": [32, 40],
+        "data_segments": [{"start_step": 0, "world": 1}, {"start_step": 24, "world": 2, "offset": 384}],
+        "changes": [{"generation": 3, "reason": "trainer 1 restarted", "at": 1.0, "world": 2, "start_step": 40,
+                     "slots": [1]}],
+    }  # fmt: skip
+    state = CoordinatorGrain.State.model_validate(old)
+    assert state.trainers == 2 and [s.trainers for s in state.data_segments] == [1, 2]
+    assert state.changes == [GroupChange(generation=3, reason="trainer 1 restarted", at=1.0, trainers=2, start_step=40,
+                                         ranks=[1])]  # fmt: skip
+    dumped = state.model_dump()
+    assert dumped["trainers"] == 2 and "slots" not in dumped
+    assert dumped["data_segments"][1] == {"start_step": 24, "trainers": 2, "epoch": 0, "offset": 384}
+    assert dumped["changes"][0]["trainers"] == 2 and dumped["changes"][0]["ranks"] == [1]
+    assert CoordinatorGrain.State.model_validate(dumped) == state  # the new names read back too
+
+
+def test_residuals_and_job_records_written_under_the_old_names_load() -> None:
+    """A trainer's saved residual (``slots``) and a dashboard record's pipeline stage (``replica``)."""
+    from grains.training.api.records import JobProgress
+    from grains.training.strategies.ps.trainer import ResidualSnapshot
+
+    snap = ResidualSnapshot.model_validate({"step": 8, "slots": 3, "residual": {}})
+    assert snap.trainers == 3 and "slots" not in snap.model_dump()
+    raw = '{"job": "j", "stages": [{"key": "j/r1/stage-0", "replica": 1, "index": 0}]}'
+    (stage,) = JobProgress.model_validate_json(raw).stages
+    assert stage.rank == 1 and "replica" not in stage.model_dump()
 
 
 def test_a_stream_resized_goes_on_at_the_next_item() -> None:
@@ -107,8 +144,8 @@ def test_a_stream_resized_goes_on_at_the_next_item() -> None:
     assert DataSchedule.of(None, b, segments, 3).position(5) == (0, 18, 2)
     got: list[int] = []
     for t in range(8):
-        world = 3 if t < 2 else 1 if t < 5 else 2
-        got += [v for j in range(world) for v in values(Batches(Counting(n)).batch(b, world, j, t, 0, segments))]
+        trainers = 3 if t < 2 else 1 if t < 5 else 2
+        got += [v for j in range(trainers) for v in values(Batches(Counting(n)).batch(b, trainers, j, t, 0, segments))]
     assert got == Counting(n).stream(len(got))
     with pytest.raises(ConfigError, match="needs 'steps'"):
         DataSchedule.of(None, b, segments, 3).end_step(1)
@@ -164,8 +201,8 @@ async def test_a_job_grown_and_shrunk_trains_every_sample_once_an_epoch(cluster,
     assert st.status == "completed" and st.trainers == 1, st
     schedule = DataSchedule.of(IDS, B, [], 1)
     for change in st.changes:
-        schedule = schedule.resized(change.start_step, change.world)
-    assert [(seg.start_step, seg.world) for seg in schedule.segments] == [(0, 1), (c, 2), (c + 8, 1)]
+        schedule = schedule.resized(change.start_step, change.trainers)
+    assert [(seg.start_step, seg.trainers) for seg in schedule.segments] == [(0, 1), (c, 2), (c + 8, 1)]
     assert st.total_steps == schedule.end_step(2) and (st.data_epoch, st.data_offset) == (2, 0), st
     counted = data_ids.last_attempts(data_ids.RECORDS)
     assert max(t for t, _ in counted) == st.total_steps - 1

@@ -125,18 +125,18 @@ def test_map_style_batch_is_the_items_at_batch_indices() -> None:
         assert values(batches.batch(3, 2, 1, step, seed=9)[0]) == [10 * int(i) for i in idx]
 
 
-def test_slots_partition_each_global_batch() -> None:
+def test_ranks_partition_each_global_batch() -> None:
     n, b, k, seed = 40, 4, 3, 2
-    slots = [Batches(TensorDataset(torch.arange(n))) for _ in range(k)]
+    ranks = [Batches(TensorDataset(torch.arange(n))) for _ in range(k)]
     for step in range(6):
         epoch, i = divmod(step, n // (b * k))
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-        parts = [values(slots[j].batch(b, k, j, step, seed)[0]) for j in range(k)]
+        parts = [values(ranks[j].batch(b, k, j, step, seed)[0]) for j in range(k)]
         assert flat(parts) == values(perm[i * b * k : (i + 1) * b * k])
         assert len(set(flat(parts))) == b * k  # disjoint
 
 
-def test_iterable_slots_split_the_stream_and_continue_across_passes() -> None:
+def test_iterable_ranks_split_the_stream_and_continue_across_passes() -> None:
     n, b, k = 7, 2, 3  # 6 items per global batch: global batches span passes
     readers = [Batches(Counting(n)) for _ in range(k)]
     got: list[int] = []

@@ -18,7 +18,7 @@ async def test_ps_job_with_auto_trainers_gains_a_trainer_when_a_silo_joins(clust
     (joiner,) = await cluster(1, grains=GRAINS)
     grown = await status_when(coord, lambda s: s.trainers == 2)
     change = grown.changes[-1]
-    assert "joined" in change.reason and change.world == 2, change
+    assert "joined" in change.reason and change.trainers == 2, change
     # Grown right at a committed checkpoint: the new generation restores it, so little is redone.
     assert change.start_step in grown.checkpoints and change.start_step >= first.step - first.step % 20
     st = await wait_done(coord)

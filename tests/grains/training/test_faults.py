@@ -2,7 +2,7 @@
 
 Real silo processes (3), fast failure detection. Sync mode is deterministic
 given its batches, so the undisturbed result is a plain torch loop; a run that
-restarts a trainer slot or rolls back to a checkpoint must land within a
+restarts a trainer or rolls back to a checkpoint must land within a
 point of it.
 """
 
@@ -86,16 +86,16 @@ async def run_and_kill(
     if victim == "coordinator":
         return
     # The recovery is on record, with when its first step was committed (the benchmark's
-    # kill -> next committed step); a trainer's slot alone resumed where it stopped, a lost
+    # kill -> next committed step); a trainer alone resumed where it stopped, a lost
     # shard rolled everyone back, losing at most what a checkpoint not yet saved adds.
     change = next(c for c in final.changes if c.at >= killed_at)
     assert change.first_step_at is not None and change.first_step_at > change.at, change
     if victim == "trainer":
         assert final.restarts >= 1 and final.rollbacks == 0, final
-        assert change.slots and change.start_step >= killed_step, change
+        assert change.ranks and change.start_step >= killed_step, change
     else:
         assert final.rollbacks >= 1, final
-        assert change.slots == [] and killed_step - change.start_step <= 2 * spec.checkpoint_every, change
+        assert change.ranks == [] and killed_step - change.start_step <= 2 * spec.checkpoint_every, change
 
 
 # The shard case keeps one checkpoint, taken every 10 steps: shards then complete (and the

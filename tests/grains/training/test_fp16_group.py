@@ -19,7 +19,7 @@ from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.state.checkpoint import extract
 from grains.training.state.store import CheckpointStoreGrain
 from grains.training.steps import classification_step
-from grains.training.strategies.allreduce.replica import GroupReplica
+from grains.training.strategies.allreduce.trainer_core import TrainerCore
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, wait_done
 from tests.grains.training.test_allreduce import status_when
@@ -79,12 +79,12 @@ async def test_fp16_ranks_stay_bit_identical_through_overflows_and_a_reformed_gr
 
 def test_the_loss_scale_survives_a_snapshot_round_trip():
     spec = TrainingJob(**SPEC, trainers=1, steps=10)
-    a = GroupReplica(spec, "cpu")
+    a = TrainerCore(spec, "cpu")
     a.runner.scaler.scale, a.runner.scaler.growth_tracker = 1024.0, 2  # type: ignore[union-attr]
     a.fresh(0)
     snap = a.snapshot()
     assert snap.scaler == {"scale": 1024.0, "growth_tracker": 2.0}
     again = extract([snap], list(snap.params), list(snap.buffers))  # how any mode reads it back
-    b = GroupReplica(spec, "cpu")
+    b = TrainerCore(spec, "cpu")
     b.load(again, 0)
     assert b.runner.state_dict() == a.runner.state_dict()

@@ -33,9 +33,9 @@ async def test_async_and_ssp_converge_on_the_synthetic_set(cluster, client, mode
         assert 0 < st.max_gap <= 1, st
 
 
-def slot0_slow_step(model: Any, batch: Any, ctx: Any) -> Any:
+def rank0_slow_step(model: Any, batch: Any, ctx: Any) -> Any:
     """Trainer 0 takes 20 ms longer a step (a slower device): the others run ahead of it."""
-    if ctx.slot == 0:
+    if ctx.rank == 0:
         time.sleep(0.02)
     return classification_step(model, batch)
 
@@ -43,7 +43,7 @@ def slot0_slow_step(model: Any, batch: Any, ctx: Any) -> Any:
 async def test_ssp_gap_never_exceeds_its_bound_with_a_slow_trainer(cluster, client):
     await cluster(2, grains=GRAINS)
     spec = TrainingJob(**SYNTHETIC, mode="ssp", staleness=2, trainers=4, shards=1, steps=60, batch_size=16,
-                       checkpoint_every=0, step=f"{__name__}:slot0_slow_step")  # fmt: skip
+                       checkpoint_every=0, step=f"{__name__}:rank0_slow_step")  # fmt: skip
     st = await run_job(client, "ssp-bound", spec)
     assert st.status == "completed", st
     # The fast trainers ran ahead until the bound held them: the gap reached it, never more.

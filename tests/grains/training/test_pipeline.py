@@ -110,16 +110,16 @@ async def test_sigkill_of_a_stage_silo_rolls_the_pipeline_back_and_it_finishes_a
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-async def test_hybrid_two_replicas_of_two_stages_equal_data_parallel_training(cluster, client, schedule):
+async def test_hybrid_two_trainers_of_two_stages_equal_data_parallel_training(cluster, client, schedule):
     # trainers = 2: two copies of the 2-stage pipeline, each on half of the global batch; each
-    # stage's gradients (and buffers) averaged over its replicas: plain training on the global batch.
+    # stage's gradients (and buffers) averaged over the trainers: plain training on the global batch.
     await cluster(4, grains=GRAINS, membership=MembershipSettings())
     spec = TrainingJob(**DEEP, mode="pipeline", trainers=2, stages=2, microbatches=4, schedule=schedule,
                        batch_size=32, steps=20, optimizer="momentum", lr=0.05, clip_grad_norm=1.0,
                        checkpoint_every=10, seed=6)  # fmt: skip
     st = await run_job(client, f"hybrid-{schedule}", spec, timeout_s=120)
     assert st.status == "completed" and st.trainers == 2 and len(st.trainer_keys) == 4, st
-    assert len(set(st.trainer_silos)) == 4, st  # every stage of every replica on its own silo
+    assert len(set(st.trainer_silos)) == 4, st  # every stage of every trainer on its own silo
     got = await client.get_grain(CoordinatorGrain, f"hybrid-{schedule}").state_dict()
     model = build_model(spec)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -168,26 +168,26 @@ async def test_a_job_cut_by_measured_time_trains(cluster, client):
 
 
 @pytest.mark.slow
-async def test_a_lost_replica_shrinks_the_hybrid_job_without_a_rollback(silo_processes, client):
+async def test_a_lost_trainer_shrinks_the_hybrid_job_without_a_rollback(silo_processes, client):
     from grains.training.strategies.cluster import key_on
     from tests.grains.training.conftest import training_silos
     from tests.grains.training.test_faults import process_of, status_when
 
     procs = silo_processes(4, grains="grains.training")
     rows = await training_silos(client, 4)
-    job = key_on("CoordinatorGrain", "hybrid-kill", rows[0].silo, rows)  # with replica 0's first stage
+    job = key_on("CoordinatorGrain", "hybrid-kill", rows[0].silo, rows)  # with rank 0's first stage
     spec = TrainingJob(**DEEP, mode="pipeline", trainers=2, stages=2, microbatches=2, batch_size=32, steps=400,
                        optimizer="momentum", lr=0.05, checkpoint_every=50)  # fmt: skip
     coord = client.get_grain(CoordinatorGrain, job)
     await coord.start(spec)
     st = await status_when(coord, lambda s: s.status == "running" and s.step >= 100)
     assert st.step < 350 and len(st.trainer_silos) == 4, st
-    victim = st.trainer_silos[3]  # replica 1's last stage
+    victim = st.trainer_silos[3]  # rank 1's last stage
     assert victim not in (*st.trainer_silos[:3], st.coordinator_silo), st
     process_of(procs, victim).kill()
     final = await status_when(coord, lambda s: s.status == "completed", timeout_s=120)
     assert final.step == 400 and final.rollbacks == 0 and final.trainers == 1, final
-    assert any("shrank to 1 replica" in c.reason for c in final.changes), final.changes
+    assert any("shrank to 1 trainer" in c.reason for c in final.changes), final.changes
     assert final.accuracy is not None and final.accuracy >= 0.9, final
 
 

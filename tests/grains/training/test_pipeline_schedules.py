@@ -102,8 +102,8 @@ async def test_a_nan_loss_with_skip_skips_that_step_on_every_stage_and_counts_it
     reported = []
     progress = PipelineDriver._progress
 
-    def spy(self, head, replica):
-        out = progress(self, head, replica)
+    def spy(self, head, rank):
+        out = progress(self, head, rank)
         reported.append(out)
         return out
 

@@ -142,7 +142,7 @@ def test_the_status_line_names_each_metric_and_labels_evaluation() -> None:
 def test_status_table_shows_every_metric_by_split(capsys: Any) -> None:
     from grains.training.console import _print_table
 
-    change = GroupChange(generation=1, reason="trainer lost", at=1.0, world=2, start_step=10)
+    change = GroupChange(generation=1, reason="trainer lost", at=1.0, trainers=2, start_step=10)
     _print_table(status(mode="ssp", changes=[change], metrics={"[b]mse": 0.2}))
     out = capsys.readouterr().out
     for row in ("epoch", "1.50", "train loss", "train [b]mse", "eval loss", "eval accuracy", "96.1%",

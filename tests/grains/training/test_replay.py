@@ -3,7 +3,7 @@ committed checkpoint and the replayed steps give the same parameters, bit for bi
 run that was never disturbed (sync mode).
 
 Why it can be exact: the checkpoint holds the shards' fp32 weights and optimizer state
-bit-exactly, the batch of (slot, step) is a function of the seed, two slots' gradients
+bit-exactly, the batch of (rank, step) is a function of the seed, two trainers' gradients
 sum the same in either order, and no job state lives outside the checkpoint (with lossy
 compression a trainer flushes its error-feedback residual at every checkpoint step, so a
 restarted trainer's empty residual is the one the undisturbed run had there too).

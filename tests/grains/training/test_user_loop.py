@@ -33,23 +33,23 @@ async def test_grad_accumulation_equals_a_batch_that_many_times_larger(cluster, 
 
 
 def context_step(model: torch.nn.Module, batch: Any, ctx: Any) -> Any:
-    ctx.log("slot", ctx.slot)
-    ctx.log("world", ctx.world)
+    ctx.log("rank", ctx.rank)
+    ctx.log("trainers", ctx.trainers)
     ctx.log("epoch", ctx.epoch)
     ctx.log("step_seen", torch.tensor(float(ctx.step)))
     return classification_step(model, batch)
 
 
-async def test_a_step_that_takes_a_context_knows_its_step_slot_world_and_epoch(cluster, client):
+async def test_a_step_that_takes_a_context_knows_its_step_rank_trainers_and_epoch(cluster, client):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     spec = TrainingJob(trainers=2, batch_size=64, epochs=3, step=f"{__name__}:context_step", seed=3)
     st = await run_job(client, "ctx", spec)
     assert st.status == "completed", st
     # Digits: 1,437 training samples, 11 steps of 2 x 64 an epoch.
     assert st.total_steps == 33, st
-    assert st.metrics["slot"] == 0.5 and st.metrics["world"] == 2.0, st.metrics  # means over the 2 trainers
+    assert st.metrics["rank"] == 0.5 and st.metrics["trainers"] == 2.0, st.metrics  # means over the 2 trainers
     assert st.metrics["epoch"] == 2.0 and st.metrics["step_seen"] == 32.0, st.metrics
-    assert {"accuracy", "slot", "world", "epoch", "step_seen"} <= set(st.metrics)
+    assert {"accuracy", "rank", "trainers", "epoch", "step_seen"} <= set(st.metrics)
 
 
 class StopAtStep20:

@@ -53,11 +53,11 @@ class AllreduceDriver(Driver):
             raise errors.ConfigError(
                 "no active silo hosts the training grains (start silos with --grains grains.training)"
             )
-        world = len(look.eligible) if spec.trainers == "auto" else min(int(spec.trainers), len(look.eligible))
+        trainers = len(look.eligible) if spec.trainers == "auto" else min(int(spec.trainers), len(look.eligible))
         train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
-        s.total_steps = spec.total_steps(train_size, world)
+        s.total_steps = spec.total_steps(train_size, trainers)
         s.train_size = train_size
-        s.trainer_keys, s.trainer_silos, s.slots = [], [], 0
+        s.trainer_keys, s.trainer_silos, s.trainers = [], [], 0
         s.resumed_from = s.committed[-1] if s.committed else None
         await self._reform("job started")
         s.status = "running"
@@ -117,7 +117,7 @@ class AllreduceDriver(Driver):
         if not held:
             raise errors.ConfigError(f"job {self.key}: no trainer holds the parameters")
         step, i = max(held)
-        snap: TrainingSnapshot = await refs[i].replica(s.run, step)
+        snap: TrainingSnapshot = await refs[i].snapshot(s.run, step)
         return snap
 
     # --- the group ------------------------------------------------------------
@@ -174,8 +174,8 @@ class AllreduceDriver(Driver):
             start, source, restore = 0, None, None
         s.trainer_keys = [k for k, _ in members]
         s.trainer_silos = [silo for _, silo in members]
-        s.slots = len(members)
-        if members:  # the group's world from ``start`` on: the data goes on from the next unseen sample
+        s.trainers = len(members)
+        if members:  # the group's size from ``start`` on: the data goes on from the next unseen sample
             self.resize_data(start, len(members))
         self.progress.clear()
         self.cursor = start
@@ -202,7 +202,7 @@ class AllreduceDriver(Driver):
         # Generations only grow (across runs of a job id too), so each prefix is used by one group.
         rendezvous = self.job.grain.rendezvous_prefix(self.key, s.generation)
         return GroupAssignment(
-            job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, world=len(s.trainer_keys),
+            job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, trainers=len(s.trainer_keys),
             members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]
             start_step=start, end_step=s.total_steps, source=source, restore_step=restore,
             data_segments=list(s.data_segments),

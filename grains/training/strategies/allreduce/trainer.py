@@ -9,8 +9,8 @@ torch's own DDP comm hooks ``fp16_compress_hook`` / ``bf16_compress_hook`` for
 applies the same optimizer step as every other rank. The math is that of one
 process on the global batch, as in sync parameter-server mode.
 
-The coordinator hands each trainer a :class:`GroupAssignment`: rank, world
-size, group generation, a rendezvous prefix in Redis
+The coordinator hands each trainer a :class:`GroupAssignment`: rank, trainer
+count, group generation, a rendezvous prefix in Redis
 (:mod:`grains.training.strategies.allreduce.rendezvous`) and the state to start from. The group is
 a ``ProcessGroupGloo`` (``ProcessGroupNCCL`` when every member has a GPU) built
 directly on that store, never torch's global default group, so any number of
@@ -26,7 +26,7 @@ group's gloo timeout is only a backstop), and the group is released on a
 thread of its own, since destroying a gloo group with a collective in flight
 blocks until that times out. Survivors then report the step they hold, and
 the next generation starts from the newest one: members behind copy it from a
-member that holds it (:meth:`AllreduceTrainerGrain.replica`), new members
+member that holds it (:meth:`AllreduceTrainerGrain.snapshot`), new members
 too, and the last committed checkpoint is the fallback when none does.
 
 Rank 0 saves checkpoints with the same snapshot API and format as the shards
@@ -62,7 +62,7 @@ from grains.training.strategies.allreduce.rendezvous import (
     RedisStore,
     sync_client_like,
 )
-from grains.training.strategies.allreduce.replica import GroupReplica, StepResult
+from grains.training.strategies.allreduce.trainer_core import StepResult, TrainerCore
 from silo import errors
 
 log = logging.getLogger("redgrain.training.allreduce")
@@ -157,12 +157,12 @@ def form_group(
     if a.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg: Any = dist.ProcessGroupNCCL(store, a.rank, a.world, opts)
+        pg: Any = dist.ProcessGroupNCCL(store, a.rank, a.trainers, opts)
     else:
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        pg = dist.ProcessGroupGloo(store, a.rank, a.world, opts)
+        pg = dist.ProcessGroupGloo(store, a.rank, a.trainers, opts)
     return Group(pg, _HOOKS[a.spec.compression])
 
 
@@ -177,7 +177,7 @@ class AllreduceTrainerGrain(Grain):
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._abandon = threading.Event()
-        self._rep: GroupReplica | None = None
+        self._core: TrainerCore | None = None
         self._redis: Any = None
         self._p = TrainerProgress(activation_id="", silo="")
         self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
@@ -202,10 +202,10 @@ class AllreduceTrainerGrain(Grain):
         a = assignment
         if a.run != self._saved_run:  # checkpoints of an earlier run of the job id are not this run's
             self._saved, self._saved_run = [], a.run
-        held_run, held_step = self._rep.held if self._rep is not None else (-1, -1)
+        held_run, held_step = self._core.held if self._core is not None else (-1, -1)
         self._p = TrainerProgress(
-            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, slot=a.rank,
-            status="running", step=a.start_step, held_run=held_run, held_step=held_step, rank=a.rank, world=a.world,
+            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, rank=a.rank,
+            status="running", step=a.start_step, held_run=held_run, held_step=held_step, trainers=a.trainers,
             saved_steps=list(self._saved),
         )  # fmt: skip
         self._times.clear()
@@ -223,9 +223,9 @@ class AllreduceTrainerGrain(Grain):
         return await self.progress(1 << 62)
 
     async def release(self) -> None:
-        """The job is over: leave the group, drop the replica, deactivate."""
+        """The job is over: leave the group, drop the model, deactivate."""
         await self._abandon_loop()
-        self._rep = None
+        self._core = None
         self._evaluations.clear()
         self.deactivate_on_idle()
 
@@ -237,17 +237,17 @@ class AllreduceTrainerGrain(Grain):
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current generation, and the per-step points from ``since_step`` on."""
         points = [p for p in self._points if p.step >= since_step]
-        run, step = self._rep.held if self._rep is not None else (-1, -1)
+        run, step = self._core.held if self._core is not None else (-1, -1)
         return self._p.model_copy(update={"points": points, "held_run": run, "held_step": step,
                                           "saved_steps": list(self._saved)})  # fmt: skip
 
-    async def replica(self, run: int, step: int) -> TrainingSnapshot:
+    async def snapshot(self, run: int, step: int) -> TrainingSnapshot:
         """The parameters and optimizer state after ``step`` steps of ``run`` (a peer restores from it)."""
-        rep = self._rep
-        if rep is None or rep.held != (run, step):
-            held = rep.held if rep is not None else None
+        core = self._core
+        if core is None or core.held != (run, step):
+            held = core.held if core is not None else None
             raise errors.ConfigError(f"{self.key} holds {held}, not step {step} of run {run}")
-        snap = await self.run_in_thread(rep.snapshot)
+        snap = await self.run_in_thread(core.snapshot)
         if snap.step != step:  # a step ran meanwhile: the caller's generation is stale anyway
             raise errors.ConfigError(f"{self.key} moved past step {step}")
         return snap
@@ -258,7 +258,7 @@ class AllreduceTrainerGrain(Grain):
         self._abandon.set()
         if task is not None and not task.done():
             # Not cancelled: the loop's thread sees the flag within _ABANDON_POLL (or when its
-            # compute ends), and the loop must not touch the replica again after we return.
+            # compute ends), and the loop must not touch the core again after we return.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(task)
 
@@ -284,14 +284,14 @@ class AllreduceTrainerGrain(Grain):
                 abandon,
                 a.spec.step_timeout_s,
             )
-            rep = self._rep
-            assert rep is not None
-            rep.segments = list(a.data_segments)
+            core = self._core
+            assert core is not None
+            core.segments = list(a.data_segments)
             for step in range(a.start_step, a.end_step):
-                r = await self.run_in_thread(rep.step, step, a.rank, a.world, group, abandon)
+                r = await self.run_in_thread(core.step, step, a.rank, a.trainers, group, abandon)
                 self._record(step, r)
                 if a.rank == 0 and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
-                    await self._checkpoint(a, rep)
+                    await self._checkpoint(a, core)
             # Done means saved too: the coordinator commits what the final report lists.
             await asyncio.gather(*self._saves, return_exceptions=True)
             self._p.status = "done"
@@ -317,36 +317,36 @@ class AllreduceTrainerGrain(Grain):
                 group.release()
 
     async def _prepare(self, a: GroupAssignment) -> None:
-        """Bring the replica to ``(a.run, a.start_step)``: keep it, copy it from a peer, or load it."""
+        """Bring the model to ``(a.run, a.start_step)``: keep it, copy it from a peer, or load it."""
         want = (a.run, a.start_step)
-        if self._rep is not None and self._rep.spec != a.spec:
-            self._rep = None
-        if self._rep is not None and self._rep.held == want:
+        if self._core is not None and self._core.spec != a.spec:
+            self._core = None
+        if self._core is not None and self._core.held == want:
             return
-        if self._rep is None:
-            self._rep = await self.run_in_thread(GroupReplica, a.spec, self.device)
-        rep = self._rep
+        if self._core is None:
+            self._core = await self.run_in_thread(TrainerCore, a.spec, self.device)
+        core = self._core
         if a.source is not None and a.source != self.key:
             peer: Any = self.get_grain(AllreduceTrainerGrain, a.source)
-            snap = await peer.with_timeout(a.spec.step_timeout_s).replica(a.run, a.start_step)
-            await self.run_in_thread(rep.load, snap, a.run)
+            snap = await peer.with_timeout(a.spec.step_timeout_s).snapshot(a.run, a.start_step)
+            await self.run_in_thread(core.load, snap, a.run)
         elif a.restore_step is not None:
             snap = await checkpoint.load_model(
-                self, a.job, a.run, a.restore_step, rep.names, [*rep.frozen, *rep.buffers]
+                self, a.job, a.run, a.restore_step, core.names, [*core.frozen, *core.buffers]
             )  # any mode's
-            await self.run_in_thread(rep.load, snap, a.run)
+            await self.run_in_thread(core.load, snap, a.run)
         elif a.start_step == 0:
-            if rep.held[1] > 0:  # trained in an earlier run: rebuild from the seed
-                self._rep = rep = await self.run_in_thread(GroupReplica, a.spec, self.device)
-            rep.fresh(a.run)
+            if core.held[1] > 0:  # trained in an earlier run: rebuild from the seed
+                self._core = core = await self.run_in_thread(TrainerCore, a.spec, self.device)
+            core.fresh(a.run)
         else:
             raise errors.ConfigError(
                 f"{self.key}: no source for step {a.start_step} of run {a.run}"
             )
-        self._p.held_run, self._p.held_step = rep.held
+        self._p.held_run, self._p.held_step = core.held
 
-    async def _checkpoint(self, a: GroupAssignment, rep: GroupReplica) -> None:
-        snap = await self.run_in_thread(rep.snapshot)
+    async def _checkpoint(self, a: GroupAssignment, core: TrainerCore) -> None:
+        snap = await self.run_in_thread(core.snapshot)
         task = self.start_task(self._save(a, snap), name=f"{self.key} checkpoint {snap.step}")
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
@@ -370,11 +370,11 @@ class AllreduceTrainerGrain(Grain):
         if len(self._times) > 1:
             span = self._times[-1][0] - self._times[0][0]
             p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
-        if self._rep is not None and p.world > 1:
+        if self._core is not None and p.trainers > 1:
             # A ring all-reduce sends 2(w-1)/w of the buffer per rank (and receives as much:
             # counted once, as sent, so the job's bytes per step are the bytes on the wire).
-            size = self._rep.flat.numel() * (4 if self._rep.spec.compression == "none" else 2)
-            p.bytes_pushed += int(2 * (p.world - 1) / p.world * size)
+            size = self._core.flat.numel() * (4 if self._core.spec.compression == "none" else 2)
+            p.bytes_pushed += int(2 * (p.trainers - 1) / p.trainers * size)
         p.skipped += r.skipped
         p.exchange_s += r.exchange_s
         self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=time.time()))

@@ -88,23 +88,23 @@ class PipelineDriver(Driver):
         if not rows:
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
         stages = len(layers)
-        replicas = max(1, len(rows) // stages) if spec.trainers == "auto" else int(spec.trainers)
-        placement = place_stages(rows, [partition.stage_need(n, spec) for _ in range(replicas) for n in sizes])
+        trainers = max(1, len(rows) // stages) if spec.trainers == "auto" else int(spec.trainers)
+        placement = place_stages(rows, [partition.stage_need(n, spec) for _ in range(trainers) for n in sizes])
         if placement.short:
             log.warning("%s: no silo has the free memory stage(s) %s need; placed where the most is left",
                         self.key, [j % stages for j in placement.short])  # fmt: skip
         keys, silos = [], []
         for j, row in enumerate(placement.rows):
             r, i = divmod(j, stages)
-            base = f"{self.key}/stage-{i}" if replicas == 1 else f"{self.key}/r{r}/stage-{i}"
+            base = f"{self.key}/stage-{i}" if trainers == 1 else f"{self.key}/r{r}/stage-{i}"
             keys.append(cluster.key_on("PipelineStageGrain", base, row.silo, look.hosting))
             silos.append(row.address)
         s.trainer_keys, s.trainer_silos = keys, silos
-        s.slots = replicas
+        s.trainers = trainers
         s.train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
         restore = s.committed[-1] if s.committed else None
         s.resumed_from = restore
-        self.resize_data(restore or 0, replicas)  # a resume goes on from the restored step's data position
+        self.resize_data(restore or 0, trainers)  # a resume goes on from the restored step's data position
         if restore is None:
             # The seeded weights become step 0 of the run, so every stage restores its part from a
             # checkpoint and builds only that (on the meta device) instead of the whole model.
@@ -128,13 +128,13 @@ class PipelineDriver(Driver):
             return  # unreachable is not lost: a dead silo's stage re-activates on the next call
         statuses: list[StageStatus] = results  # type: ignore[assignment]
         stages = len(self._layers)
-        heads = statuses[::stages]  # stage 0 of each replica
+        heads = statuses[::stages]  # stage 0 of each trainer
         lost = [
             s.trainer_keys[i] for i, st in enumerate(statuses)
             if st.generation != s.generation or (self._activations and st.activation_id != self._activations[i])
         ]  # fmt: skip
         gone = sorted({s.trainer_keys.index(k) // stages for k in lost})
-        if lost and 0 < len(gone) < s.slots and await self._shrink(gone, f"{', '.join(lost)} lost"):
+        if lost and 0 < len(gone) < s.trainers and await self._shrink(gone, f"{', '.join(lost)} lost"):
             return
         for r, head in enumerate(heads):
             if head.status == "failed" and head.generation == s.generation:
@@ -143,7 +143,7 @@ class PipelineDriver(Driver):
                 self._failures += 1
                 if self._failures > _MAX_FAILURES:
                     raise RuntimeError(f"the pipeline keeps failing: {head.error}")
-                lost.append(f"replica {r}'s run ({head.error[:200]})")
+                lost.append(f"trainer {r}'s run ({head.error[:200]})")
         if lost:
             try:
                 await self._rollback(f"{', '.join(lost)} lost or failed")
@@ -154,12 +154,12 @@ class PipelineDriver(Driver):
             self._failures = 0
         self.progress = {r: self._progress(h, r) for r, h in enumerate(heads)}
         self._note_first_step(heads)
-        first = statuses[:stages]  # replica 0's stages hold the checkpoints
+        first = statuses[:stages]  # rank 0's stages hold the checkpoints
         common = set(first[0].saved_steps).intersection(*(st.saved_steps for st in first[1:]))
         for step in sorted(c for c in common if c > (s.committed[-1] if s.committed else -1)):
             await self.commit_step(step)
         stage_info = [
-            StageInfo(key=s.trainer_keys[j], silo=st.silo, replica=j // stages, index=j % stages,
+            StageInfo(key=s.trainer_keys[j], silo=st.silo, rank=j // stages, index=j % stages,
                       forward_ms=st.forward_ms, backward_ms=st.backward_ms, timeline=st.timeline,
                       param_bytes=st.param_bytes)
             for j, st in enumerate(statuses)
@@ -170,7 +170,7 @@ class PipelineDriver(Driver):
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        first = self.state.trainer_keys[: self._stages()]  # replica 0: every replica holds the same
+        first = self.state.trainer_keys[: self._stages()]  # rank 0's: every trainer holds the same
         for part in await asyncio.gather(*(self.ref(PipelineStageGrain, k).tensors() for k in first)):
             out.update(part)
         return out
@@ -179,12 +179,12 @@ class PipelineDriver(Driver):
     def _stages(self) -> int:
         s = self.state
         assert s.spec is not None
-        return len(s.trainer_keys) // max(1, s.slots)
+        return len(s.trainer_keys) // max(1, s.trainers)
 
-    def _progress(self, head: StageStatus, replica: int) -> TrainerProgress:
-        """A replica's stage 0 figures as one trainer of the job (what the status and history read)."""
+    def _progress(self, head: StageStatus, rank: int) -> TrainerProgress:
+        """A trainer's stage 0 figures as that trainer (what the status and history read)."""
         return TrainerProgress(
-            activation_id=head.activation_id, silo=head.silo, generation=head.generation, slot=replica,
+            activation_id=head.activation_id, silo=head.silo, generation=head.generation, rank=rank,
             status=head.status if head.status != "failed" else "running", step=head.step, loss=head.loss,  # type: ignore[arg-type]
             samples_per_s=head.samples_per_s, steps_done=head.steps_done, points=head.points,
             skipped=head.skipped,
@@ -193,18 +193,18 @@ class PipelineDriver(Driver):
     async def _configure(self, restore: int | None, keep_from: int | None = None) -> None:
         s = self.state
         assert s.spec is not None
-        stages, replicas = len(self._layers), max(1, s.slots)
-        chains = [s.trainer_keys[r * stages : (r + 1) * stages] for r in range(replicas)]
+        stages, trainers = len(self._layers), max(1, s.trainers)
+        chains = [s.trainer_keys[r * stages : (r + 1) * stages] for r in range(trainers)]
         cfgs = [
             StageConfig(job=self.key, run=s.run, index=i, spec=s.spec, layers=layers, stage_keys=chains[r],
-                        replica=r, peer_keys=[c[i] for c in chains], checkpoint_keys=chains[0],
+                        rank=r, peer_keys=[c[i] for c in chains], checkpoint_keys=chains[0],
                         generation=s.generation, start_step=keep_from if keep_from is not None else restore or 0,
                         end_step=s.total_steps, restore_step=restore, keep=keep_from is not None,
                         data_segments=list(s.data_segments))
-            for r in range(replicas) for i, layers in enumerate(self._layers)
+            for r in range(trainers) for i, layers in enumerate(self._layers)
         ]  # fmt: skip
         refs = [self.ref(PipelineStageGrain, k, 120.0) for k in s.trainer_keys]
-        # The later stages first: a replica's stage 0 starts sending as soon as it is configured.
+        # The later stages first: a trainer's stage 0 starts sending as soon as it is configured.
         later = [j for j in range(len(refs)) if j % stages]
         heads = [j for j in range(len(refs)) if not j % stages]
         done: dict[int, StageStatus] = {}
@@ -214,7 +214,7 @@ class PipelineDriver(Driver):
         self._activations = [done[j].activation_id for j in range(len(refs))]
 
     def _note_first_step(self, heads: list[StageStatus]) -> None:
-        """Fill in when every replica committed the first step after the latest change (recovery time)."""
+        """Fill in when every trainer committed the first step after the latest change (recovery time)."""
         s = self.state
         if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
             return
@@ -224,11 +224,11 @@ class PipelineDriver(Driver):
             change.first_step_at = max(times)
 
     async def _shrink(self, gone: list[int], why: str) -> bool:
-        """Hybrid: go on with the replicas that lost nothing, from the step they hold, without a
+        """Hybrid: go on with the trainers that lost nothing, from the step they hold, without a
         rollback; False when their stages do not all hold the same step (then roll back)."""
         s = self.state
         stages = len(self._layers)
-        keep = [r for r in range(s.slots) if r not in gone]
+        keep = [r for r in range(s.trainers) if r not in gone]
         keys = [s.trainer_keys[r * stages + i] for r in keep for i in range(stages)]
         silos = [s.trainer_silos[r * stages + i] for r in keep for i in range(stages)]
         s.generation += 1
@@ -238,15 +238,15 @@ class PipelineDriver(Driver):
         held = await asyncio.gather(*(r.status() for r in refs), return_exceptions=True)
         steps = {h.step for h in held if isinstance(h, StageStatus)}
         if len(steps) != 1 or any(isinstance(h, BaseException) for h in held):
-            log.warning("%s: %s; the surviving replicas hold steps %s: rolling back", self.key, why, sorted(steps))
+            log.warning("%s: %s; the surviving trainers hold steps %s: rolling back", self.key, why, sorted(steps))
             return False
         (step,) = steps
         lost_keys = [k for r in gone for k in s.trainer_keys[r * stages : (r + 1) * stages]]
-        s.trainer_keys, s.trainer_silos, s.slots = keys, silos, len(keep)
-        self.resize_data(step, s.slots)  # fewer replicas from ``step``: on from the next unseen sample
-        log.warning("%s: %s; going on with %d replica(s) from step %d (generation %d)", self.key, why, s.slots,
+        s.trainer_keys, s.trainer_silos, s.trainers = keys, silos, len(keep)
+        self.resize_data(step, s.trainers)  # fewer trainers from ``step``: on from the next unseen sample
+        log.warning("%s: %s; going on with %d trainer(s) from step %d (generation %d)", self.key, why, s.trainers,
                     step, s.generation)  # fmt: skip
-        self.note_change(s.generation, f"{why}; shrank to {s.slots} replica(s)", s.slots, step)
+        self.note_change(s.generation, f"{why}; shrank to {s.trainers} trainer(s)", s.trainers, step)
         await self.job.save()
         await asyncio.gather(*(self.ref(PipelineStageGrain, k).release() for k in lost_keys), return_exceptions=True)
         self.progress.clear()
@@ -266,10 +266,10 @@ class PipelineDriver(Driver):
                 await self.commit_step(newest)
                 restore = newest
         await checkpoint.drop_after(self.job.grain, self.key, s.run, restore)
-        self.resize_data(restore or 0, s.slots)
+        self.resize_data(restore or 0, s.trainers)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
-        self.note_change(s.generation, why, s.slots, restore or 0)
+        self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
         await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         self.progress.clear()

@@ -30,7 +30,7 @@ NonFiniteLossError naming the step (the job fails, no rollback); ``skip``
 tells stage 0 (awaited, before the micro-batch's gradient goes back), the
 backwards still run, and stage 0 asks every stage to apply the step with
 ``skip``: no update anywhere, the gradients dropped, the schedule and the
-step counter advanced (hybrid: a step any replica skips, every replica skips).
+step counter advanced (hybrid: a step any trainer skips, every trainer skips).
 
 When stage 0 has every micro-batch's backward, every later stage has too (a
 gradient reaches stage 0 through all of them); it then asks each stage to
@@ -71,7 +71,7 @@ log = logging.getLogger("redgrain.training.stage")
 
 _POINTS = 2000
 _SKIP = "#skip"
-"""Hybrid: the entry of a stage's reduced part that says a replica skips the step."""
+"""Hybrid: the entry of a stage's reduced part that says a trainer skips the step."""
 
 
 @keep_alive
@@ -105,7 +105,7 @@ class PipelineStageGrain(Grain):
         self._steps_done = 0
         self._rate = 0.0
         self._labels: tuple[int, tuple[torch.Tensor, ...]] | None = None
-        self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # hybrid leader: step -> replica -> part
+        self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # hybrid leader: step -> rank -> part
         self._means: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # step -> (mean, fetches left)
         self._reduced = asyncio.Condition()
 
@@ -193,40 +193,40 @@ class PipelineStageGrain(Grain):
         self._skipping.add(step)
 
     async def reduce(self, generation: int, step: int, skip: bool = False) -> bool:
-        """Hybrid: average this stage's gradients and buffers of ``step`` over the replicas; whether
-        any replica skips the step (each replica's stage 0 says ``skip`` for its own)."""
+        """Hybrid: average this stage's gradients and buffers of ``step`` over the trainers; whether
+        any trainer skips the step (each trainer's stage 0 says ``skip`` for its own)."""
         self._check(generation)
         cfg, core = self._cfg, self._core
         assert cfg is not None and core is not None
-        replicas = len(cfg.peer_keys)
-        if replicas <= 1:
+        trainers = len(cfg.peer_keys)
+        if trainers <= 1:
             return skip
         part = await self.run_in_thread(core.local_part)
         part[_SKIP] = torch.tensor(float(skip))
-        if cfg.replica == 0:
-            mean = await self._collect(generation, step, 0, part, replicas)
+        if cfg.rank == 0:
+            mean = await self._collect(generation, step, 0, part, trainers)
         else:
             leader: Any = self.get_grain(PipelineStageGrain, cfg.peer_keys[0])
-            mean = await leader.with_timeout(cfg.spec.step_timeout_s).contribute(generation, step, cfg.replica, part)
+            mean = await leader.with_timeout(cfg.spec.step_timeout_s).contribute(generation, step, cfg.rank, part)
         await self.run_in_thread(core.take_mean, mean)
         return bool(mean[_SKIP] > 0)
 
-    async def contribute(self, generation: int, step: int, replica: int, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Hybrid, replica 0's stage: another replica's part of ``step``; returns the replicas' mean."""
+    async def contribute(self, generation: int, step: int, rank: int, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hybrid, rank 0's stage: another trainer's part of ``step``; returns the trainers' mean."""
         self._check(generation)
         cfg = self._cfg
         assert cfg is not None
-        return await self._collect(generation, step, replica, part, len(cfg.peer_keys))
+        return await self._collect(generation, step, rank, part, len(cfg.peer_keys))
 
     async def _collect(
-        self, generation: int, step: int, replica: int, part: dict[str, torch.Tensor], replicas: int
+        self, generation: int, step: int, rank: int, part: dict[str, torch.Tensor], trainers: int
     ) -> dict[str, torch.Tensor]:
         async with self._reduced:
-            self._parts.setdefault(step, {})[replica] = part
-            if len(self._parts[step]) == replicas:
+            self._parts.setdefault(step, {})[rank] = part
+            if len(self._parts[step]) == trainers:
                 parts = self._parts.pop(step)
                 mean = await self.run_in_thread(StageCore.mean_of, [parts[r] for r in sorted(parts)])
-                self._means[step] = (mean, replicas)
+                self._means[step] = (mean, trainers)
                 self._reduced.notify_all()
             while step not in self._means:
                 self._check(generation)
@@ -263,7 +263,7 @@ class PipelineStageGrain(Grain):
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
         metrics = {k: sum(m[k] for m in self._metrics) / len(self._metrics) for k in self._metrics[0]} if self._metrics else {}
         self._losses, self._metrics = [], []
-        if cfg.replica == 0 and checkpoint.checkpoint_due(cfg.spec, core.step, cfg.end_step):
+        if cfg.rank == 0 and checkpoint.checkpoint_due(cfg.spec, core.step, cfg.end_step):
             snap = await self.run_in_thread(core.snapshot)
             self.start_task(self._save(cfg, snap, generation), name=f"{self.key} checkpoint {snap.step}")
         return StepPoint(step=step, loss=loss, metrics=metrics, at=time.time())
@@ -371,9 +371,9 @@ class PipelineStageGrain(Grain):
         core, cfg, batches = self._core, self._cfg, self._batches
         assert core is not None and cfg is not None and batches is not None
         if self._labels is None or self._labels[0] != step:  # once per step, not per micro-batch
-            replicas = max(1, len(cfg.peer_keys))
+            trainers = max(1, len(cfg.peer_keys))
             _, labels = await self.run_in_thread(
-                batches.batch, cfg.spec.batch_size, replicas, cfg.replica, step, cfg.spec.seed, cfg.data_segments
+                batches.batch, cfg.spec.batch_size, trainers, cfg.rank, step, cfg.spec.seed, cfg.data_segments
             )
             self._labels = (step, tuple(labels.chunk(cfg.spec.microbatches)))
         target = self._labels[1][mb]
@@ -409,12 +409,12 @@ class PipelineStageGrain(Grain):
         assert core is not None and batches is not None
         spec, gen, m = cfg.spec, cfg.generation, cfg.spec.microbatches
         stages = len(cfg.stage_keys)
-        replicas = max(1, len(cfg.peer_keys))
+        trainers = max(1, len(cfg.peer_keys))
         others = [self._peer(i) for i in range(1, stages)]
         t_first: float | None = None
         def gather(step: int) -> asyncio.Future[Any]:
             return asyncio.ensure_future(
-                self.run_in_thread(batches.batch, spec.batch_size, replicas, cfg.replica, step, spec.seed, cfg.data_segments)
+                self.run_in_thread(batches.batch, spec.batch_size, trainers, cfg.rank, step, spec.seed, cfg.data_segments)
             )
 
         upcoming = gather(core.step) if core.step < cfg.end_step else None
@@ -429,9 +429,9 @@ class PipelineStageGrain(Grain):
             await self._wait(asyncio.shield(self._runners[step]), None, "the step")
             skip = step in self._skipping
             self._skipping.discard(step)
-            if replicas > 1:  # hybrid: each stage's gradients averaged over the replicas first
+            if trainers > 1:  # hybrid: each stage's gradients averaged over the trainers first
                 reduced = await asyncio.gather(self.reduce(gen, step, skip), *(p.reduce(gen, step) for p in others))
-                skip = reduced[0]  # a step any replica skips, every replica skips
+                skip = reduced[0]  # a step any trainer skips, every trainer skips
             coef = 1.0
             if spec.clip_grad_norm is not None and not skip:
                 parts = await asyncio.gather(self.norm_sq(gen), *(p.norm_sq(gen) for p in others))
@@ -442,7 +442,7 @@ class PipelineStageGrain(Grain):
             t_first = t_first or now
             self._steps_done += 1
             if self._steps_done > 1:
-                self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)  # this replica
+                self._rate = (self._steps_done - 1) * spec.batch_size / max(1e-9, now - t_first)  # this trainer
             self._points.append(StepPoint(step=step, loss=self._loss, metrics=applied[-1].metrics, at=time.time()))
 
     async def _wait(self, what: Any, timeout_s: float | None, name: str) -> Any:

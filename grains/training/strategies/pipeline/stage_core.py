@@ -54,7 +54,7 @@ class StageCore:
         self.last = cfg.index == len(cfg.stage_keys) - 1
         self.loss_fn = loss_function(spec)
         self.scale = 1.0 / spec.microbatches
-        self.seed, self.rank, self.index, self.microbatches = spec.seed, cfg.replica, cfg.index, spec.microbatches
+        self.seed, self.rank, self.index, self.microbatches = spec.seed, cfg.rank, cfg.index, spec.microbatches
         self.wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.compression)
         """Activations and their gradients travel in this dtype (None: as computed)."""
         self.autocast = spec.amp == "bf16"
@@ -139,7 +139,7 @@ class StageCore:
             return self.on_wire(x.grad) if x.requires_grad else None
 
     def local_part(self) -> dict[str, torch.Tensor]:
-        """Hybrid: this replica's accumulated gradients and floating buffers, to be averaged."""
+        """Hybrid: this trainer's accumulated gradients and floating buffers, to be averaged."""
         with self.lock:
             out = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in self.trainable}
             out.update({n: t.detach().clone() for n, t in self.buffers.items() if t.is_floating_point()})
@@ -154,7 +154,7 @@ class StageCore:
         return {n: t.div_(len(parts)) for n, t in out.items()}
 
     def take_mean(self, mean: dict[str, torch.Tensor]) -> None:
-        """Hybrid: the replicas' mean gradient and buffers replace this replica's own."""
+        """Hybrid: the trainers' mean gradient and buffers replace this trainer's own."""
         with self.lock, torch.no_grad():
             for n, p in self.trainable:
                 p.grad = mean[n].to(p.device, p.dtype).clone()

@@ -1,12 +1,12 @@
-"""The parameter-server driver (modes sync, async, ssp): shards, trainer slots, rollbacks.
+"""The parameter-server driver (modes sync, async, ssp): shards, trainers, rollbacks.
 
-The driver places the shards (the model's tensors split by bytes) and one
-trainer per slot, then every tick asks each shard and trainer how it is doing
-and repairs what it finds:
+The driver places the shards (the model's tensors split by bytes) and the
+trainers (ranks 0 .. trainers-1), then every tick asks each shard and trainer
+how it is doing and repairs what it finds:
 
-- a trainer lost, restarted or failed (shards intact): its slot is run again,
-  from the step the shards expect from it; the others go on (a slot that
-  fails more than ``_MAX_SLOT_FAILURES`` times in a row fails the job);
+- a trainer lost, restarted or failed (shards intact): it runs again at its
+  rank, from the step the shards expect from it; the others go on (a trainer
+  that fails more than ``_MAX_TRAINER_FAILURES`` times in a row fails the job);
 - a shard lost (its activation changed, or it refuses our generation): a
   *rollback*: a new generation, every shard restores the last committed
   checkpoint, every trainer restarts from that step;
@@ -17,7 +17,7 @@ and repairs what it finds:
 Checkpoint step ``c`` is committed once every shard has saved it; the newest
 ``keep_checkpoints`` are kept. With ``trainers = "auto"`` a trainer silo that
 joins gets a trainer at the next committed checkpoint: a new generation
-restores it with one more slot, so nothing is lost.
+restores it with one more trainer, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
 
-_MAX_SLOT_FAILURES = 5
+_MAX_TRAINER_FAILURES = 5
 
 
 def split_by_bytes(sizes: dict[str, int], shards: int) -> list[list[str]]:
@@ -69,7 +69,7 @@ class ParameterServerDriver(Driver):
 
     def __init__(self, job: JobContext, silos: TrainerSilos) -> None:
         super().__init__(job, silos)
-        self._slot_failures: dict[int, int] = {}
+        self._failures: dict[int, int] = {}
 
     # --- what the coordinator asks ------------------------------------------
     def placed(self) -> bool:
@@ -85,7 +85,7 @@ class ParameterServerDriver(Driver):
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
         if not trainer_rows or not shard_rows:
             raise errors.ConfigError("no active silo hosts the training grains (start silos with --grains grains.training)")
-        slots = len(trainer_rows) if spec.trainers == "auto" else int(spec.trainers)
+        trainers = len(trainer_rows) if spec.trainers == "auto" else int(spec.trainers)
         names = split_by_bytes(layout.sizes(), spec.shards)
         train_size = dataset_size(await coord.run_in_thread(load_dataset, spec, "train"))
         all_trainer_rows = cluster.hosting_silos(coord, "TrainerGrain")
@@ -96,18 +96,18 @@ class ParameterServerDriver(Driver):
         ]
         trainer_keys = [
             cluster.key_on("TrainerGrain", f"{self.key}/trainer-{j}", trainer_rows[j % len(trainer_rows)].silo, all_trainer_rows)
-            for j in range(slots)
+            for j in range(trainers)
         ]
         s = self.state
-        s.slots, s.shard_keys, s.shard_names, s.trainer_keys = slots, shard_keys, names, trainer_keys
-        s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(slots)]
-        s.next_trainer = slots
+        s.trainers, s.shard_keys, s.shard_names, s.trainer_keys = trainers, shard_keys, names, trainer_keys
+        s.trainer_silos = [str(trainer_rows[j % len(trainer_rows)].silo) for j in range(trainers)]
+        s.next_trainer = trainers
         s.train_size = train_size
         restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
         s.resumed_from = restore
-        self.resize_data(restore or 0, slots)  # a resume goes on from the restored step's data position
+        self.resize_data(restore or 0, trainers)  # a resume goes on from the restored step's data position
         await self._configure_shards(restore)
-        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(slots)))
+        await asyncio.gather(*(self._run_trainer(j, restore or 0) for j in range(trainers)))
         s.status = "running"
         await self.job.save()
 
@@ -140,7 +140,7 @@ class ParameterServerDriver(Driver):
         for j, r in enumerate(results):
             if isinstance(r, TrainerProgress) and r.generation == s.generation and r.status in ("running", "done"):
                 if self.progress.get(j) is None or r.steps_done != self.progress[j].steps_done:
-                    self._slot_failures[j] = 0
+                    self._failures[j] = 0
                 self.progress[j] = r
                 done += r.status == "done"
                 continue
@@ -149,34 +149,34 @@ class ParameterServerDriver(Driver):
             if any(j >= len(st.next_steps) for st in statuses):
                 # A shard still inside configure() for this generation (a grow whose rollback
                 # timed out while the restore ran) already reports the generation, not yet its
-                # slots: the next tick sees the configured shard and restarts the slot then.
+                # trainers: the next tick sees the configured shard and restarts the trainer then.
                 continue
             why = r.error or r.status
             if r.status == "failed" and r.fatal:
                 # Retrying would fail the same way (the step's contract, a non-finite loss, memory);
                 # out of memory on one silo need not elsewhere: an elastic job sheds that trainer.
-                if r.out_of_memory and len(s.trainer_silos) == s.slots and self.shed(s.trainer_silos[j], why):
-                    await self._drop_slot(j, why)
+                if r.out_of_memory and len(s.trainer_silos) == s.trainers and self.shed(s.trainer_silos[j], why):
+                    await self._drop_trainer(j, why)
                     return
-                raise RuntimeError(f"trainer slot {j}: {why}")
+                raise RuntimeError(f"trainer {j}: {why}")
             if r.status == "failed" and r.generation == s.generation:
-                self._slot_failures[j] = self._slot_failures.get(j, 0) + 1
-                if self._slot_failures[j] > _MAX_SLOT_FAILURES:
-                    raise RuntimeError(f"trainer slot {j} keeps failing: {why}")
+                self._failures[j] = self._failures.get(j, 0) + 1
+                if self._failures[j] > _MAX_TRAINER_FAILURES:
+                    raise RuntimeError(f"trainer {j} keeps failing: {why}")
             start = min(st.next_steps[j] for st in statuses)
-            log.warning("%s: trainer slot %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
+            log.warning("%s: trainer %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
             s.restarts += 1
             self.progress.pop(j, None)  # the lost run's counters; the restarted run reports anew
             restarted.append((j, start, why[:200]))
             with contextlib.suppress(errors.RedgrainError):
-                await self._run_slot(j, start)
+                await self._run_trainer(j, start)
         if restarted:
-            why = "; ".join(f"trainer slot {j} restarted at step {start} ({w})" for j, start, w in restarted)
-            self.note_change(s.generation, why, s.slots, min(st for _, st, _ in restarted), [j for j, _, _ in restarted])
+            why = "; ".join(f"trainer {j} restarted at step {start} ({w})" for j, start, w in restarted)
+            self.note_change(s.generation, why, s.trainers, min(st for _, st, _ in restarted), [j for j, _, _ in restarted])
         self._note_first_step()
         committed = await self._commit(statuses)
         await self.report(statuses)
-        if done == s.slots and self.final_committed():
+        if done == s.trainers and self.final_committed():
             await self.job.finish("completed")
         elif committed and s.spec.trainers == "auto":
             await self._grow_at_checkpoint()
@@ -207,7 +207,7 @@ class ParameterServerDriver(Driver):
         s = self.state
         assert s.spec is not None
         cfgs = [
-            ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, slots=s.slots,
+            ShardConfig(job=self.key, index=i, spec=s.spec, names=names, shard_keys=s.shard_keys, trainers=s.trainers,
                         generation=s.generation, run=s.run, restore_step=restore_step, end_step=s.total_steps,
                         kinds=self._kinds(names))
             for i, names in enumerate(s.shard_names)
@@ -224,15 +224,15 @@ class ParameterServerDriver(Driver):
         own = set(names)
         return TensorKinds(frozen=[n for n in kinds.frozen if n in own], buffers=[n for n in kinds.buffers if n in own])
 
-    async def _run_slot(self, slot: int, start_step: int) -> None:
+    async def _run_trainer(self, rank: int, start_step: int) -> None:
         s = self.state
         assert s.spec is not None
         a = TrainerAssignment(
-            job=self.key, slot=slot, slots=s.slots, spec=s.spec, generation=s.generation, run=s.run,
+            job=self.key, rank=rank, trainers=s.trainers, spec=s.spec, generation=s.generation, run=s.run,
             start_step=start_step, end_step=s.total_steps, shard_keys=s.shard_keys, shard_names=s.shard_names,
             data_segments=list(s.data_segments),
         )  # fmt: skip
-        await self.ref(TrainerGrain, s.trainer_keys[slot], 120.0).run(a)
+        await self.ref(TrainerGrain, s.trainer_keys[rank], 120.0).run(a)
 
     async def _rollback(self, why: str) -> None:
         s = self.state
@@ -240,18 +240,18 @@ class ParameterServerDriver(Driver):
         s.generation += 1
         s.rollbacks += 1
         restore = await self._restore_point()
-        # The data position of the restored step goes on with the (maybe new) slot count; an
+        # The data position of the restored step goes on with the (maybe new) trainer count; an
         # epochs job's last step follows it, before the shards learn their end step.
-        self.resize_data(restore or 0, s.slots)
+        self.resize_data(restore or 0, s.trainers)
         log.warning("%s: %s; rolling back to %s (generation %d)", self.key, why,
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
-        self.note_change(s.generation, why, s.slots, restore or 0)
+        self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
         await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         await self._configure_shards(restore)
         self.progress.clear()
         self.cursor = restore or 0
-        await asyncio.gather(*(self._run_slot(j, restore or 0) for j in range(s.slots)))
+        await asyncio.gather(*(self._run_trainer(j, restore or 0) for j in range(s.trainers)))
         await self.job.save()
 
     async def _restore_point(self) -> int | None:
@@ -288,7 +288,7 @@ class ParameterServerDriver(Driver):
         """Trainers 'auto': give each trainer silo that has none a trainer.
 
         Done right after a checkpoint is committed: a new generation restores it with the
-        extra slots (the data goes on from the next unseen sample), so almost no work is lost.
+        extra trainers (the data goes on from the next unseen sample), so almost no work is lost.
         """
         s = self.state
         if len(s.trainer_silos) != len(s.trainer_keys):
@@ -302,35 +302,35 @@ class ParameterServerDriver(Driver):
             s.next_trainer += 1
             s.trainer_keys.append(key)
             s.trainer_silos.append(row.address)
-        s.slots = len(s.trainer_keys)
+        s.trainers = len(s.trainer_keys)
         why = f"trainer silo(s) {', '.join(r.address for r in joined)} joined"
         try:
             await self._rollback(why)
         except errors.RedgrainError as exc:
-            log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
+            log.warning("%s: growing to %d trainers incomplete (%s); retrying", self.key, s.trainers, exc)
 
-    async def _drop_slot(self, slot: int, why: str) -> None:
-        """Go on without trainer ``slot``: the others roll back to the last checkpoint with one
-        slot fewer, the data going on from there (as a joining trainer is taken in, in reverse)."""
+    async def _drop_trainer(self, rank: int, why: str) -> None:
+        """Go on without trainer ``rank``: the others roll back to the last checkpoint with one
+        trainer fewer, the data going on from there (as a joining trainer is taken in, in reverse)."""
         s = self.state
-        key, silo = s.trainer_keys.pop(slot), s.trainer_silos.pop(slot)
-        s.slots = len(s.trainer_keys)
+        key, silo = s.trainer_keys.pop(rank), s.trainer_silos.pop(rank)
+        s.trainers = len(s.trainer_keys)
         with contextlib.suppress(errors.RedgrainError):
             await self.ref(TrainerGrain, key).release()
         self.progress.clear()
-        self._slot_failures.clear()
+        self._failures.clear()
         try:
-            await self._rollback(f"trainer slot {slot} on {silo} shed ({why[:200]})")
+            await self._rollback(f"trainer {rank} on {silo} shed ({why[:200]})")
         except errors.RedgrainError as exc:
-            log.warning("%s: shrinking to %d trainers incomplete (%s); retrying", self.key, s.slots, exc)
+            log.warning("%s: shrinking to %d trainers incomplete (%s); retrying", self.key, s.trainers, exc)
 
     def _note_first_step(self) -> None:
-        """Fill in when the current change's restarted slots all committed a step (recovery time)."""
+        """Fill in when the current change's restarted trainers all committed a step (recovery time)."""
         s = self.state
         if not s.changes or s.changes[-1].generation != s.generation or s.changes[-1].first_step_at is not None:
             return
         change = s.changes[-1]
-        slots = change.slots or list(range(s.slots))
-        firsts = [self.progress[j].first_step_at if j in self.progress else None for j in slots]
+        ranks = change.ranks or list(range(s.trainers))
+        firsts = [self.progress[j].first_step_at if j in self.progress else None for j in ranks]
         if all(t is not None for t in firsts):
             change.first_step_at = max(t for t in firsts if t is not None)

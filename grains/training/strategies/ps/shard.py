@@ -4,15 +4,15 @@ One call per trainer per step, :meth:`ParamShardGrain.exchange`, pushes that
 trainer's gradients and returns the parameters it should use next, waiting
 as the mode says:
 
-- ``sync``: gradients of step t are summed until every slot has pushed, then
+- ``sync``: gradients of step t are summed until every trainer has pushed, then
   averaged and applied once (torch's own optimizer, fp32 master weights);
   the reply waits for version t+1. Same math as one process on the global
   batch.
 - ``async``: every push is applied as it comes; the reply never waits.
 - ``ssp``: like async, but the reply waits while the caller is more than
-  ``staleness`` steps ahead of the slowest slot.
+  ``staleness`` steps ahead of the slowest trainer.
 
-A push carries ``(slot, step)``; one the shard has already taken is ignored,
+A push carries ``(rank, step)``; one the shard has already taken is ignored,
 so a retried push is applied once. The shard is ``@reentrant``: a waiting
 exchange never blocks the pushes that will release it. Every call carries the
 coordinator's generation; after a rollback, calls of an older generation are
@@ -23,8 +23,8 @@ optimizer, parameter groups, a learning-rate schedule stepped once per global
 step). A shard also holds its part of the frozen parameters (sent once, on a
 trainer's first pull) and of the persistent buffers: trainers push their
 buffers with their gradients; in sync mode the shard sets each floating
-buffer to the mean of the slots' values of the step (integer ones, like
-``num_batches_tracked``, to any slot's: they count alike), in async and ssp
+buffer to the mean of the trainers' values of the step (integer ones, like
+``num_batches_tracked``, to any trainer's: they count alike), in async and ssp
 to the value of the latest push. With ``clip_grad_norm`` in sync mode the
 shards of a job exchange the squared norms of their parts of the averaged
 gradient (:meth:`ParamShardGrain.norm_part`), so all clip by one global norm.
@@ -69,8 +69,8 @@ from grains.training.strategies.ps.shard_core import ShardCore
 log = logging.getLogger("redgrain.training.shard")
 
 
-def async_lr_scale(slots: int) -> float:
-    """The factor on each param group's lr for one async push: 1/slots.
+def async_lr_scale(trainers: int) -> float:
+    """The factor on each param group's lr for one async push: 1/trainers.
 
     Zhang, Gupta, Lian and Liu, "Staleness-aware Async-SGD for Distributed Deep
     Learning" (IJCAI 2016): divide the synchronous rate by the mean staleness,
@@ -79,7 +79,7 @@ def async_lr_scale(slots: int) -> float:
     take k full steps per global step on gradients several versions old, and
     momentum-SGD diverges (measured: 38-93% where sync reaches 97%).
     """
-    return 1.0 / max(1, slots)
+    return 1.0 / max(1, trainers)
 
 
 def make_optimizer(params: list[nn.Parameter], spec: Any) -> torch.optim.Optimizer:
@@ -117,10 +117,10 @@ class ParamShardGrain(Grain):
         self._mode = "sync"
         self._staleness = 0
         self._every = 0
-        self._next: list[int] = []  # per slot: next step expected (taken pushes)
-        self._applied: list[int] = []  # per slot: next step whose push is not yet applied
+        self._next: list[int] = []  # per rank: next step expected (taken pushes)
+        self._applied: list[int] = []  # per rank: next step whose push is not yet applied
         self._acc_step = -1
-        self._acc_slots: set[int] = set()
+        self._acc_ranks: set[int] = set()
         self._next_ckpt = 0
         self._saved: list[int] = []
         self._changed = asyncio.Condition()
@@ -144,9 +144,9 @@ class ParamShardGrain(Grain):
             start = cfg.restore_step or 0
             self._cfg, self._core = cfg, core
             self._mode, self._staleness, self._every = cfg.spec.mode, cfg.spec.staleness, cfg.spec.checkpoint_every
-            self._next = [start] * cfg.slots
-            self._applied = [start] * cfg.slots
-            self._acc_step, self._acc_slots = -1, set()
+            self._next = [start] * cfg.trainers
+            self._applied = [start] * cfg.trainers
+            self._acc_step, self._acc_ranks = -1, set()
             self._end = cfg.end_step
             self._next_ckpt = self._checkpoint_after(start)
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
@@ -183,7 +183,7 @@ class ParamShardGrain(Grain):
     async def exchange(
         self,
         generation: int,
-        slot: int,
+        rank: int,
         step: int,
         grads: dict[str, Payload] | None,
         base_version: int,
@@ -191,15 +191,15 @@ class ParamShardGrain(Grain):
         buffers: dict[str, torch.Tensor] | None = None,
         skip: bool = False,
     ) -> ExchangeReply:
-        """Push ``grads`` (and ``buffers``) of ``(slot, step)`` (None: pull only), then return what
+        """Push ``grads`` (and ``buffers``) of ``(rank, step)`` (None: pull only), then return what
         the mode allows; ``skip``: the step's update is skipped (on every shard)."""
         self._check(generation)
         staleness = 0
         if grads is not None:
             # Shielded: a push the shard has taken is applied whole even if the caller gives up
             # (a restarted trainer's retry is then a duplicate, never half a step).
-            staleness = await asyncio.shield(self._push(generation, slot, step, grads, base_version, buffers, skip))
-        gap = await self._wait_turn(generation, slot, step + (grads is not None))
+            staleness = await asyncio.shield(self._push(generation, rank, step, grads, base_version, buffers, skip))
+        gap = await self._wait_turn(generation, rank, step + (grads is not None))
         core = self._core
         assert core is not None
         version, published = core.current
@@ -216,15 +216,15 @@ class ParamShardGrain(Grain):
             )
 
     async def _push(
-        self, generation: int, slot: int, step: int, grads: dict[str, Payload], base: int,
+        self, generation: int, rank: int, step: int, grads: dict[str, Payload], base: int,
         buffers: dict[str, torch.Tensor] | None, skip: bool,
     ) -> int:  # fmt: skip
-        if step < self._next[slot]:
+        if step < self._next[rank]:
             self._duplicates += 1
             return 0
-        if self._mode == "sync" and step != self._next[slot]:
-            raise StaleGenerationError(f"{self.key}: slot {slot} pushed step {step}, expected {self._next[slot]}")
-        self._next[slot] = step + 1
+        if self._mode == "sync" and step != self._next[rank]:
+            raise StaleGenerationError(f"{self.key}: trainer {rank} pushed step {step}, expected {self._next[rank]}")
+        self._next[rank] = step + 1
         self._pushes += 1
         self._bytes_in += sum(payload_nbytes(p) for p in grads.values())
         core = self._core
@@ -234,8 +234,8 @@ class ParamShardGrain(Grain):
                 self._check(generation)
                 first = self._acc_step != step
                 if first:
-                    self._acc_step, self._acc_slots = step, set()
-                last = len(self._acc_slots | {slot}) == len(self._next)
+                    self._acc_step, self._acc_ranks = step, set()
+                last = len(self._acc_ranks | {rank}) == len(self._next)
                 scale = 1.0 / len(self._next)
                 if last and core.clip is not None:
                     await self.run_in_thread(core.accumulate, grads, buffers, skip, first)
@@ -246,8 +246,8 @@ class ParamShardGrain(Grain):
                 else:
                     # One thread hop: the push that completes the step also applies it.
                     await self.run_in_thread(core.push_sync, grads, buffers, skip, first, scale if last else None, step)
-                self._acc_slots.add(slot)
-                self._applied[slot] = step + 1
+                self._acc_ranks.add(rank)
+                self._applied[rank] = step + 1
                 if last:
                     await self._maybe_snapshot(core)
             staleness = 0
@@ -256,7 +256,7 @@ class ParamShardGrain(Grain):
             async with self._lock:
                 self._check(generation)
                 staleness = core.version - base if base >= 0 else 0
-                self._applied[slot] = step + 1
+                self._applied[rank] = step + 1
                 await self.run_in_thread(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(staleness))
                 await self._maybe_snapshot(core)
         self._max_staleness = max(self._max_staleness, staleness)
@@ -265,7 +265,7 @@ class ParamShardGrain(Grain):
         return staleness
 
     def _lr_scale(self, staleness: int) -> float:
-        """async: each push steps at lr / slots, so the k pushes of a global step move the weights
+        """async: each push steps at lr / trainers, so the k pushes of a global step move the weights
         as far as one sync step does (staleness-aware rate, see docs/training.md). ssp keeps the
         job's rate: its bound holds the mean staleness under one update (measured: 0.8), where
         the same rule gives lr / max(1, staleness) = lr."""
@@ -305,7 +305,7 @@ class ParamShardGrain(Grain):
         # Called under self._lock, right after an apply: nothing else can change the tensors.
         if not self._next_ckpt or self._done_step() < self._next_ckpt:
             return
-        if self._mode == "sync" and self._acc_step >= self._next_ckpt and len(self._acc_slots) < len(self._next):
+        if self._mode == "sync" and self._acc_step >= self._next_ckpt and len(self._acc_ranks) < len(self._next):
             return  # a later step is half accumulated; cannot happen in sync, kept as a guard
         step = self._next_ckpt
         snap = await self.run_in_thread(core.snapshot, step)
@@ -333,7 +333,7 @@ class ParamShardGrain(Grain):
                 self._check(generation)
                 await self._changed.wait()
 
-    async def _wait_turn(self, generation: int, slot: int, next_step: int) -> int:
+    async def _wait_turn(self, generation: int, rank: int, next_step: int) -> int:
         """Block the reply as the mode says; returns the ssp gap at release."""
         if self._mode == "async":
             return 0

@@ -68,7 +68,7 @@ class ShardCore:
         self._held: dict[str, Payload] | None = None  # the step's first push, not yet summed
         self.buf_acc: dict[str, torch.Tensor] = {}
         self.skip = False
-        """A slot flagged the step being summed as skipped."""
+        """A trainer flagged the step being summed as skipped."""
         self.skipped = 0
         version = 0
         if snapshot is not None:
@@ -145,7 +145,7 @@ class ShardCore:
     def summed(self, scale: float) -> dict[str, torch.Tensor]:
         """The step's gradient sum times ``scale`` (a single push: that push), as gradients."""
         held, self._held = self._held, None
-        if held is not None:  # one slot: nothing was summed
+        if held is not None:  # one trainer: nothing was summed
             grads = {n: _as_grad(p, held[n]) for n, p in self.params.items()}
             if scale != 1.0:
                 grads = {n: g * scale for n, g in grads.items()}
@@ -158,7 +158,7 @@ class ShardCore:
     def push_sync(
         self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool, scale: float | None, step: int
     ) -> None:
-        """Add one slot's push to the step's sum; with ``scale`` (the last slot), apply the mean."""
+        """Add one trainer's push to the step's sum; with ``scale`` (the last trainer), apply the mean."""
         self.accumulate(grads, buffers, skip, first)
         if scale is not None:
             self.finish_step(self.summed(scale), scale, step + 1)

@@ -1,7 +1,7 @@
-"""TrainerGrain: a model replica and one data slot, stepping against the shards.
+"""TrainerGrain: one parameter-server trainer, a copy of the model stepping against the shards.
 
 Per step: load the parameters the shards last sent, forward/backward on this
-slot's batch (optionally under bf16 autocast), compress the gradients (with
+trainer's batch (optionally under bf16 autocast), compress the gradients (with
 error feedback) and send one ``exchange`` per shard, all shards at once. The
 compute runs on the silo's executor; the next batch is gathered right after
 backward, so it is ready when the step ends. In async mode the exchange of
@@ -17,7 +17,7 @@ exactly.
 
 The loop is a background task of the activation, so ``progress`` and ``stop``
 are answered while it runs. It never retries on its own: on any error it
-stops and reports, and the coordinator decides (restart this slot, or roll
+stops and reports, and the coordinator decides (restart this trainer, or roll
 everyone back to the last checkpoint).
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, interleave, keep_alive
@@ -74,7 +74,7 @@ class StepResult:
     """Nothing of this step is to be applied (non-finite loss with on_nonfinite='skip', fp16 overflow)."""
 
 
-class Replica:
+class TrainerCore:
     """The model, the data and the compressor of one trainer run (used from the executor only)."""
 
     def __init__(self, a: TrainerAssignment, device: str) -> None:
@@ -90,7 +90,7 @@ class Replica:
         self.shard_buffers = [[n for n in names if n in self.buffers] for names in a.shard_names]
         self.batches = job_batches(spec, "train", device, spec.loader_workers)
         self._stream = self.batches.iterate(
-            spec.slot_batch, a.slots, a.slot, a.start_step, a.end_step, spec.seed, a.data_segments
+            spec.trainer_batch, a.trainers, a.rank, a.start_step, a.end_step, spec.seed, a.data_segments
         )
         self._next_step = a.start_step
         self.compressor = Compressor(parse_compression(spec.compression))
@@ -127,8 +127,8 @@ class Replica:
         batch = self.batch(step)
         epoch = 0
         if self.runner.program.context:  # only a step that takes a context is told its epoch
-            epoch = self.batches.schedule(self.a.spec.slot_batch, self.a.slots, self.a.data_segments).position(step)[0]
-        b = self.runner.backward(self.model, batch, step, slot=self.a.slot, world=self.a.slots, epoch=epoch)
+            epoch = self.batches.schedule(self.a.spec.trainer_batch, self.a.trainers, self.a.data_segments).position(step)[0]
+        b = self.runner.backward(self.model, batch, step, rank=self.a.rank, trainers=self.a.trainers, epoch=epoch)
         # An fp16 overflow skips the step as a non-finite loss does: the shards apply nothing.
         skip = b.skip or self.runner.unscale([p.grad for p in self.trainable if p.grad is not None])
         grads: list[dict[str, Payload]]
@@ -148,7 +148,7 @@ class Replica:
         """End the batch stream (stops DataLoader workers, if any)."""
         close = getattr(self._stream, "close", None)
         if close is not None:
-            with contextlib.suppress(ValueError):  # a step still reading it (cancelled): it ends with the replica
+            with contextlib.suppress(ValueError):  # a step still reading it (cancelled): it ends with the core
                 close()
 
     def _grad(self, name: str) -> torch.Tensor:
@@ -157,16 +157,18 @@ class Replica:
 
 
 class ResidualSnapshot(BaseModel):
-    """A trainer slot's own state at checkpoint step ``step``: its error-feedback residual and loss scale."""
+    """A trainer's own state at checkpoint step ``step``: its error-feedback residual and loss scale.
+
+    Saved in the trainer's state: ``trainers`` is read under its old name ``slots`` too."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     step: int
-    slots: int
+    trainers: int = Field(validation_alias=AliasChoices("trainers", "slots"))
     """Trainer count of the job when saved (a residual is only reused with the same split)."""
     residual: dict[str, torch.Tensor]
     scaler: dict[str, float] = Field(default_factory=dict)
-    """The slot's fp16 loss scaler (:meth:`StepRunner.state_dict`; {}: none)."""
+    """The trainer's fp16 loss scaler (:meth:`StepRunner.state_dict`; {}: none)."""
 
 
 class TrainerState(BaseModel):
@@ -176,7 +178,7 @@ class TrainerState(BaseModel):
 
 
 def residual_group(a: TrainerAssignment) -> str:
-    return f"training.{a.job}.r{a.run}.residual.{a.slot}"
+    return f"training.{a.job}.r{a.run}.residual.{a.rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +218,7 @@ class TrainerGrain(Grain):
         await self._cancel()
         a = assignment
         self._p = TrainerProgress(
-            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, slot=a.slot,
+            activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, rank=a.rank,
             status="running", step=a.start_step,
         )  # fmt: skip
         self._times.clear()
@@ -230,7 +232,7 @@ class TrainerGrain(Grain):
             self._p.status = "idle"
 
     async def release(self) -> None:
-        """The job is over: stop, drop the replica with the loop, and deactivate."""
+        """The job is over: stop, drop the model and data with the loop, and deactivate."""
         await self._cancel()
         self._evaluations.clear()
         self.deactivate_on_idle()
@@ -266,38 +268,38 @@ class TrainerGrain(Grain):
             self._p.fatal = is_fatal(exc)
             self._p.out_of_memory = is_out_of_memory(exc)
 
-    async def _compute(self, rep: Replica, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
+    async def _compute(self, core: TrainerCore, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
         """One step on the executor; a step longer than ``step_timeout_s`` fails this run (the
-        coordinator restarts the slot: a new replica; the late thread only touches the old one)."""
+        coordinator restarts the trainer: a new core; the late thread only touches the old one)."""
         try:
-            return await asyncio.wait_for(self.run_in_thread(rep.step, payloads, step), timeout_s)
+            return await asyncio.wait_for(self.run_in_thread(core.step, payloads, step), timeout_s)
         except TimeoutError:
             raise TimeoutError(f"step {step} took longer than step_timeout_s={timeout_s}") from None
 
     async def _train(self, a: TrainerAssignment) -> None:
-        rep = await self.run_in_thread(Replica, a, self.device)
+        core = await self.run_in_thread(TrainerCore, a, self.device)
         try:
-            await self._steps(a, rep)
+            await self._steps(a, core)
         finally:
-            await asyncio.shield(self.run_in_thread(rep.close))
+            await asyncio.shield(self.run_in_thread(core.close))
 
-    async def _steps(self, a: TrainerAssignment, rep: Replica) -> None:
+    async def _steps(self, a: TrainerAssignment, core: TrainerCore) -> None:
         shards: list[Any] = [
             self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s)  # type: ignore[attr-defined]
             for key in a.shard_keys
         ]
         n = len(shards)
-        versions = [-1] * n  # version of the parameters the replica holds (or will load next)
+        versions = [-1] * n  # version of the parameters the core holds (or will load next)
         base = [-1] * n  # version the next gradients are computed on
         replies = await asyncio.gather(
-            *(s.exchange(a.generation, a.slot, a.start_step, None, -1, -1) for s in shards)
+            *(s.exchange(a.generation, a.rank, a.start_step, None, -1, -1) for s in shards)
         )
         payloads = self._take(replies, versions)
-        # Per-slot state that lives outside the shards: the residual (lossy compression) and the
+        # Per-trainer state that lives outside the shards: the residual (lossy compression) and the
         # loss scale (fp16), saved with each checkpoint so a restart from it continues with both.
-        own_state = rep.compressor.lossy or rep.runner.scaler is not None
+        own_state = core.compressor.lossy or core.runner.scaler is not None
         if own_state and a.start_step:
-            await self._restore_residual(a, rep)
+            await self._restore_residual(a, core)
         pipelined = a.spec.mode == "async"
         pending: asyncio.Future[list[ExchangeReply]] | None = None
         step = a.start_step
@@ -305,7 +307,7 @@ class TrainerGrain(Grain):
             for i, p in enumerate(payloads):
                 if p:
                     base[i] = versions[i]
-            r = await self._compute(rep, [p for p in payloads if p], step, a.spec.step_timeout_s)
+            r = await self._compute(core, [p for p in payloads if p], step, a.spec.step_timeout_s)
             payloads = [{} for _ in range(n)]
             if pending is not None:
                 payloads = self._take(await self._timed(pending), versions)
@@ -313,10 +315,10 @@ class TrainerGrain(Grain):
             self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
             if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
-                await self._save_residual(a, rep, step + 1)
+                await self._save_residual(a, core, step + 1)
             fut = asyncio.gather(
                 *(
-                    s.exchange(a.generation, a.slot, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
+                    s.exchange(a.generation, a.rank, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
                     for i, s in enumerate(shards)
                 )
             )
@@ -337,9 +339,9 @@ class TrainerGrain(Grain):
         finally:
             self._p.exchange_s += time.perf_counter() - t0
 
-    async def _save_residual(self, a: TrainerAssignment, rep: Replica, step: int) -> None:
-        residual = {n: t.to("cpu") for n, t in rep.compressor.residual().items()}
-        snap = ResidualSnapshot(step=step, slots=a.slots, residual=residual, scaler=rep.runner.state_dict())
+    async def _save_residual(self, a: TrainerAssignment, core: TrainerCore, step: int) -> None:
+        residual = {n: t.to("cpu") for n, t in core.compressor.residual().items()}
+        snap = ResidualSnapshot(step=step, trainers=a.trainers, residual=residual, scaler=core.runner.state_dict())
         self.state = TrainerState(snapshot=snap)
         try:
             await self.save_snapshot(residual_group(a), step, keep=a.spec.keep_checkpoints + 1)
@@ -353,7 +355,7 @@ class TrainerGrain(Grain):
         finally:
             self.state = TrainerState()
 
-    async def _restore_residual(self, a: TrainerAssignment, rep: Replica) -> None:
+    async def _restore_residual(self, a: TrainerAssignment, core: TrainerCore) -> None:
         try:
             await self.load_snapshot(residual_group(a), a.start_step, write=False)
         except errors.StorageError as exc:
@@ -361,9 +363,9 @@ class TrainerGrain(Grain):
             return
         snap, self.state = self.state.snapshot, TrainerState()
         if snap is not None and snap.step == a.start_step:
-            rep.runner.load_state_dict(snap.scaler)  # a loss scale is the slot's whatever the split
-            if snap.slots == a.slots:
-                rep.compressor.restore({n: t.to(rep.device) for n, t in snap.residual.items()})
+            core.runner.load_state_dict(snap.scaler)  # a loss scale is the trainer's whatever the split
+            if snap.trainers == a.trainers:
+                core.compressor.restore({n: t.to(core.device) for n, t in snap.residual.items()})
 
     def _take(self, replies: list[ExchangeReply], versions: list[int]) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []

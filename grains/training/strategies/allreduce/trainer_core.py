@@ -1,6 +1,6 @@
-"""One all-reduce trainer's model, optimizer and data (its grain: allreduce.py).
+"""One all-reduce trainer's model, optimizer and data (its grain: trainer.py).
 
-:class:`GroupReplica` runs a step of mode ``allreduce``: forward/backward on
+:class:`TrainerCore` runs a step of mode ``allreduce``: forward/backward on
 this rank's slice of the global batch (the job's own step, at its
 precision), one collective averaging the flattened gradients, one averaging
 the floating buffers (BatchNorm statistics) when the model has any, then
@@ -51,7 +51,7 @@ class StepResult:
     """Time in the step's collectives."""
 
 
-class GroupReplica:
+class TrainerCore:
     """The model, optimizer and data of one trainer; every method runs on the executor.
 
     ``held`` is ``(run, step)``: the state is that after ``step`` committed steps of
@@ -119,7 +119,7 @@ class GroupReplica:
                 scaler=self.runner.state_dict(),
             )
 
-    def step(self, step: int, rank: int, world: int, group: Collective, abandon: threading.Event) -> StepResult:
+    def step(self, step: int, rank: int, trainers: int, group: Collective, abandon: threading.Event) -> StepResult:
         """Forward/backward on this rank's slice of global step ``step``, average, apply.
 
         A rank whose loss is non-finite (``on_nonfinite = "skip"``) sends NaN gradients, so
@@ -127,12 +127,12 @@ class GroupReplica:
         """
         with self._lock:
             if self.held[1] != step:
-                raise RuntimeError(f"replica holds step {self.held[1]}, asked to run step {step}")
-            batch = self.batches.batch(self.spec.slot_batch, world, rank, step, self.spec.seed, self.segments)
+                raise RuntimeError(f"trainer holds step {self.held[1]}, asked to run step {step}")
+            batch = self.batches.batch(self.spec.trainer_batch, trainers, rank, step, self.spec.seed, self.segments)
             epoch = 0
             if self.runner.program.context:  # only a step that takes a context is told its epoch
-                epoch = self.batches.schedule(self.spec.slot_batch, world, self.segments).position(step)[0]
-            b = self.runner.backward(self.model, batch, step, slot=rank, world=world, epoch=epoch)
+                epoch = self.batches.schedule(self.spec.trainer_batch, trainers, self.segments).position(step)[0]
+            b = self.runner.backward(self.model, batch, step, rank=rank, trainers=trainers, epoch=epoch)
             if b.skip:  # non-finite loss, on_nonfinite = "skip": the mean is non-finite everywhere
                 self.flat.fill_(math.nan)
             else:
