@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,19 @@ class StepContext:
     def log(self, name: str, value: float | torch.Tensor) -> None:
         """Report ``value`` (a number or a one-element tensor) as this step's ``name``."""
         self.logged.update(numbers({name: value}, "ctx.log"))
+
+    # The names of the first release of the context; steps written against it keep working.
+    @property
+    def slot(self) -> int:
+        """Deprecated spelling of :attr:`rank`."""
+        warnings.warn("StepContext.slot is StepContext.rank", DeprecationWarning, stacklevel=2)
+        return self.rank
+
+    @property
+    def world(self) -> int:
+        """Deprecated spelling of :attr:`trainers`."""
+        warnings.warn("StepContext.world is StepContext.trainers", DeprecationWarning, stacklevel=2)
+        return self.trainers
 
 
 def takes_context(fn: Callable[..., Any]) -> bool:

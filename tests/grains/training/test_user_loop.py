@@ -172,3 +172,13 @@ async def test_init_from_a_plain_loops_checkpoint_carries_its_adam_state_into_th
         from grains.training.api.job import parse_job
 
         parse_job({"init_optimizer": True})
+
+
+def test_the_step_contexts_first_names_still_read_with_a_deprecation_warning():
+    from grains.training.loop.program import StepContext
+
+    ctx = StepContext(step=3, epoch=0, rank=1, trainers=2, device="cpu")
+    with pytest.deprecated_call(match="rank"):
+        assert ctx.slot == 1
+    with pytest.deprecated_call(match="trainers"):
+        assert ctx.world == 2
