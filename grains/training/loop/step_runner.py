@@ -26,6 +26,7 @@ The runner's state (the scaler's) is part of every mode's snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,7 +80,13 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
 
 
 class StepRunner:
-    """The step policy of one holder of trainable parameters ``params`` (used off the loop)."""
+    """The step policy of one holder of trainable parameters ``params`` (used off the loop).
+
+    A PS trainer or an all-reduce rank runs the user's whole step through :meth:`backward`; a
+    pipeline stage, whose forward and backward are split by micro-batch and whose loss is the
+    last stage's, takes the same policy piece by piece: :meth:`forward_context` around each
+    forward, :meth:`nonfinite` on the loss, :meth:`clip_coefficient` over every stage's norm.
+    """
 
     def __init__(self, spec: TrainingJob, device: str, params: Iterable[nn.Parameter]) -> None:
         self.program = Program.of(spec, device)
@@ -100,10 +107,10 @@ class StepRunner:
         sums: dict[str, float] = {}
         for i, chunk in enumerate(split_batch(batch, self.chunks)):
             ctx = StepContext(step=step, epoch=epoch, rank=rank, trainers=trainers, device=self.program.device)
-            with draws(self.seed, step, rank, self.program.device, part=i):  # a resumed step draws as the first run did
-                loss, metrics = self.program.step(model, chunk, ctx)
+            with self.draws(step, rank, part=i):  # a resumed step draws as the first run did
+                loss, metrics = self.program.step(model, chunk, ctx)  # under autocast
             value = float(loss.detach())  # one read of the loss a chunk (on CUDA each read waits)
-            if nonfinite(value, step, self.policy):
+            if self.nonfinite(value, step):
                 for p in self.params:
                     p.grad = None
                 return Backward(value, metrics, batch_samples(batch), True)
@@ -115,6 +122,29 @@ class StepRunner:
             (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
         n = len(losses)
         return Backward(sum(losses) / n, {k: v / n for k, v in sums.items()}, batch_samples(batch), False)
+
+    def draws(self, step: int, rank: int, part: int = 0) -> contextlib.AbstractContextManager[None]:
+        """Around a forward: torch's generators seeded for (step, rank, part), held by this thread
+        (:mod:`grains.training.loop.rng`)."""
+        return draws(self.seed, step, rank, self.program.device, part)
+
+    def forward_context(self, step: int, rank: int, part: int = 0) -> contextlib.ExitStack[bool | None]:
+        """Around a forward that is not the user's whole step (a pipeline stage's): the step's
+        seeded draws and the job's autocast, as :meth:`backward` runs the user's step."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.draws(step, rank, part))
+        stack.enter_context(self.program.autocast())
+        return stack
+
+    def nonfinite(self, value: float, step: int) -> bool:
+        """The job's non-finite rule for a loss of ``step``: True to skip the step, False to go on
+        (``on_nonfinite = "fail"``: raises NonFiniteLossError naming the step)."""
+        return nonfinite(value, step, self.policy)
+
+    def clip_coefficient(self, squared_norm: float) -> float:
+        """The factor on the gradients whose squared global norm is ``squared_norm`` (the sum over
+        every holder of the step's parameters) that ``clip_grad_norm`` asks for; 1.0 without it."""
+        return 1.0 if self.clip_norm is None else clip_coefficient(math.sqrt(squared_norm), self.clip_norm)
 
     def grads(self) -> list[torch.Tensor]:
         """The parameters' gradients (zeros where a parameter took no part in the loss)."""
@@ -140,7 +170,7 @@ class StepRunner:
         grads = list(grads)
         if self.clip_norm is None or not grads:
             return
-        coef = clip_coefficient(math.sqrt(squared_norm(grads)), self.clip_norm)
+        coef = self.clip_coefficient(squared_norm(grads))
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -59,8 +58,7 @@ from grains.placement import hash_placement, immovable, keep_alive, reentrant
 from grains.training.api.messages import StageConfig, StageStatus, StaleGenerationError, StepPoint
 from grains.training.api.records import MicroBatchSpan
 from grains.training.data.batches import Batches, job_batches
-from grains.training.loop.optim import clip_coefficient
-from grains.training.loop.program import is_fatal, nonfinite
+from grains.training.loop.program import is_fatal
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
 from grains.training.strategies.pipeline.partition import stage_module, tensor_names
@@ -378,7 +376,7 @@ class PipelineStageGrain(Grain):
             self._labels = (step, tuple(labels.chunk(cfg.spec.microbatches)))
         target = self._labels[1][mb]
         loss, metrics, grad = await self.run_in_thread(core.loss_backward, mb, target)
-        if nonfinite(loss, step, cfg.spec.on_nonfinite):  # "fail" raised: fatal, the job fails
+        if core.runner.nonfinite(loss, step):  # "fail" raised: fatal, the job fails
             # Stage 0 knows before this micro-batch's gradient goes back, so before it applies.
             await (self.skip_step(generation, step) if cfg.index == 0 else self._peer(0).skip_step(generation, step))
         self._losses.append(loss)
@@ -435,7 +433,7 @@ class PipelineStageGrain(Grain):
             coef = 1.0
             if spec.clip_grad_norm is not None and not skip:
                 parts = await asyncio.gather(self.norm_sq(gen), *(p.norm_sq(gen) for p in others))
-                coef = clip_coefficient(math.sqrt(sum(parts)), spec.clip_grad_norm)
+                coef = core.runner.clip_coefficient(sum(parts))
             applied = await asyncio.gather(self.apply(gen, step, coef, skip), *(p.apply(gen, step, coef, skip) for p in others))
             self._loss = float(applied[-1].loss)
             now = time.monotonic()

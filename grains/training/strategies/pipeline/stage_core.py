@@ -28,7 +28,7 @@ from grains.training.loop.optim import (
     step_schedule,
 )
 from grains.training.loop.program import loss_function, run_loss
-from grains.training.loop.rng import draws
+from grains.training.loop.step_runner import StepRunner
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
 
@@ -54,10 +54,13 @@ class StageCore:
         self.last = cfg.index == len(cfg.stage_keys) - 1
         self.loss_fn = loss_function(spec)
         self.scale = 1.0 / spec.microbatches
-        self.seed, self.rank, self.index, self.microbatches = spec.seed, cfg.rank, cfg.index, spec.microbatches
+        self.rank, self.index, self.microbatches = cfg.rank, cfg.index, spec.microbatches
         self.wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.compression)
         """Activations and their gradients travel in this dtype (None: as computed)."""
-        self.autocast = spec.amp == "bf16"
+        self.runner = StepRunner(spec, device, [p for _, p in self.module.named_parameters()])
+        """The job's step policy, the one of every mode: this stage's forwards run in its seeded
+        draws and autocast, its loss goes through its non-finite rule, its clipping coefficient
+        (over every stage's norm) is its rule."""
         named = list(self.module.named_parameters())
         self.params = dict(named)
         self.trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -91,9 +94,7 @@ class StageCore:
             if x.is_floating_point() and not self.first:
                 x = x.float().requires_grad_(True)  # a compressed activation computes in fp32
             # Each micro-batch's draws on each stage, whatever order the schedule ran them in.
-            part = 1 + self.index * self.microbatches + mb
-            with draws(self.seed, self.step, self.rank, self.device, part), \
-                    torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+            with self.runner.forward_context(self.step, self.rank, part=1 + self.index * self.microbatches + mb):
                 y = self.module(x)
             self.acts[mb] = (x, y)
             self._span(mb, "F", t0)
