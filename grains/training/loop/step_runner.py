@@ -3,7 +3,9 @@
 Parameter-server trainers, all-reduce ranks and the whole-model checks run
 the user's step through :class:`StepRunner`; they differ only in where the
 gradients go between :meth:`StepRunner.backward` and the update (pushed to
-shards, averaged over the group). What is the same everywhere lives here,
+shards, averaged over the group). Pipeline stages hold a runner too and take
+its policy piece by piece (their forward and backward are split by
+micro-batch). What is the same everywhere lives here,
 once:
 
 - autocast at the job's precision, and the user's step checked against its
