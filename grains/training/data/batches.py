@@ -282,6 +282,8 @@ class Batches:
         self._perm: torch.Tensor | None = None
         self._schedule_key: tuple[int, int, tuple[Segment, ...]] | None = None
         self._schedule: DataSchedule | None = None
+        self._schedule_args: tuple[int, int, int] | None = None
+        self._schedule_of: Sequence[Segment] | None = None
 
     @property
     def size(self) -> int | None:
@@ -295,10 +297,16 @@ class Batches:
 
     def schedule(self, batch_size: int, trainers: int, segments: Sequence[Segment] | None = None) -> DataSchedule:
         """The data position of this split's steps (kept while the arguments stay the same)."""
+        # Asked once a step with the same arguments (the same list of segments): an identity check
+        # first, since comparing the segments' models cost more than the plain loop's batch arithmetic.
+        args = (batch_size, trainers, len(segments or ()))
+        if self._schedule is not None and self._schedule_args == args and segments is self._schedule_of:
+            return self._schedule
         key = (batch_size, trainers, tuple(segments or ()))
         if self._schedule is None or self._schedule_key != key:
             self._schedule = DataSchedule.of(self._size, batch_size, key[2], trainers)
             self._schedule_key = key
+        self._schedule_args, self._schedule_of = args, segments
         return self._schedule
 
     def _start(self, batch_size: int, trainers: int, rank: int, step: int, segments: Sequence[Segment] | None) -> tuple[int, int]:
