@@ -98,6 +98,14 @@ def skipping_loop(spec: TrainingJob) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def assert_skipped_as_one_process(got: dict[str, torch.Tensor], spec: TrainingJob) -> None:
+    want = skipping_loop(spec)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.isfinite(got[k]).all(), k
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+
+
 async def test_a_nan_loss_with_skip_skips_that_step_on_every_stage_and_counts_it(cluster, client, monkeypatch):
     reported = []
     progress = PipelineDriver._progress
@@ -114,14 +122,10 @@ async def test_a_nan_loss_with_skip_skips_that_step_on_every_stage_and_counts_it
     assert st.status == "completed" and st.rollbacks == 0 and st.step == STEPS, st
     assert reported and reported[-1].skipped == 1, reported[-1:]  # the skip count the status reads
     got = await client.get_grain(CoordinatorGrain, "nan-pipe-skip").state_dict()
-    want = skipping_loop(spec)
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert torch.isfinite(got[k]).all(), k
-        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+    assert_skipped_as_one_process(got, spec)
 
 
-async def test_in_hybrid_a_step_one_replica_finds_nan_is_skipped_by_every_replica(cluster, client):
+async def test_in_hybrid_a_step_one_trainer_finds_nan_is_skipped_by_every_trainer(cluster, client):
     """Two copies of two stages: only the second copy's share of step 7 is NaN; both skip the step
     (its stage 0 says so to the reduction), the learning-rate schedule steps on, nothing rolls back."""
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
@@ -130,11 +134,7 @@ async def test_in_hybrid_a_step_one_replica_finds_nan_is_skipped_by_every_replic
     assert st.status == "completed" and st.rollbacks == 0 and st.step == STEPS, st
     assert st.trainers == 2 and len(st.stages) == 4, st
     got = await client.get_grain(CoordinatorGrain, "nan-hybrid-skip").state_dict()
-    want = skipping_loop(spec)
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert torch.isfinite(got[k]).all(), k
-        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())
+    assert_skipped_as_one_process(got, spec)
 
 
 async def test_a_nan_loss_with_fail_fails_the_job_at_once_naming_the_step(cluster, client):
