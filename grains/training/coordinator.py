@@ -316,6 +316,9 @@ class CoordinatorGrain(Grain):
                     for info in await self.list_snapshots(g, pending=pending):
                         await self.delete_snapshot(g, info.snapshot_id)
         await self.forget_progress(self.key)
+        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        with contextlib.suppress(errors.RedgrainError):
+            await store.release()
         await self.clear_state()
         self.state = self.State()
         self._live = self._status_from_state()

@@ -20,10 +20,12 @@ from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from grains.base import Grain
 from grains.training.api.job import TrainingJob
-from grains.training.loop.optim import DEFAULT_GROUP, group_order
+from grains.training.loop.optim import DEFAULT_GROUP, group_order, trainable
+from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
 from silo import errors
 
 
@@ -86,6 +88,18 @@ class SnapshotState(BaseModel):
     """A shard's state: empty, except while a snapshot is being saved or loaded."""
 
     snapshot: TrainingSnapshot | None = None
+
+
+def initial(model: nn.Module) -> TrainingSnapshot:
+    """The seeded model's weights as step 0 of a run (no optimizer state yet): saved whole by the
+    driver, so every holder restores its part from a checkpoint and builds only that part."""
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    buffers = {n: cpu(p) for n, p in frozen_parameters(model)}
+    buffers.update({n: cpu(b) for n, b in persistent_buffers(model)})
+    return TrainingSnapshot(step=0, version=0, params={n: cpu(p) for n, p in trainable(model)}, optimizer={}, buffers=buffers)
 
 
 def group(job: str, run: int) -> str:

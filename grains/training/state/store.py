@@ -3,9 +3,10 @@
 A finished job's trainers and shards deactivate and free their memory; what
 the job trained stays readable from its final checkpoint, which this grain
 reads for the coordinator (``parameters()``, ``state_dict()`` of a finished
-job). It also writes a job's starting weights (``init_from``) as step 0 of
-its run, a snapshot with this grain as its one member, which every mode
-restores like any other checkpoint. Its state is the checkpoint format's, so
+job) and for the trainer that evaluates a checkpoint. It also writes a
+job's starting weights (the seeded model, or ``init_from``) as step 0 of its
+run, a snapshot with this grain as its one member, which every mode restores
+like any other checkpoint (each shard or stage takes its part of it). Its state is the checkpoint format's, so
 the snapshot codec decodes any job's members for it; it holds nothing between
 calls and is collected when idle.
 """
@@ -37,6 +38,10 @@ class CheckpointStoreGrain(Grain):
             return await self.save_snapshot(checkpoint.best_group(self.key, run), snapshot.step, keep=1)
         finally:
             self.state.snapshot = None
+
+    async def release(self) -> None:
+        """The job is forgotten: go now rather than when idle."""
+        self.deactivate_on_idle()
 
     async def read_best(self, run: int, step: int, names: list[str], extra: list[str]) -> TrainingSnapshot:
         """The checkpoint ``save_best`` kept at ``step``."""

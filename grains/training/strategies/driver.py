@@ -41,6 +41,9 @@ from grains.base import Grain
 from grains.training.api.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
 from grains.training.api.records import StageInfo
 from grains.training.data.position import DataSchedule
+from grains.training.state import checkpoint
+from grains.training.state.checkpoint import TrainingSnapshot
+from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies.elastic import SiloLook, TrainerSilos
 
 if TYPE_CHECKING:
@@ -51,6 +54,8 @@ log = logging.getLogger("redgrain.training.coordinator")
 FINAL_CHECKPOINT_WAIT_S = 60.0
 """How long a finished job waits for its final checkpoint to be saved before completing without it."""
 CALL_TIMEOUT_S = 10.0
+INITIAL_SAVE_TIMEOUT_S = 120.0
+"""The seeded model written whole to the job's store as checkpoint 0."""
 """Deadline of the driver's calls to shards and trainers (placement calls get longer ones)."""
 _CHANGES = 20
 
@@ -180,6 +185,17 @@ class Driver(abc.ABC):
 
     def trainers(self) -> list[Any]:
         return [self.ref(self.trainer_type, k) for k in self.state.trainer_keys]
+
+    async def commit_initial(self, initial: TrainingSnapshot) -> int:
+        """Save the seeded weights ``initial`` as the run's committed checkpoint 0 (a fresh start),
+        so every holder restores its part of a checkpoint instead of building the whole model for
+        it; a rollback before the first checkpoint comes back to it. Returns 0."""
+        s = self.state
+        assert s.spec is not None
+        store = self.ref(CheckpointStoreGrain, self.key, INITIAL_SAVE_TIMEOUT_S)
+        await store.save_whole(s.run, initial, checkpoint.retained(s.spec))
+        s.committed, s.committed_at = [0], {0: time.time()}
+        return 0
 
     def evaluator(self, timeout_s: float) -> Any | None:
         """The grain that evaluates the job's checkpoints where the job trains: the rank-0

@@ -10,6 +10,7 @@ from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.strategies.ps.driver import split_by_bytes
 from grains.training.submit import check_job
 from tests.grains.training.conftest import GRAINS, run_job
+from tests.grains.training.test_sync import reference_parameters
 
 
 def assert_identical(a: TrainingSnapshot, b: TrainingSnapshot) -> None:
@@ -53,3 +54,23 @@ async def test_checkpoint_restores_parameters_and_adam_state_bit_exactly(cluster
         assert not all(torch.equal(at_15.params[n], at_30.params[n]) for n in at_30.params)
         await shard.configure(cfg.model_copy(update={"generation": st.generation + 3, "restore_step": 30}))
         assert_identical(await shard.export_state(), at_30)
+
+
+async def test_parameter_shards_restore_their_slice_and_never_build_the_whole_model(cluster, client, monkeypatch):
+    """The seeded weights are the run's checkpoint 0: each shard reads its slice of it (a shard
+    used to build the whole model for its slice, twice)."""
+    from grains.training.strategies.ps import shard, shard_core
+
+    def refuse(spec):
+        raise AssertionError("a parameter shard built the whole model")
+
+    monkeypatch.setattr(shard, "build_model", refuse)
+    monkeypatch.setattr(shard_core, "build_model", refuse)
+    await cluster(2, grains=GRAINS)
+    spec = TrainingJob(mode="sync", trainers=2, shards=2, steps=20, batch_size=32, checkpoint_every=10, keep_checkpoints=5)
+    st = await run_job(client, "no-whole-model", spec)
+    assert st.status == "completed" and st.checkpoints == [0, 10, 20], st
+    want = reference_parameters(spec, trainers=2, steps=20)  # the seeded model, trained as one process
+    got = await client.get_grain(CoordinatorGrain, "no-whole-model").parameters()
+    for name, w in want.items():
+        assert torch.allclose(got[name], w, rtol=1e-3, atol=1e-4), name

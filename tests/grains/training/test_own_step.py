@@ -292,7 +292,9 @@ async def test_a_finished_job_frees_its_trainers_and_shards_and_stays_readable(c
     silos = await cluster(2, grains=GRAINS, membership=MembershipSettings())
     spec = TrainingJob(mode=mode, trainers=2, shards=2, steps=12, checkpoint_every=0, batch_size=16)
     st = await run_job(client, f"free-{mode}", spec)
-    assert st.status == "completed" and st.checkpoints == [12], st  # checkpoint_every 0: still the last step
+    # checkpoint_every 0: still the last step; a PS start commits the seeded weights as 0 (each
+    # shard restores its slice of them), all-reduce ranks hold the whole model anyway.
+    assert st.status == "completed" and st.checkpoints == ([0, 12] if mode == "sync" else [12]), st
 
     def training_grains() -> list[str]:
         return [a.grain_key for s in silos for a in s.catalog.activations()

@@ -58,7 +58,9 @@ async def test_forget_deletes_an_ended_job_from_redis_and_refuses_a_running_one(
         status = await gone.forget()
         assert status.status == "idle" and status.checkpoints == []
         after = await cluster_keys(redis, keys)
-        assert of_job(after, keys, "gone") <= {keys.directory_entry("CoordinatorGrain/gone")}, of_job(after, keys, "gone")
+        # The coordinator and the job's store grain are on their way out (deactivating).
+        leaving = {keys.directory_entry("CoordinatorGrain/gone"), keys.directory_entry("CheckpointStoreGrain/gone")}
+        assert of_job(after, keys, "gone") <= leaving, of_job(after, keys, "gone")
         assert of_job(after, keys, "kept") == of_job(before, keys, "kept")  # another job is untouched
         groups = {g.decode() for g in await redis.smembers(keys.checkpoint_groups)}
         assert not any(g.startswith("training.gone.") for g in groups) and "training.kept.r1" in groups
@@ -124,10 +126,11 @@ async def test_fifty_jobs_and_twelve_silo_restarts_leave_redis_as_small_as_it_st
                 await asyncio.sleep(0.1)
 
         found = await settled()
-        # What remains is the cluster's own keys plus one directory entry per coordinator
-        # that is still activated (each is collected when idle, like any grain).
+        # What remains is the cluster's own keys plus one directory entry per coordinator (and
+        # job store) still activated: forget releases them, and each goes as any grain goes.
         extra_keys = found - baseline
-        assert {k for k in extra_keys if not k.startswith(keys.directory_entry("CoordinatorGrain/"))} <= {
+        activated = (keys.directory_entry("CoordinatorGrain/"), keys.directory_entry("CheckpointStoreGrain/"))
+        assert {k for k in extra_keys if not k.startswith(activated)} <= {
             keys.reminders, keys.reminder_rows, keys.reminder_fired, keys.logs, keys.fencing_counter,
             keys.fencing_term,
         } | {k for k in extra_keys if ":dirindex:" in k or ":state:types" in k}, sorted(extra_keys)

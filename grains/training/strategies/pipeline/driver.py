@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import torch
 
@@ -34,7 +33,6 @@ from grains.training.datasets import dataset_size, load_dataset
 from grains.training.models import build_model
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot
-from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies import cluster
 from grains.training.strategies.driver import Driver, JobContext
 from grains.training.strategies.elastic import TrainerSilos
@@ -60,7 +58,7 @@ def cut(spec: TrainingJob) -> tuple[list[tuple[int, int]], list[int], TrainingSn
         x, _ = Batches(load_dataset(spec, "train")).batch(spec.batch_size // spec.microbatches, 1, 0, 0, spec.seed)
         costs = measured_costs(model, x)
     layers, sizes = partition.cut(model, spec, costs)
-    return layers, sizes, partition.initial_snapshot(model)
+    return layers, sizes, checkpoint.initial(model)
 
 
 class PipelineDriver(Driver):
@@ -105,13 +103,8 @@ class PipelineDriver(Driver):
         restore = s.committed[-1] if s.committed else None
         s.resumed_from = restore
         self.resize_data(restore or 0, trainers)  # a resume goes on from the restored step's data position
-        if restore is None:
-            # The seeded weights become step 0 of the run, so every stage restores its part from a
-            # checkpoint and builds only that (on the meta device) instead of the whole model.
-            store = self.ref(CheckpointStoreGrain, self.key, 120.0)
-            await store.save_whole(s.run, initial, checkpoint.retained(spec))
-            s.committed, s.committed_at = [0], {0: time.time()}
-            restore = 0
+        if restore is None:  # each stage builds only its part (on the meta device) and fills it
+            restore = await self.commit_initial(initial)
         del initial
         self._layers = layers
         await self._configure(restore)

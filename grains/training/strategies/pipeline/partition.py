@@ -34,7 +34,6 @@ from torch import nn
 from grains.training.api.job import TrainingJob, resolve_path
 from grains.training.loop.optim import trainable
 from grains.training.models import build_model
-from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
 from grains.training.strategies.pipeline.split import chain, split, stage_sizes
 from silo.errors import ConfigError
@@ -177,17 +176,6 @@ def stage_module(spec: TrainingJob, index: int, layers: tuple[int, int], device:
 def tensor_names(module: nn.Module) -> tuple[list[str], list[str]]:
     """A stage's trainable parameters (in its order: the optimizer's), and its frozen parameters and buffers."""
     return [n for n, _ in trainable(module)], [n for n, _ in frozen_parameters(module)] + [n for n, _ in persistent_buffers(module)]
-
-
-def initial_snapshot(model: nn.Module) -> TrainingSnapshot:
-    """The seeded model's weights as step 0 of a run (no optimizer state yet), for the stages to restore."""
-
-    def cpu(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
-
-    buffers = {n: cpu(p) for n, p in frozen_parameters(model)}
-    buffers.update({n: cpu(b) for n, b in persistent_buffers(model)})
-    return TrainingSnapshot(step=0, version=0, params={n: cpu(p) for n, p in trainable(model)}, optimizer={}, buffers=buffers)
 
 
 def stage_need(param_bytes: int, spec: TrainingJob) -> int:

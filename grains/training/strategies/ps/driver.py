@@ -38,8 +38,9 @@ from grains.training.api.messages import (
     TrainerProgress,
 )
 from grains.training.datasets import dataset_size, load_dataset
+from grains.training.models import build_model
 from grains.training.state import checkpoint
-from grains.training.state.model_tensors import model_layout
+from grains.training.state.model_tensors import layout_of
 from grains.training.strategies import cluster
 from grains.training.strategies.driver import Driver, JobContext
 from grains.training.strategies.elastic import TrainerSilos
@@ -79,7 +80,8 @@ class ParameterServerDriver(Driver):
         spec = self.state.spec
         assert spec is not None
         coord = self.job.grain
-        layout = await coord.run_in_thread(model_layout, spec)  # start() ran check_job
+        model = await coord.run_in_thread(build_model, spec)  # start() ran check_job
+        layout = layout_of(model)
         self.state.tensor_kinds = TensorKinds(frozen=list(layout.frozen), buffers=list(layout.buffers))
         shard_rows = cluster.hosting_silos(coord, "ParamShardGrain")
         trainer_rows = cluster.trainer_silos(cluster.hosting_silos(coord, "TrainerGrain"), spec.trainer_role)
@@ -106,6 +108,9 @@ class ParameterServerDriver(Driver):
         restore = s.committed[-1] if s.committed else None  # resuming: the previous start's checkpoint
         s.resumed_from = restore
         self.resize_data(restore or 0, trainers)  # a resume goes on from the restored step's data position
+        if restore is None:  # each shard restores its slice instead of building the whole model
+            restore = await self.commit_initial(await coord.run_in_thread(checkpoint.initial, model))
+        del model
         await self._configure_shards(restore)
         await asyncio.gather(*(self._run_trainer(j, restore or 0) for j in range(trainers)))
         s.status = "running"
