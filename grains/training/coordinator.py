@@ -37,19 +37,17 @@ import time
 from typing import Any
 
 import torch
-from pydantic import AliasChoices, BaseModel, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
 from grains.training.api.callbacks import Callbacks
 from grains.training.api.job import TrainingJob, parse_job
+from grains.training.api.job_state import JobState
 from grains.training.api.messages import (
     Evaluation,
-    GroupChange,
     HistoryPoint,
     JobStatus,
     ShardStatus,
-    TensorKinds,
     TrainerProgress,
     TrainingStatus,
 )
@@ -86,7 +84,7 @@ def _job_group(job: str, name: str) -> bool:
     return name.startswith(prefix) and run.isdigit() and (not rest or rest.startswith("residual.") or rest == "best")
 
 
-def _resumed_segments(old: CoordinatorGrain.State) -> list[Segment]:
+def _resumed_segments(old: JobState) -> list[Segment]:
     """The data position a resumed run starts from: the last run's at its newest committed step,
     in samples (so the new start may have another trainer count or batch size)."""
     if old.spec is None or not old.trainers or not old.committed:
@@ -110,7 +108,7 @@ class _Job:
         return self._coord.key
 
     @property
-    def state(self) -> CoordinatorGrain.State:
+    def state(self) -> JobState:
         return self._coord.state
 
     async def save(self) -> None:
@@ -144,64 +142,7 @@ def _mean_metrics(each: list[dict[str, float]]) -> dict[str, float]:
 @keep_alive
 @hash_placement
 class CoordinatorGrain(Grain):
-    class State(BaseModel):
-        spec: TrainingJob | None = None
-        status: JobStatus = "idle"
-        generation: int = 0
-        run: int = 0
-        trainers: int = Field(0, validation_alias=AliasChoices("trainers", "slots"))
-        """Trainers taking each step now (read under its old name ``slots`` too)."""
-        total_steps: int = 0
-        shard_keys: list[str] = Field(default_factory=list)
-        shard_names: list[list[str]] = Field(default_factory=list)
-        tensor_kinds: TensorKinds | None = None
-        """The model's frozen parameters and buffers (shards restore without building the model)."""
-        shard_activations: list[str] = Field(default_factory=list)
-        trainer_keys: list[str] = Field(default_factory=list)
-        trainer_silos: list[str] = Field(default_factory=list)
-        """Silo each trainer key was placed on (allreduce: by rank)."""
-        next_trainer: int = 0
-        """Number for the next new trainer key (keys are never reused within a run)."""
-        changes: list[GroupChange] = Field(default_factory=list)
-        committed: list[int] = Field(default_factory=list)
-        committed_at: dict[int, float] = Field(default_factory=dict)
-        """When each committed checkpoint was committed (unix seconds)."""
-        step: int = 0
-        loss: float | None = None
-        accuracy: float | None = None
-        metrics: dict[str, float] = Field(default_factory=dict)
-        eval_metrics: dict[str, float] = Field(default_factory=dict)
-        eval_step: int | None = None
-        eval_silo: str | None = None
-        eval_device: str | None = None
-        eval_pending: list[int] = Field(default_factory=list)
-        """Committed checkpoints due for a mid-run evaluation, not yet evaluated."""
-        train_size: int | None = None
-        """Samples in the training split (None: a dataset without a length); for the epoch."""
-        data_segments: list[Segment] = Field(default_factory=list)
-        """The data position (:mod:`grains.training.data.position`), extended by the drivers
-        whenever the trainer count changes; empty: one segment of ``trainers`` trainers from step 0."""
-        resumed_from: int | None = None
-        steps_run: float = 0.0
-        """Global steps executed, redone ones included (never decreases)."""
-        samples_run: int = 0
-        stage_layers: list[tuple[int, int]] = Field(default_factory=list)
-        """Pipeline mode: the model's child slice each stage runs (the cut is made once per start)."""
-        shed_silos: list[str] = Field(default_factory=list)
-        """Trainer silos this job stopped using after a trainer ran out of memory there."""
-        released: bool = False
-        """The job's grains were told to free their memory: its tensors are read from its last checkpoint."""
-        started_at: float = 0.0
-        finished_at: float = 0.0
-        restarts: int = 0
-        rollbacks: int = 0
-        stopped_early: str = ""
-        """Why the job ended before its last step (a callback's request), empty otherwise."""
-        best_step: int | None = None
-        """``keep_best``: the step of the best evaluation, whose checkpoint is kept."""
-        best_value: float | None = None
-        error: str = ""
-        history: list[HistoryPoint] = Field(default_factory=list)
+    State = JobState
 
     def __init__(self) -> None:
         self._loop: asyncio.Task[None] | None = None

@@ -1,6 +1,6 @@
 """What a CoordinatorGrain asks of its job's driver, and what the two drivers share.
 
-A coordinator owns one job and keeps its state (``CoordinatorGrain.State``:
+A coordinator owns one job and keeps its state (:class:`~grains.training.api.job_state.JobState`:
 placement, generation, committed checkpoints, recovery records). How the job
 is placed, watched and repaired depends on its mode, and that is a driver's:
 
@@ -33,11 +33,12 @@ import abc
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from grains.base import Grain
+from grains.training.api.job_state import JobState
 from grains.training.api.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
 from grains.training.api.records import StageInfo
 from grains.training.data.position import DataSchedule
@@ -45,9 +46,6 @@ from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies.elastic import SiloLook, TrainerSilos
-
-if TYPE_CHECKING:
-    from grains.training.coordinator import CoordinatorGrain
 
 log = logging.getLogger("redgrain.training.coordinator")
 
@@ -76,7 +74,7 @@ class JobContext(Protocol):
         """The job id."""
 
     @property
-    def state(self) -> CoordinatorGrain.State:
+    def state(self) -> JobState:
         r"""The job's persisted state, which the driver updates in place and then :meth:`save`\ s."""
 
     async def save(self) -> None:
@@ -156,7 +154,7 @@ class Driver(abc.ABC):
 
     # --- shared by both modes -----------------------------------------------
     @property
-    def state(self) -> CoordinatorGrain.State:
+    def state(self) -> JobState:
         return self.job.state
 
     @property

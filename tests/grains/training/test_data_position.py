@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from grains.training import CoordinatorGrain, TrainingJob
+from grains.training.api.job_state import JobState
 from grains.training.data.batches import Batches, batch_indices
 from grains.training.data.position import DataSchedule, Segment
 from silo.errors import ConfigError
@@ -92,7 +93,7 @@ def test_a_resume_goes_on_from_the_position_of_the_restored_step() -> None:
     from grains.training.coordinator import _resumed_segments
 
     grown = DataSchedule.of(512, 16, [], 1).resized(24, 2)
-    old = CoordinatorGrain.State(spec=TrainingJob(batch_size=16), trainers=2, train_size=512, committed=[32, 40],
+    old = JobState(spec=TrainingJob(batch_size=16), trainers=2, train_size=512, committed=[32, 40],
                                  data_segments=grown.segments)  # fmt: skip
     (seg,) = _resumed_segments(old)
     assert seg == Segment(start_step=40, trainers=2, epoch=1, offset=384)  # 12 steps of 32 into epoch 1
@@ -115,7 +116,7 @@ def test_state_written_under_the_old_names_loads_under_the_new_ones() -> None:
         "changes": [{"generation": 3, "reason": "trainer 1 restarted", "at": 1.0, "world": 2, "start_step": 40,
                      "slots": [1]}],
     }  # fmt: skip
-    state = CoordinatorGrain.State.model_validate(old)
+    state = JobState.model_validate(old)
     assert state.trainers == 2 and [s.trainers for s in state.data_segments] == [1, 2]
     assert state.changes == [GroupChange(generation=3, reason="trainer 1 restarted", at=1.0, trainers=2, start_step=40,
                                          ranks=[1])]  # fmt: skip
@@ -123,7 +124,24 @@ def test_state_written_under_the_old_names_loads_under_the_new_ones() -> None:
     assert dumped["trainers"] == 2 and "slots" not in dumped
     assert dumped["data_segments"][1] == {"start_step": 24, "trainers": 2, "epoch": 0, "offset": 384}
     assert dumped["changes"][0]["trainers"] == 2 and dumped["changes"][0]["ranks"] == [1]
-    assert CoordinatorGrain.State.model_validate(dumped) == state  # the new names read back too
+    assert JobState.model_validate(dumped) == state  # the new names read back too
+
+
+def test_a_coordinator_state_stored_under_its_old_class_name_loads_as_the_job_state() -> None:
+    """``JobState`` was the coordinator's nested ``State``: values the codec tagged
+    ``CoordinatorGrain.State`` decode as a JobState, and it writes its own name."""
+    from silo.codec import Codec, TypeRegistry
+
+    old_cls = type("State", (JobState,), {"__qualname__": "CoordinatorGrain.State", "__wire_aliases__": ()})
+    before = TypeRegistry()
+    before.register(old_cls)
+    stored = Codec(before).encode(old_cls(trainers=2, committed=[10, 20], status="completed"))
+    assert b"CoordinatorGrain.State" in stored.meta
+    now = TypeRegistry()
+    now.register_annotations(CoordinatorGrain)
+    got = Codec(now).decode(stored.meta, stored.buffers)
+    assert type(got) is JobState and (got.trainers, got.committed, got.status) == (2, [10, 20], "completed")
+    assert b"JobState" in Codec(now).encode(got).meta
 
 
 def test_residuals_and_job_records_written_under_the_old_names_load() -> None:
