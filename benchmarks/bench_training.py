@@ -55,7 +55,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.ray_training import ray_parameter_server
-from benchmarks.training_allreduce import redgrain_recovery, torchrun_ddp
+from benchmarks.training_allreduce import redgrain_recovery, torchrun_ddp_phases
 from benchmarks.training_recovery import ps_recovery
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -228,11 +228,15 @@ async def measure(quick: bool) -> dict[str, Any]:
                 bc.add_silo()
                 ps_rows[victim] = await ps_recovery(client, bc, ps_spec, victim, kill_at)
             ours = await redgrain_recovery(client, bc, {**rec_spec, "mode": "allreduce"}, kill_at)
-    for name, cfg in configs.items():
-        out[name]["torchrun DDP, 2 workers"] = await asyncio.to_thread(
-            torchrun_ddp, {**cfg, **COMMON, "steps": steps[name], "trainers": 2}
-        )
-    theirs = await asyncio.to_thread(torchrun_ddp, rec_spec, kill_at_step=kill_at, ckpt_every=rec_spec["checkpoint_every"])
+    # One torchrun start for the DDP rows and then its recovery run (the workers run them in turn;
+    # after the kill, torchrun's restarted workers skip the rows done and resume from the checkpoint).
+    ddp = await asyncio.to_thread(torchrun_ddp_phases, [
+        *({"spec": {**cfg, **COMMON, "steps": steps[name], "trainers": 2}} for name, cfg in configs.items()),
+        {"spec": rec_spec, "kill_at_step": kill_at, "ckpt_every": rec_spec["checkpoint_every"]},
+    ])  # fmt: skip
+    for name, row in zip(configs, ddp):
+        out[name]["torchrun DDP, 2 workers"] = row
+    theirs = ddp[-1]
     out["recovery"] = {"steps": rec_spec["steps"], "checkpoint_every": rec_spec["checkpoint_every"],
                        "redgrain allreduce": ours, "torchrun DDP": theirs,
                        "ps_checkpoint_every": ps_spec["checkpoint_every"], "redgrain PS": ps_rows}  # fmt: skip
