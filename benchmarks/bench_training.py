@@ -364,7 +364,7 @@ def print_scaling(name: str, rows: dict[str, Any]) -> dict[str, Any]:
 
 def recovery_spec(quick: bool) -> tuple[dict[str, Any], int]:
     """The recovery run: small config, 2 trainers, killed a third of the way in."""
-    steps, every = (300, 50) if quick else (3000, 200)
+    steps, every = (150, 25) if quick else (3000, 200)
     return {**CONFIGS["small"], **COMMON, "steps": steps, "trainers": 2, "checkpoint_every": every}, steps // 3
 
 
