@@ -126,7 +126,7 @@ async def measure(quick: bool) -> dict[str, Any]:
 
 def recovery_spec(quick: bool) -> tuple[dict[str, Any], int]:
     """The recovery run: the digits MLP with two hidden layers in 2 stages, killed a third of the way in."""
-    steps, every = (150, 25) if quick else (600, 50)
+    steps, every = (90, 15) if quick else (600, 50)
     spec = {"model_args": {"hidden": [64, 64]}, "batch_size": 32, "microbatches": 4, "optimizer": "momentum",
             "lr": 0.05, "steps": steps, "checkpoint_every": every}  # fmt: skip
     return spec, steps // 3
