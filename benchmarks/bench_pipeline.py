@@ -1,6 +1,7 @@
 """Pipeline parallelism: efficiency against the GPipe bound, and pipeline vs data parallel.
 
-``python -m benchmarks pipeline [--quick]``. Two silo processes, one torch thread each.
+``python -m benchmarks pipeline [--quick]``. Two silo processes (a third joins for the
+recovery row), one torch thread each.
 
 **Efficiency.** With ``p`` stages of equal cost ``t`` per micro-batch (forward
 plus backward), a GPipe step of ``m`` micro-batches takes at least ``(m + p -
