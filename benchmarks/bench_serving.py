@@ -107,8 +107,9 @@ async def redgrain(weights: dict[str, str], quick: bool) -> tuple[dict[str, Any]
                 ref = client.get_grain(ModelGrain, name)
                 predictor = Predictor(client, name)
                 rows = [torch.randn(1, features) for _ in range(64)]
-                await drive(ref.predict, rows, 8, 400)  # activation, load, warm-up
-                await drive(predictor.predict, rows, 8, 400)
+                warm = 64 if quick else 400
+                await drive(ref.predict, rows, 8, warm)  # activation, load, warm-up
+                await drive(predictor.predict, rows, 8, warm)
                 coalesced[name] = {str(c): await drive(predictor.predict, rows, c, requests_for(c, quick)) for c in CONCURRENCY}
                 plain[name] = {str(c): await drive(ref.predict, rows, c, requests_for(c, quick)) for c in CONCURRENCY}
     return coalesced, plain

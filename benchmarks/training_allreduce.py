@@ -58,17 +58,35 @@ def torchrun_ddp(
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Run torchrun with 2 DDP workers; with ``kill_at_step``, SIGKILL rank 1 once rank 0 passed it."""
+    return torchrun_ddp_phases([{"spec": spec, "kill_at_step": kill_at_step, "ckpt_every": ckpt_every}], timeout_s)[0]
+
+
+def torchrun_ddp_phases(phases: list[dict[str, Any]], timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    """Run several jobs in turn in one torchrun with 2 DDP workers (one start for all); each phase
+    is ``{"spec", "kill_at_step" (optional), "ckpt_every" (optional)}``. A phase with
+    ``kill_at_step`` has rank 1 SIGKILLed once rank 0 passed that step (at most one phase: torchrun
+    restarts once); the restarted workers skip the phases done and resume that one from its
+    checkpoint. One result per phase, as :func:`torchrun_ddp` gives."""
     tmp = Path(tempfile.mkdtemp(prefix="redgrain-ddp-"))
-    events, pids = tmp / "events.txt", tmp / "pids"
+    pids = tmp / "pids"
+    plan = [
+        {"spec": p["spec"], "events": str(tmp / f"events-{i}.txt"), "ckpt": str(tmp / f"ckpt-{i}.pt"),
+         "ckpt_every": int(p.get("ckpt_every") or 0)}
+        for i, p in enumerate(phases)
+    ]  # fmt: skip
+    kills = [i for i, p in enumerate(phases) if p.get("kill_at_step") is not None]
+    if len(kills) > 1:
+        raise ValueError("torchrun restarts once here (--max-restarts 1): one phase may be killed")
+    victim = kills[0] if kills else None
     cmd = [
         *_torchrun(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(WORKER),
-        "--spec", json.dumps(spec), "--events", str(events), "--ckpt", str(tmp / "ckpt.pt"),
-        "--ckpt-every", str(ckpt_every), "--pids", str(pids),
+        "--phases", json.dumps(plan), "--pids", str(pids),
     ]  # fmt: skip
     env = {**os.environ, **FIXED_THREADS, "PYTHONPATH": str(REPO)}
     log = tmp / "torchrun.log"
     killed_at: float | None = None
     killed_step = 0
+    read: list[tuple[list[tuple[int, float, int]], float | None, float | None]] = []
     try:
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -79,22 +97,40 @@ def torchrun_ddp(
                 raise RuntimeError(
                     f"torchrun did not finish in {timeout_s}s:\n{log.read_text()[-3000:]}"
                 )
-            if kill_at_step is not None and killed_at is None:
-                steps, _, _ = _read_events(events)
-                if steps and steps[-1][0] >= kill_at_step:
+            if victim is not None and killed_at is None:
+                steps, _, _ = _read_events(Path(plan[victim]["events"]))
+                if steps and steps[-1][0] >= phases[victim]["kill_at_step"]:
                     os.kill(int((pids / "rank1").read_text()), signal.SIGKILL)
                     killed_at, killed_step = time.time(), steps[-1][0]
             time.sleep(0.01)  # another process's file: nothing to await
         failure = None
         if proc.returncode != 0:
             failure = f"torchrun exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            if kill_at_step is None:
+            if victim is None:
                 raise RuntimeError(failure)
             # After a kill, torchrun's restarted group can fail too (seen: a gloo "Connection
             # reset by peer" once its one restart was spent); the recovery it made is on record.
-        steps, _, accuracy = _read_events(events)
+        read = [_read_events(Path(p["events"])) for p in plan]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    results = []
+    for i, (phase, (steps, done_at, accuracy)) in enumerate(zip(phases, read)):
+        if i != victim and done_at is None:
+            # Only the killed phase may be cut short (by a failed restart, recorded as its error).
+            raise RuntimeError(f"torchrun phase {i} did not finish: {failure or 'no done line'}")
+        results.append(_phase_result(phase["spec"], steps, accuracy))
+        if i == victim:
+            if failure is not None:
+                results[-1]["error"] = failure.splitlines()[0]
+            if killed_at is not None:
+                after = [s for s in steps if s[2] >= 1]
+                results[-1]["recovery_s"] = after[0][1] - killed_at if after else None
+                results[-1]["lost_steps"] = killed_step + 1 - after[0][0] if after else None
+    return results
+
+
+def _phase_result(spec: dict[str, Any], steps: list[tuple[int, float, int]], accuracy: float | None) -> dict[str, Any]:
+    """Samples/s and ms/step of the first attempt, from 20% of the steps on."""
     first = [s for s in steps if s[2] == 0]
     total = spec["steps"]
     warm = max(1, total // 5)
@@ -106,12 +142,6 @@ def torchrun_ddp(
         out["step_ms"] = 1000 * span / (len(timed) - 1)
     else:
         out["samples_per_s"], out["step_ms"] = 0.0, 0.0
-    if failure is not None:
-        out["error"] = failure.splitlines()[0]
-    if killed_at is not None:
-        after = [s for s in steps if s[2] >= 1]
-        out["recovery_s"] = after[0][1] - killed_at if after else None
-        out["lost_steps"] = killed_step + 1 - after[0][0] if after else None
     return out
 
 

@@ -109,9 +109,12 @@ def silo_processes(
     def start(n: int = 1, **kw: Any) -> list[SiloProcess]:
         env = {**FAST_ENV, **kw.pop("env", {})}
         new = [SiloProcess(redis_url, cluster_name, tmp_path, env=env, **kw) for _ in range(n)]
+        # All spawned, then all awaited (as LocalCluster.start does): their imports (torch) overlap.
         for p in new:
             procs.append(p)
-            p.start()
+            p.spawn()
+        for p in new:
+            p.wait_ready()
         return new
 
     yield start
