@@ -176,7 +176,7 @@ class LocalSilo:
                 self.kill()
                 raise SiloStartError(f"silo {self.name} not ready after {timeout_s:.0f}s:\n{self.tail()}")
             time.sleep(delay)  # another process: nothing to await but its ready file
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.02)
         self.address = SiloAddress.parse(ready.read_text().strip())
         return self
 
