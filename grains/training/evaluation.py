@@ -108,13 +108,23 @@ class CheckpointEvaluations:
     async def evaluate(self, grain: Grain, spec: TrainingJob, job: str, run: int, step: int) -> Evaluation:
         """Checkpoint ``step`` of ``job``'s ``run``, read through the job's store, evaluated on
         ``grain``'s silo and device."""
+        ev = await self._ready(grain, spec)
+        store: Any = grain.get_grain(CheckpointStoreGrain, job)
+        snap: TrainingSnapshot = await store.with_timeout(READ_TIMEOUT_S).read(run, step, ev.names, ev.extra)
+        return await self.evaluate_held(grain, spec, snap)
+
+    async def evaluate_held(self, grain: Grain, spec: TrainingJob, snap: TrainingSnapshot) -> Evaluation:
+        """The weights of ``snap`` (a committed step's, which the grain holds itself: no read)
+        evaluated on ``grain``'s silo and device."""
+        ev = await self._ready(grain, spec)
+        metrics = await grain.run_in_thread(ev.evaluate, {**snap.params, **snap.buffers})
+        return Evaluation(step=snap.step, metrics=metrics, silo=str(grain.silo), device=grain.device)
+
+    async def _ready(self, grain: Grain, spec: TrainingJob) -> Evaluator:
         ev = self._evaluator
         if ev is None or ev.spec != spec or ev.device != grain.device:
             ev = self._evaluator = await grain.run_in_thread(Evaluator, spec, grain.device)
-        store: Any = grain.get_grain(CheckpointStoreGrain, job)
-        snap: TrainingSnapshot = await store.with_timeout(READ_TIMEOUT_S).read(run, step, ev.names, ev.extra)
-        metrics = await grain.run_in_thread(ev.evaluate, {**snap.params, **snap.buffers})
-        return Evaluation(step=step, metrics=metrics, silo=str(grain.silo), device=grain.device)
+        return ev
 
     def clear(self) -> None:
         self._evaluator = None

@@ -231,7 +231,13 @@ class AllreduceTrainerGrain(Grain):
 
     async def evaluate(self, job: str, spec: TrainingJob, run: int, step: int) -> Evaluation:
         """Evaluate the job's checkpoint ``step`` on this silo's device, beside training
-        (:mod:`grains.training.evaluation`)."""
+        (:mod:`grains.training.evaluation`); from the weights this trainer holds when they are that
+        step's (the job's last step, at its end), else read from the checkpoint."""
+        core = self._core
+        if core is not None and core.held == (run, step):
+            snap = await self.run_in_thread(core.snapshot)
+            if snap.step == step:  # no step ran meanwhile
+                return await self._evaluations.evaluate_held(self, spec, snap)
         return await self._evaluations.evaluate(self, spec, job, run, step)
 
     async def progress(self, since_step: int = 0) -> TrainerProgress:
