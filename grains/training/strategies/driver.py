@@ -115,9 +115,10 @@ class Driver(abc.ABC):
         self._final_wait: float | None = None
 
     # --- what the coordinator asks ------------------------------------------
-    @abc.abstractmethod
     def placed(self) -> bool:
-        """Whether the state names grains to re-attach to (a re-activated coordinator's)."""
+        """Whether the state names grains to re-attach to (a re-activated coordinator's): its
+        trainers (a parameter server's shards say it instead)."""
+        return bool(self.state.trainer_keys)
 
     @abc.abstractmethod
     async def place_and_start(self) -> None:

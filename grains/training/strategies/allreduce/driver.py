@@ -40,9 +40,6 @@ class AllreduceDriver(Driver):
     trainer_type = AllreduceTrainerGrain
 
     # --- what the coordinator asks ------------------------------------------
-    def placed(self) -> bool:
-        return bool(self.state.trainer_keys)
-
     async def place_and_start(self) -> None:
         s = self.state
         spec = s.spec

@@ -71,9 +71,6 @@ class PipelineDriver(Driver):
         self._activations: list[str] = []
         self._failures = 0
 
-    def placed(self) -> bool:
-        return bool(self.state.trainer_keys)
-
     async def place_and_start(self) -> None:
         s = self.state
         spec = s.spec
