@@ -52,3 +52,27 @@ def test_step_seeds_differ_by_seed_step_rank_and_part_and_repeat_exactly():
     torch.rand(100)  # whatever else ran since
     seed_step(7, 12, 1)
     assert torch.equal(torch.rand(5), a)
+
+
+def test_the_step_runner_draws_by_step_and_rank_and_repeats_a_step_exactly():
+    """What the resume test cannot tell apart: a seed that ignores the step or the rank would
+    resume exactly too, but give every step (or every trainer) the same dropout masks."""
+    from grains.training.data.batches import Batches
+    from grains.training.datasets import load_dataset
+    from grains.training.loop.step_runner import StepRunner
+    from grains.training.models import build_model
+
+    spec = TrainingJob(**{k: v for k, v in DROPOUT.items() if k != "keep_checkpoints"}, seed=1)
+    model = build_model(spec)
+    runner = StepRunner(spec, "cpu", model.parameters())
+    batch = Batches(load_dataset(spec, "train")).batch(32, 1, 0, 0, spec.seed)
+
+    def grads(step: int, rank: int) -> list[torch.Tensor]:
+        runner.backward(model, batch, step, rank=rank, trainers=2)
+        return [p.grad.clone() for p in runner.params]
+
+    first = grads(3, 0)
+    torch.rand(100)  # whatever else drew meanwhile
+    assert all(torch.equal(a, b) for a, b in zip(first, grads(3, 0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, grads(4, 0), strict=True))  # another step
+    assert not all(torch.equal(a, b) for a, b in zip(first, grads(3, 1), strict=True))  # another rank
