@@ -30,6 +30,7 @@ from grains.training.data.batches import batch_samples, job_batches, to_device
 from grains.training.loop.optim import build_optimizer, trainable
 from grains.training.loop.program import Program, evaluate
 from grains.training.models import build_model
+from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.init_weights import read_init, read_init_optimizer
 from grains.training.state.model_tensors import (
@@ -78,8 +79,6 @@ class Evaluator:
         optimizer's per-parameter state too (otherwise none yet)."""
         with self._lock:
             self.model.load_state_dict(read_init(path, self.model), strict=True)
-            named = dict(self.model.named_parameters())
-            buffers = dict(persistent_buffers(self.model))
             optimizer: dict[str, Any] = {}
             if spec.init_optimizer:
                 opt = build_optimizer(trainable(self.model), spec)
@@ -88,14 +87,7 @@ class Evaluator:
                     sd = opt.state_dict()
                     state = {k: {n: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in st.items()} for k, st in sd["state"].items()}
                     optimizer = {"state": state, "param_groups": sd["param_groups"]}
-
-            def cpu(t: torch.Tensor) -> torch.Tensor:
-                return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-
-            return TrainingSnapshot(
-                step=0, version=0, params={n: cpu(named[n]) for n in self.names}, optimizer=optimizer,
-                buffers={n: cpu(named[n] if n in named else buffers[n]) for n in self.extra},
-            )  # fmt: skip
+            return checkpoint.initial(self.model, optimizer)
 
 
 class CheckpointEvaluations:

@@ -90,16 +90,18 @@ class SnapshotState(BaseModel):
     snapshot: TrainingSnapshot | None = None
 
 
-def initial(model: nn.Module) -> TrainingSnapshot:
-    """The seeded model's weights as step 0 of a run (no optimizer state yet): saved whole by the
-    driver, so every holder restores its part from a checkpoint and builds only that part."""
+def initial(model: nn.Module, optimizer: dict[str, Any] | None = None) -> TrainingSnapshot:
+    """``model``'s weights as step 0 of a run, with ``optimizer`` state (default none yet): the
+    seeded model, or ``init_from``'s, saved whole so every holder restores its part from a
+    checkpoint and builds only that part."""
 
     def cpu(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
+        return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
 
     buffers = {n: cpu(p) for n, p in frozen_parameters(model)}
     buffers.update({n: cpu(b) for n, b in persistent_buffers(model)})
-    return TrainingSnapshot(step=0, version=0, params={n: cpu(p) for n, p in trainable(model)}, optimizer={}, buffers=buffers)
+    params = {n: cpu(p) for n, p in trainable(model)}
+    return TrainingSnapshot(step=0, version=0, params=params, optimizer=optimizer or {}, buffers=buffers)
 
 
 def group(job: str, run: int) -> str:
