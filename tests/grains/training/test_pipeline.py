@@ -203,3 +203,16 @@ async def test_each_stage_holds_its_share_of_the_parameters_only(cluster, client
     print("stage parameter shares:", [f"{x:.1%}" for x in shares])
     assert sum(g.param_bytes for g in st.stages) == total
     assert all(abs(x - 1 / 2) <= 0.2 / 2 for x in shares), shares  # each within 20% of 1/p
+
+
+async def test_a_first_stage_without_parameters_trains(cluster, client):
+    # A cut by measured time can leave a stage no parameter (here: the Flatten alone, as a slow
+    # first call once made it on CI): its output needs no gradient, and its backward is nothing.
+    await cluster(2, grains=GRAINS)
+    spec = TrainingJob(**DEEP, mode="pipeline", trainers=1, split_points=["1"], microbatches=2, batch_size=32,
+                       steps=12, optimizer="momentum", lr=0.05, clip_grad_norm=1.0, checkpoint_every=6)  # fmt: skip
+    st = await run_job(client, "pipe-bare", spec)
+    assert st.status == "completed" and st.checkpoints[-1] == 12, st
+    got = await client.get_grain(CoordinatorGrain, "pipe-bare").state_dict()
+    for k, v in plain_loop(spec, 12).items():
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (k, (got[k] - v).abs().max())

@@ -134,7 +134,10 @@ class StageCore:
         with self.lock:
             t0 = time.perf_counter()
             x, y = self.acts.pop(mb)
-            y.backward(grad.to(self.device, y.dtype))
+            # A stage with no trainable parameter fed a batch (a Flatten cut off alone, say)
+            # computes nothing that needs a gradient: its backward is nothing.
+            if y.requires_grad:
+                y.backward(grad.to(self.device, y.dtype))
             self._span(mb, "B", t0)
             self.backwards += 1
             return self.on_wire(x.grad) if x.requires_grad else None
