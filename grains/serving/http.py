@@ -31,16 +31,13 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from grains.serving import oip
-from grains.serving.client import Predictor
-from grains.serving.errors import BadInputError, RequestTooLargeError, ServingError
+from grains.serving.errors import BadInputError, RequestTooLargeError
+from grains.serving.front import EXTENSIONS, SERVER_NAME, Front, failure, server_version
 from grains.serving.model import ModelGrain
 from grains.serving.records import ModelSummary, read_models
-from grains.serving.spec import ModelInfo
 from silo import errors
 
-SERVER_NAME = "redgrain"
 MAX_BODY_BYTES = 64 << 20
-INFO_TTL_S = 1.0
 
 
 class _FrontCollector(Collector):
@@ -73,10 +70,7 @@ def create_app(
     collector = _FrontCollector()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    predictors: dict[str, Predictor] = {}
-    infos: dict[str, tuple[float, ModelInfo]] = {}
-    """Each model's metadata and when it was read: responses name the weights version, which a
-    hot reload changes, so it is read again after INFO_TTL_S."""
+    front = Front(client, grain=grain, timeout_s=timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,7 +81,7 @@ def create_app(
         from silo.client import ClusterClient
 
         own = await ClusterClient.connect(redis_url, cluster=cluster, settings=client_settings)
-        app.state.client = own
+        app.state.client = front.client = own
         try:
             yield
         finally:
@@ -96,55 +90,34 @@ def create_app(
     app = FastAPI(title="redgrain inference", version="1", lifespan=lifespan,
                   description="The Open Inference Protocol (KServe V2 REST) over redgrain's model grains.")  # fmt: skip
 
-    def predictor(request: Request, name: str) -> Predictor:
-        p = predictors.get(name)
-        if p is None:
-            p = predictors[name] = Predictor(request.app.state.client, name, grain=grain, timeout_s=timeout_s)
-        return p
-
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
 
     def answer(exc: Exception) -> JSONResponse:
-        if isinstance(exc, ServingError):
-            return error(exc.status, str(exc))
-        if isinstance(exc, errors.GrainTimeoutError):
-            return error(504, str(exc))
-        if isinstance(exc, errors.SiloError | errors.StorageError | errors.GrainCallError):
-            return error(503, f"the cluster could not answer: {exc}")
-        raise exc
+        f = failure(exc)
+        if f is None:
+            raise exc
+        return error(f.status, f.message)
 
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
         return {"live": True}
 
     @app.get("/v2/health/ready", response_model=None)
-    async def ready(request: Request) -> dict[str, bool] | JSONResponse:
-        hosting = request.app.state.client.view.hosting(grain.__name__)
-        if not hosting:
+    async def ready() -> dict[str, bool] | JSONResponse:
+        if not front.serving():
             return JSONResponse({"ready": False, "error": f"no silo hosts {grain.__name__}"}, status_code=503)
         return {"ready": True}
 
     @app.get("/v2")
     async def server_metadata() -> oip.ServerMetadata:
-        from importlib import metadata
-
-        try:
-            version = metadata.version("redgrain")
-        except metadata.PackageNotFoundError:
-            version = "0"
-        return oip.ServerMetadata(name=SERVER_NAME, version=version, extensions=["binary_tensor_data"])
-
-    async def model_info(request: Request, name: str) -> ModelInfo:
-        info = await predictor(request, name).metadata()
-        infos[name] = (time.monotonic(), info)
-        return info
+        return oip.ServerMetadata(name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS)
 
     @app.get("/v2/models/{name}", response_model=None)
     @app.get("/v2/models/{name}/versions/{version}", response_model=None)
-    async def model_metadata(name: str, request: Request, version: str | None = None) -> oip.ModelMetadata | JSONResponse:
+    async def model_metadata(name: str, version: str | None = None) -> oip.ModelMetadata | JSONResponse:
         try:
-            info = await model_info(request, name)
+            info = await front.model_info(name)
         except Exception as exc:  # noqa: BLE001 - answer() re-raises what it does not map
             return answer(exc)
         def tensors(specs: Any) -> list[oip.MetadataTensor]:
@@ -156,9 +129,9 @@ def create_app(
 
     @app.get("/v2/models/{name}/ready", response_model=None)
     @app.get("/v2/models/{name}/versions/{version}/ready", response_model=None)
-    async def model_ready(name: str, request: Request, version: str | None = None) -> dict[str, Any] | JSONResponse:
+    async def model_ready(name: str, version: str | None = None) -> dict[str, Any] | JSONResponse:
         try:
-            ok = await predictor(request, name).ready()
+            ok = await front.ready(name)
         except Exception as exc:  # noqa: BLE001
             return answer(exc)
         if not ok:
@@ -182,13 +155,8 @@ def create_app(
             except ValueError:
                 raise BadInputError(f"{oip.HEADER} is not a number: {header!r}") from None
             req, tensors = oip.decode_request(body, header_length)
-            out = await predictor(request, name).predict(tensors)
-            cached = infos.get(name)
-            info = cached[1] if cached is not None and time.monotonic() - cached[0] < INFO_TTL_S else None
-            if info is None:
-                info = await model_info(request, name)
-            outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
-            payload, json_length = oip.encode_response(req, name, info.version, outputs)
+            got = await front.infer(name, tensors)
+            payload, json_length = oip.encode_response(req, name, got.version, got.outputs)
         except Exception as exc:  # noqa: BLE001
             resp = answer(exc)
             code = str(resp.status_code)
