@@ -19,6 +19,7 @@ from grains import (
     reentrant,
     stateless_worker,
 )
+from silo.errors import GrainTimeoutError
 
 
 class Echo(Grain):
@@ -321,3 +322,34 @@ class Shard(Grain):
 
     async def digest(self) -> tuple[int, str]:
         return self.state.step, tensor_digest(self.state.weights)
+
+
+class Napper(Grain):
+    """A callee that says whether its last nap finished or was cancelled (deadline tests)."""
+
+    def __init__(self) -> None:
+        self.last = "none"
+
+    async def nap(self, seconds: float) -> str:
+        self.last = "napping"
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self.last = "cancelled"
+            raise
+        self.last = "finished"
+        return "finished"
+
+    async def last_nap(self) -> str:
+        return self.last
+
+
+class NapCaller(Grain):
+    """Calls a Napper with a deadline, from wherever this grain lives (the same silo, in tests)."""
+
+    async def call_nap(self, key: str, timeout_s: float, seconds: float) -> str:
+        try:
+            return await self.get_grain(Napper, key).with_timeout(timeout_s).nap(seconds)
+        except GrainTimeoutError as exc:
+            return f"timeout: {exc}"
+

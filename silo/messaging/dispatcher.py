@@ -332,7 +332,15 @@ class Dispatcher:
                 inv.activation = act
             try:
                 act.enqueue(inv)
-                return await fut
+                if track is not None:
+                    return await fut
+                # A call from this silo: no connection sweeps its deadline, so this timer does,
+                # as a remote caller's CANCEL would (the callee's turn is cancelled too).
+                timer = loop.call_at(deadline, self._expire_local, act, inv, str(grain), method, deadline - loop.time())
+                try:
+                    return await fut
+                finally:
+                    timer.cancel()
             except Reroute:
                 self._rerouted += 1
                 continue
@@ -340,6 +348,12 @@ class Dispatcher:
                 if track is not None:
                     self._in_flight.pop(track, None)
         raise errors.GrainDeactivatedError(str(grain), "re-routed too many times")
+
+    @staticmethod
+    def _expire_local(act: Activation, inv: Invocation, grain: str, method: str, timeout: float) -> None:
+        if not inv.future.done():
+            inv.future.set_exception(errors.GrainTimeoutError(grain, method, round(timeout, 3)))
+        act.cancel_call(inv)
 
     def _traced_turn(self, act: Activation, call: Call, trace: Carrier | None) -> Callable[[], Awaitable[Any]]:
         """The call's turn inside a SERVER span (the turn's own body: the pipeline, as untraced)."""

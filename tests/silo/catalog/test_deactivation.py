@@ -91,7 +91,8 @@ async def test_busy_activation_is_not_collected(
 ) -> None:
     silo = await make_silo(CatalogSettings(idle_timeout_s=30, collection_interval_s=3600)).start()
     latch = silo.get_grain(Latch, "busy")
-    held = asyncio.ensure_future(latch.hold("h"))
+    # Its deadline outlasts the virtual 120 s: an in-process call's deadline holds, as a remote one's.
+    held = asyncio.ensure_future(latch.with_timeout(600).hold("h"))
     await clock.advance(120)
     assert silo.catalog.collect_idle() == 0
     silo.instance(latch).open("h")
