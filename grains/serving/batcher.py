@@ -13,7 +13,8 @@ No background task: a submit (or a batch ending) starts the next batch as a
 plain task, so nothing here outlives the last request, and a replica going
 away finishes its batches before it deactivates (the callers are its running
 turns). A request whose caller gave up (deadline, cancellation) is dropped
-from the queue unrun. A batch whose run fails is run again one request at a
+from the queue unrun; one whose caller gives up while its batch runs is
+answered nowhere, and the rest of its batch as usual. A batch whose run fails is run again one request at a
 time, so only the request that broke it fails.
 """
 
@@ -59,6 +60,18 @@ class BatcherStatistics:
     queued_rows: int
     running: int
     """Batches in their forward pass."""
+
+
+# A caller may give up (its deadline, a cancellation) at any await of a batch's run, which cancels
+# its future: every answer goes through these two, so that caller never breaks the others' answers.
+def _answer(fut: asyncio.Future[R], result: R) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _fail(fut: asyncio.Future[R], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -142,19 +155,16 @@ class DynamicBatcher(Generic[T, R]):
                 if len(results) != len(batch):
                     raise RuntimeError(f"batch of {len(batch)} requests gave {len(results)} results")
                 for req, res in zip(batch, results, strict=True):
-                    if not req.future.done():
-                        req.future.set_result(res)
+                    _answer(req.future, res)
             except Exception as exc:  # noqa: BLE001 - whatever the model raised is the caller's answer
                 if len(batch) == 1:
                     failed = 1
-                    if not batch[0].future.done():
-                        batch[0].future.set_exception(exc)
+                    _fail(batch[0].future, exc)
                 else:
                     failed = await self._one_by_one(batch)
         except BaseException as exc:  # cancelled (the silo is stopping): nobody may hang
             for req in batch:
-                if not req.future.done():
-                    req.future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+                _fail(req.future, exc if isinstance(exc, Exception) else asyncio.CancelledError())
             raise
         finally:
             self._free += 1
@@ -175,10 +185,9 @@ class DynamicBatcher(Generic[T, R]):
                 (res,) = await self._run([req.item])
             except Exception as exc:  # noqa: BLE001
                 failed += 1
-                req.future.set_exception(exc)
+                _fail(req.future, exc)
             else:
-                if not req.future.done():
-                    req.future.set_result(res)
+                _answer(req.future, res)
         return failed
 
     def statistics(self) -> BatcherStatistics:
