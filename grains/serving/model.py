@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +37,11 @@ from grains.placement import hash_placement, reentrant, silo_role, stateless_wor
 from grains.serving import loader
 from grains.serving.batcher import DynamicBatcher
 from grains.serving.errors import ModelNotFoundError, ModelNotReadyError, ServingError
-from grains.serving.loader import Inputs, LoadedModel
+from grains.serving.loader import LoadedModel
 from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
 from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
 from grains.serving.stats import ReplicaStats
+from grains.serving.tensors import Inputs, signature
 from grains.training.api.messages import TrainingStatus
 from grains.training.coordinator import CoordinatorGrain
 from silo import errors
@@ -87,7 +90,13 @@ class DeploymentGrain(Grain):
         return Deployment(name=self.key, revision=self.state.revision, spec=self.state.spec)
 
 
-_Item = tuple[Inputs, int]
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One request in the replica's batcher, pinned to the weights it was checked against."""
+
+    model: LoadedModel
+    inputs: Inputs
+    rows: int
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
@@ -164,7 +173,9 @@ class ModelGrain(Grain):
         try:
             loaded, batcher = await self._when_ready()
             rows = loaded.check(inputs)
-            out = await batcher.submit((inputs, rows), rows)
+            # One batch: one set of weights and one signature (torch.cat along the rows fits).
+            sig = signature(inputs)
+            out = await batcher.submit(_Item(loaded, inputs, rows), rows, (loaded, sig and sig[1]))
             failed = False
             return out
         finally:
@@ -280,11 +291,11 @@ class ModelGrain(Grain):
                                            slots=spec.max_concurrent_batches, on_batch=self._stats.on_batch)  # fmt: skip
         log.info("%s: serving %s", self.key, new.info.version)
 
-    async def _run_batch(self, items: Any) -> list[Inputs]:
-        model = self._loaded
-        if model is None:
+    async def _run_batch(self, items: Sequence[_Item]) -> list[Inputs]:
+        if self._loaded is None:
             raise ModelNotReadyError(f"model {self.key} was undeployed")
-        inputs, rows = [i for i, _ in items], [r for _, r in items]
+        model = items[0].model  # the batcher's key: every item's
+        inputs, rows = [it.inputs for it in items], [it.rows for it in items]
         bucket = batch_bucket(sum(rows))
         spec = self._deployment.spec
         limit_s = (spec.inline_below_ms if spec is not None else 0.0) / 1000

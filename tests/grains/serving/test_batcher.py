@@ -124,3 +124,18 @@ async def test_a_caller_giving_up_during_the_one_by_one_rerun_leaves_the_rest_of
     assert gone.cancelled()
     assert m.batches[1:] == [[1, -1, 3], [1], [-1], [3]]
     assert [d.failed for d in done] == [0, 1]
+
+
+async def test_a_batch_holds_one_key_and_the_oldest_waiting_request_leads_the_next():
+    m = Model()
+    m.gate.clear()
+    b = DynamicBatcher(m.run, max_rows=3)
+    blocker = asyncio.ensure_future(b.submit(100, 1, "a"))
+    await asyncio.sleep(0)
+    # a b a a a b: the "a"s are more, yet "b" leads the batch after the first "a" batch.
+    keys = ["a", "b", "a", "a", "a", "b"]
+    futs = [asyncio.ensure_future(b.submit(i, 1, k)) for i, k in enumerate(keys)]
+    await asyncio.sleep(0)
+    m.gate.set()
+    assert await asyncio.gather(blocker, *futs) == [200, *(2 * i for i in range(6))]
+    assert m.batches == [[100], [0, 2, 3], [1, 5], [4]]

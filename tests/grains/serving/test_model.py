@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from grains.serving import ModelGrain, Predictor, ServeSpec, deploy
+from grains.serving import ModelGrain, Predictor, ServeSpec, TensorSpec, deploy
 from grains.serving.errors import BadInputError, ModelNotFoundError, RequestTooLargeError
-from tests.grains.serving.conftest import GRAINS, train_digits
+from tests.grains.serving.conftest import GRAINS, replicas, train_digits
 
 
 async def test_served_job_predicts_the_test_split_like_the_job_scored_it(cluster, client, digits_test):
@@ -47,3 +47,26 @@ async def test_bad_requests_are_refused_without_harming_the_replica(cluster, cli
     ok, refused = await asyncio.gather(good, bad)
     assert len(ok) == 50 and all(isinstance(e, BadInputError) for e in refused)
     assert await p.ready()
+
+
+async def test_requests_of_two_shapes_go_in_batches_of_one_shape_and_no_forward_fails(cluster, client, tmp_path):
+    await cluster(1, grains=GRAINS)
+    weights = tmp_path / "rowsum.pt"
+    torch.save({"scale": torch.tensor([2.0])}, weights)
+    spec = ServeSpec(model="tests.grains.serving.models:RowSum", weights=str(weights), reload_poll_s=0.2,
+                     inputs=[TensorSpec(name="input", shape=[-1, -1])], inline_below_ms=0)  # fmt: skip
+    await deploy(client, "rowsum", spec)
+    model = client.get_grain(ModelGrain, "rowsum")
+    xs = [torch.full((1 + i % 3, 3 if i % 2 else 5), float(i)) for i in range(64)]
+    outs = await asyncio.gather(*(model.predict(x) for x in xs))
+    for x, y in zip(xs, outs, strict=True):
+        assert torch.equal(y, x.sum(1, keepdim=True) * 2)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not (live := await replicas(client)) or live[0].requests < 64:
+        assert loop.time() < deadline, live
+        await asyncio.sleep(0.1)
+    (rec,) = live
+    # Merged (fewer batches than requests), and each batch ran once: a batch mixing the two
+    # shapes fails its torch.cat and runs again request by request (passes > batches).
+    assert rec.batches < 64 and rec.passes == rec.batches, rec
