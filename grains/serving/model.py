@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel
 
 from grains.base import DeactivationReason, Grain
+from grains.context import TimerHandle
 from grains.placement import hash_placement, reentrant, silo_role, stateless_worker
 from grains.serving import loader
 from grains.serving.batcher import DynamicBatcher
@@ -120,6 +121,8 @@ class ModelGrain(Grain):
         self._batcher: DynamicBatcher[_Item, Inputs] | None = None
         self._stats = ReplicaStats()
         self._refreshing: asyncio.Lock | None = None
+        self._poll: TimerHandle | None = None
+        self._poll_s = 0.0
         self._activated = asyncio.Event()  # binds no loop until awaited
         """Set once on_activate's first load ended: calls that start before (reentrant) wait for it."""
         self._cost_s: dict[int, float] = {}
@@ -133,8 +136,13 @@ class ModelGrain(Grain):
             await self._first_load()
         finally:
             self._activated.set()
-        poll = self._deployment.spec.reload_poll_s if self._deployment.spec else 1.0
-        self.register_timer(self._tick, due_s=poll, period_s=poll, interleave=True)
+        self._schedule(self._deployment.spec.reload_poll_s if self._deployment.spec else 1.0)
+
+    def _schedule(self, poll_s: float) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+        self._poll_s = poll_s
+        self._poll = self.register_timer(self._tick, due_s=poll_s, period_s=poll_s, interleave=True)
 
     async def _first_load(self) -> None:
         # Calls wait while a replica activates: when weights exist but cannot be read yet (a
@@ -234,6 +242,7 @@ class ModelGrain(Grain):
                 return
             if dep.revision != self._deployment.revision:
                 self._weights = None  # a new spec or an explicit reload: load again
+                self._configure(spec)
             self._deployment = dep
             try:
                 await self._load_newer(spec)
@@ -278,14 +287,21 @@ class ModelGrain(Grain):
             new = await self.run_in_thread(loader.from_file, spec, self.key, self.device)
         self._swap(new, spec, key)
 
+    def _configure(self, spec: ServeSpec) -> None:
+        """A deployment's batching settings and poll period, from the next batch and tick on."""
+        if self._batcher is not None:
+            self._batcher.configure(max_rows=spec.max_batch_size, max_delay_s=spec.max_delay_ms / 1000,
+                                    slots=spec.max_concurrent_batches)  # fmt: skip
+        if self._poll is not None and spec.reload_poll_s != self._poll_s:
+            self._schedule(spec.reload_poll_s)
+
     def _swap(self, new: LoadedModel, spec: ServeSpec, key: tuple[Any, ...]) -> None:
         """The new weights take every batch from now on; running ones finish on the old."""
         if self._loaded is not None:
             self._reloads += 1
         self._loaded, self._weights, self._error, self._loaded_at = new, key, "", time.time()
         self._cost_s = {}
-        b = self._batcher
-        if b is None or (b.max_rows, b.max_delay_s) != (spec.max_batch_size, spec.max_delay_ms / 1000):
+        if self._batcher is None:  # else _configure applied this spec's settings in place
             self._batcher = DynamicBatcher(self._run_batch, max_rows=spec.max_batch_size,
                                            max_delay_s=spec.max_delay_ms / 1000,
                                            slots=spec.max_concurrent_batches, on_batch=self._stats.on_batch)  # fmt: skip
