@@ -123,6 +123,10 @@ class ModelGrain(Grain):
         self._refreshing: asyncio.Lock | None = None
         self._poll: TimerHandle | None = None
         self._poll_s = 0.0
+        self._polls = 0
+        """Polls begun (numbered from 1)."""
+        self._polled = 0
+        """Number of the last poll that finished without raising."""
         self._activated = asyncio.Event()  # binds no loop until awaited
         """Set once on_activate's first load ended: calls that start before (reentrant) wait for it."""
         self._cost_s: dict[int, float] = {}
@@ -201,8 +205,12 @@ class ModelGrain(Grain):
         return self._loaded is not None
 
     async def refresh(self) -> ModelInfo:
-        """Look for newer weights now (instead of at the next tick) on this replica."""
-        await self._refresh()
+        """Look for newer weights now (instead of at the next tick) on this replica.
+
+        The answer describes weights at least as new as the deployment and the job's were when
+        the call arrived: a poll already in flight may have read them before, so it is waited
+        for, and unless a poll begun since has finished, this one looks again."""
+        await self._refresh(wait=True)
         return await self.metadata()
 
     # --- loading ---------------------------------------------------------------------
@@ -230,27 +238,36 @@ class ModelGrain(Grain):
         if self._deployment.spec is None and self._loaded is None:
             self.deactivate_on_idle()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, *, wait: bool = False) -> None:
+        """Poll the deployment and the weights; ``wait``: also when a poll is in flight (else skip)."""
         assert self._refreshing is not None
-        if self._refreshing.locked():
-            return
+        if self._refreshing.locked() and not wait:
+            return  # a tick during a poll: that poll is as good
+        begun = self._polls
         async with self._refreshing:
-            dep: Deployment = await self.get_grain(DeploymentGrain, self.key).current()
-            spec = dep.spec
-            if spec is None:
-                self._deployment, self._loaded, self._batcher = dep, None, None
-                return
-            if dep.revision != self._deployment.revision:
-                self._weights = None  # a new spec or an explicit reload: load again
-                self._configure(spec)
-            self._deployment = dep
-            try:
-                await self._load_newer(spec)
-            except errors.GrainCallError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
-                self._error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("%s: loading weights failed: %s", self.key, self._error)
+            if self._polled > begun:
+                return  # a poll that began after the call has finished
+            self._polls += 1
+            await self._poll_once()
+            self._polled = self._polls
+
+    async def _poll_once(self) -> None:
+        dep: Deployment = await self.get_grain(DeploymentGrain, self.key).current()
+        spec = dep.spec
+        if spec is None:
+            self._deployment, self._loaded, self._batcher = dep, None, None
+            return
+        if dep.revision != self._deployment.revision:
+            self._weights = None  # a new spec or an explicit reload: load again
+            self._configure(spec)
+        self._deployment = dep
+        try:
+            await self._load_newer(spec)
+        except errors.GrainCallError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
+            self._error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("%s: loading weights failed: %s", self.key, self._error)
 
     async def _load_newer(self, spec: ServeSpec) -> None:
         self._weights_exist = False

@@ -11,7 +11,7 @@ import torch
 
 from grains.serving import ModelGrain, ServeSpec, TensorSpec, deploy
 from tests.grains.serving.conftest import GRAINS
-from tests.grains.serving.models import MEETINGS
+from tests.grains.serving.models import GATES, MEETINGS
 
 ROWS = [TensorSpec(name="input", shape=[-1, -1])]
 
@@ -60,3 +60,28 @@ async def test_a_redeploy_changing_reload_poll_s_changes_how_soon_new_weights_ar
         assert loop.time() < deadline, "the replica still polls every 600 s"
         await asyncio.sleep(0.05)
 
+
+
+async def test_refresh_during_a_poll_answers_with_weights_at_least_as_new_as_the_call(cluster, client, tmp_path):
+    await cluster(1, grains=GRAINS)
+    weights = tmp_path / "w.pt"
+    save_weights(weights, 2.0, 1_000_000)
+    spec = ServeSpec(model="tests.grains.serving.models:held_rowsum", model_args={"tag": "refresh"},
+                     weights=str(weights), inputs=ROWS, reload_poll_s=600)  # fmt: skip
+    await deploy(client, "held", spec)
+    model = client.get_grain(ModelGrain, "held")
+    old = await model.metadata()
+    entered, open_ = GATES["refresh"] = (threading.Event(), threading.Event())
+    try:
+        save_weights(weights, 3.0, 1_000_010)
+        polling = asyncio.ensure_future(model.refresh())  # finds the new file; its load waits at the gate
+        assert await asyncio.to_thread(entered.wait, 10)
+        asked = asyncio.ensure_future(model.refresh())  # while that poll is in flight
+        await model.ready()  # sent after `asked` to the same replica: `asked` has begun
+        open_.set()
+        polled, got = await polling, await asked
+    finally:
+        GATES.pop("refresh")[1].set()
+    assert polled.version != old.version
+    assert got.version == polled.version
+    assert float(await model.predict(torch.ones(1, 3))) == 9.0
