@@ -42,7 +42,7 @@ from grains.serving.loader import LoadedModel
 from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
 from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
 from grains.serving.stats import ReplicaStats
-from grains.serving.tensors import Inputs, signature
+from grains.serving.tensors import Inference, Inputs, chunks, merge, signature
 from grains.training.api.messages import TrainingStatus
 from grains.training.coordinator import CoordinatorGrain
 from silo import errors
@@ -173,13 +173,16 @@ class ModelGrain(Grain):
                 log.debug("%s: removing the replica record failed: %s", self.key, exc)
 
     # --- the API -------------------------------------------------------------------
-    async def predict(
+    async def infer(
         self, inputs: torch.Tensor | dict[str, torch.Tensor], requests: int = 1
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent requests.
+    ) -> Inference:
+        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent
+        requests, with the version and step of the weights that computed it.
 
         ``requests``: how many callers' requests ``inputs`` holds (a :class:`Predictor` merged
-        them), so the replica's statistics count requests, not calls."""
+        them), so the replica's statistics count requests, not calls. A request of more rows
+        than ``max_batch_size`` runs as several batches of at most that many, all on the
+        weights it was checked against (a swap meanwhile does not mix versions in one answer)."""
         start = time.perf_counter()
         failed = True
         try:
@@ -187,11 +190,23 @@ class ModelGrain(Grain):
             rows = loaded.check(inputs)
             # One batch: one set of weights and one signature (torch.cat along the rows fits).
             sig = signature(inputs)
-            out = await batcher.submit(_Item(loaded, inputs, rows), rows, (loaded, sig and sig[1]))
+            key = (loaded, sig and sig[1])
+            parts = chunks(inputs, rows, batcher.max_rows)
+            if len(parts) == 1:
+                out = await batcher.submit(_Item(loaded, inputs, rows), rows, key)
+            else:
+                outs = await asyncio.gather(*(batcher.submit(_Item(loaded, p, n), n, key) for p, n in parts))
+                out = merge(outs)
             failed = False
-            return out
+            return Inference(out, loaded.info.version, loaded.info.step)
         finally:
             self._stats.on_request(time.perf_counter() - start, failed=failed, requests=max(1, int(requests)))
+
+    async def predict(
+        self, inputs: torch.Tensor | dict[str, torch.Tensor], requests: int = 1
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``infer``'s outputs alone."""
+        return (await self.infer(inputs, requests)).outputs
 
     async def metadata(self) -> ModelInfo:
         """Inputs, outputs and weights version (ModelNotReadyError before weights are loaded)."""
@@ -372,4 +387,4 @@ class GpuModelGrain(ModelGrain):
     """A :class:`ModelGrain` whose replicas run only on silos started with ``--roles gpu``."""
 
 
-__all__ = ["Deployment", "DeploymentGrain", "GpuModelGrain", "ModelGrain", "ServingError"]
+__all__ = ["Deployment", "DeploymentGrain", "GpuModelGrain", "Inference", "ModelGrain", "ServingError"]

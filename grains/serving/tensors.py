@@ -9,16 +9,33 @@ model input declared with ``-1`` past the rows (``[-1, -1]``: rows of any
 length) lets requests of different signatures reach one replica; each batch
 still holds only one. Both sides use these functions, so "what may merge" is
 decided in one place.
+
+An :class:`Inference` is an answer with the weights that computed it, so a
+caller can tell which checkpoint answered while versions swap under load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Inference:
+    """A request's outputs and the version and step of the weights that computed all of them."""
+
+    outputs: Inputs
+    version: str
+    step: int
+
+    def split(self, rows: list[int]) -> list[Inference]:
+        """One answer per merged request: its rows of the outputs, the same weights."""
+        return [Inference(out, self.version, self.step) for out in split(self.outputs, rows)]
 
 
 def signature(inputs: Any) -> tuple[int, Hashable] | None:

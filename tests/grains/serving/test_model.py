@@ -10,6 +10,7 @@ import torch
 from grains.serving import ModelGrain, Predictor, ServeSpec, TensorSpec, deploy
 from grains.serving.errors import BadInputError, ModelNotFoundError, RequestTooLargeError
 from tests.grains.serving.conftest import GRAINS, replicas, train_digits
+from tests.grains.serving.models import FORWARD_ROWS
 
 
 async def test_served_job_predicts_the_test_split_like_the_job_scored_it(cluster, client, digits_test):
@@ -70,3 +71,22 @@ async def test_requests_of_two_shapes_go_in_batches_of_one_shape_and_no_forward_
     # Merged (fewer batches than requests), and each batch ran once: a batch mixing the two
     # shapes fails its torch.cat and runs again request by request (passes > batches).
     assert rec.batches < 64 and rec.passes == rec.batches, rec
+
+
+async def test_a_request_larger_than_max_batch_size_runs_as_passes_of_at_most_that_many_rows(cluster, client, tmp_path):
+    await cluster(1, grains=GRAINS)
+    weights = tmp_path / "w.pt"
+    torch.save({"scale": torch.tensor([2.0])}, weights)
+    spec = ServeSpec(model="tests.grains.serving.models:Meeting", model_args={"tag": "split"}, weights=str(weights),
+                     inputs=[TensorSpec(name="input", shape=[-1, 3])], max_batch_size=16, max_request_rows=1000)  # fmt: skip
+    await deploy(client, "split", spec)
+    x = torch.arange(1, 301, dtype=torch.float32).reshape(100, 3)
+    FORWARD_ROWS.pop("split", None)
+    got = await client.get_grain(ModelGrain, "split").infer(x)
+    assert torch.equal(got.outputs, x.sum(1, keepdim=True) * 2)  # the whole batch's answer, rows in order
+    assert max(FORWARD_ROWS["split"]) <= 16 and sum(FORWARD_ROWS["split"]) == 100, FORWARD_ROWS
+    assert (got.version, got.step) == ("w.pt @ " + f"{weights.stat().st_mtime:.3f}", 0)
+    # Through a Predictor (a request at the limit goes alone, uncoalesced), the same.
+    FORWARD_ROWS.pop("split")
+    assert torch.equal(await Predictor(client, "split").predict(x), x.sum(1, keepdim=True) * 2)
+    assert max(FORWARD_ROWS["split"]) <= 16 and sum(FORWARD_ROWS["split"]) == 100, FORWARD_ROWS
