@@ -13,8 +13,12 @@ swaps the reference. Batches already running finish on the old one, and no
 request is refused while the new one loads. The same tick publishes the
 replica's record (:mod:`grains.serving.records`).
 
-The class is ``@reentrant``: ``predict`` calls must reach the batcher
-together to be merged, so they may not wait for each other's turns. The
+The class is ``@reentrant``: ``infer`` (and ``predict``, its outputs alone)
+calls must reach the batcher together to be merged, so they may not wait for
+each other's turns. A request is pinned to the ``LoadedModel`` it was checked
+against: every pass of it runs there, and its answer names that model's
+version and step. A redeploy applies its batching settings and poll period
+in place (docs/serving.md, "Dynamic batching"). The
 forward pass runs on the silo's executor (``run_in_thread``), never on the
 loop. :class:`GpuModelGrain` is the same grain placed only on silos with the
 ``gpu`` role; any other role is a two-line subclass (see docs/serving.md).
