@@ -21,11 +21,13 @@ if TYPE_CHECKING:
     from grains.serving.client import Predictor, deploy
     from grains.serving.model import Deployment, DeploymentGrain, GpuModelGrain, ModelGrain
     from grains.serving.spec import ModelInfo, ServeSpec, TensorSpec
+    from grains.serving.tensors import Inference
 
 _LAZY = {
     "Deployment": "grains.serving.model",
     "DeploymentGrain": "grains.serving.model",
     "GpuModelGrain": "grains.serving.model",
+    "Inference": "grains.serving.tensors",
     "ModelGrain": "grains.serving.model",
     "ModelInfo": "grains.serving.spec",
     "Predictor": "grains.serving.client",
@@ -38,6 +40,7 @@ __all__ = [
     "Deployment",
     "DeploymentGrain",
     "GpuModelGrain",
+    "Inference",
     "ModelGrain",
     "ModelInfo",
     "Predictor",

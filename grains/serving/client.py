@@ -5,6 +5,7 @@
     await deploy(client, "digits", ServeSpec(job="digits"))
     y = await client.get_grain(ModelGrain, "digits").predict(x)     # a plain grain call
     y = await Predictor(client, "digits").predict(x)                # the same, retried on another replica
+    a = await Predictor(client, "digits").infer(x)                  # a.outputs, a.version, a.step
 
 A plain call to a replica whose silo dies mid-call fails with
 ``SiloUnavailableError`` (it may have run: the runtime retries only calls it
@@ -24,6 +25,7 @@ from grains.serving.coalescer import Coalescer, signature
 from grains.serving.errors import from_remote
 from grains.serving.model import Deployment, DeploymentGrain, GpuModelGrain, ModelGrain
 from grains.serving.spec import ModelInfo, ServeSpec
+from grains.serving.tensors import Inference
 from silo import errors
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ def grain_for(role: str | None) -> type[ModelGrain]:
 
 
 class Predictor:
-    """``predict`` on model ``name``, retried on another replica until ``timeout_s``.
+    """``infer`` (or ``predict``: its outputs alone) on model ``name``, retried on another
+    replica until ``timeout_s``.
 
     :param coalesce: merge concurrent predicts from this process into one grain call
         (:mod:`grains.serving.coalescer`); off, every predict is a call of its own.
@@ -68,7 +71,7 @@ class Predictor:
         self._grain = grain
         self._ref: Any = client.get_grain(grain, name)
         self.retries = 0
-        self._coalescer = Coalescer(self._send, max_rows=1, in_flight=in_flight) if coalesce else None
+        self._coalescer = Coalescer(self._send, max_rows=1, in_flight=in_flight, split=Inference.split) if coalesce else None
         self._limit: asyncio.Future[int | None] | None = None
         """The model's max_batch_size, as last read (None: not known, predicts go alone)."""
         self._limit_until = 0.0
@@ -78,11 +81,13 @@ class Predictor:
         """Grain calls the coalescer sent (None without coalescing)."""
         return self._coalescer.calls if self._coalescer is not None else None
 
-    async def predict(self, inputs: Any, timeout_s: float | None = None) -> Any:
+    async def infer(self, inputs: Any, timeout_s: float | None = None) -> Inference:
+        """The outputs for ``inputs`` with the version and step of the weights that computed them
+        (merged with concurrent requests from this process, each answer true to its own call)."""
         timeout = timeout_s or self.timeout_s
         sig = signature(inputs) if self._coalescer is not None else None
         if sig is None or self._coalescer is None:
-            return await self._call("predict", inputs, timeout_s=timeout)
+            return await self._call("infer", inputs, timeout_s=timeout)  # type: ignore[no-any-return]
         rows, key = sig
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -90,11 +95,15 @@ class Predictor:
             async with asyncio.timeout(timeout):  # no task per request, unlike wait_for
                 limit = await self._max_rows()
                 if limit is not None and rows < limit:
-                    return await self._coalescer.submit(inputs, rows, key, deadline)
+                    return await self._coalescer.submit(inputs, rows, key, deadline)  # type: ignore[no-any-return]
         except TimeoutError:
-            raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", "predict", timeout) from None
+            raise errors.GrainTimeoutError(f"{self._grain.__name__}/{self.name}", "infer", timeout) from None
         # The limit is not known (the model is not loaded yet) or the request fills a batch alone.
-        return await self._call("predict", inputs, timeout_s=max(deadline - loop.time(), 1e-3))
+        return await self._call("infer", inputs, timeout_s=max(deadline - loop.time(), 1e-3))  # type: ignore[no-any-return]
+
+    async def predict(self, inputs: Any, timeout_s: float | None = None) -> Any:
+        """``infer``'s outputs alone."""
+        return (await self.infer(inputs, timeout_s)).outputs
 
     async def metadata(self, timeout_s: float | None = None) -> ModelInfo:
         return await self._call("metadata", timeout_s=timeout_s)  # type: ignore[no-any-return]
@@ -127,8 +136,8 @@ class Predictor:
     async def _send(self, inputs: Any, requests: int, deadline: float) -> Any:
         remaining = deadline - asyncio.get_running_loop().time()
         if requests == 1:
-            return await self._call("predict", inputs, timeout_s=max(remaining, 1e-3))
-        return await self._call("predict", inputs, timeout_s=max(remaining, 1e-3), requests=requests)
+            return await self._call("infer", inputs, timeout_s=max(remaining, 1e-3))
+        return await self._call("infer", inputs, timeout_s=max(remaining, 1e-3), requests=requests)
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -12,9 +12,10 @@ most the model's ``max_batch_size`` rows), and each caller gets its own rows
 of the answer back. A lone caller never waits: with nothing in flight its
 request leaves at once, alone and unchanged.
 
-Only requests of one *signature* merge: the same input names, dtypes and
-shapes past the first (row) dimension; others go in calls of their own, side
-by side. A merged call that the replica refuses as bad input (one request's
+Only requests of one *signature* (:func:`~grains.serving.tensors.signature`:
+the same input names, dtypes and shapes past the first (row) dimension) merge:
+the batcher's batches hold one signature each, the oldest waiting request's
+first, as on the replica. A merged call that the replica refuses as bad input (one request's
 shape was wrong) is sent again request by request, so only the culprit gets
 the error; any other failure (a deadline, the model not ready) is every
 member's answer. The merged call's deadline is the latest of its members';
@@ -24,55 +25,36 @@ each caller still stops waiting at its own.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from grains.serving.batcher import DynamicBatcher
 from grains.serving.errors import BadInputError, RequestTooLargeError
-from grains.serving.loader import split
+from grains.serving.tensors import Inputs, merge, signature, split
 
-Inputs = torch.Tensor | dict[str, torch.Tensor]
 Send = Callable[[Inputs, int, float], Awaitable[Any]]
 """``send(inputs, requests, deadline)``: one grain call of ``requests`` merged requests (loop-time deadline)."""
-
-
-def signature(inputs: Any) -> tuple[int, Hashable] | None:
-    """Rows and what must match to merge (None: not a tensor or a dict of same-row tensors)."""
-    if isinstance(inputs, torch.Tensor):
-        if inputs.dim() < 1 or inputs.shape[0] < 1:
-            return None
-        return int(inputs.shape[0]), ("", inputs.dtype, tuple(inputs.shape[1:]))
-    if isinstance(inputs, Mapping) and inputs and all(isinstance(v, torch.Tensor) for v in inputs.values()):
-        rows = {int(v.shape[0]) if v.dim() else -1 for v in inputs.values()}
-        if len(rows) != 1 or min(rows) < 1:
-            return None
-        return rows.pop(), tuple(sorted((str(k), v.dtype, tuple(v.shape[1:])) for k, v in inputs.items()))
-    return None
-
-
-def merge(items: Sequence[Inputs]) -> Inputs:
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(items)  # type: ignore[arg-type]
-    return {k: torch.cat([it[k] for it in items]) for k in first}  # type: ignore[index]
+Split = Callable[[Any, list[int]], Sequence[Any]]
+"""``split(answer, rows)``: a merged call's answer cut into each member's (default: its output tensors' rows)."""
 
 
 @dataclass(slots=True)
 class _Pending:
     inputs: Inputs
     rows: int
-    key: Hashable
     deadline: float
 
 
 class Coalescer:
-    """Merges concurrent requests into calls of at most ``max_rows`` rows, ``in_flight`` at a time."""
+    """Merges concurrent requests into calls of at most ``max_rows`` rows, ``in_flight`` at a time.
 
-    def __init__(self, send: Send, *, max_rows: int, in_flight: int = 2) -> None:
+    :param split: cuts a merged call's answer into its members' (:data:`Split`).
+    """
+
+    def __init__(self, send: Send, *, max_rows: int, in_flight: int = 2, split: Split = split) -> None:
         self._send = send
+        self._split = split
         self._batcher: DynamicBatcher[_Pending, Any] = DynamicBatcher(self._run, max_rows=max_rows, slots=in_flight)
         self.calls = 0
         """Grain calls sent (a merged call counts once)."""
@@ -86,8 +68,8 @@ class Coalescer:
         self._batcher.max_rows = max(1, value)
 
     async def submit(self, inputs: Inputs, rows: int, key: Hashable, deadline: float) -> Any:
-        """``inputs``' answer; raises what its call raised."""
-        out = await self._batcher.submit(_Pending(inputs, rows, key, deadline), rows)
+        """``inputs``' answer; raises what its call raised. ``key``: its :func:`signature`'s second part."""
+        out = await self._batcher.submit(_Pending(inputs, rows, deadline), rows, key)
         if isinstance(out, BaseException):
             raise out
         return out
@@ -95,19 +77,7 @@ class Coalescer:
     async def _run(self, items: Sequence[_Pending]) -> list[Any]:
         # Results, or the exception each member raises: the batcher's own fallback (run again one
         # by one on any failure) would multiply a deadline or a failover by the batch's size.
-        if len(items) == 1:
-            return [await self._one(items[0])]
-        groups: dict[Hashable, list[int]] = {}
-        for i, it in enumerate(items):
-            groups.setdefault(it.key, []).append(i)
-        out: list[Any] = [None] * len(items)
-        parts = await asyncio.gather(*(self._group([items[i] for i in idx]) for idx in groups.values()))
-        for idx, results in zip(groups.values(), parts, strict=True):
-            for i, r in zip(idx, results, strict=True):
-                out[i] = r
-        return out
-
-    async def _group(self, items: list[_Pending]) -> list[Any]:
+        # The batcher hands over requests of one signature only.
         if len(items) == 1:
             return [await self._one(items[0])]
         try:
@@ -117,7 +87,7 @@ class Coalescer:
         self.calls += 1
         try:
             y = await self._send(merged, len(items), max(it.deadline for it in items))
-            return split(y, [it.rows for it in items])
+            return list(self._split(y, [it.rows for it in items]))
         except (BadInputError, RequestTooLargeError):
             return list(await asyncio.gather(*(self._one(it) for it in items)))
         except Exception as exc:  # noqa: BLE001 - every member's answer
@@ -129,3 +99,6 @@ class Coalescer:
             return await self._send(it.inputs, 1, it.deadline)
         except Exception as exc:  # noqa: BLE001 - the caller's answer
             return exc
+
+
+__all__ = ["Coalescer", "Send", "Split", "signature"]

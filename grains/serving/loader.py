@@ -23,9 +23,8 @@ from torch import nn
 
 from grains.serving.errors import BadInputError, RequestTooLargeError
 from grains.serving.spec import Datatype, ModelInfo, ServeSpec, TensorSpec
+from grains.serving.tensors import Inputs, split
 from grains.training.api.job import TrainingJob, resolve_path
-
-Inputs = torch.Tensor | dict[str, torch.Tensor]
 
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
@@ -105,18 +104,6 @@ class LoadedModel:
             if self._post is not None:
                 y = self._post(y)
         return split(y, list(rows))
-
-
-def split(y: Any, rows: list[int]) -> list[Inputs]:
-    """The batch's outputs cut back into each request's rows (on the CPU)."""
-    if isinstance(y, torch.Tensor):
-        # Row slices of a contiguous output are contiguous views: each goes on the wire as it is.
-        y = y.to("cpu").contiguous()
-        return list(torch.split(y, rows)) if len(rows) > 1 else [y]
-    if isinstance(y, Mapping):
-        parts = {k: split(v, rows) for k, v in y.items()}
-        return [{k: parts[k][i] for k in parts} for i in range(len(rows))]  # type: ignore[misc]
-    raise TypeError(f"the model returned {type(y).__name__}; a served model returns a tensor or a dict of tensors")
 
 
 def _hook(path: str | None, what: str) -> Callable[[Any], Any] | None:

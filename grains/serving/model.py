@@ -13,8 +13,12 @@ swaps the reference. Batches already running finish on the old one, and no
 request is refused while the new one loads. The same tick publishes the
 replica's record (:mod:`grains.serving.records`).
 
-The class is ``@reentrant``: ``predict`` calls must reach the batcher
-together to be merged, so they may not wait for each other's turns. The
+The class is ``@reentrant``: ``infer`` (and ``predict``, its outputs alone)
+calls must reach the batcher together to be merged, so they may not wait for
+each other's turns. A request is pinned to the ``LoadedModel`` it was checked
+against: every pass of it runs there, and its answer names that model's
+version and step. A redeploy applies its batching settings and poll period
+in place (docs/serving.md, "Dynamic batching"). The
 forward pass runs on the silo's executor (``run_in_thread``), never on the
 loop. :class:`GpuModelGrain` is the same grain placed only on silos with the
 ``gpu`` role; any other role is a two-line subclass (see docs/serving.md).
@@ -25,20 +29,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
 from grains.base import DeactivationReason, Grain
+from grains.context import TimerHandle
 from grains.placement import hash_placement, reentrant, silo_role, stateless_worker
 from grains.serving import loader
 from grains.serving.batcher import DynamicBatcher
 from grains.serving.errors import ModelNotFoundError, ModelNotReadyError, ServingError
-from grains.serving.loader import Inputs, LoadedModel
+from grains.serving.loader import LoadedModel
 from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
 from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
 from grains.serving.stats import ReplicaStats
+from grains.serving.tensors import Inference, Inputs, chunks, merge, signature
 from grains.training.api.messages import TrainingStatus
 from grains.training.coordinator import CoordinatorGrain
 from silo import errors
@@ -87,7 +95,13 @@ class DeploymentGrain(Grain):
         return Deployment(name=self.key, revision=self.state.revision, spec=self.state.spec)
 
 
-_Item = tuple[Inputs, int]
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One request in the replica's batcher, pinned to the weights it was checked against."""
+
+    model: LoadedModel
+    inputs: Inputs
+    rows: int
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
@@ -111,6 +125,12 @@ class ModelGrain(Grain):
         self._batcher: DynamicBatcher[_Item, Inputs] | None = None
         self._stats = ReplicaStats()
         self._refreshing: asyncio.Lock | None = None
+        self._poll: TimerHandle | None = None
+        self._poll_s = 0.0
+        self._polls = 0
+        """Polls begun (numbered from 1)."""
+        self._polled = 0
+        """Number of the last poll that finished without raising."""
         self._activated = asyncio.Event()  # binds no loop until awaited
         """Set once on_activate's first load ended: calls that start before (reentrant) wait for it."""
         self._cost_s: dict[int, float] = {}
@@ -124,8 +144,13 @@ class ModelGrain(Grain):
             await self._first_load()
         finally:
             self._activated.set()
-        poll = self._deployment.spec.reload_poll_s if self._deployment.spec else 1.0
-        self.register_timer(self._tick, due_s=poll, period_s=poll, interleave=True)
+        self._schedule(self._deployment.spec.reload_poll_s if self._deployment.spec else 1.0)
+
+    def _schedule(self, poll_s: float) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+        self._poll_s = poll_s
+        self._poll = self.register_timer(self._tick, due_s=poll_s, period_s=poll_s, interleave=True)
 
     async def _first_load(self) -> None:
         # Calls wait while a replica activates: when weights exist but cannot be read yet (a
@@ -152,23 +177,40 @@ class ModelGrain(Grain):
                 log.debug("%s: removing the replica record failed: %s", self.key, exc)
 
     # --- the API -------------------------------------------------------------------
-    async def predict(
+    async def infer(
         self, inputs: torch.Tensor | dict[str, torch.Tensor], requests: int = 1
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent requests.
+    ) -> Inference:
+        """The model's output for ``inputs`` (a batch: rows first), merged with concurrent
+        requests, with the version and step of the weights that computed it.
 
         ``requests``: how many callers' requests ``inputs`` holds (a :class:`Predictor` merged
-        them), so the replica's statistics count requests, not calls."""
+        them), so the replica's statistics count requests, not calls. A request of more rows
+        than ``max_batch_size`` runs as several batches of at most that many, all on the
+        weights it was checked against (a swap meanwhile does not mix versions in one answer)."""
         start = time.perf_counter()
         failed = True
         try:
             loaded, batcher = await self._when_ready()
             rows = loaded.check(inputs)
-            out = await batcher.submit((inputs, rows), rows)
+            # One batch: one set of weights and one signature (torch.cat along the rows fits).
+            sig = signature(inputs)
+            key = (loaded, sig and sig[1])
+            parts = chunks(inputs, rows, batcher.max_rows)
+            if len(parts) == 1:
+                out = await batcher.submit(_Item(loaded, inputs, rows), rows, key)
+            else:
+                outs = await asyncio.gather(*(batcher.submit(_Item(loaded, p, n), n, key) for p, n in parts))
+                out = merge(outs)
             failed = False
-            return out
+            return Inference(out, loaded.info.version, loaded.info.step)
         finally:
             self._stats.on_request(time.perf_counter() - start, failed=failed, requests=max(1, int(requests)))
+
+    async def predict(
+        self, inputs: torch.Tensor | dict[str, torch.Tensor], requests: int = 1
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``infer``'s outputs alone."""
+        return (await self.infer(inputs, requests)).outputs
 
     async def metadata(self) -> ModelInfo:
         """Inputs, outputs and weights version (ModelNotReadyError before weights are loaded)."""
@@ -182,8 +224,12 @@ class ModelGrain(Grain):
         return self._loaded is not None
 
     async def refresh(self) -> ModelInfo:
-        """Look for newer weights now (instead of at the next tick) on this replica."""
-        await self._refresh()
+        """Look for newer weights now (instead of at the next tick) on this replica.
+
+        The answer describes weights at least as new as the deployment and the job's were when
+        the call arrived: a poll already in flight may have read them before, so it is waited
+        for, and unless a poll begun since has finished, this one looks again."""
+        await self._refresh(wait=True)
         return await self.metadata()
 
     # --- loading ---------------------------------------------------------------------
@@ -211,26 +257,36 @@ class ModelGrain(Grain):
         if self._deployment.spec is None and self._loaded is None:
             self.deactivate_on_idle()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, *, wait: bool = False) -> None:
+        """Poll the deployment and the weights; ``wait``: also when a poll is in flight (else skip)."""
         assert self._refreshing is not None
-        if self._refreshing.locked():
-            return
+        if self._refreshing.locked() and not wait:
+            return  # a tick during a poll: that poll is as good
+        begun = self._polls
         async with self._refreshing:
-            dep: Deployment = await self.get_grain(DeploymentGrain, self.key).current()
-            spec = dep.spec
-            if spec is None:
-                self._deployment, self._loaded, self._batcher = dep, None, None
-                return
-            if dep.revision != self._deployment.revision:
-                self._weights = None  # a new spec or an explicit reload: load again
-            self._deployment = dep
-            try:
-                await self._load_newer(spec)
-            except errors.GrainCallError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
-                self._error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("%s: loading weights failed: %s", self.key, self._error)
+            if self._polled > begun:
+                return  # a poll that began after the call has finished
+            self._polls += 1
+            await self._poll_once()
+            self._polled = self._polls
+
+    async def _poll_once(self) -> None:
+        dep: Deployment = await self.get_grain(DeploymentGrain, self.key).current()
+        spec = dep.spec
+        if spec is None:
+            self._deployment, self._loaded, self._batcher = dep, None, None
+            return
+        if dep.revision != self._deployment.revision:
+            self._weights = None  # a new spec or an explicit reload: load again
+            self._configure(spec)
+        self._deployment = dep
+        try:
+            await self._load_newer(spec)
+        except errors.GrainCallError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
+            self._error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("%s: loading weights failed: %s", self.key, self._error)
 
     async def _load_newer(self, spec: ServeSpec) -> None:
         self._weights_exist = False
@@ -267,24 +323,31 @@ class ModelGrain(Grain):
             new = await self.run_in_thread(loader.from_file, spec, self.key, self.device)
         self._swap(new, spec, key)
 
+    def _configure(self, spec: ServeSpec) -> None:
+        """A deployment's batching settings and poll period, from the next batch and tick on."""
+        if self._batcher is not None:
+            self._batcher.configure(max_rows=spec.max_batch_size, max_delay_s=spec.max_delay_ms / 1000,
+                                    slots=spec.max_concurrent_batches)  # fmt: skip
+        if self._poll is not None and spec.reload_poll_s != self._poll_s:
+            self._schedule(spec.reload_poll_s)
+
     def _swap(self, new: LoadedModel, spec: ServeSpec, key: tuple[Any, ...]) -> None:
         """The new weights take every batch from now on; running ones finish on the old."""
         if self._loaded is not None:
             self._reloads += 1
         self._loaded, self._weights, self._error, self._loaded_at = new, key, "", time.time()
         self._cost_s = {}
-        b = self._batcher
-        if b is None or (b.max_rows, b.max_delay_s) != (spec.max_batch_size, spec.max_delay_ms / 1000):
+        if self._batcher is None:  # else _configure applied this spec's settings in place
             self._batcher = DynamicBatcher(self._run_batch, max_rows=spec.max_batch_size,
                                            max_delay_s=spec.max_delay_ms / 1000,
                                            slots=spec.max_concurrent_batches, on_batch=self._stats.on_batch)  # fmt: skip
         log.info("%s: serving %s", self.key, new.info.version)
 
-    async def _run_batch(self, items: Any) -> list[Inputs]:
-        model = self._loaded
-        if model is None:
+    async def _run_batch(self, items: Sequence[_Item]) -> list[Inputs]:
+        if self._loaded is None:
             raise ModelNotReadyError(f"model {self.key} was undeployed")
-        inputs, rows = [i for i, _ in items], [r for _, r in items]
+        model = items[0].model  # the batcher's key: every item's
+        inputs, rows = [it.inputs for it in items], [it.rows for it in items]
         bucket = batch_bucket(sum(rows))
         spec = self._deployment.spec
         limit_s = (spec.inline_below_ms if spec is not None else 0.0) / 1000
@@ -328,4 +391,4 @@ class GpuModelGrain(ModelGrain):
     """A :class:`ModelGrain` whose replicas run only on silos started with ``--roles gpu``."""
 
 
-__all__ = ["Deployment", "DeploymentGrain", "GpuModelGrain", "ModelGrain", "ServingError"]
+__all__ = ["Deployment", "DeploymentGrain", "GpuModelGrain", "Inference", "ModelGrain", "ServingError"]

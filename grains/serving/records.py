@@ -72,6 +72,7 @@ class ReplicaRecord(BaseModel):
     errors: int = 0
     rows: int = 0
     batches: int = 0
+    passes: int = Field(0, description="Forward passes run: more than batches when failed batches ran again request by request.")
     requests_per_s: float = Field(0.0, description="Over the last publish interval.")
     batch_rows: dict[int, int] = Field(default_factory=dict, description="Sparse BATCH_BUCKETS histogram of rows per batch.")
     queue_ms: dict[int, int] = Field(default_factory=dict, description="Sparse BUCKETS_MS histogram: wait for a batch.")

@@ -19,7 +19,7 @@ def _add(hist: dict[int, int], i: int, n: int = 1) -> None:
 class ReplicaStats:
     def __init__(self) -> None:
         self.started = time.time()
-        self.requests = self.errors = self.rows = self.batches = 0
+        self.requests = self.errors = self.rows = self.batches = self.passes = 0
         self.batch_rows: dict[int, int] = {}
         self.queue_ms: dict[int, int] = {}
         self.compute_ms: dict[int, int] = {}
@@ -32,6 +32,7 @@ class ReplicaStats:
 
     def on_batch(self, done: BatchDone) -> None:
         self.batches += 1
+        self.passes += done.passes
         self.rows += done.rows
         _add(self.batch_rows, batch_bucket(done.rows))
         compute = done.compute_s * 1000
@@ -64,8 +65,8 @@ class ReplicaStats:
                 _add(window, i, n)
         return ReplicaRecord(
             at=time.time(), started=self.started, requests=self.requests, errors=self.errors, rows=self.rows,
-            batches=self.batches, requests_per_s=rate, batch_rows=dict(self.batch_rows), queue_ms=dict(self.queue_ms),
-            compute_ms=dict(self.compute_ms), latency_ms=dict(self.latency_ms), queue_ms_sum=self.sums["queue"],
+            batches=self.batches, passes=self.passes, requests_per_s=rate, batch_rows=dict(self.batch_rows),
+            queue_ms=dict(self.queue_ms), compute_ms=dict(self.compute_ms), latency_ms=dict(self.latency_ms), queue_ms_sum=self.sums["queue"],
             compute_ms_sum=self.sums["compute"], latency_ms_sum=self.sums["latency"], window_latency_ms=window,
             window_s=float(len(self._window)), **fields,  # type: ignore[arg-type]
         )  # fmt: skip

@@ -94,3 +94,48 @@ async def test_a_delay_lets_a_batch_wait_for_company_until_it_is_full():
     futs = [asyncio.ensure_future(b.submit(i, 1)) for i in range(4)]  # the fourth fills the batch
     assert await asyncio.gather(*futs) == [0, 2, 4, 6]
     assert m.batches == [[0, 1, 2, 3]]
+
+
+async def test_a_caller_giving_up_during_the_one_by_one_rerun_leaves_the_rest_of_its_batch_answered():
+    m = Model()
+    m.gate.clear()
+    alone = asyncio.Event()  # the poisoned request's own pass waits here, so its caller can leave meanwhile
+    entered = asyncio.Event()
+    run = m.run
+
+    async def model(items: Sequence[int]) -> list[int]:
+        if list(items) == [-1]:
+            entered.set()
+            await alone.wait()
+        return await run(items)
+
+    done: list[BatchDone] = []
+    b = DynamicBatcher(model, max_rows=64, on_batch=done.append)
+    blocker = asyncio.ensure_future(b.submit(100, 1))
+    await asyncio.sleep(0)
+    first, gone, last = (asyncio.ensure_future(b.submit(i, 1)) for i in (1, -1, 3))
+    await asyncio.sleep(0)
+    m.gate.set()
+    await entered.wait()
+    gone.cancel()  # its deadline passed while its pass ran: the pass then fails into a cancelled future
+    await asyncio.sleep(0)
+    alone.set()
+    assert await blocker == 200 and await first == 2 and await last == 6
+    assert gone.cancelled()
+    assert m.batches[1:] == [[1, -1, 3], [1], [-1], [3]]
+    assert [d.failed for d in done] == [0, 1]
+
+
+async def test_a_batch_holds_one_key_and_the_oldest_waiting_request_leads_the_next():
+    m = Model()
+    m.gate.clear()
+    b = DynamicBatcher(m.run, max_rows=3)
+    blocker = asyncio.ensure_future(b.submit(100, 1, "a"))
+    await asyncio.sleep(0)
+    # a b a a a b: the "a"s are more, yet "b" leads the batch after the first "a" batch.
+    keys = ["a", "b", "a", "a", "a", "b"]
+    futs = [asyncio.ensure_future(b.submit(i, 1, k)) for i, k in enumerate(keys)]
+    await asyncio.sleep(0)
+    m.gate.set()
+    assert await asyncio.gather(blocker, *futs) == [200, *(2 * i for i in range(6))]
+    assert m.batches == [[100], [0, 2, 3], [1, 5], [4]]

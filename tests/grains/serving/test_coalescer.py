@@ -11,6 +11,7 @@ import torch
 from grains.serving import ModelGrain, Predictor, ServeSpec, deploy
 from grains.serving.coalescer import Coalescer, signature
 from grains.serving.errors import BadInputError, ModelNotReadyError
+from grains.serving.tensors import Inference
 from tests.grains.serving.conftest import GRAINS, replicas, train_digits
 
 
@@ -169,3 +170,25 @@ async def test_a_caller_that_gives_up_while_queued_is_left_out_of_the_merged_cal
     await asyncio.gather(first, *keep)
     assert gone.cancelled()
     assert [(x.shape[0], req) for x, req in wire.calls] == [(1, 1), (3, 3)]
+
+
+async def test_merged_inferences_give_each_caller_its_rows_and_the_weights_of_its_own_call():
+    steps = iter([40, 60])
+
+    async def send(inputs: Any, requests: int, deadline: float) -> Inference:
+        step = next(steps)  # the replica swapped weights between the two calls
+        await gate.wait()
+        return Inference(inputs * step, f"job step {step}", step)
+
+    gate = asyncio.Event()
+    c = Coalescer(send, max_rows=64, in_flight=1, split=Inference.split)
+    first = submit(c, torch.ones(1, 3))
+    await asyncio.sleep(0)
+    xs = [torch.full((1 + i % 2, 3), float(i)) for i in range(4)]
+    waiting = [submit(c, x) for x in xs]
+    await asyncio.sleep(0)
+    gate.set()
+    alone, *merged = await asyncio.gather(first, *waiting)
+    assert (alone.step, alone.version) == (40, "job step 40") and torch.equal(alone.outputs, torch.ones(1, 3) * 40)
+    for x, got in zip(xs, merged, strict=True):
+        assert (got.step, got.version) == (60, "job step 60") and torch.equal(got.outputs, x * 60)
