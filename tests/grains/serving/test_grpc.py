@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +22,9 @@ from grains.serving.grpc_codec import decode_request, encode_response
 from grains.serving.grpc_front import serve_grpc
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
 from grains.serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from grains.training.models import mlp
 from tests.grains.serving.conftest import GRAINS, train_digits
+from tests.helpers import REPO, free_port
 
 
 @pytest.fixture
@@ -195,3 +201,46 @@ def test_every_message_matches_tritonclients_definition_field_by_field():
         assert (m.full_name, m.input_type.full_name, m.output_type.full_name) == (
             twin.full_name, twin.input_type.full_name, twin.output_type.full_name)  # fmt: skip
 
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_redgrain_serve_answers_grpc_beside_http(cluster, redis_url, cluster_name, tmp_path):
+    await cluster(1, grains=GRAINS)
+    torch.manual_seed(1)
+    model = mlp().eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once; the test awaits its gRPC port, not the process
+        [sys.executable, "-m", "grains.cli", "serve", "--redis", redis_url, "--cluster", cluster_name,
+         "--model", "grains.training.models:mlp", "--weights", str(tmp_path / "m.pt"),
+         "--input", "input:FP32:-1,64", "--name", "m", "--port", str(port), "--grpc-port", str(grpc_port)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        x = torch.rand(3, 64)
+        req = pb.ModelInferRequest(model_name="m", raw_input_contents=[x.numpy().tobytes()])
+        req.inputs.add(name="input", datatype="FP32", shape=[3, 64])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while True:  # the process starts, deploys and binds its ports
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                try:
+                    if (await stub.ModelReady(pb.ModelReadyRequest(name="m"), timeout=5)).ready:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                assert loop.time() < deadline
+                await asyncio.sleep(0.2)
+            resp = await stub.ModelInfer(req, timeout=30)
+        got = torch.frombuffer(bytearray(resp.raw_output_contents[0]), dtype=torch.float32).reshape(3, 10)
+        with torch.inference_mode():
+            want = model(x)
+        assert list(resp.outputs[0].shape) == [3, 10] and torch.allclose(got, want, atol=1e-5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    assert rc == 0, proc.stdout.read() if proc.stdout else ""
