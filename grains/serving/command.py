@@ -1,8 +1,9 @@
-"""``redgrain serve``: deploy a model (a job's, or a weights file with its factory) and answer V2 REST.
+"""``redgrain serve``: deploy a model (a job's, or a weights file with its factory) and answer V2 REST (and gRPC).
 
 ::
 
     redgrain serve --redis redis://127.0.0.1:6379 --cluster dev --job digits --name digits --port 8000
+    redgrain serve ... --job digits --name digits --port 8000 --grpc-port 8001   # gRPC too
     redgrain serve ... --model grains.training.models:mlp --weights digits.pt --input input:FP32:-1,64 --name digits
 
 Without ``--job`` or ``--weights`` it deploys nothing and serves whatever is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 from typing import Any
@@ -38,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default=None, help="place replicas only on silos with this role (gpu)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port, beside HTTP (default 0: no gRPC front)")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline of one inference request, seconds")
 
 
@@ -68,6 +71,7 @@ def spec_from(args: argparse.Namespace) -> ServeSpec | None:
 
 async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | None, settings: Any) -> int:
     from grains.serving.client import deploy, grain_for
+    from grains.serving.front import Front
     from grains.serving.http import create_app, make_server
     from silo.client import ClusterClient
 
@@ -79,11 +83,18 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
     async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
         if spec is not None:
             await deploy(client, name, spec)
-        server = make_server(create_app(client, grain=grain, timeout_s=args.timeout), host=args.host, port=args.port)
+        front = Front(client, grain=grain, timeout_s=args.timeout)
+        server = make_server(create_app(client, front=front), host=args.host, port=args.port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         what = f"model {name}" if spec is not None else "the deployed models"
-        print(f"serving {what} (Open Inference Protocol) at http://{args.host}:{args.port}/v2", flush=True)
-        await server.serve()
+        async with contextlib.AsyncExitStack() as fronts:
+            if args.grpc_port:  # stops (gracefully) when the HTTP server does: on SIGTERM
+                from grains.serving.grpc_front import serve_grpc
+
+                await fronts.enter_async_context(serve_grpc(front, args.host, args.grpc_port))
+                print(f"serving {what} (Open Inference Protocol, gRPC) at {args.host}:{args.grpc_port}", flush=True)
+            print(f"serving {what} (Open Inference Protocol) at http://{args.host}:{args.port}/v2", flush=True)
+            await server.serve()
     return 0

@@ -65,12 +65,19 @@ def create_app(
     grain: type[ModelGrain] = ModelGrain,
     timeout_s: float = 10.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    front: Front | None = None,
 ) -> FastAPI:
-    """The app; with ``client`` None it connects its own ClusterClient on the server's loop."""
+    """The app; with ``client`` None it connects its own ClusterClient on the server's loop.
+
+    ``front``: one shared with another wire (``redgrain serve --grpc-port``); it then
+    decides ``grain`` and ``timeout_s``.
+    """
     collector = _FrontCollector()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    front = Front(client, grain=grain, timeout_s=timeout_s)
+    if front is None:
+        front = Front(client, grain=grain, timeout_s=timeout_s)
+    grain = front.grain
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
