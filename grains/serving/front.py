@@ -6,8 +6,7 @@ is here, once, so the two cannot drift apart:
 
 - one :class:`~grains.serving.client.Predictor` per model (retries over a
   replica lost mid-call, client-side coalescing);
-- the model's metadata, read again after ``INFO_TTL_S`` (a hot reload changes
-  the version the answers name);
+- each answer's weights version, the one that computed it (``Predictor.infer``);
 - which failure is which status (:func:`failure`): the HTTP status, from which
   the gRPC front derives its code (:data:`GRPC_CODES`);
 - server, model and readiness metadata as the Open Inference Protocol words it.
@@ -101,6 +100,7 @@ class Front:
         return info
 
     async def _recent_info(self, name: str) -> ModelInfo:
+        # Output names only change with a redeploy: a second-old copy serves.
         cached = self._infos.get(name)
         if cached is not None and time.monotonic() - cached[0] < INFO_TTL_S:
             return cached[1]
@@ -111,10 +111,12 @@ class Front:
 
     async def infer(self, name: str, inputs: dict[str, torch.Tensor]) -> Answer:
         """Model ``name``'s outputs for ``inputs`` (by input name), with the version that answered."""
-        out = await self.predictor(name).predict(inputs)
+        got = await self.predictor(name).infer(inputs)
+        # The version is the answer's own (the weights that computed it, across a hot reload);
+        # the metadata is read only to name a lone output.
+        if isinstance(got.outputs, dict):
+            return Answer(got.outputs, got.version)
         info = await self._recent_info(name)
-        if isinstance(out, dict):
-            return Answer(out, info.version)
         if not info.outputs:
             raise ModelNotReadyError(f"model {name} describes no output")
-        return Answer({info.outputs[0].name: out}, info.version)
+        return Answer({info.outputs[0].name: got.outputs}, got.version)
