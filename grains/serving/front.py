@@ -109,9 +109,13 @@ class Front:
     async def ready(self, name: str) -> bool:
         return await self.predictor(name).ready()
 
-    async def infer(self, name: str, inputs: dict[str, torch.Tensor]) -> Answer:
-        """Model ``name``'s outputs for ``inputs`` (by input name), with the version that answered."""
-        got = await self.predictor(name).infer(inputs)
+    async def infer(self, name: str, inputs: dict[str, torch.Tensor], timeout_s: float | None = None) -> Answer:
+        """Model ``name``'s outputs for ``inputs`` (by input name), with the version that answered.
+
+        ``timeout_s``: the request's own deadline where its wire carries one (gRPC's), at most the
+        front's ``timeout_s``."""
+        limit = self.timeout_s if timeout_s is None else max(1e-3, min(timeout_s, self.timeout_s))
+        got = await self.predictor(name).infer(inputs, timeout_s=limit)
         # The version is the answer's own (the weights that computed it, across a hot reload);
         # the metadata is read only to name a lone output.
         if isinstance(got.outputs, dict):

@@ -78,7 +78,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: _Context) -> pb.ModelInferResponse:
         try:
-            got = await self.front.infer(request.model_name, decode_request(request))
+            # The client's deadline, where it set one, bounds the grain call (a call past it is
+            # cancelled on the replica too, not left to run for nobody).
+            got = await self.front.infer(request.model_name, decode_request(request), context.time_remaining())
             return encode_response(request, got.version, got.outputs)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
