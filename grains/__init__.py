@@ -11,6 +11,7 @@
 
 from grains.base import DeactivationReason, Grain
 from grains.ids import GrainId, SiloAddress
+from grains.immutable import immutable
 from grains.placement import (
     activation_count_placement,
     deactivate_on,
@@ -43,6 +44,7 @@ __all__ = [
     "hash_placement",
     "idle_timeout",
     "immovable",
+    "immutable",
     "interleave",
     "keep_alive",
     "prefer_local",

@@ -22,6 +22,14 @@ msgpack ExtType codes (-1 is msgpack's own Timestamp)::
     11 registered Enum            msgpack [registered name, value]
     12 GrainId                    msgpack [type_name, key]
     13 SiloAddress                msgpack [host, port, generation]
+    14 a local reference          msgpack int: index into the copy's references (never on the wire)
+
+``Codec.copy`` runs the same walk for a call to a grain on the caller's own
+silo: the value comes back as the callee would decode it (registered types
+rebuilt, tensors and arrays in fresh memory, an unencodable value the same
+CodecError), so a call shares nothing with its caller at any distance. Values
+marked ``@immutable`` (:mod:`grains.immutable`) and ``bytes`` are passed by
+reference instead (code 14), and plain immutable arguments skip the walk.
 """
 
 from __future__ import annotations
@@ -40,19 +48,22 @@ import typing
 import uuid
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import msgpack
 from msgpack import ExtType
 from pydantic import BaseModel, ValidationError
 
 from grains.ids import GrainId, SiloAddress
+from grains.immutable import is_immutable
 from silo.errors import CodecError, ConfigError
 
 __all__ = ["Codec", "Encoded", "TypeRegistry"]
 
+T = TypeVar("T")
+
 (_BIGINT, _TUPLE, _SET, _FROZENSET, _UUID, _DATETIME, _BYTES, _TENSOR, _NDARRAY,
- _OBJECT, _ENUM, _GRAIN_ID, _SILO_ADDRESS) = range(1, 14)  # fmt: skip
+ _OBJECT, _ENUM, _GRAIN_ID, _SILO_ADDRESS, _LOCAL_REF) = range(1, 15)  # fmt: skip
 
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
 _PASS = frozenset({str, float, bool, type(None)})  # msgpack packs these as they are
@@ -231,16 +242,29 @@ class _BufferHook:
     """msgpack's ext hook for one message with out-of-band buffers (no reference cycle:
     it passes itself down for nested values instead of keeping a reference to itself)."""
 
-    __slots__ = ("buffers", "codec")
+    __slots__ = ("buffers", "codec", "refs")
 
-    def __init__(self, codec: Codec, buffers: Sequence[bytearray | memoryview | bytes]) -> None:
-        self.codec, self.buffers = codec, buffers
+    def __init__(self, codec: Codec, buffers: Sequence[bytearray | memoryview | bytes], refs: list[Any] | None = None) -> None:
+        self.codec, self.buffers, self.refs = codec, buffers, refs
 
     def __call__(self, code: int, data: bytes) -> Any:
         return self.codec._decode_ext(code, data, self.buffers, self)
 
 
 _BYTES_TYPES = (bytes, bytearray, memoryview)
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+"""Immutable leaves: arguments made only of these (the usual call) need no copy."""
+
+
+class _CopyBuffers(list):  # type: ignore[type-arg]
+    """The buffer list of a :meth:`Codec.copy` walk: its type tells the walker to pass marked
+    values by reference (into ``refs``) instead of encoding them."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[Any] = []
 
 
 def _holds_big_bytes(value: object, threshold: int) -> bool:
@@ -312,6 +336,28 @@ class Codec:
         lengths = struct.pack(f"<{len(parts)}Q", *(len(p) for p in parts))
         return b"".join([_BLOB_HEAD.pack(_BLOB_VERSION, len(enc.buffers)), lengths, *parts])
 
+    def copy(self, value: T) -> T:
+        """``value`` as a grain on another silo would receive it (see the module doc): what a
+        call to a grain on this silo passes, so it behaves the same at every distance."""
+        t = type(value)
+        if t in _SCALARS or (t is tuple and all(type(x) in _SCALARS for x in value)):  # type: ignore[attr-defined]
+            return value
+        bufs = _CopyBuffers()
+        try:
+            meta = self._pack(self._walk(value, bufs))
+        except RecursionError as exc:
+            raise CodecError("value is nested too deeply (or contains itself)") from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise CodecError(f"cannot encode value: {exc}") from exc
+        # Each buffer copied once: decoded tensors and arrays are views of the copy.
+        own = [memoryview(bytearray(b)) for b in bufs]
+        try:
+            return _unpackb(meta, ext_hook=_BufferHook(self, own, bufs.refs), raw=False, strict_map_key=False)  # type: ignore[no-any-return]
+        except CodecError:
+            raise
+        except Exception as exc:  # a registered type that cannot be rebuilt from its fields
+            raise CodecError(f"cannot copy value: {type(exc).__name__}: {exc}") from exc
+
     def _walk(self, v: Any, bufs: list[memoryview]) -> Any:
         # Exact type checks keep subclasses (IntEnum, StrEnum, ...) off the native path.
         t = type(v)
@@ -327,6 +373,10 @@ class Codec:
             walk = self._walk
             return {(k if type(k) in _PASS else walk(k, bufs)): (
                 x if type(x) in _PASS else walk(x, bufs)) for k, x in v.items()}  # fmt: skip
+        if bufs.__class__ is _CopyBuffers and (t is bytes or is_immutable(v)):
+            refs = bufs.refs  # type: ignore[attr-defined]
+            refs.append(v)
+            return _ext(_LOCAL_REF, self._pack(len(refs) - 1))
         enc = self._encoders.get(t) or self._encoder_for(t, v)
         return enc(v, bufs)
 
@@ -484,6 +534,12 @@ class Codec:
             if list(map(type, items)) != kinds:
                 raise CodecError(f"{cls.__name__} fields should be {kinds}, got {items!r:.200}")
             return cls(*items)
+        if code == _LOCAL_REF:
+            refs = getattr(hook, "refs", None)
+            index = self._unpack(data, None, int)
+            if refs is None or not 0 <= index < len(refs):
+                raise CodecError("a local reference outside a copy (it never travels)")
+            return refs[index]
         raise CodecError(f"unknown ext type code {code}")
 
     def _build(self, name: str, fields: Any) -> Any:

@@ -371,6 +371,7 @@ class Silo:
             confirm_alive=self.heartbeat.confirm,
             moving=self.migrator.moving,
             system={"move": self.migrator.system_move, "drain": self.drain.system_drain},
+            codec=self.codec,
             tracing=self._tracing,
         )
         self._on_stop("dispatcher", self.dispatcher.close)

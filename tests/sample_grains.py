@@ -14,12 +14,13 @@ from grains import (
     Grain,
     deactivate_on,
     grain_type,
+    immutable,
     interleave,
     random_placement,
     reentrant,
     stateless_worker,
 )
-from silo.errors import GrainTimeoutError
+from silo.errors import CodecError, GrainTimeoutError
 
 
 class Echo(Grain):
@@ -353,3 +354,62 @@ class NapCaller(Grain):
         except GrainTimeoutError as exc:
             return f"timeout: {exc}"
 
+
+
+@random_placement  # beside its caller on one silo, often not on two (test_call_semantics)
+class Appender(Grain):
+    async def append_to(self, items: list) -> list:
+        items.append("callee")
+        return items
+
+
+class Unencodable:
+    """Not registered for the wire: no call may return one, wherever the caller is."""
+
+
+@random_placement
+class Odd(Grain):
+    async def odd(self) -> object:
+        return Unencodable()
+
+
+@immutable
+class Frozen(BaseModel):
+    value: int = 0
+
+
+class Keeper(Grain):
+    async def keep(self, value: object) -> object:
+        return value
+
+    async def keep_frozen(self, value: Frozen) -> Frozen:
+        return value
+
+
+class LocalProbe(Grain):
+    """Makes calls from inside a grain, to grains that a one-silo cluster puts beside it."""
+
+    async def mutation_seen(self, key: str) -> dict:
+        mine = ["caller"]
+        got = await self.get_grain(Appender, key).append_to(mine)
+        return {"mine": mine, "got": got, "same": got is mine}
+
+    async def unregistered_result(self, key: str) -> str:
+        try:
+            await self.get_grain(Odd, key).odd()
+        except CodecError as exc:
+            return f"CodecError: {exc}"
+        return "no error"
+
+    async def identity(self, key: str, what: str) -> bool:
+        value: object
+        if what == "tensor":
+            value = torch.ones(4)
+        elif what == "marked tensor":
+            value = immutable(torch.ones(4))
+        elif what == "frozen":
+            value = Frozen(value=3)
+            return await self.get_grain(Keeper, key).keep_frozen(value) is value
+        else:
+            value = {"a": [1, 2]}
+        return await self.get_grain(Keeper, key).keep(value) is value

@@ -32,6 +32,7 @@ from silo.catalog.grain_types import GrainTypes
 from silo.catalog.invocation import Invocation, Reply, Reroute
 from silo.catalog.pipeline import CallContext
 from silo.cluster.reminders import REMINDER_METHOD, reminder_turn
+from silo.codec import Codec
 from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.tracing import Carrier, Tracing, carrier_from_header
@@ -87,8 +88,12 @@ class Dispatcher:
         moving: dict[GrainId, asyncio.Future[SiloAddress | None]] | None = None,
         system: Mapping[str, SystemHandler] | None = None,
         tracing: Tracing | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.address = address
+        self._codec = codec
+        """Copies a local call's arguments and result (None: passed as they are; tests of the
+        dispatcher alone)."""
         self._catalog = catalog
         self._types = types
         self._router = router
@@ -317,6 +322,13 @@ class Dispatcher:
                     self._forwarded += 1
                     return await self._router.forward(found, call, deadline, trace)
                 act = found
+            local = track is None and self._codec is not None
+            if local:
+                # The callee gets what it would decode from the wire, never the caller's objects.
+                assert self._codec is not None
+                args = self._codec.copy(args)
+                if kwargs:
+                    kwargs = self._codec.copy(kwargs)
             fut: asyncio.Future[Any] = loop.create_future()
             turn: Callable[[], Awaitable[Any]] | None
             if method == REMINDER_METHOD:
@@ -338,9 +350,10 @@ class Dispatcher:
                 # as a remote caller's CANCEL would (the callee's turn is cancelled too).
                 timer = loop.call_at(deadline, self._expire_local, act, inv, str(grain), method, deadline - loop.time())
                 try:
-                    return await fut
+                    result = await fut
                 finally:
                     timer.cancel()
+                return self._codec.copy(result) if local else result  # type: ignore[union-attr]
             except Reroute:
                 self._rerouted += 1
                 continue

@@ -220,7 +220,8 @@ class InProcessSilo:
             runtime=self.runtime,
             clock=clock,
         )
-        self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router))
+        self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router),
+                                     codec=self.codec)  # fmt: skip
         if isinstance(router, _LocalRouter):
             router.dispatcher = self.dispatcher
         else:
