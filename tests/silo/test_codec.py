@@ -786,3 +786,61 @@ def test_a_received_tensor_frees_its_buffer_when_dropped_without_the_garbage_col
         assert all(r() is None for r in alive)
     finally:
         gc.enable()
+
+
+# --- Codec.copy: what a call to a grain on the same silo passes ----------------------------
+
+
+class _Part(BaseModel):
+    items: list[int]
+    t: torch.Tensor
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+
+def test_copy_is_the_decoded_encoding_in_memory_of_its_own() -> None:
+    reg = TypeRegistry()
+    reg.register(_Part)
+    codec = Codec(reg)
+    value = {"part": _Part(items=[1, 2], t=torch.arange(4.0)), "a": np.arange(3), "l": [[1], (2, 3)]}
+    got = codec.copy(value)
+    assert got["part"] is not value["part"] and got["part"].items == [1, 2] and torch.equal(got["part"].t, value["part"].t)
+    assert got["l"] == [[1], (2, 3)] and got["l"][0] is not value["l"][0]
+    got["part"].items.append(9)
+    got["part"].t[0] = 100.0
+    got["a"][0] = 100
+    assert value["part"].items == [1, 2] and value["part"].t[0] == 0.0 and value["a"][0] == 0
+    # A value the wire cannot carry fails here as it would there.
+    with pytest.raises(CodecError, match="register it"):
+        codec.copy([object()])
+    # Immutable leaves need no copy at all.
+    args = ("x", 1, 2.5, None, b"raw")
+    assert codec.copy(args) is args
+
+
+def test_immutable_values_are_passed_by_reference_in_a_copy_and_encoded_on_the_wire() -> None:
+    from grains import immutable
+
+    @immutable
+    @dataclasses.dataclass
+    class Weights:
+        w: list[float]
+
+    reg = TypeRegistry()
+    reg.register(Weights)
+    codec = Codec(reg)
+    w, t, a = Weights([1.0]), immutable(torch.ones(3)), immutable(np.ones(2))
+    big = b"x" * 100_000
+    got = codec.copy([w, t, a, big, torch.ones(2)])
+    assert got[0] is w and got[1] is t and got[2] is a and got[3] is big
+    assert not a.flags.writeable
+    # On the wire the same values are encoded as always: the decoded copy is new.
+    enc = codec.encode([w, t])
+    back = codec.decode(enc.meta, [bytearray(b) for b in enc.buffers])
+    assert back[0] == w and back[0] is not w and torch.equal(back[1], t)
+
+
+def test_a_local_reference_never_decodes_from_the_wire() -> None:
+    codec = Codec()
+    forged = msgpack.packb([msgpack.ExtType(14, msgpack.packb(0))])
+    with pytest.raises(CodecError, match="local reference"):
+        codec.decode(forged)
