@@ -42,6 +42,7 @@ class GrainOptions:
     write_behind_ms: float | None = None
     interleave: frozenset[str] = field(default_factory=frozenset)
     read_only: frozenset[str] = field(default_factory=frozenset)
+    one_way: frozenset[str] = field(default_factory=frozenset)
 
 
 def _set(attr: str, value: object) -> Callable[[T], T]:
@@ -128,6 +129,16 @@ def read_only(fn: F) -> F:
     return fn
 
 
+def one_way(fn: F) -> F:
+    """Calls to this method are sent, not awaited: the caller's ``await`` returns once the
+    message is on its way (or queued, on the same silo), with None. Whatever the method returns
+    is dropped; an error it raises is logged and counted on the callee's silo
+    (``one_way_failed``), never raised to the caller. Delivery is retried until the call's
+    deadline as for any call: a caller that cannot reach any silo still gets the error."""
+    fn.__rg_one_way__ = True  # type: ignore[attr-defined]
+    return fn
+
+
 def grain_options(cls: type) -> GrainOptions:
     """Read the markers of a grain class (cached on the class itself)."""
     cached = cls.__dict__.get("__rg_options__")
@@ -152,6 +163,7 @@ def grain_options(cls: type) -> GrainOptions:
         write_behind_ms=getattr(cls, "__rg_write_behind_ms__", None),
         interleave=frozenset(n for n, f in methods.items() if getattr(f, "__rg_interleave__", False)),
         read_only=frozenset(n for n, f in methods.items() if getattr(f, "__rg_read_only__", False)),
+        one_way=frozenset(n for n, f in methods.items() if getattr(f, "__rg_one_way__", False)),
     )
     type.__setattr__(cls, "__rg_options__", opts)
     return opts

@@ -28,7 +28,9 @@ _NOT_REMOTE = frozenset({"on_activate", "on_deactivate", "receive_reminder"})
 class Caller(Protocol):
     """What a reference sends its calls through."""
 
-    async def invoke(self, call: Call) -> Any: ...
+    async def invoke(self, call: Call, one_way: bool = False) -> Any:
+        """Deliver ``call`` and return its result; with ``one_way``, return once it is sent."""
+        ...
 
 
 def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
@@ -84,7 +86,7 @@ _chain = CALL_CHAIN.get
 _new_call = tuple.__new__
 
 
-def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
+def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callable[..., Any]:
     # A plain function handing back the caller's coroutine: awaiting it is the same
     # call, minus one coroutine frame per call (the hot path of every grain call).
     # The chain is read here, in the calling task's context, when the call is made. The
@@ -95,6 +97,14 @@ def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
             _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0))
         )
 
+    def send(self: GrainRef, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        return self._caller.invoke(
+            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), True
+        )
+
+    if one_way:
+        call = send
+
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc
     if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+: still reads as async
@@ -102,11 +112,14 @@ def _remote_method(name: str, doc: str | None) -> Callable[..., Any]:
     return call
 
 
-def build_ref_class(type_name: str, methods: Iterable[str], docs: dict[str, str | None] | None = None) -> type[GrainRef]:
+def build_ref_class(
+    type_name: str, methods: Iterable[str], docs: dict[str, str | None] | None = None, one_way: Iterable[str] = ()
+) -> type[GrainRef]:
     names = sorted(methods)
+    sent = frozenset(one_way)
     ns: dict[str, Any] = {"__slots__": (), "_methods": frozenset(names)}
     for name in names:
-        ns[name] = _remote_method(name, (docs or {}).get(name))
+        ns[name] = _remote_method(name, (docs or {}).get(name), name in sent)
     return type(f"{type_name}Ref", (GrainRef,), ns)
 
 
@@ -118,8 +131,7 @@ def ref_class_for(cls: type[Grain]) -> type[GrainRef]:
     from grains.placement import grain_options
 
     methods = public_methods(cls)
-    ref_cls = build_ref_class(
-        grain_options(cls).type_name, methods, {n: f.__doc__ for n, f in methods.items()}
-    )
+    opts = grain_options(cls)
+    ref_cls = build_ref_class(opts.type_name, methods, {n: f.__doc__ for n, f in methods.items()}, opts.one_way)
     type.__setattr__(cls, "__rg_ref_class__", ref_cls)
     return ref_cls

@@ -290,7 +290,7 @@ class Silo:
         self.manifests = Manifests(self.redis, self.keys)
         for name in self.types.names():
             opts = self.types.options(name)
-            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
+            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way))
         if self._tracing is None and s.tracing.enabled:
             self._tracing = Tracing.from_settings(s.tracing)
             assert self._tracing is not None

@@ -229,5 +229,7 @@ class TracedCaller:
         self._inner = inner
         self._tracing = tracing
 
-    def invoke(self, call: Call) -> Coroutine[Any, Any, Any]:
+    def invoke(self, call: Call, one_way: bool = False) -> Coroutine[Any, Any, Any]:
+        if one_way:
+            return self._tracing.client_call(call, lambda c: self._inner.invoke(c, True))
         return self._tracing.client_call(call, self._inner.invoke)

@@ -16,6 +16,7 @@ from grains import (
     grain_type,
     immutable,
     interleave,
+    one_way,
     random_placement,
     reentrant,
     stateless_worker,
@@ -413,3 +414,43 @@ class LocalProbe(Grain):
         else:
             value = {"a": [1, 2]}
         return await self.get_grain(Keeper, key).keep(value) is value
+
+
+class Inbox(Grain):
+    """``@one_way`` deliveries: a put that waits for a release (so a test sees the caller return
+    while the method still runs), and one that fails."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.gate = asyncio.Event()
+
+    @one_way
+    async def put_when_released(self, item: str) -> str:
+        await self.gate.wait()
+        self.items.append(item)
+        return "dropped: nobody is waiting for it"
+
+    @one_way
+    async def put(self, item: str) -> None:
+        self.items.append(item)
+
+    @one_way
+    async def explode(self, message: str) -> None:
+        raise ValueError(message)
+
+    @interleave
+    async def release(self) -> None:
+        self.gate.set()
+
+    async def contents(self) -> list[str]:
+        return list(self.items)
+
+
+class InboxSender(Grain):
+    """Sends one-way calls from inside a grain (to an Inbox beside it on a one-silo cluster)."""
+
+    async def send_all(self, key: str, items: list[str]) -> None:
+        inbox = self.get_grain(Inbox, key)
+        for item in items:
+            assert await inbox.put(item) is None
+        items.append("changed after sending")  # the Inbox got its own copies

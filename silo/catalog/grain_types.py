@@ -96,6 +96,7 @@ class GrainTypes:
             "type": type_name,
             "class": f"{cls.__module__}:{cls.__qualname__}",
             "methods": sorted(public_methods(cls)),
+            "one_way": sorted(opts.one_way),
             "placement": opts.placement.strategy,
             "role": opts.placement.role,
             "reentrant": opts.reentrant,

@@ -42,7 +42,7 @@ class RefFactory:
                 info = self._manifests.get_nowait(grain)
                 if info is None:
                     raise errors.UnknownGrainError(grain, "no silo has published it yet")
-                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods)
+                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")

@@ -437,6 +437,12 @@ class Connection(FrameReceiver):
         self._send_frame(header, encoded)
         return fut
 
+    def send_one_way(self, header: list[Any], body: Any) -> None:
+        """Send a ONEWAY frame: a request nobody answers (``@one_way`` methods)."""
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        self._send_frame(header, self.codec.encode(body))
+
     def ping(self, timeout_s: float) -> asyncio.Future[Any]:
         req_id = next(self._ids)
         fut: asyncio.Future[Any] = self._loop.create_future()

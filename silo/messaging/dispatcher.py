@@ -73,6 +73,26 @@ class DispatcherStatistics:
     """Requests answered with an error."""
     in_flight: int
     """Requests being served right now."""
+    one_way: int = 0
+    """``@one_way`` calls received (over the network or from this silo)."""
+    one_way_failed: int = 0
+    """Of those, the ones that failed (logged here: their callers never hear of it)."""
+
+
+class _NoAnswer:
+    """Where a one-way call's answer goes: nowhere. A failure is logged and counted instead,
+    as the caller has long moved on (it stands in for the connection when serving the call)."""
+
+    __slots__ = ("_dispatcher", "_label", "peer")
+
+    def __init__(self, dispatcher: Dispatcher, peer: str, label: str) -> None:
+        self._dispatcher, self.peer, self._label = dispatcher, peer, label
+
+    def send_response(self, req_id: int, value: Any) -> None:
+        pass
+
+    def send_error(self, req_id: int, exc: BaseException) -> None:
+        self._dispatcher.one_way_failed(self._label, self.peer, exc)
 
 
 class Dispatcher:
@@ -99,6 +119,8 @@ class Dispatcher:
         self._router = router
         self._in_flight: dict[tuple[int, int], Invocation] = {}
         self._requests = self._forwarded = self._rerouted = self._errors = 0
+        self._one_way = self._one_way_failed = 0
+        self._posts = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queued_nowait = 0
         self.closed = False
@@ -137,10 +159,15 @@ class Dispatcher:
             return
         self._requests += 1
         req_id = header[1]
+        codec = conn.codec
+        if kind == ONEWAY:
+            self._one_way += 1
+            label = f"{header[2]}/{header[3]}.{header[4]}" if len(header) > 4 else "?"
+            conn = _NoAnswer(self, conn.peer, label)  # type: ignore[assignment]
         try:
             # The header's fields after kind and id: type, key, method, timeout_ms, chain, hops.
             _, _, type_name, key, method, timeout_ms, chain, hops = header[:8]
-            body = conn.codec.decode(frame.meta, frame.buffers)
+            body = codec.decode(frame.meta, frame.buffers)
             if isinstance(body, tuple) and len(body) == 2 and isinstance(body[1], dict) and isinstance(body[0], tuple):
                 args, kwargs = body
             elif isinstance(body, (tuple, list)):
@@ -422,4 +449,37 @@ class Dispatcher:
             rerouted=self._rerouted,
             errors=self._errors,
             in_flight=len(self._tasks) + self._queued_nowait,
+            one_way=self._one_way,
+            one_way_failed=self._one_way_failed,
         )
+
+    # --- one-way calls -------------------------------------------------------
+    def post(self, call: Call, deadline: float, trace: Carrier | None = None) -> None:
+        """Deliver a ``@one_way`` call from this silo: queued now, run in the background.
+
+        The arguments are copied before this returns (the caller may change its objects at once);
+        the call is tracked as a network request would be, so it runs until done, not until its
+        deadline, and a failure is logged and counted here."""
+        grain, method, args, kwargs, timeout_s, chain, hops = call
+        if self._codec is not None:
+            args = self._codec.copy(args)
+            if kwargs:
+                kwargs = self._codec.copy(kwargs)
+        self._one_way += 1
+        self._posts += 1
+        # (0, n) never collides with a connection's (id(conn), req_id): no CANCEL reaches it.
+        track = (0, self._posts)
+        copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, chain, hops))
+        task = asyncio.get_running_loop().create_task(self._run_posted(copied, deadline, track, trace))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_posted(self, call: Call, deadline: float, track: tuple[int, int], trace: Carrier | None) -> None:
+        try:
+            await self.dispatch(call, deadline, track, trace)
+        except Exception as exc:  # noqa: BLE001 - nobody waits for the answer: log and count it
+            self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), exc)
+
+    def one_way_failed(self, label: str, peer: str, exc: BaseException) -> None:
+        self._one_way_failed += 1
+        log.warning("one-way call %s from %s failed: %s: %s", label, peer, type(exc).__name__, exc)

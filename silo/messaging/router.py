@@ -34,7 +34,7 @@ from silo.cluster.directory import GrainDirectory
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.keys import Keys
-from silo.messaging.frame import REQUEST
+from silo.messaging.frame import ONEWAY, REQUEST
 from silo.messaging.transport import Transport
 from silo.redis_util import redis_errors
 from silo.shutdown import raise_if_cancelled
@@ -56,6 +56,7 @@ class TypeInfo:
     methods: frozenset[str]
     placement: Placement
     stateless_worker: int = 0
+    one_way: frozenset[str] = frozenset()
 
 
 class LocalDispatch(Protocol):
@@ -66,6 +67,8 @@ class LocalDispatch(Protocol):
     async def dispatch(
         self, call: Call, deadline: float, track: tuple[int, int] | None = None, trace: Carrier | None = None
     ) -> Any: ...
+
+    def post(self, call: Call, deadline: float, trace: Carrier | None = None) -> None: ...
 
 
 class Manifests:
@@ -103,6 +106,7 @@ class Manifests:
                 methods=frozenset(m["methods"]),
                 placement=Placement(m["placement"], m.get("role")),
                 stateless_worker=int(m.get("stateless_worker", 0)),
+                one_way=frozenset(m.get("one_way", ())),
             )
 
     def names(self) -> list[str]:
@@ -227,7 +231,7 @@ class Router:
         return self._placer.place(grain, info.placement, candidates, local)
 
     # --- the Caller protocol used by GrainRef ------------------------------
-    async def invoke(self, call: Call) -> Any:
+    async def invoke(self, call: Call, one_way: bool = False) -> Any:
         try:
             grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
             info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
@@ -263,6 +267,9 @@ class Router:
                 try:
                     if self._local is not None and target == self._local.address:
                         self._local_calls += 1
+                        if one_way:
+                            self._local.post(call, deadline, trace)
+                            return None
                         if trace is None:
                             return await self._local.dispatch(call, deadline)
                         return await self._local.dispatch(call, deadline, None, trace)
@@ -283,6 +290,13 @@ class Router:
                         if entry is not None and entry.silo == target:
                             raise
                         continue
+                    if one_way:
+                        # Sent and done: no answer comes, so it takes no in-flight slot.
+                        header = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
+                        if trace is not None:
+                            header.append(trace)
+                        conn.send_one_way(header, (args, kwargs) if kwargs else list(args))
+                        return None
                     if not conn.has_slot():
                         # max_in_flight reached: wait our turn within the deadline, never fail for it.
                         try:

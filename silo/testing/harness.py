@@ -103,11 +103,14 @@ class _LocalRouter:
         self.calls = 0
         self.forwards = 0
 
-    async def invoke(self, call: Call) -> Any:
+    async def invoke(self, call: Call, one_way: bool = False) -> Any:
         assert self.dispatcher is not None, "InProcessSilo wires the dispatcher before any call"
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
         self.calls += 1
+        if one_way:
+            self.dispatcher.post(call, deadline)
+            return None
         return await self.dispatcher.dispatch(call, deadline)
 
     async def forward(self, target: SiloAddress, call: Call, deadline: float) -> Any:
@@ -183,7 +186,7 @@ class InProcessSilo:
         self.manifests = PublishedManifests({} if published is None else published)
         for name in self.types.names():
             opts = self.types.options(name)
-            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker))
+            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way))
         self.transport: InMemoryTransport | None = None
         self.view: MembershipView | None = None
         router: Router | _LocalRouter
