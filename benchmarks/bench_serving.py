@@ -1,4 +1,4 @@
-"""Serving benchmark: ``python -m benchmarks serving [--quick] [--no-ray]``.
+"""Serving benchmark: ``python -m benchmarks serving [--quick] [--no-ray] [--no-wire] [--front-workers N]``.
 
 Single-row requests from 1, 8 and 64 concurrent callers, on the digits MLP
 (64 → 128 → 10) and the medium MLP (784 → 1024 → 1024 → 10), in one run:
@@ -15,9 +15,17 @@ Single-row requests from 1, 8 and 64 concurrent callers, on the digits MLP
   called through a ``DeploymentHandle`` (benchmarks/ray_serving.py, its own
   process), when ``ray[serve]`` is installed (``pip install ".[bench]"``).
 
+Then over the wire (benchmarks/serving_wire.py), on the digits MLP: ``redgrain
+serve`` called by tritonclient HTTP (binary tensors), tritonclient gRPC (when
+the gRPC front exists) and httpx (V2 JSON), from 1, 8, 16 and 64 client
+threads in a process of their own, beside a no-op Starlette+uvicorn endpoint
+measured by the same clients in the same run, and Ray Serve's HTTP proxy.
+
 Every process runs one BLAS/OpenMP thread. Goals (printed as ratios): at 64
 callers ≥ 5× the in-process batch-1 loop on the medium MLP; ≥ 2× Ray Serve at
-equal concurrency; p99 ≤ 20 ms at 8 callers.
+equal concurrency; p99 ≤ 20 ms at 8 callers; over the wire (issue 29), at 16
+tritonclient connections ≥ 0.6× the no-op endpoint, JSON clients faster at
+16 than at 1, p99 ≤ 20 ms at 8.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, serving_wire
 from benchmarks.serving_common import CONCURRENCY, MAX_BATCH, MODELS, drive, requests_for
 
 
@@ -149,10 +157,42 @@ def report(rg: dict[str, Any], calls: dict[str, Any], plain: dict[str, Any], ray
     return rows
 
 
+def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
+    rows = []
+    for kind in wire["kinds"]:
+        for c in serving_wire.WIRE_CONCURRENCY:
+            f = wire["front"][kind][str(c)]
+            n = wire.get("noop", {}).get(kind, {}).get(str(c))
+            y = (ray_http or {}).get(kind, {}).get(str(c))
+            rows.append([
+                f"{kind} x{c}", common.fmt_rate(f["per_s"]), f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}",
+                common.fmt_rate(n["per_s"]) if n else "-", f"{n['p50_ms']:.2f} / {n['p99_ms']:.2f}" if n else "-",
+                common.ratio(f["per_s"], n["per_s"]) if n else "-",
+                common.fmt_rate(y["per_s"]) if y else "-", f"{y['p50_ms']:.2f} / {y['p99_ms']:.2f}" if y else "-",
+                common.ratio(f["per_s"], y["per_s"]) if y else "-",
+            ])  # fmt: skip
+    print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es), 1 silo), a no-op"
+          f" Starlette+uvicorn endpoint and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
+          f" the clients: 1 process, a thread and a client each, on the same cores")  # fmt: skip
+    common.print_table(["client x in flight", "front /s", "p50 / p99 ms", "no-op /s", "p50 / p99 ms", "front / no-op",
+                        "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
+    if wire["grpc_note"]:
+        print(f"# tritonclient gRPC row absent: {wire['grpc_note']}")
+    f16, n16 = wire["front"]["triton-http"]["16"]["per_s"], wire["noop"]["triton-http"]["16"]["per_s"]
+    print(f"# goal: tritonclient HTTP at 16 in flight >= 0.6x the no-op endpoint: {f16 / n16:.2f}x"
+          f" {'met' if f16 / n16 >= 0.6 else 'MISSED'}")  # fmt: skip
+    j1, j16 = wire["front"]["httpx-json"]["1"]["per_s"], wire["front"]["httpx-json"]["16"]["per_s"]
+    print(f"# goal: JSON clients gain from concurrency: {j16 / j1:.2f}x at 16 over 1 in flight {'met' if j16 > 1.2 * j1 else 'MISSED'}")
+    p99 = wire["front"]["triton-http"]["8"]["p99_ms"]
+    print(f"# goal: p99 <= 20 ms at 8 in flight over HTTP: {p99:.2f} ms {'met' if p99 <= 20 else 'MISSED'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks serving")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--no-wire", action="store_true", help="skip the over-the-wire rows")
+    parser.add_argument("--front-workers", type=int, default=1, help="redgrain serve --workers for the wire rows")
     args = parser.parse_args(argv)
     facts = common.machine_facts()
     common.print_header("serving: single-row requests, dynamic batching vs batch-1 and Ray Serve", facts, args.quick)
@@ -162,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         rg, calls = common.run(redgrain(weights, args.quick))
         plain = asyncio.run(in_process(weights, args.quick))
         ray_result = "skipped (--no-ray)" if args.no_ray else ray_serve(weights, args.quick)
+        wire = None if args.no_wire else serving_wire.measure(weights["digits"], args.quick, workers=args.front_workers)
+        ray_http: dict[str, Any] | str = "skipped (--no-ray or --no-wire)"
+        if not args.no_ray and not args.no_wire:
+            ray_http = serving_wire.ray_http(weights["digits"], args.quick)
     ray = ray_result if isinstance(ray_result, dict) else None
     if ray is None:
         print(f"# {ray_result}")
@@ -184,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# goal: p99 <= 20 ms at 8 callers: {p99:.2f} ms {'met' if p99 <= 20 else 'MISSED'}")
     m64_calls = calls["medium"]["64"]["per_s"] / plain["medium"]["64"]["per_s"]
     print(f"# (plain grain calls, one per request, no client-side coalescing: {m64_calls:.2f}x)")
+    if wire is not None:
+        if isinstance(ray_http, str):
+            print(f"# Ray Serve HTTP row absent: {ray_http}")
+        report_wire(wire, ray_http if isinstance(ray_http, dict) else None)
     common.write_result("serving", {"machine": facts, "quick": args.quick, "redgrain": rg, "grain_calls": calls, "in_process": plain,
-                                    "ray_serve": ray_result})  # fmt: skip
+                                    "ray_serve": ray_result, "wire": wire, "ray_http": ray_http})  # fmt: skip
     return 0
 
 

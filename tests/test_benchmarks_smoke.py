@@ -46,6 +46,16 @@ def test_benchmark_runs_in_quick_mode_and_writes_its_json(name: str) -> None:
     assert result.exists() and result.stat().st_mtime >= started - 1, f"{name} did not write {result}"
     data = json.loads(result.read_text())
     assert data.get("quick") is True or "quick" not in data
+    if name == "serving":  # the over-the-wire rows exist (their speed is not a test's business)
+        wire = data["wire"]
+        for kind in ("triton-http", "httpx-json"):
+            assert set(wire["front"][kind]) == set(wire["noop"][kind]) == {"1", "8", "16", "64"}
+        assert "front / no-op" in proc.stdout and "goal: tritonclient HTTP at 16 in flight" in proc.stdout
+        assert "tritonclient gRPC row absent" in proc.stdout or "triton-grpc" in wire["kinds"]
+        if importlib.util.find_spec("ray") is None:
+            assert "Ray Serve HTTP row absent" in proc.stdout
+        else:
+            assert isinstance(data["ray_http"], dict), data["ray_http"]
     if name == "calls":
         ray_installed = importlib.util.find_spec("ray") is not None
         if ray_installed:

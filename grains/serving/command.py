@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port, beside HTTP (default 0: no gRPC front)")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline of one inference request, seconds")
+    p.add_argument("--workers", type=int, default=1,
+                   help="front processes sharing the port (SO_REUSEPORT; each parses HTTP on a core of its own)")  # fmt: skip
 
 
 def _inputs(texts: list[str]) -> list[TensorSpec] | None:
@@ -83,6 +85,10 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
     async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
         if spec is not None:
             await deploy(client, name, spec)
+        if args.workers > 1:
+            from grains.serving.workers import serve_workers
+
+            return await serve_workers(args, redis_url, cluster, settings)
         front = Front(client, grain=grain, timeout_s=args.timeout)
         server = make_server(create_app(client, front=front), host=args.host, port=args.port)
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol front: a FastAPI app that turns V2 REST requests into predict calls.
+"""The Open Inference Protocol front: an ASGI app that turns V2 REST requests into predict calls.
 
 The front is a client of the cluster (a :class:`~silo.client.ClusterClient`),
 not a grain: it holds no model, so any number of fronts can run anywhere
@@ -15,10 +15,19 @@ cluster unreachable 503. Errors are ``{"error": "..."}``, as Triton answers.
 published records, each model's requests, errors, batch sizes and queue,
 compute and total latency histograms (the dashboard's ``/metrics`` has the
 latter too).
+
+Infer requests go to :class:`~grains.serving.http_infer.InferRoute`, a bare
+ASGI handler; FastAPI answers the rest (metadata, health, ``/metrics``, the
+OpenAPI page at ``/docs``), where a few hundred microseconds a request do not
+matter. ``make_server`` runs uvicorn with httptools and, with
+``reuse_port``, on a ``SO_REUSEPORT`` socket that ``redgrain serve
+--workers N`` shares between processes (:mod:`grains.serving.workers`).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -27,12 +36,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from grains.serving import oip
-from grains.serving.errors import BadInputError, RequestTooLargeError
 from grains.serving.front import EXTENSIONS, SERVER_NAME, Front, failure, server_version
+from grains.serving.http_infer import InferRoute, Receive, Scope, Send, model_of
 from grains.serving.model import ModelGrain
 from grains.serving.records import ModelSummary, read_models
 from silo import errors
@@ -53,7 +62,27 @@ class _FrontCollector(Collector):
         for (model, code), n in sorted(self.http.items()):
             fam.add_metric([model, code], n)
         yield fam
+        # Which process answered: with --workers N, each front process has its own counts.
+        info = GaugeMetricFamily("redgrain_front_process", "This front process (1), by pid.", labels=["pid"])
+        info.add_metric([str(os.getpid())], 1)
+        yield info
         yield from model_families(self.models)
+
+
+class V2App:
+    """The front's ASGI app: infer requests to ``infer``, everything else to the FastAPI ``api``."""
+
+    def __init__(self, api: FastAPI, infer: InferRoute) -> None:
+        self.api = api
+        self.infer = infer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            model = model_of(scope["path"])
+            if model is not None:
+                await self.infer(scope, receive, send, model)
+                return
+        await self.api(scope, receive, send)
 
 
 def create_app(
@@ -66,7 +95,7 @@ def create_app(
     timeout_s: float = 10.0,
     max_body_bytes: int = MAX_BODY_BYTES,
     front: Front | None = None,
-) -> FastAPI:
+) -> V2App:
     """The app; with ``client`` None it connects its own ClusterClient on the server's loop.
 
     ``front``: one shared with another wire (``redgrain serve --grpc-port``); it then
@@ -78,6 +107,7 @@ def create_app(
     if front is None:
         front = Front(client, grain=grain, timeout_s=timeout_s)
     grain = front.grain
+    route = InferRoute(front, collector.http, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,34 +175,18 @@ def create_app(
             return error(503, f"model {name} is not ready")
         return {"name": name, "ready": True}
 
-    @app.post("/v2/models/{name}/infer", response_model=None)
-    @app.post("/v2/models/{name}/versions/{version}/infer", response_model=None)
+    @app.post("/v2/models/{name}/infer", response_class=Response,
+              openapi_extra={"requestBody": {"content": {oip.JSON_TYPE: {"schema": oip.InferenceRequest.model_json_schema()}}}})
+    @app.post("/v2/models/{name}/versions/{version}/infer", response_class=Response, include_in_schema=False)
     async def infer(name: str, request: Request, version: str | None = None) -> Response:
-        code = "200"
-        try:
-            declared = request.headers.get("content-length")
-            if declared is not None and int(declared) > max_body_bytes:
-                raise RequestTooLargeError(f"body of {declared} bytes; this server takes at most {max_body_bytes}")
-            body = await request.body()
-            if len(body) > max_body_bytes:
-                raise RequestTooLargeError(f"body of {len(body)} bytes; this server takes at most {max_body_bytes}")
-            header = request.headers.get(oip.HEADER)
-            try:
-                header_length = None if header is None else int(header)
-            except ValueError:
-                raise BadInputError(f"{oip.HEADER} is not a number: {header!r}") from None
-            req, tensors = oip.decode_request(body, header_length)
-            got = await front.infer(name, tensors)
-            payload, json_length = oip.encode_response(req, name, got.version, got.outputs)
-        except Exception as exc:  # noqa: BLE001
-            resp = answer(exc)
-            code = str(resp.status_code)
-            return resp
-        finally:
-            collector.http[(name, code)] = collector.http.get((name, code), 0) + 1
-        if json_length is None:
-            return Response(payload, media_type=oip.JSON_TYPE)
-        return Response(payload, media_type=oip.BINARY_TYPE, headers={oip.HEADER: str(json_length)})
+        """Documents the route for /docs; V2App sends these requests to InferRoute before FastAPI."""
+        sent: list[Any] = []
+
+        async def keep(message: Any) -> None:
+            sent.append(message)
+
+        await route(request.scope, request.receive, keep, name)
+        return Response(sent[1]["body"], status_code=sent[0]["status"], headers={k.decode(): v.decode() for k, v in sent[0]["headers"]})
 
     @app.get("/metrics", response_class=Response)
     async def metrics(request: Request) -> Response:
@@ -183,19 +197,40 @@ def create_app(
             collector.models = []
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return V2App(app, route)
 
 
-def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> Any:
-    """A uvicorn server for ``app`` that leaves signals to its caller (``redgrain serve``, tests)."""
+def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, reuse_port: bool = False) -> Any:
+    """A uvicorn server for ``app`` that leaves signals to its caller (``redgrain serve``, tests).
+
+    httptools when installed (it parses a request in C; h11 is pure Python),
+    each response sent in one write (:mod:`grains.serving.http_protocol`),
+    keep-alive as uvicorn's default. With
+    ``reuse_port``, ``server.serve(sockets=[server.socket])`` runs it on a socket
+    bound with ``SO_REUSEPORT``, which other processes bind too and the kernel
+    spreads connections over.
+    """
     import contextlib
 
     import uvicorn
 
     class _Server(uvicorn.Server):
+        socket: socket.socket | None = None
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
-    return _Server(config)
+    from grains.serving.http_protocol import protocol_class
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+                            http=protocol_class(), proxy_headers=False, server_header=False)  # fmt: skip
+    server = _Server(config)
+    if reuse_port:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+        server.socket = sock
+    return server

@@ -116,3 +116,70 @@ async def test_statuses_for_unknown_model_oversized_request_and_bad_body(cluster
         metrics = (await http.get("/metrics")).text
         assert 'redgrain_inference_http_requests_total{code="413",model="digits"} 1.0' in metrics
         assert json.loads((await http.get("/v2/models/digits")).text)["name"] == "digits"
+
+
+async def _deploy_saved_mlp(client: Any, path: Any) -> Any:
+    import torch
+
+    from grains.training.models import mlp
+
+    torch.manual_seed(3)
+    model = mlp().eval()
+    torch.save(model.state_dict(), path)
+    spec = ServeSpec(model="grains.training.models:mlp", weights=str(path), inputs=[{"name": "input", "shape": [-1, 64]}])
+    await deploy(client, "digits", spec)
+    return model
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    status_line = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return int(status_line.split()[1]), headers, await reader.readexactly(int(headers["content-length"]))
+
+
+async def test_pipelined_requests_on_one_connection_are_answered_in_order(cluster, client, front, tmp_path):
+    import torch
+
+    await cluster(1, grains=GRAINS)
+    model = await _deploy_saved_mlp(client, tmp_path / "m.pt")
+    xs = torch.rand(6, 64)
+    wire = b""
+    for k in range(6):  # every request written before any answer is read
+        payload = json.dumps({"id": str(k), "inputs": [
+            {"name": "input", "datatype": "FP32", "shape": [1, 64], "data": xs[k].tolist()}]}).encode()  # fmt: skip
+        wire += (f"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload  # fmt: skip
+    host, port = front.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(wire)
+        answers = [await _read_response(reader) for _ in range(6)]
+        # The connection stays open for more (keep-alive): a malformed one gets its 400 on it.
+        writer.write(b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n{")
+        status, _, error = await _read_response(reader)
+    finally:
+        writer.close()
+    with torch.inference_mode():
+        want = model(xs)
+    for k, (code, _, raw) in enumerate(answers):
+        got = json.loads(raw)
+        assert code == 200 and got["id"] == str(k)
+        assert torch.allclose(torch.tensor(got["outputs"][0]["data"]), want[k], atol=1e-5)
+    assert status == 400 and "not JSON" in json.loads(error)["error"]
+
+
+async def test_infer_route_is_documented_and_answers_under_versions_too(cluster, client, front, tmp_path):
+    await cluster(1, grains=GRAINS)
+    await _deploy_saved_mlp(client, tmp_path / "m.pt")
+    row = {"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}
+    async with httpx.AsyncClient(base_url=f"http://{front}") as http:
+        schema = (await http.get("/openapi.json")).json()
+        assert "/v2/models/{name}/infer" in schema["paths"]
+        r = await http.post("/v2/models/digits/versions/1/infer", json={"inputs": [row]})
+        assert r.status_code == 200 and r.json()["model_name"] == "digits"
+        assert (await http.post("/v2/models/digits/infer", json={"inputs": [row], "id": 3})).status_code == 400
+        assert (await http.post("/v2/models/digits/infer", content=b"{}",
+                                headers={"Inference-Header-Content-Length": "x"})).status_code == 400  # fmt: skip
