@@ -1,8 +1,8 @@
 """bench_serving's over-the-wire rows: ``redgrain serve`` called by real V2 clients, beside a no-op endpoint.
 
 One silo subprocess hosts the digits MLP; ``redgrain serve`` (its own
-process, ``--workers`` front processes) answers V2 REST on one port and,
-when ``grains/serving/grpc_front.py`` exists, gRPC on another; a no-op
+process, ``--workers`` front processes) answers V2 REST on one port and
+gRPC on another; a no-op
 endpoint (benchmarks/noop_front.py: the same uvicorn configuration, a fixed
 answer) on a third. The clients (benchmarks/wire_clients.py: a thread and a
 client each, sequential requests) run in one more process, measuring the
@@ -29,7 +29,6 @@ from benchmarks.serving_common import MAX_BATCH, MODELS
 WIRE_CONCURRENCY = (1, 8, 16, 64)
 """8 for the p99 goal; 1, 16 and 64 for the rates."""
 MODEL = "digits"
-GRPC_FRONT = common.REPO / "grains" / "serving" / "grpc_front.py"
 
 
 def requests_for(concurrency: int, quick: bool) -> int:
@@ -85,8 +84,6 @@ def run_clients(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def kinds_available() -> tuple[list[str], str | None]:
     """The client kinds to run, and why gRPC is absent (None when present)."""
-    if not GRPC_FRONT.exists():
-        return ["triton-http", "httpx-json"], "grains/serving/grpc_front.py is absent: no gRPC front to measure"
     if importlib.util.find_spec("tritonclient.grpc") is None:
         return ["triton-http", "httpx-json"], "tritonclient[grpc] is not installed"
     return ["triton-http", "triton-grpc", "httpx-json"], None

@@ -252,7 +252,7 @@ class _BufferHook:
 
 
 _BYTES_TYPES = (bytes, bytearray, memoryview)
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 """Immutable leaves: arguments made only of these (the usual call) need no copy."""
 
 
@@ -340,7 +340,7 @@ class Codec:
         """``value`` as a grain on another silo would receive it (see the module doc): what a
         call to a grain on this silo passes, so it behaves the same at every distance."""
         t = type(value)
-        if t in _SCALARS or (t is tuple and all(type(x) in _SCALARS for x in value)):  # type: ignore[attr-defined]
+        if t in SCALARS or (t is tuple and SCALARS.issuperset(map(type, value))):  # type: ignore[call-overload]
             return value
         bufs = _CopyBuffers()
         try:
