@@ -172,7 +172,7 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
                 common.ratio(f["per_s"], y["per_s"]) if y else "-",
             ])  # fmt: skip
     print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es), 1 silo), a no-op"
-          f" Starlette+uvicorn endpoint and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
+          f" Starlette+uvicorn endpoint (a no-op grpc.aio servicer for gRPC) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
           f" the clients: 1 process, a thread and a client each, on the same cores")  # fmt: skip
     common.print_table(["client x in flight", "front /s", "p50 / p99 ms", "no-op /s", "p50 / p99 ms", "front / no-op",
                         "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
@@ -185,6 +185,11 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
     print(f"# goal: JSON clients gain from concurrency: {j16 / j1:.2f}x at 16 over 1 in flight {'met' if j16 > 1.2 * j1 else 'MISSED'}")
     p99 = wire["front"]["triton-http"]["8"]["p99_ms"]
     print(f"# goal: p99 <= 20 ms at 8 in flight over HTTP: {p99:.2f} ms {'met' if p99 <= 20 else 'MISSED'}")
+    if "triton-grpc" in wire["kinds"]:
+        g16, gn16 = wire["front"]["triton-grpc"]["16"]["per_s"], wire["noop"]["triton-grpc"]["16"]["per_s"]
+        print(f"# goal: gRPC at 16 in flight >= the HTTP figure: {g16:,.0f} /s vs {f16:,.0f} /s = {g16 / f16:.2f}x"
+              f" {'met' if g16 >= f16 else 'MISSED'} (the gRPC stack alone, a no-op servicer with the same clients:"
+              f" {gn16:,.0f} /s = {gn16 / n16:.2f}x the no-op HTTP endpoint; the front keeps {g16 / gn16:.2f}x of it)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

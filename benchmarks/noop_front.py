@@ -1,6 +1,9 @@
 """The baseline of the over-the-wire rows: a no-op V2 endpoint on the same HTTP stack as the front.
 
-``python -m benchmarks.noop_front --port 8001`` prints ``ready`` once bound.
+``python -m benchmarks.noop_front --port 8001 [--grpc-port 8002]`` prints
+``ready`` once bound. With ``--grpc-port``, a no-op ``GRPCInferenceService``
+too (grpc.aio on the same loop, the front's generated messages): ModelInfer
+returns a fixed raw answer, the gRPC stack's own cost for the gRPC rows.
 A Starlette route that reads the body and returns a fixed answer (binary
 when the request carries the binary header, as tritonclient's does; V2 JSON
 otherwise), served by uvicorn as configured by default (httptools when installed,
@@ -14,6 +17,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,13 +44,36 @@ def app(outputs: int = 10) -> Starlette:
     return Starlette(routes=[Route("/v2/models/{name}/infer", infer, methods=["POST"])])
 
 
-async def serve(host: str, port: int) -> None:
+def grpc_server(host: str, port: int, outputs: int = 10) -> object:
+    import grpc
+
+    from grains.serving.proto import grpc_predict_v2_pb2 as pb
+    from grains.serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    answer = pb.ModelInferResponse(model_name="digits", model_version="1", raw_output_contents=[bytes(4 * outputs)],
+                                   outputs=[pb.ModelInferResponse.InferOutputTensor(name="output", datatype="FP32",
+                                                                                    shape=[1, outputs])])  # fmt: skip
+
+    class NoOp(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+        async def ModelInfer(self, request: object, context: object) -> object:
+            return answer
+
+    server = grpc.aio.server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(NoOp(), server)
+    server.add_insecure_port(f"{host}:{port}")
+    return server
+
+
+async def serve(host: str, port: int, grpc_port: int = 0) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app(), host=host, port=port, log_level="warning", access_log=False))
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
+    if grpc_port:
+        g: Any = grpc_server(host, grpc_port)
+        await g.start()
     print("ready", flush=True)
     await task
 
@@ -55,10 +82,11 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--grpc-port", type=int, default=0)
     a = p.parse_args()
     from silo.process import run_async
 
-    run_async(serve(a.host, a.port))
+    run_async(serve(a.host, a.port, a.grpc_port))
     return 0
 
 

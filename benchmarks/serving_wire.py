@@ -93,7 +93,7 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
     """Requests/s and latency of each client kind at each concurrency, against the front and the no-op."""
     factory, features = MODELS[MODEL]
     kinds, grpc_note = kinds_available()
-    port, grpc_port, noop_port = _free_port(), _free_port(), _free_port()
+    port, grpc_port, noop_port, noop_grpc_port = _free_port(), _free_port(), _free_port(), _free_port()
     with common.BenchCluster(1, grains="grains.serving") as lc:
         serve = ["-m", "grains.cli", "serve", "--redis", lc.redis_url, "--cluster", lc.cluster, "--name", MODEL,
                  "--model", factory, "--weights", weights, "--input", f"input:FP32:-1,{features}",
@@ -103,7 +103,8 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
         if "triton-grpc" in kinds:
             serve += ["--grpc-port", str(grpc_port)]
         front = common.start_subprocess(serve)
-        noop = common.start_subprocess(["-m", "benchmarks.noop_front", "--port", str(noop_port)])
+        noop = common.start_subprocess(["-m", "benchmarks.noop_front", "--port", str(noop_port),
+                                        *(["--grpc-port", str(noop_grpc_port)] if "triton-grpc" in kinds else [])])  # fmt: skip
         try:
             _wait_ready(f"127.0.0.1:{port}", front, f"/v2/models/{MODEL}/ready")
             assert noop.stdout is not None
@@ -116,9 +117,9 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
                     url = f"127.0.0.1:{grpc_port if kind == 'triton-grpc' else port}"
                     plan.append({"kind": kind, "url": url, "concurrency": c, "requests": n, "features": features,
                                  "target": "front"})  # fmt: skip
-                    if kind != "triton-grpc":  # the no-op endpoint speaks HTTP only
-                        plan.append({"kind": kind, "url": f"127.0.0.1:{noop_port}", "concurrency": c, "requests": n,
-                                     "features": features, "target": "noop"})  # fmt: skip
+                    noop_url = f"127.0.0.1:{noop_grpc_port if kind == 'triton-grpc' else noop_port}"
+                    plan.append({"kind": kind, "url": noop_url, "concurrency": c, "requests": n,
+                                 "features": features, "target": "noop"})  # fmt: skip
             results = run_clients(plan)
         finally:
             _stop(front)
