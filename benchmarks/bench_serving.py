@@ -163,7 +163,9 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
         for c in serving_wire.WIRE_CONCURRENCY:
             f = wire["front"][kind][str(c)]
             n = wire.get("noop", {}).get(kind, {}).get(str(c))
-            y = (ray_http or {}).get(kind, {}).get(str(c))
+            # Ray Serve has no gRPC proxy of the V2 protocol: gRPC is compared with its HTTP proxy
+            # at equal concurrency (binary tensors, as tritonclient sends them).
+            y = (ray_http or {}).get("triton-http" if kind == "triton-grpc" else kind, {}).get(str(c))
             rows.append([
                 f"{kind} x{c}", common.fmt_rate(f["per_s"]), f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}",
                 common.fmt_rate(n["per_s"]) if n else "-", f"{n['p50_ms']:.2f} / {n['p99_ms']:.2f}" if n else "-",
