@@ -36,13 +36,7 @@ async def measure(weights: dict[str, str], quick: bool) -> dict[str, Any]:
     @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
     class Model:
         def __init__(self, factory: str, path: str) -> None:
-            from benchmarks.common import fix_torch_threads
-            from grains.training.api.job import resolve_path
-
-            fix_torch_threads()
-            self.model = resolve_path(factory, "model")()
-            self.model.load_state_dict(torch.load(path, weights_only=True))
-            self.model.eval()
+            self.model = _load(factory, path)
 
         @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=0.0)
         async def __call__(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -66,6 +60,19 @@ async def measure(weights: dict[str, str], quick: bool) -> dict[str, Any]:
     return out
 
 
+
+def _load(factory: str, path: str) -> Any:
+    """The benchmark's model with the saved weights, in eval mode (inside a Ray replica)."""
+    import torch
+
+    from benchmarks.common import fix_torch_threads
+    from grains.training.api.job import resolve_path
+
+    fix_torch_threads()
+    model = resolve_path(factory, "model")()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model.eval()
+
 def serve_http(weights: dict[str, str], port: int) -> None:
     import ray
     import torch
@@ -79,13 +86,7 @@ def serve_http(weights: dict[str, str], port: int) -> None:
     @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
     class V2:
         def __init__(self, factory: str, path: str) -> None:
-            from benchmarks.common import fix_torch_threads
-            from grains.training.api.job import resolve_path
-
-            fix_torch_threads()
-            self.model = resolve_path(factory, "model")()
-            self.model.load_state_dict(torch.load(path, weights_only=True))
-            self.model.eval()
+            self.model = _load(factory, path)
 
         @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=0.0)
         async def forward(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -322,13 +322,16 @@ class Codec:
             except (TypeError, OverflowError, ValueError, BufferError):
                 pass
         buffers: list[memoryview] = []
+        return Encoded(self._meta(value, buffers), buffers)
+
+    def _meta(self, value: object, buffers: list[memoryview]) -> bytes:
+        """The walk of ``value`` packed (its bulk appended to ``buffers``); CodecError if it cannot travel."""
         try:
-            meta = self._pack(self._walk(value, buffers))
+            return self._pack(self._walk(value, buffers))  # type: ignore[no-any-return]
         except RecursionError as exc:
             raise CodecError("value is nested too deeply (or contains itself)") from exc
         except (ValueError, TypeError, OverflowError) as exc:
             raise CodecError(f"cannot encode value: {exc}") from exc
-        return Encoded(meta, buffers)
 
     def dumps(self, value: object) -> bytes:
         enc = self.encode(value)
@@ -343,12 +346,7 @@ class Codec:
         if t in SCALARS or (t is tuple and SCALARS.issuperset(map(type, value))):  # type: ignore[call-overload]
             return value
         bufs = _CopyBuffers()
-        try:
-            meta = self._pack(self._walk(value, bufs))
-        except RecursionError as exc:
-            raise CodecError("value is nested too deeply (or contains itself)") from exc
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise CodecError(f"cannot encode value: {exc}") from exc
+        meta = self._meta(value, bufs)
         # Each buffer copied once: decoded tensors and arrays are views of the copy.
         own = [memoryview(bytearray(b)) for b in bufs]
         try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +30,20 @@ async def replicas(client: Any) -> list[ReplicaRecord]:
     """The served models' live replicas that are ready and have answered requests."""
     models = await read_models(client.redis, client.keys.rendezvous("serving", 0))
     return [r for m in models for r in m.replicas if r.ready and r.requests]
+
+
+async def classes_from_threads(predict_row: Callable[[int], int], rows: int, threads: int = 8) -> np.ndarray:
+    """Each of ``rows`` rows' predicted class, asked one row a request from ``threads`` threads
+    (a client each: tritonclient's clients are synchronous)."""
+
+    def score(part: range) -> list[int]:
+        return [predict_row(i) for i in part]
+
+    parts = await asyncio.gather(*(asyncio.to_thread(score, range(k, rows, threads)) for k in range(threads)))
+    got = np.zeros(rows, dtype=np.int64)
+    for k, part in enumerate(parts):
+        got[k::threads] = part
+    return got
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from grains.serving.grpc_front import serve_grpc
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
 from grains.serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from grains.training.models import mlp
-from tests.grains.serving.conftest import GRAINS, train_digits
+from tests.grains.serving.conftest import GRAINS, classes_from_threads, train_digits
 from tests.helpers import REPO, free_port
 
 
@@ -69,12 +69,7 @@ async def test_tritonclient_grpc_reads_metadata_and_scores_the_test_split(cluste
     x, y = digits_test
     xs = x.numpy()
     # The test split in single-row requests from 8 threads, raw tensors both ways.
-    def score(rows: range) -> list[int]:
-        return [int(infer(front, xs[i : i + 1]).as_numpy("output").argmax(1)[0]) for i in rows]
-    parts = await asyncio.gather(*(asyncio.to_thread(score, range(k, len(y), 8)) for k in range(8)))
-    got = np.zeros(len(y), dtype=np.int64)
-    for k, part in enumerate(parts):
-        got[k::8] = part
+    got = await classes_from_threads(lambda i: int(infer(front, xs[i : i + 1]).as_numpy("output").argmax(1)[0]), len(y))
     assert (got == y.numpy()).mean() >= 0.95
     whole = await asyncio.to_thread(infer, front, xs[:32], ["output"], "req-7")
     answer = whole.get_response()

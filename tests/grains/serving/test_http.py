@@ -13,7 +13,7 @@ import pytest
 
 from grains.serving import ServeSpec, deploy
 from grains.serving.http import create_app, make_server
-from tests.grains.serving.conftest import GRAINS, train_digits
+from tests.grains.serving.conftest import GRAINS, classes_from_threads, train_digits
 from tests.helpers import free_port
 
 
@@ -68,12 +68,7 @@ async def test_tritonclient_reads_metadata_and_scores_the_test_split(cluster, cl
     x, y = digits_test
     xs = x.numpy()
     # The test split in single-row requests from 8 threads, binary tensors (tritonclient's default).
-    def score(rows: range) -> list[int]:
-        return [int(infer(front, xs[i : i + 1]).as_numpy("output").argmax(1)[0]) for i in rows]
-    parts = await asyncio.gather(*(asyncio.to_thread(score, range(k, len(y), 8)) for k in range(8)))
-    got = np.zeros(len(y), dtype=np.int64)
-    for k, part in enumerate(parts):
-        got[k::8] = part
+    got = await classes_from_threads(lambda i: int(infer(front, xs[i : i + 1]).as_numpy("output").argmax(1)[0]), len(y))
     assert (got == y.numpy()).mean() >= 0.95
     # JSON tensors too, a whole batch in one request.
     whole = await asyncio.to_thread(infer, front, xs[:32], False)
