@@ -28,11 +28,14 @@ class _Corked:
         self._pending: list[bytes] | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        # bytes are kept as they are (a response body is not copied again); a mutable buffer is
+        # copied, since its owner may reuse it before the end of the turn.
+        chunk = data if type(data) is bytes else bytes(data)
         if self._pending is None:
-            self._pending = [bytes(data)]
+            self._pending = [chunk]
             self._loop.call_soon(self._flush)
         else:
-            self._pending.append(bytes(data))
+            self._pending.append(chunk)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None
