@@ -10,6 +10,7 @@
 """
 
 from grains.base import DeactivationReason, Grain
+from grains.context import PersistentState
 from grains.ids import GrainId, SiloAddress
 from grains.immutable import immutable
 from grains.placement import (
@@ -19,9 +20,11 @@ from grains.placement import (
     hash_placement,
     idle_timeout,
     immovable,
+    incoming_filter,
     interleave,
     keep_alive,
     one_way,
+    outgoing_filter,
     prefer_local,
     random_placement,
     read_only,
@@ -29,16 +32,20 @@ from grains.placement import (
     resource_placement,
     silo_role,
     stateless_worker,
+    storage,
     write_behind,
 )
 from grains.ref import GrainRef
+from grains.startup import StartingSilo, on_silo_start
 
 __all__ = [
     "DeactivationReason",
     "Grain",
     "GrainId",
     "GrainRef",
+    "PersistentState",
     "SiloAddress",
+    "StartingSilo",
     "activation_count_placement",
     "deactivate_on",
     "grain_type",
@@ -46,9 +53,12 @@ __all__ = [
     "idle_timeout",
     "immovable",
     "immutable",
+    "incoming_filter",
     "interleave",
     "keep_alive",
+    "on_silo_start",
     "one_way",
+    "outgoing_filter",
     "prefer_local",
     "random_placement",
     "read_only",
@@ -56,5 +66,6 @@ __all__ = [
     "resource_placement",
     "silo_role",
     "stateless_worker",
+    "storage",
     "write_behind",
 ]

@@ -19,18 +19,28 @@ calls :meth:`Grain.on_activate`. Users never construct grains themselves.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
-from grains.context import DeactivationReason, GrainContext, SnapshotInfo, TimerHandle
+from grains.context import (
+    DeactivationReason,
+    GrainContext,
+    PersistentState,
+    SnapshotInfo,
+    TimerHandle,
+)
 from grains.ids import GrainId, SiloAddress
 
 __all__ = ["DeactivationReason", "Grain"]
 
 G = TypeVar("G")
 R = TypeVar("R")
+M = TypeVar("M", bound=BaseModel)
+
+_STATE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class Grain:
@@ -143,6 +153,23 @@ class Grain:
     async def clear_state(self) -> None:
         """Delete the persisted state and reset ``self.state`` to the model's defaults."""
         await self._rg_context.clear_state()
+
+    def named_state(self, name: str, model: type[M], *, storage: str | None = None) -> PersistentState[M]:
+        """A further persisted state of this grain, apart from ``self.state`` (Orleans' named
+        ``IPersistentState<T>``): ``handle.value``, ``await handle.write()`` / ``read()`` /
+        ``clear()``, fenced like the default state.
+
+        Call it in ``__init__``: the state then loads with ``self.state``, before
+        ``on_activate``. A handle first asked for later starts unloaded; ``await handle.read()``
+        loads it. The same name gives the same handle for the whole activation. ``storage``
+        names the storage provider (default: the class's ``@storage``, else the silo's default).
+        Checkpoints (``save_snapshot``) hold ``self.state`` only.
+        """
+        if not _STATE_NAME.match(name):
+            raise ValueError(f"a state name must match [A-Za-z0-9_.-]{{1,64}}: {name!r}")
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(f"named_state wants a pydantic model class, not {model!r}")
+        return self._rg_context.named_state(name, model, storage)
 
     # --- reminders ---------------------------------------------------------
     async def register_reminder(self, name: str, period_s: float, due_s: float | None = None) -> None:

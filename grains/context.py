@@ -16,9 +16,12 @@ import enum
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+from pydantic import BaseModel
+
 from grains.ids import GrainId, SiloAddress
 
 R = TypeVar("R")
+M = TypeVar("M", bound=BaseModel)
 
 
 class DeactivationReason(str, enum.Enum):
@@ -35,6 +38,51 @@ class DeactivationReason(str, enum.Enum):
 
 class TimerHandle(Protocol):
     def cancel(self) -> None: ...
+
+
+class PersistentState(Protocol[M]):
+    """One named state of a grain (``Grain.named_state``), fenced like ``self.state``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def value(self) -> M:
+        """The state (an instance of its model); a state not loaded yet raises StorageError."""
+        ...
+
+    @value.setter
+    def value(self, value: M) -> None: ...
+
+    @property
+    def state(self) -> M:
+        """The same as ``value`` (Orleans' ``IPersistentState<T>.State``)."""
+        ...
+
+    @state.setter
+    def state(self, value: M) -> None: ...
+
+    @property
+    def etag(self) -> str | None:
+        """The etag of what was last read or written; None: nothing stored."""
+        ...
+
+    @property
+    def loaded(self) -> bool:
+        """Read from storage at least once (at activation, or by ``read``)."""
+        ...
+
+    async def write(self) -> None:
+        """Persist ``value``; StateConflictError if another activation owns the grain."""
+        ...
+
+    async def read(self) -> None:
+        """Reload ``value`` from storage."""
+        ...
+
+    async def clear(self) -> None:
+        """Delete the stored value and reset ``value`` to the model's defaults."""
+        ...
 
 
 class SnapshotInfo(Protocol):
@@ -104,6 +152,8 @@ class GrainContext(Protocol):
     async def read_state(self) -> None: ...
 
     async def clear_state(self) -> None: ...
+
+    def named_state(self, name: str, model: type[M], storage: str | None) -> PersistentState[M]: ...
 
     # --- reminders --------------------------------------------------------------------
     async def register_reminder(self, name: str, period_s: float, due_s: float | None) -> None: ...

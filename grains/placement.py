@@ -7,6 +7,7 @@ sees the class.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -43,6 +44,12 @@ class GrainOptions:
     interleave: frozenset[str] = field(default_factory=frozenset)
     read_only: frozenset[str] = field(default_factory=frozenset)
     one_way: frozenset[str] = field(default_factory=frozenset)
+    storage: str | None = None
+    """Storage provider of the class's states (``@storage``); None: the silo's default."""
+    incoming_filters: tuple[Callable[..., Any], ...] = ()
+    """Call filters around calls to this class only, inside the silo's (``@incoming_filter``)."""
+    outgoing_filters: tuple[Callable[..., Any], ...] = ()
+    """Call filters on calls this class's grains make, before the silo's (``@outgoing_filter``)."""
 
 
 def _set(attr: str, value: object) -> Callable[[T], T]:
@@ -99,6 +106,38 @@ def write_behind(interval_ms: float) -> Callable[[T], T]:
     if interval_ms <= 0:
         raise ValueError("write-behind interval must be positive")
     return _set("__rg_write_behind_ms__", float(interval_ms))
+
+
+def storage(provider: str) -> Callable[[T], T]:
+    """Keep this grain's states with the storage provider ``provider`` (a name the silo's
+    ``storage.providers`` setting defines, or "redis"); a silo without it refuses to start."""
+    if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", provider):
+        raise ValueError(f"storage provider name must match [A-Za-z0-9_.-]{{1,64}}: {provider!r}")
+    return _set("__rg_storage__", provider)
+
+
+def incoming_filter(*filters: Callable[..., Any]) -> Callable[[T], T]:
+    """Run these call filters (``async def f(ctx, call_next)``) around every call to this grain
+    class, inside the silo's own filters, in the order given (the first is outermost)."""
+    return _filters("__rg_incoming_filters__", filters)
+
+
+def outgoing_filter(*filters: Callable[..., Any]) -> Callable[[T], T]:
+    """Run these call filters (``async def f(ctx, call_next)``) on every call a grain of this
+    class makes, before the silo's outgoing filters, in the order given (the first runs first)."""
+    return _filters("__rg_outgoing_filters__", filters)
+
+
+def _filters(attr: str, filters: tuple[Callable[..., Any], ...]) -> Callable[[T], T]:
+    if not filters or not all(callable(f) for f in filters):
+        raise ValueError("give one or more call filters: async def f(ctx, call_next)")
+
+    def mark(cls: T) -> T:
+        # The class's own list, after what a base class declared.
+        setattr(cls, attr, (*getattr(cls, attr, ()), *filters))
+        return cls
+
+    return mark
 
 
 def _placement(strategy: PlacementStrategy, role: str | None = None) -> Callable[[T], T]:
@@ -164,6 +203,9 @@ def grain_options(cls: type) -> GrainOptions:
         interleave=frozenset(n for n, f in methods.items() if getattr(f, "__rg_interleave__", False)),
         read_only=frozenset(n for n, f in methods.items() if getattr(f, "__rg_read_only__", False)),
         one_way=frozenset(n for n, f in methods.items() if getattr(f, "__rg_one_way__", False)),
+        storage=getattr(cls, "__rg_storage__", None),
+        incoming_filters=tuple(getattr(cls, "__rg_incoming_filters__", ())),
+        outgoing_filters=tuple(getattr(cls, "__rg_outgoing_filters__", ())),
     )
     type.__setattr__(cls, "__rg_options__", opts)
     return opts

@@ -11,6 +11,8 @@ activations itself (as a silo would), and talks to silos directly over TCP.
 ``ClusterClient.connect("embedded")`` starts a private redis-server for a
 single-machine try-out. ``tracing=Tracing(provider)`` (:mod:`silo.tracing`)
 makes every call a CLIENT span whose context travels with the call.
+Outgoing call filters (``outgoing_filters=[...]``, then the settings'
+``outgoing_filters`` by import path) run around every call the client makes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from silo import errors
+from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.membership import RedisMembershipTable
@@ -30,6 +33,7 @@ from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.router import Manifests, Router
 from silo.messaging.transport import Transport
+from silo.plugins import load_filters
 from silo.redis_util import connect_redis, verify_redis
 from silo.settings import ClientSettings
 from silo.shutdown import ShutdownHook
@@ -44,10 +48,16 @@ G = TypeVar("G")
 
 class ClusterClient:
     def __init__(
-        self, settings: ClientSettings, *, types: Iterable[type] = (), tracing: Tracing | None = None
+        self,
+        settings: ClientSettings,
+        *,
+        types: Iterable[type] = (),
+        tracing: Tracing | None = None,
+        outgoing_filters: Iterable[OutgoingFilter] = (),
     ) -> None:
         self.settings = settings
         self.tracing = tracing
+        self._outgoing = [*outgoing_filters, *load_filters(settings.outgoing_filters, "outgoing filter")]
         self.keys = Keys(settings.cluster)
         self._types = list(types)
         self._embedded: Any = None
@@ -68,11 +78,13 @@ class ClusterClient:
         settings: ClientSettings | None = None,
         types: Iterable[type] = (),
         tracing: Tracing | None = None,
+        outgoing_filters: Iterable[OutgoingFilter] = (),
     ) -> ClusterClient:
         """Connect to the cluster whose state lives in ``redis_url`` ("embedded": a private Redis).
 
         ``tracing``: spans for the calls made through this client (None: what
-        ``settings.tracing`` says, off by default, at no cost).
+        ``settings.tracing`` says, off by default, at no cost). ``outgoing_filters``:
+        ``async def f(ctx, call_next)`` run around every call, before the settings' ones.
         """
         base = settings or ClientSettings()
         update: dict[str, Any] = {}
@@ -80,7 +92,12 @@ class ClusterClient:
             update["redis_url"] = redis_url
         if cluster is not None:
             update["cluster"] = cluster
-        client = cls(base.model_copy(update=update) if update else base, types=types, tracing=tracing)
+        client = cls(
+            base.model_copy(update=update) if update else base,
+            types=types,
+            tracing=tracing,
+            outgoing_filters=outgoing_filters,
+        )
         await client._start()
         return client
 
@@ -119,7 +136,7 @@ class ClusterClient:
             tracing=self.tracing,
         )
         caller = self.router if self.tracing is None else self.tracing.caller(self.router)
-        self._refs = RefFactory(caller, self.manifests, self.codec)
+        self._refs = RefFactory(filtered_caller(caller, self._outgoing), self.manifests, self.codec)
         await self.view.start()
         await self.manifests.refresh()
         self.closed = False

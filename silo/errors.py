@@ -17,7 +17,8 @@
     │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
     │   ├── SiloClosedError          we closed it: the local silo or client is stopping
     │   ├── MembershipError          the membership table refused or lost us
-    │   └── AuthenticationError      the cluster secret did not match
+    │   ├── AuthenticationError      the cluster secret did not match
+    │   └── StartupTaskError         an @on_silo_start task failed: the silo did not start
     ├── StorageError                 state could not be read or written (Redis down, slow)
     │   └── StateConflictError       etag or fencing check failed
     ├── CodecError                   bad frame / unknown type / oversized message
@@ -154,6 +155,15 @@ class AuthenticationError(SiloError):
     def __init__(self, peer: str = "", detail: str = "cluster secret mismatch") -> None:
         self.peer = peer
         super().__init__(f"authentication with {peer or 'peer'} failed: {detail}")
+
+
+class StartupTaskError(SiloError):
+    """An ``@on_silo_start`` task raised or ran too long: the silo's start failed."""
+
+    def __init__(self, task: str, reason: str) -> None:
+        self.task = task
+        self.reason = reason
+        super().__init__(f"startup task {task} failed, so the silo did not start: {reason}")
 
 
 # --- storage ---------------------------------------------------------------

@@ -91,6 +91,26 @@ class Keys:
         """Set of keys of one grain type that have persisted state."""
         return self.prefix + f"state:index:{type_name}"
 
+    # Named states (``Grain.named_state``): one head+chunks value per (grain, state name),
+    # apart from the default state's keys (the dashboard's index lists only default state).
+    # The name comes first and the grain after a ``g:`` marker, so no grain key can make one
+    # name's key look like another's or like an index.
+    def named_state_head(self, grain: str, name: str) -> str:
+        """Hash like ``state_head``: the visible value of the grain's state ``name``."""
+        return self.prefix + f"nstate:{name}:g:{grain}"
+
+    def named_state_chunk_base(self, grain: str, name: str) -> str:
+        """Prefix of a named state's chunk keys; see :func:`chunk_key`."""
+        return self.named_state_head(grain, name) + ":v"
+
+    def named_state_index(self, type_name: str, name: str) -> str:
+        """Set of keys of one grain type that have persisted state ``name``."""
+        return self.prefix + f"nstate:{name}:index:{type_name}"
+
+    def named_state_types(self, name: str) -> str:
+        """Set of grain types that have persisted state ``name``."""
+        return self.prefix + f"nstate:{name}:types"
+
     def checkpoint_index(self, group: str) -> str:
         """Sorted set: complete snapshot ids of a group, scored by their order."""
         return self.prefix + f"ckpt:{group}"

@@ -7,10 +7,11 @@ section. Environment variables use ``__`` between section and field, e.g.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -121,8 +122,38 @@ class RebalancerSettings(_Section):
     )
 
 
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+_PROVIDER_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class ProviderSettings(_Section):
+    """One storage provider: a factory named by import path, and its keyword options."""
+
+    factory: str = Field(
+        pattern=_IMPORT_PATH,
+        description="``package.module:callable`` called as ``factory(context, **options)`` at silo start;"
+        " it returns the provider (a ``silo.storage.store.StateStore``).",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_alone(cls, value: Any) -> Any:
+        # "pkg.mod:factory" stands for {"factory": "pkg.mod:factory"}: the common case is one line.
+        return {"factory": value} if isinstance(value, str) else value
+
+
 class StorageSettings(_Section):
-    """Grain state in Redis."""
+    """Grain state: the Redis store's tuning, and further storage providers by name."""
+
+    providers: dict[str, ProviderSettings] = Field(
+        default_factory=dict,
+        description='Storage providers besides "redis", by name: {"name": "pkg.mod:factory"} or'
+        ' {"name": {"factory": ..., "options": {...}}}; a grain picks one with @storage("name").',
+    )
+    default_provider: str = Field(
+        "redis", pattern=_PROVIDER_NAME, description="Provider of grains that name none (redis or a providers name)."
+    )
 
     chunk_bytes: int = Field(8 << 20, gt=0, description="Size of one chunk of a state stored in chunks.")
     inline_bytes: int = Field(
@@ -138,6 +169,15 @@ class StorageSettings(_Section):
     keep_snapshots: int = Field(
         3, gt=0, description="Complete checkpoint snapshots kept per group unless a save says otherwise."
     )
+
+    @model_validator(mode="after")
+    def _known_providers(self) -> Self:
+        for name in self.providers:
+            if name == "redis" or not re.match(_PROVIDER_NAME, name):
+                raise ValueError(f"storage provider name {name!r} is reserved or not [A-Za-z0-9_.-]{{1,64}}")
+        if self.default_provider != "redis" and self.default_provider not in self.providers:
+            raise ValueError(f"default_provider {self.default_provider!r} is not redis nor one of providers")
+        return self
 
 
 class RemindersSettings(_Section):
@@ -186,6 +226,13 @@ class TracingSettings(_Section):
         None, description="OTLP/gRPC collector; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317."
     )
     service_name: str = Field("redgrain", description="The spans' service.name.")
+
+
+def _check_import_paths(paths: tuple[str, ...]) -> tuple[str, ...]:
+    for path in paths:
+        if not re.match(_IMPORT_PATH, path):
+            raise ValueError(f"{path!r} is not an import path of the form package.module:name")
+    return paths
 
 
 _CLUSTER_SECRET_DESCRIPTION = (
@@ -239,6 +286,22 @@ class SiloSettings(_SecretAlias):
     tracing: TracingSettings = TracingSettings()
     retention: RetentionSettings = RetentionSettings()
     stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
+    incoming_filters: tuple[str, ...] = Field(
+        (),
+        description="Incoming call filters by import path (pkg.mod:name; a class is instantiated with no"
+        " arguments), run in this order around every call to this silo's grains.",
+    )
+    outgoing_filters: tuple[str, ...] = Field(
+        (), description="Outgoing call filters by import path, run in this order on every call this silo's grains make."
+    )
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Time all @on_silo_start tasks together may take before the start fails."
+    )
+
+    @field_validator("incoming_filters", "outgoing_filters")
+    @classmethod
+    def _import_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        return _check_import_paths(paths)
 
 
 class ClientSettings(_SecretAlias):
@@ -253,3 +316,12 @@ class ClientSettings(_SecretAlias):
     transport: TransportSettings = TransportSettings()
     tracing: TracingSettings = TracingSettings()
     membership: MembershipSettings = MembershipSettings()
+    outgoing_filters: tuple[str, ...] = Field(
+        (), description="Outgoing call filters by import path, run in this order on every call the client makes."
+    )
+
+    @field_validator("outgoing_filters")
+    @classmethod
+    def _import_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        return _check_import_paths(paths)
+

@@ -28,8 +28,12 @@ in order, with the reason for the order:
    requests, rebalancer. They act as a member (refresh our row, vote, lead),
    so they start once the row is Active.
 10. ``services``: idle collection, loop watchdog, stats publisher, reminders.
-    Last: they make work for the rest (a reminder tick is a call; the stats
+    They make work for the rest (a reminder tick is a call; the stats
     record reads every component).
+11. ``startup``: the grain modules' ``@on_silo_start`` tasks (``silo/startup.py``).
+    Last: a task may call any grain, this silo's too, so everything that serves
+    calls runs; and first a failed task fails the start, so nobody is told the
+    silo is ready before they succeeded.
 
 Each stage registers how to undo what it did as it does it; a start that
 fails at any stage runs the undos registered so far, newest first, and
@@ -73,7 +77,7 @@ from grains.ids import SiloAddress
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
-from silo.catalog.pipeline import CallFilter
+from silo.catalog.pipeline import CallFilter, OutgoingFilter
 from silo.catalog.runtime import RefFactory, SiloRuntime, resolve_device
 from silo.catalog.watchdog import LoopWatchdog
 from silo.cluster.control import ControlInbox
@@ -94,12 +98,15 @@ from silo.logstream import LogStream
 from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.messaging.transport import Transport
+from silo.plugins import load_filters
 from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import connect_redis, redis_errors, verify_redis
 from silo.settings import SiloSettings
 from silo.shutdown import ShutdownHook
+from silo.startup import StartupTask, find_startup_tasks, run_startup_tasks
 from silo.stats import CallStats, StatsPublisher
 from silo.storage.checkpoint import Checkpoints
+from silo.storage.provider import REDIS, StorageProviders, directory_owner
 from silo.storage.store import RedisStateStore
 from silo.tracing import Tracing
 
@@ -135,6 +142,7 @@ class Silo:
         "active",
         "cluster",
         "services",
+        "startup",
     )
 
     # The parts, each set by the stage that builds it (see the module docstring).
@@ -152,6 +160,7 @@ class Silo:
     manifests: Manifests
     router: Router
     refs: RefFactory
+    storage: StorageProviders
     store: RedisStateStore
     checkpoints: Checkpoints
     reminders: ReminderService
@@ -176,12 +185,17 @@ class Silo:
         *,
         grains: Iterable[type[Grain]] = (),
         filters: Iterable[CallFilter] = (),
+        outgoing_filters: Iterable[OutgoingFilter] = (),
         clock: Callable[[], float] = time.time,
         tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings or SiloSettings()
         self._extra_classes = list(grains)
         self._user_filters = list(filters)
+        """Incoming filters given in code; the settings' incoming_filters run after them."""
+        self._outgoing_filters = list(outgoing_filters)
+        """Outgoing filters given in code; the settings' outgoing_filters run after them."""
+        self._startup_tasks: list[StartupTask] = []
         self._tracing = tracing
         """Spans for this silo's calls; None: what settings.tracing says (off by default)."""
         self._clock = clock
@@ -258,6 +272,10 @@ class Silo:
             registry.register_annotations(cls)
         self.codec = Codec(registry)
         self.device = resolve_device(s.device)
+        # Imported here, with the grain modules: a bad path fails the start before anything is bound.
+        self._user_filters += load_filters(s.incoming_filters, "incoming filter")
+        self._outgoing_filters += load_filters(s.outgoing_filters, "outgoing filter")
+        self._startup_tasks = find_startup_tasks(s.grains)
 
     async def _stage_listen(self) -> None:
         s = self.settings
@@ -306,14 +324,19 @@ class Silo:
             tracing=self._tracing,
         )
         self.refs = RefFactory(self.router, self.manifests, self.codec)
-        self.store = RedisStateStore(self.redis, self.keys, s.storage)
+        self.storage = StorageProviders.build(s.storage, self.redis, self.keys, directory_owner(self.directory))
+        self._on_stop("storage providers", self.storage.close)
+        self.storage.check(self.types.classes())
+        store = self.storage.get(REDIS)
+        assert isinstance(store, RedisStateStore)
+        self.store = store
         self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
         # Its delivery (through the dispatcher) is given when it starts: see ReminderService.start.
         self.reminders = ReminderService(ReminderTable(self.redis, self.keys), s.reminders)
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
-            store=self.store,
+            store=self.storage,
             codec=self.codec,
             threads=s.catalog.thread_pool_size,
             view=self.view,
@@ -321,6 +344,7 @@ class Silo:
             keys=self.keys,
             checkpoints=self.checkpoints,
             reminders=self.reminders,
+            outgoing_filters=self._outgoing_filters,
         )
         self._on_stop("grain threads", self.runtime.shutdown)
         self.call_stats = CallStats()
@@ -483,6 +507,9 @@ class Silo:
                 timeout_s=self.settings.reminders.delivery_timeout_s,
             )
         )
+
+    async def _stage_startup(self) -> None:
+        await run_startup_tasks(self._startup_tasks, self, self.settings.startup_timeout_s)
 
     def _load(self) -> SiloLoad:
         return SiloLoad(

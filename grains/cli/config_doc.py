@@ -23,9 +23,11 @@ END = "<!-- config-table:end -->"
 
 
 def _default(field: FieldInfo) -> str:
-    value: Any = field.default
+    value: Any = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
     if value is None:
         return "unset"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "(none)"
     if isinstance(value, tuple):
         return ",".join(map(str, value)) or "(none)"
     if isinstance(value, float) and value.is_integer() and value >= 1024:

@@ -37,7 +37,7 @@ from silo.catalog.pipeline import CallContext
 
 if TYPE_CHECKING:
     from silo.catalog.catalog import Catalog
-    from silo.catalog.state import StateHandle
+    from silo.catalog.state import NamedState, StateHandle
     from silo.catalog.timer import Timer
 
 log = logging.getLogger("redgrain.catalog")
@@ -68,7 +68,7 @@ class Runtime(Protocol):
 
     device: str
 
-    def get_grain(self, grain: Any, key: Any) -> Any: ...
+    def get_grain(self, grain: Any, key: Any, source: Activation | None = None) -> Any: ...
 
     async def run_in_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -81,6 +81,10 @@ class Runtime(Protocol):
     async def refresh_cluster_members(self) -> None: ...
 
     def state_handle(self, activation: Activation) -> StateHandle: ...
+
+    def named_state_handle(
+        self, activation: Activation, name: str, model: type[Any], storage: str | None
+    ) -> StateHandle: ...
 
 
 class Activation:
@@ -117,6 +121,9 @@ class Activation:
         self._idle.set()
         self._deactivate_reason: DeactivationReason | None = None
         self._state: StateHandle | None = None
+        self.named: dict[str, NamedState] = {}
+        """The named states asked for so far (``Grain.named_state``), by name."""
+        self.pipeline = catalog.pipeline_for(grain_id.type_name, options)
         self.last_used = catalog.clock()
         self.calls = 0
         self.deactivated = asyncio.Event()
@@ -129,6 +136,25 @@ class Activation:
         if self._state is None:
             self._state = self.runtime.state_handle(self)
         return self._state
+
+    def named_state(self, name: str, model: type[Any], storage: str | None) -> NamedState:
+        found = self.named.get(name)
+        if found is not None:
+            if found.model is not model:
+                raise errors.ConfigError(
+                    f"{self.grain_key}: state {name!r} was asked for as {found.model.__qualname__},"
+                    f" now as {model.__qualname__}"
+                )
+            return found
+        from silo.catalog.state import NamedState  # state.py imports this module
+
+        found = self.named[name] = NamedState(self.runtime.named_state_handle(self, name, model, storage))
+        return found
+
+    def state_handles(self) -> list[StateHandle]:
+        """Every state handle made so far: the default one, then the named ones."""
+        handles = [] if self._state is None else [self._state]
+        return handles + [n._handle for n in self.named.values()]
 
     # --- mailbox -----------------------------------------------------------
     @property
@@ -221,7 +247,7 @@ class Activation:
                     result = await inv.callback()
                 else:
                     ctx = CallContext(self.grain_id, inv.method, inv.args, inv.kwargs, inv.chain, self)
-                    result = await self._catalog.pipeline(ctx)
+                    result = await self.pipeline(ctx)
             except asyncio.CancelledError:
                 if not inv.cancelled:
                     raise

@@ -92,7 +92,21 @@ class Catalog:
         self._failed = 0
         self.closed = False
         self.on_reroute: Callable[[Activation, list[Invocation]], None] = lambda a, i: None
-        self.pipeline: CallNext = build_pipeline(filters or [], invoke_method)
+        self._filters = list(filters or [])
+        self.pipeline: CallNext = build_pipeline(self._filters, invoke_method)
+        """The chain of a grain type with no filters of its own."""
+        self._pipelines: dict[str, CallNext] = {}
+
+    def pipeline_for(self, type_name: str, options: GrainOptions) -> CallNext:
+        """The incoming chain of one grain type: the silo's filters, then the class's own."""
+        if not options.incoming_filters:
+            return self.pipeline
+        chain = self._pipelines.get(type_name)
+        if chain is None:
+            chain = self._pipelines[type_name] = build_pipeline(
+                [*self._filters, *options.incoming_filters], invoke_method
+            )
+        return chain
 
     # --- lookups -----------------------------------------------------------
     def get(self, grain_id: GrainId) -> Activation | None:
@@ -194,6 +208,10 @@ class Catalog:
             type(act.instance).__init__(act.instance)
             if act.cls.State is not None:
                 await act.state_handle().load()
+            # Named states asked for in __init__ load with the default one (Orleans loads every
+            # persistent state before OnActivateAsync).
+            for named in list(act.named.values()):
+                await named.read()
             await act.instance.on_activate()
         except BaseException:
             self._failed += 1
@@ -228,11 +246,12 @@ class Catalog:
             await asyncio.wait_for(act.instance.on_deactivate(reason), timeout)
         except Exception:
             log.exception("%s: on_deactivate failed", act.grain_key)
-        if act._state is not None and reason is not DeactivationReason.STATE_CONFLICT:
-            try:
-                await act._state.flush()
-            except Exception:
-                log.exception("%s: flushing write-behind state failed", act.grain_key)
+        if reason is not DeactivationReason.STATE_CONFLICT:
+            for handle in act.state_handles():
+                try:
+                    await handle.flush()
+                except Exception:
+                    log.exception("%s: flushing write-behind state %r failed", act.grain_key, handle.name)
         act.status = ActivationState.INACTIVE
         queued.extend(act.take_queued())  # calls that arrived while on_deactivate ran
         if act.options.stateless_worker:

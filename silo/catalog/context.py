@@ -52,7 +52,7 @@ class ActivationContext:
 
     # --- calls, threads, tasks, timers ------------------------------------------
     def get_grain(self, grain: Any, key: Any) -> Any:
-        return self._runtime.get_grain(grain, key)
+        return self._runtime.get_grain(grain, key, self._act)
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         return self._runtime.cluster_members(type_name)  # type: ignore[no-any-return]
@@ -96,6 +96,9 @@ class ActivationContext:
 
     async def clear_state(self) -> None:
         await self._act.state_handle().clear()
+
+    def named_state(self, name: str, model: type[Any], storage: str | None) -> Any:
+        return self._act.named_state(name, model, storage)
 
     # --- reminders --------------------------------------------------------------------
     async def register_reminder(self, name: str, period_s: float, due_s: float | None) -> None:

@@ -7,6 +7,17 @@ cases in the catalog). The chain is built once when the catalog starts, as
 Starlette builds its middleware stack, so a call walks a fixed list of
 closures rather than re-assembling it per call.
 
+Incoming filters run on the silo that hosts the grain, for calls from anywhere
+(the same silo, another, a client), outermost first: the silo's call stats,
+the filters passed to ``Silo(filters=...)``, ``incoming_filters`` from the
+settings, then the grain class's ``@incoming_filter`` ones (one chain per
+grain type, built on its first call). Outgoing filters run in the caller's
+process, around the sending of a call (:class:`OutgoingContext`): a grain
+class's ``@outgoing_filter`` ones first, then the silo's ``outgoing_filters``;
+a client runs its own ``outgoing_filters``. A filter may answer without
+calling ``call_next`` (a cache, a refusal) or pass a changed context on
+(``dataclasses.replace(ctx, call=...)``).
+
 Each link is a plain function that returns its filter's coroutine instead of
 awaiting it, and the innermost one returns the grain method's own coroutine:
 with no filters a turn awaits the method directly, one coroutine frame in all.
@@ -15,11 +26,13 @@ with no filters a turn awaits the method directly, one coroutine frame in all.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from grains.call import Call
 from grains.ids import GrainId
+from grains.ref import Caller
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -41,7 +54,40 @@ CallNext = Callable[[CallContext], Awaitable[Any]]
 CallFilter = Callable[[CallContext, CallNext], Awaitable[Any]]
 
 
-def build_pipeline(filters: list[CallFilter], final: CallNext) -> CallNext:
+@dataclass(frozen=True, slots=True)
+class OutgoingContext:
+    """What outgoing call filters see of a call being made."""
+
+    call: Call
+    """The call as the reference built it (target, method, arguments, timeout, chain)."""
+    one_way: bool
+    """A ``@one_way`` call: the send returns None once it is on its way."""
+
+    @property
+    def grain_id(self) -> GrainId:
+        return self.call.grain
+
+    @property
+    def method(self) -> str:
+        return self.call.method
+
+    @property
+    def caller(self) -> str | None:
+        """The calling grain (``Type/key``) when the call is made inside its turn; None from a client
+        (or a grain's background task, which runs outside any call chain)."""
+        return self.call.chain[-1] if self.call.chain else None
+
+
+OutgoingNext = Callable[[OutgoingContext], Awaitable[Any]]
+OutgoingFilter = Callable[[OutgoingContext, OutgoingNext], Awaitable[Any]]
+
+C = TypeVar("C")
+
+
+def build_pipeline(
+    filters: Sequence[Callable[[C, Callable[[C], Awaitable[Any]]], Awaitable[Any]]],
+    final: Callable[[C], Awaitable[Any]],
+) -> Callable[[C], Awaitable[Any]]:
     """Wrap the filters around the final invoker once (Starlette's middleware stack)."""
     call = final
     for flt in reversed(filters):
@@ -49,12 +95,35 @@ def build_pipeline(filters: list[CallFilter], final: CallNext) -> CallNext:
     return call
 
 
-def _wrap(flt: CallFilter, nxt: CallNext) -> CallNext:
+def _wrap(
+    flt: Callable[[C, Callable[[C], Awaitable[Any]]], Awaitable[Any]], nxt: Callable[[C], Awaitable[Any]]
+) -> Callable[[C], Awaitable[Any]]:
     # A plain function returning the filter's coroutine: no coroutine frame of its own per call.
-    def run(ctx: CallContext) -> Awaitable[Any]:
+    def run(ctx: C) -> Awaitable[Any]:
         return flt(ctx, nxt)
 
     return run
+
+
+class FilteredCaller:
+    """A ``Caller`` (grains/ref.py) that runs outgoing filters around another caller's sends."""
+
+    __slots__ = ("_chain", "inner")
+
+    def __init__(self, inner: Caller, filters: Sequence[OutgoingFilter]) -> None:
+        self.inner = inner
+        self._chain = build_pipeline(filters, self._send)
+
+    def _send(self, ctx: OutgoingContext) -> Awaitable[Any]:
+        return self.inner.invoke(ctx.call, ctx.one_way)
+
+    async def invoke(self, call: Call, one_way: bool = False) -> Any:
+        return await self._chain(OutgoingContext(call, one_way))
+
+
+def filtered_caller(inner: Caller, filters: Sequence[OutgoingFilter]) -> Caller:
+    """``inner`` itself when there are no filters (no cost), else a :class:`FilteredCaller`."""
+    return FilteredCaller(inner, filters) if filters else inner
 
 
 def invoke_method(ctx: CallContext) -> Awaitable[Any]:

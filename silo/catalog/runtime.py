@@ -13,8 +13,10 @@ from grains.ids import GrainId
 from grains.placement import grain_options
 from grains.ref import GrainRef, build_ref_class, ref_class_for
 from silo import errors
+from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.state import StateHandle
 from silo.codec import Codec
+from silo.storage.provider import REDIS, StorageProviders
 from silo.storage.store import StateStore
 
 if TYPE_CHECKING:
@@ -34,6 +36,15 @@ class RefFactory:
         self._manifests = manifests
         self._codec = codec
         self._by_name: dict[str, type[GrainRef]] = {}
+
+    @property
+    def caller(self) -> Any:
+        """What the references send their calls through."""
+        return self._caller
+
+    def with_caller(self, caller: Any) -> RefFactory:
+        """The same factory sending through another caller (outgoing filters wrapped around it)."""
+        return RefFactory(caller, self._manifests, self._codec)
 
     def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
         if isinstance(grain, str):
@@ -61,7 +72,7 @@ class SiloRuntime:
         *,
         device: str,
         refs: RefFactory,
-        store: StateStore,
+        store: StateStore | StorageProviders,
         codec: Codec,
         threads: int,
         view: Any = None,
@@ -69,6 +80,7 @@ class SiloRuntime:
         keys: Any = None,
         checkpoints: Checkpoints | None = None,
         reminders: ReminderService | None = None,
+        outgoing_filters: list[OutgoingFilter] | None = None,
     ) -> None:
         self.view = view
         """The silo's MembershipView (who is in the cluster)."""
@@ -78,14 +90,27 @@ class SiloRuntime:
         """The cluster's key builder (silo/keys.py)."""
         self.device = device
         self._refs = refs
-        self._store = store
+        self.stores = store if isinstance(store, StorageProviders) else StorageProviders({REDIS: store})
+        """The storage providers by name (a lone store given stands in for "redis")."""
         self._codec = codec
+        self._outgoing = list(outgoing_filters or [])
+        self._refs_by_type: dict[str, RefFactory] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
         self._checkpoints = checkpoints
         self._reminders = reminders
 
-    def get_grain(self, grain: Any, key: Any) -> Any:
-        return self._refs.get_grain(grain, key)
+    def get_grain(self, grain: Any, key: Any, source: Activation | None = None) -> Any:
+        """A reference for a call from ``source`` (an activation: its calls run the outgoing filters)."""
+        if source is None:
+            return self._refs.get_grain(grain, key)
+        refs = self._refs_by_type.get(source.options.type_name)
+        if refs is None:
+            # Built once per calling grain type: a type with no outgoing filter, in a silo with
+            # none, shares the plain factory and its calls cost nothing more.
+            chain = [*source.options.outgoing_filters, *self._outgoing]
+            refs = self._refs if not chain else self._refs.with_caller(filtered_caller(self._refs.caller, chain))
+            self._refs_by_type[source.options.type_name] = refs
+        return refs.get_grain(grain, key)
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         """Active silos' membership rows (those hosting ``type_name``, when given)."""
@@ -116,7 +141,13 @@ class SiloRuntime:
         return self._checkpoints
 
     def state_handle(self, activation: Activation) -> StateHandle:
-        return StateHandle(activation, self._store, self._codec)
+        return StateHandle(activation, self.stores.get(activation.options.storage), self._codec)
+
+    def named_state_handle(
+        self, activation: Activation, name: str, model: type[Any], storage: str | None
+    ) -> StateHandle:
+        store = self.stores.get(storage if storage is not None else activation.options.storage)
+        return StateHandle(activation, store, self._codec, model, name)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

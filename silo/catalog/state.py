@@ -32,7 +32,7 @@ from grains.base import DeactivationReason
 from silo import errors
 from silo.catalog.activation import ActivationState
 from silo.codec import Codec, Encoded
-from silo.storage.store import StateStore, StoredState
+from silo.storage.store import DEFAULT_STATE, StateStore, StoredState
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -41,8 +41,17 @@ log = logging.getLogger("redgrain.state")
 
 
 class StateHandle:
-    def __init__(self, activation: Activation, store: StateStore, codec: Codec) -> None:
-        model = activation.cls.State
+    """One state of an activation: ``self.state`` (``name`` is DEFAULT_STATE) or a named one."""
+
+    def __init__(
+        self,
+        activation: Activation,
+        store: StateStore,
+        codec: Codec,
+        model: type[BaseModel] | None = None,
+        name: str = DEFAULT_STATE,
+    ) -> None:
+        model = model if model is not None or name != DEFAULT_STATE else activation.cls.State
         if model is None:
             raise errors.ConfigError(
                 f"grain type {activation.grain_id.type_name} declares no State model; "
@@ -52,8 +61,11 @@ class StateHandle:
         self._model: type[BaseModel] = model
         self._store = store
         self._codec = codec
+        self.name = name
+        self._what = activation.grain_key if name == DEFAULT_STATE else f"{activation.grain_key} (state {name!r})"
         self.value: Any = model()
         self.etag: str | None = None
+        self.loaded = False
         wb = activation.options.write_behind_ms
         self._write_behind_s = wb / 1000.0 if wb else None
         self._dirty = False
@@ -66,7 +78,7 @@ class StateHandle:
         value = self.value
         if not isinstance(value, self._model):
             raise errors.StorageError(
-                f"self.state of {self._act.grain_key} is a {type(value).__name__}, not {self._model.__qualname__}"
+                f"state of {self._what} is a {type(value).__name__}, not {self._model.__qualname__}"
             )
         fields = {name: getattr(value, name) for name in type(value).model_fields}
         extra = getattr(value, "__pydantic_extra__", None)
@@ -83,7 +95,7 @@ class StateHandle:
             if isinstance(cause, ValidationError):
                 raise self._misfit(cause) from exc
             raise errors.StorageError(
-                f"stored state of {self._act.grain_key} cannot be decoded as {self._model.__qualname__}: {exc}"
+                f"stored state of {self._what} cannot be decoded as {self._model.__qualname__}: {exc}"
             ) from exc
         if isinstance(value, self._model):  # written as the registered model (older format)
             return value
@@ -93,7 +105,7 @@ class StateHandle:
             except ValidationError as exc:
                 raise self._misfit(exc) from exc
         raise errors.StorageError(
-            f"stored state of {self._act.grain_key} is a {type(value).__name__}, "
+            f"stored state of {self._what} is a {type(value).__name__}, "
             f"not a {self._model.__qualname__}"
         )
 
@@ -105,7 +117,7 @@ class StateHandle:
                 f"field {field!r}: {e.get('msg')} (stored value {e.get('input')!r:.80})"
             )
         return errors.StorageError(
-            f"stored state of grain {self._act.grain_key} does not fit "
+            f"stored state of grain {self._what} does not fit "
             f"{self._model.__qualname__}: " + "; ".join(problems)
         )
 
@@ -114,11 +126,12 @@ class StateHandle:
         await self.read()
 
     async def read(self) -> None:
-        stored = await self._store.read(self._act.grain_id)
+        stored = await self._store.read(self._act.grain_id, state=self.name)
         if stored is None:
             self.value, self.etag = self._model(), None
-            return
-        self.value, self.etag = self.decode(stored), stored.etag
+        else:
+            self.value, self.etag = self.decode(stored), stored.etag
+        self.loaded = True
 
     async def write(self) -> None:
         if self._write_behind_s is None:
@@ -135,7 +148,7 @@ class StateHandle:
     async def _write_now(self) -> None:
         try:
             self.etag = await self._store.write(
-                self._act.grain_id, self.encode(), self.etag, self._act.token
+                self._act.grain_id, self.encode(), self.etag, self._act.token, state=self.name
             )
         except errors.StateConflictError as exc:
             self._refused = exc
@@ -171,7 +184,7 @@ class StateHandle:
         self._dirty = False
         try:
             self.etag = await self._store.write(
-                self._act.grain_id, self.encode(), self.etag, self._act.token
+                self._act.grain_id, self.encode(), self.etag, self._act.token, state=self.name
             )
         except errors.StateConflictError as exc:
             self._refused = exc
@@ -192,13 +205,73 @@ class StateHandle:
 
     async def clear(self) -> None:
         try:
-            await self._store.clear(self._act.grain_id, self.etag, self._act.token)
+            await self._store.clear(self._act.grain_id, self.etag, self._act.token, state=self.name)
         except errors.StateConflictError as exc:
             self._refused = exc
             self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
             raise
         self.value, self.etag, self._dirty = self._model(), None, False
+        self.loaded = True
 
     def adopt(self, value: Any) -> None:
         """Replace the in-memory state (a restored snapshot); the etag stays, so a write is fenced as usual."""
         self.value = value
+
+
+class NamedState:
+    """What ``Grain.named_state`` returns: one named state (``grains.context.PersistentState``).
+
+    Its value cannot be read before it was loaded (at activation when asked for in
+    ``__init__``, else by ``read``): a default-valued model there would be written over
+    whatever is stored.
+    """
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle: StateHandle) -> None:
+        self._handle = handle
+
+    @property
+    def name(self) -> str:
+        return self._handle.name
+
+    @property
+    def model(self) -> type[BaseModel]:
+        return self._handle._model
+
+    @property
+    def value(self) -> Any:
+        if not self._handle.loaded:
+            raise errors.StorageError(
+                f"state {self._handle.name!r} of {self._handle._act.grain_key} is not loaded: ask for it"
+                " with named_state() in __init__ (it loads before on_activate) or await its read() first"
+            )
+        return self._handle.value
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self._handle.value = value
+
+    state = value
+
+    @property
+    def etag(self) -> str | None:
+        return self._handle.etag
+
+    @property
+    def loaded(self) -> bool:
+        return self._handle.loaded
+
+    async def write(self) -> None:
+        if not self._handle.loaded:
+            _ = self.value  # the same clear error: an unread state would overwrite what is stored
+        await self._handle.write()
+
+    async def read(self) -> None:
+        await self._handle.read()
+
+    async def clear(self) -> None:
+        await self._handle.clear()
+
+    def __repr__(self) -> str:
+        return f"<NamedState {self._handle.name!r} of {self._handle._act.grain_key}>"

@@ -56,12 +56,43 @@ class StoredState:
     etag: str
 
 
+DEFAULT_STATE = ""
+"""The state name of ``self.state``; ``Grain.named_state`` names the others."""
+
+
 class StateStore(Protocol):
-    async def read(self, grain: GrainId) -> StoredState | None: ...
+    """The storage-provider interface: where grains' states live (``silo/storage/provider.py``).
 
-    async def write(self, grain: GrainId, value: Encoded, etag: str | None, token: int) -> str: ...
+    One value per (grain, state name): ``state`` is ``DEFAULT_STATE`` for ``self.state``,
+    else the name given to ``Grain.named_state``. The rules, which the contract tests in
+    ``tests/silo/storage/test_store_contract.py`` hold every provider to:
 
-    async def clear(self, grain: GrainId, etag: str | None, token: int) -> None: ...
+    - ``read`` gives the stored stream sliced by :func:`parse_stream` with its etag, or None.
+    - ``write`` names the etag it expects (None: nothing stored yet, ``"*"``: anything) and
+      the writer's fencing token; the etag is checked first, then the token against the
+      grain's directory entry (0: the writer is outside the directory, a stateless worker,
+      allowed only while no entry names an owner, or with etag ``"*"``: an admin overwrite).
+      A refusal raises ``StateConflictError`` saying which check failed and changes nothing.
+      It returns the new etag, never one used before for that value.
+    - ``clear`` is checked like a write; afterwards ``read`` gives None.
+    - Any other failure raises ``StorageError`` (the activation then reloads).
+    - ``write_stream`` writes an already encoded stream (checkpoint restores) and
+      ``statistics()`` counts reads, writes, conflicts, errors and bytes.
+    """
+
+    async def read(self, grain: GrainId, *, state: str = DEFAULT_STATE) -> StoredState | None: ...
+
+    async def write(
+        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
+    ) -> str: ...
+
+    async def write_stream(
+        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE
+    ) -> str: ...
+
+    async def clear(self, grain: GrainId, etag: str | None, token: int, *, state: str = DEFAULT_STATE) -> None: ...
+
+    def statistics(self) -> StorageStatistics: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,11 +393,17 @@ class RedisStateStore:
         self._reads = self._writes = self._conflicts = 0
         self._bytes_written = self._bytes_read = 0
 
-    async def read(self, grain: GrainId) -> StoredState | None:
-        g = str(grain)
-        found = await self.blobs.load(
-            f"read state of {g}", self._keys.state_head(g), self._keys.state_chunk_base(g)
-        )
+    def _layout(self, grain: GrainId, state: str) -> tuple[str, str, str, str, str]:
+        """(what, head, chunk base, index, types) of one state of a grain."""
+        g, k = str(grain), self._keys
+        if state == DEFAULT_STATE:
+            return g, k.state_head(g), k.state_chunk_base(g), k.state_index(grain.type_name), k.state_types()
+        return (f"{g} (state {state!r})", k.named_state_head(g, state), k.named_state_chunk_base(g, state),
+                k.named_state_index(grain.type_name, state), k.named_state_types(state))  # fmt: skip
+
+    async def read(self, grain: GrainId, *, state: str = DEFAULT_STATE) -> StoredState | None:
+        g, head, base, _, _ = self._layout(grain, state)
+        found = await self.blobs.load(f"read state of {g}", head, base)
         if found is None:
             return None
         stream, etag = found
@@ -374,24 +411,19 @@ class RedisStateStore:
         self._bytes_read += stream.nbytes
         return parse_stream(stream, etag)
 
-    async def write(self, grain: GrainId, value: Encoded, etag: str | None, token: int) -> str:
-        return await self.write_stream(grain, stream_parts(value), etag, token)
+    async def write(
+        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
+    ) -> str:
+        return await self.write_stream(grain, stream_parts(value), etag, token, state=state)
 
     async def write_stream(
-        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int
+        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE
     ) -> str:
         """Commit a stream as the grain's state; ``etag="*"`` with token 0 overwrites whatever is there."""
-        g = str(grain)
-        k = self._keys
-        base = k.state_chunk_base(g)
+        g, head, base, index, types = self._layout(grain, state)
         what = f"write state of {g}"
         staged = await self.blobs.stage(what, base, parts)
-        keys = [
-            k.state_head(g),
-            k.directory_entry(g),
-            k.state_index(grain.type_name),
-            k.state_types(),
-        ]
+        keys = [head, self._keys.directory_entry(str(grain)), index, types]
         args: list[Any] = [etag or "", staged.version, str(token), staged.nchunks, staged.size, staged.inline, base,
                 grain.key, grain.type_name]  # fmt: skip
         try:
@@ -412,11 +444,10 @@ class RedisStateStore:
         self._bytes_written += staged.size
         return staged.version
 
-    async def clear(self, grain: GrainId, etag: str | None, token: int) -> None:
-        g = str(grain)
-        k = self._keys
-        keys = [k.state_head(g), k.directory_entry(g), k.state_index(grain.type_name)]
-        args = [etag or "", str(token), k.state_chunk_base(g), grain.key]
+    async def clear(self, grain: GrainId, etag: str | None, token: int, *, state: str = DEFAULT_STATE) -> None:
+        g, head, base, index, _ = self._layout(grain, state)
+        keys = [head, self._keys.directory_entry(str(grain)), index]
+        args = [etag or "", str(token), base, grain.key]
         res = await self.blobs.retry(
             f"clear state of {g}", lambda: run_replicated(self._redis, self._clear, keys, args)
         )

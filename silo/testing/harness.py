@@ -56,7 +56,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -66,6 +66,7 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
+from silo.catalog.pipeline import CallFilter, OutgoingFilter
 from silo.catalog.runtime import RefFactory, SiloRuntime
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
@@ -75,6 +76,8 @@ from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.records import MemberRow, SiloStatus
 from silo.settings import CatalogSettings, TransportSettings
+from silo.storage.provider import REDIS, StorageProviders
+from silo.storage.store import StateStore
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.store import InMemoryStateStore
@@ -146,7 +149,9 @@ class InProcessSilo:
     twin's. With ``network``, the silo is reached at ``address`` (default: a
     free port there) through a transport twin, and ``membership`` (default: a
     fresh twin) and ``published`` (the world's grain types) are shared with the
-    other silos.
+    other silos. ``store`` stands in for the built-in "redis" storage provider;
+    ``storage`` adds others by name (``@storage("name")``). ``filters`` and
+    ``outgoing_filters`` are the silo's incoming and outgoing call filters.
     """
 
     def __init__(
@@ -166,6 +171,9 @@ class InProcessSilo:
         placer: Placer | None = None,
         roles: Sequence[str] = (),
         refresh_s: float = 2.0,
+        storage: Mapping[str, StateStore] | None = None,
+        filters: Sequence[CallFilter] = (),
+        outgoing_filters: Sequence[OutgoingFilter] = (),
     ) -> None:
         if address is None:
             address = ADDRESS if network is None else SiloAddress("127.0.0.1", network.free_port(), 1)
@@ -207,13 +215,17 @@ class InProcessSilo:
             )
         self.router = router
         self.refs = RefFactory(router, self.manifests, self.codec)
+        # The in-memory store stands in for "redis", the built-in default provider.
+        self.storage = StorageProviders({REDIS: self.store, **(storage or {})})
+        self.storage.check(self.types.classes())
         self.runtime = SiloRuntime(
             device="cpu",
             refs=self.refs,
-            store=self.store,
+            store=self.storage,
             codec=self.codec,
             threads=self.settings.thread_pool_size,
             view=self.view,
+            outgoing_filters=list(outgoing_filters),
         )
         self.catalog = Catalog(
             settings=self.settings,
@@ -221,6 +233,7 @@ class InProcessSilo:
             types=self.types,
             directory=self.directory,
             runtime=self.runtime,
+            filters=list(filters),
             clock=clock,
         )
         self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router),
