@@ -60,6 +60,16 @@ def add_silo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
     p.add_argument("--role", action="append", default=[], help="role label for @silo_role placement (repeatable)")
     p.add_argument("--device", default=None, help="auto, cpu or cuda")
+    p.add_argument(
+        "--incoming-filter", action="append", default=[], metavar="PKG.MOD:NAME",
+        help="incoming call filter by import path, run around every call to this silo's grains"
+        " (repeatable, in order; replaces $REDGRAIN_INCOMING_FILTERS)",
+    )  # fmt: skip
+    p.add_argument(
+        "--outgoing-filter", action="append", default=[], metavar="PKG.MOD:NAME",
+        help="outgoing call filter by import path, run on every call this silo's grains make"
+        " (repeatable, in order; replaces $REDGRAIN_OUTGOING_FILTERS)",
+    )  # fmt: skip
     p.add_argument("--embedded-redis", action="store_true", help="start a private redis-server (data in ./.redgrain)")
     p.add_argument("--ready-file", default=None, help="write the silo address here once Active (for scripts)")
     p.add_argument(
@@ -111,6 +121,10 @@ async def run_silo(args: argparse.Namespace, *, on_active: OnActive | None = Non
             kw[name] = getattr(args, name)
     if args.role:
         kw["roles"] = tuple(args.role)
+    if args.incoming_filter:
+        kw["incoming_filters"] = tuple(args.incoming_filter)
+    if args.outgoing_filter:
+        kw["outgoing_filters"] = tuple(args.outgoing_filter)
     embedded = None
     if args.embedded_redis:
         if args.redis:

@@ -1,14 +1,18 @@
-"""The state store's contract, run on the in-memory twin and on the Redis store alike.
+"""The state store's contract: every storage provider passes it.
 
-Each backend is fenced by a directory of its kind: the twin by the directory twin's tokens,
-the Redis store by the directory entries in Redis. The Redis store here puts anything over
-1 kB into 1 kB chunks, so the big-value case runs its chunked path.
+Run on the in-memory twin, on the Redis store, and on the providers a silo builds from its
+settings by name (``StorageProviders.build``): the in-memory one (``memory_provider``) and
+the SQLite one (``silo.storage.sqlite``), both fenced through the Redis directory as in a
+silo. The twin is fenced by the directory twin's tokens, the others by the directory
+entries in Redis. The Redis store here puts anything over 1 kB into 1 kB chunks, so the
+big-value case runs its chunked path.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +27,8 @@ from silo.keys import Keys
 from silo.records import MemberRow, SiloStatus
 from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
-from silo.storage.store import RedisStateStore, stream_parts
+from silo.storage.provider import StorageProviders, directory_owner
+from silo.storage.store import StateStore, stream_parts
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.store import InMemoryStateStore
 
@@ -34,19 +39,19 @@ codec = Codec()
 
 @dataclass
 class World:
-    store: InMemoryStateStore | RedisStateStore
+    store: StateStore
     directory: InMemoryGrainDirectory | RedisGrainDirectory
 
-    async def write(self, value: Any, etag: str | None, token: int = 0, grain: GrainId = G) -> str:
-        return await self.store.write(grain, codec.encode(value), etag, token)
+    async def write(self, value: Any, etag: str | None, token: int = 0, grain: GrainId = G, state: str = "") -> str:
+        return await self.store.write(grain, codec.encode(value), etag, token, state=state)
 
-    async def read(self, grain: GrainId = G) -> tuple[Any, str] | None:
-        stored = await self.store.read(grain)
+    async def read(self, grain: GrainId = G, state: str = "") -> tuple[Any, str] | None:
+        stored = await self.store.read(grain, state=state)
         return None if stored is None else (codec.decode(stored.meta, stored.buffers), stored.etag)
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
+@pytest.fixture(params=["memory", "redis", "memory-provider", "sqlite"])
+async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
     if request.param == "memory":
         directory = InMemoryGrainDirectory()
         yield World(InMemoryStateStore(owner=directory.token_of), directory)
@@ -56,10 +61,21 @@ async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
     table = RedisMembershipTable(redis, keys)
     await table.join(MemberRow(address=str(SILO), host=SILO.host, port=SILO.port, generation=1))
     await table.set_status(str(SILO), SiloStatus.ACTIVE)
-    settings = StorageSettings(inline_bytes=1024, chunk_bytes=1024)
+    directory = RedisGrainDirectory(redis, keys)
+    # Built by name from settings, as a silo builds them.
+    settings = StorageSettings(
+        inline_bytes=1024,
+        chunk_bytes=1024,
+        providers={
+            "memory-provider": "silo.testing.store:memory_provider",  # type: ignore[dict-item]
+            "sqlite": {"factory": "silo.storage.sqlite:provider", "options": {"path": str(tmp_path / "s.db")}},  # type: ignore[dict-item]
+        },
+    )
+    providers = StorageProviders.build(settings, redis, keys, directory_owner(directory))
     try:
-        yield World(RedisStateStore(redis, keys, settings), RedisGrainDirectory(redis, keys))
+        yield World(providers.get(request.param), directory)
     finally:
+        await providers.close()
         await redis.aclose()
 
 
@@ -160,3 +176,23 @@ async def test_statistics_count_the_same_on_both(world: World) -> None:
     stats = world.store.statistics()
     assert (stats.reads, stats.writes, stats.conflicts, stats.errors) == (1, 2, 1, 0)
     assert stats.bytes_written > 0 and stats.bytes_read > 0
+
+
+async def test_named_states_of_one_grain_are_separate_values_checked_alike(world: World) -> None:
+    default = await world.write({"value": 1}, None)
+    profile = await world.write({"name": "ada"}, None, state="profile")
+    assert await world.read() == ({"value": 1}, default)
+    assert await world.read(state="profile") == ({"name": "ada"}, profile)
+    assert await world.read(state="prefs") is None
+    # Each has its own etag...
+    with pytest.raises(errors.StateConflictError) as info:
+        await world.write({"name": "bob"}, default, state="profile")
+    assert "profile" in str(info.value)
+    # ...and its own fencing check against the grain's one directory entry.
+    entry = await world.directory.register(G, SILO, "a1")
+    with pytest.raises(errors.StateConflictError, match="fencing"):
+        await world.write({"name": "bob"}, profile, entry.token + 1, state="profile")
+    profile = await world.write({"name": "bob"}, profile, entry.token, state="profile")
+    await world.store.clear(G, profile, entry.token, state="profile")
+    assert await world.read(state="profile") is None
+    assert await world.read() == ({"value": 1}, default)  # clearing one leaves the other
