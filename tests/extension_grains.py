@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from grains import Grain, incoming_filter, on_silo_start, outgoing_filter
+from silo.errors import StorageError
 
 SEEN: list[tuple[str, str, str | None]] = []
 """(filter, "Type.method", caller) of every call a filter saw, in order."""
@@ -66,8 +67,8 @@ class Account(Grain):
         late = self.named_state("late", Prefs)
         seen = []
         try:
-            late.value
-        except Exception as exc:
+            _ = late.value
+        except StorageError as exc:
             seen.append(f"{type(exc).__name__}: {exc}")
         await late.read()
         seen.append(late.value.theme)
