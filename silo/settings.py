@@ -289,7 +289,7 @@ class SiloSettings(_SecretAlias):
     incoming_filters: tuple[str, ...] = Field(
         (),
         description="Incoming call filters by import path (pkg.mod:name; a class is instantiated with no"
-        " arguments), run in this order around every call to this silo's grains.",
+        ' arguments), run in this order around every call to this silo\'s grains (a JSON list: ["pkg.mod:f"]).',
     )
     outgoing_filters: tuple[str, ...] = Field(
         (), description="Outgoing call filters by import path, run in this order on every call this silo's grains make."
