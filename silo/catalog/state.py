@@ -1,4 +1,5 @@
-"""The state handle behind ``self.state`` / ``write_state`` / ``read_state`` / ``clear_state``.
+"""The state handle behind ``self.state`` / ``write_state`` / ``read_state`` / ``clear_state``,
+and behind each named state (``Grain.named_state``: :class:`NamedState` wraps one handle).
 
 The handle keeps the etag of what it last read or wrote and the activation's
 fencing token; the store refuses a write whose etag or token is stale
