@@ -12,6 +12,7 @@
 from grains.base import DeactivationReason, Grain
 from grains.ids import GrainId, SiloAddress
 from grains.immutable import immutable
+from grains.observer import NotifyResult, ObserverId, ObserverRef, ObserverSet
 from grains.placement import (
     activation_count_placement,
     deactivate_on,
@@ -38,6 +39,10 @@ __all__ = [
     "Grain",
     "GrainId",
     "GrainRef",
+    "NotifyResult",
+    "ObserverId",
+    "ObserverRef",
+    "ObserverSet",
     "SiloAddress",
     "activation_count_placement",
     "deactivate_on",

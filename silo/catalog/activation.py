@@ -82,6 +82,8 @@ class Runtime(Protocol):
 
     def state_handle(self, activation: Activation) -> StateHandle: ...
 
+    def observer(self, activation: Activation, handler: object) -> Any: ...
+
 
 class Activation:
     """One live grain instance and its mailbox."""

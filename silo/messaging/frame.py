@@ -28,8 +28,9 @@ import numpy as np
 PREFIX = struct.Struct("<IIH")
 BUFLEN = struct.Struct("<Q")
 
-# Frame kinds (first item of every header).
-REQUEST, RESPONSE, ERROR, CANCEL, PING, PONG, HELLO, AUTH, AUTH_OK, ONEWAY = range(1, 11)
+# Frame kinds (first item of every header). CLIENT ([CLIENT, 0, client id]) is the first frame a
+# client sends on a connection it opened: the silo then knows where to send calls to its observers.
+REQUEST, RESPONSE, ERROR, CANCEL, PING, PONG, HELLO, AUTH, AUTH_OK, ONEWAY, CLIENT = range(1, 12)
 
 # Buffers at least this big go on their own: received straight into their own array,
 # written without being joined to other frames.
