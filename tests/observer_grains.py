@@ -80,6 +80,13 @@ class Room(Grain):
         """One observer, called directly (an ObserverGoneError reaches the caller)."""
         return await obs.on_message(text)  # type: ignore[no-any-return]
 
+    async def forward(self, obs: ObserverRef, room: str) -> int:
+        """Hand ``obs`` on to another Room (which its client may never have talked to)."""
+        return await self.get_grain(Room, room).join(obs)
+
+    async def say_in(self, room: str, text: str) -> dict[str, Any]:
+        return await self.get_grain(Room, room).say(text)
+
     async def call(self, obs: ObserverRef, method: str) -> Any:
         """Any method by name (a test's forged reference names one the handler lacks)."""
         return await getattr(obs, method)()

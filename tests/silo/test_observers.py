@@ -15,11 +15,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from grains import DeactivationReason, GrainId, ObserverRef
 from silo import errors
 from silo.client import ClusterClient
+from silo.codec import Codec
+from silo.messaging.observer_hub import ObserverHub
 from silo.testing import InProcessCluster, InProcessSilo
 from tests.helpers import REPO
 from tests.observer_grains import Collector, Room, Watcher
@@ -29,6 +32,8 @@ GRAINS = "tests.observer_grains"
 CLIENT_SCRIPT = """
 import asyncio, sys
 from silo.client import ClusterClient
+from silo.codec import Codec
+from silo.messaging.observer_hub import ObserverHub
 from tests.observer_grains import Collector
 
 async def main(url, cluster, room):
@@ -146,6 +151,26 @@ async def test_a_grains_own_observer_is_called_by_a_grain_on_another_silo(cluste
     assert await room.size() == 0
 
 
+async def test_a_silo_the_client_is_not_connected_to_relays_through_one_it_is(cluster, client: ClusterClient) -> None:
+    a, b = await cluster(2, grains=(GRAINS,))
+    await client.refresh()
+    near, far = client.get_grain(Room, "near"), client.get_grain(Room, "far")
+    await a.router.activate(near.grain_id, a.address)
+    await a.router.activate(far.grain_id, b.address)
+    handler = Collector()
+    obs = await client.observer(handler)
+    # The client talks to silo a only; the reference reaches the room on b through the room on a.
+    assert await near.forward(obs, "far") == 1
+    assert await near.say_in("far", "via a") == {"delivered": 1, "gone": [], "failed": {}}
+    assert handler.messages == ["via a"]
+    assert client.transport.open_endpoints() == [a.address.endpoint]
+    assert (a.observers.statistics().relayed, b.observers.statistics().calls_out) == (1, 1)
+    await client.close()  # its connection to a closes: the gateway has nobody to relay to
+    async with await ClusterClient.connect(client.redis_url, cluster=client.settings.cluster) as other:
+        gone = await other.get_grain(Room, "near").say_in("far", "anyone?")
+    assert gone == {"delivered": 0, "gone": [str(obs.observer_id)], "failed": {}}
+
+
 async def test_observer_calls_honour_their_deadline_and_cancel_the_handler(silo_processes, client: ClusterClient) -> None:
     silo_processes(1, grains=GRAINS)
     handler = Collector()
@@ -195,6 +220,29 @@ async def test_an_unknown_method_on_an_observer_is_a_clear_error(silo_processes,
         await client.observer(object())
     with pytest.raises(TypeError, match="instance"):
         await client.observer(Collector)
+
+
+# --- the reference on the wire -------------------------------------------------------
+
+
+async def test_a_reference_travels_through_the_codec_and_binds_to_the_receiving_process() -> None:
+    sender, receiver = Codec(), Codec()
+    made_here = ObserverHub(owner="client:abc", codec=sender, transport=None, call_timeout_s=1.0)
+    ObserverHub(owner="127.0.0.1:1@1", codec=receiver, transport=None, call_timeout_s=1.0)
+    obs = made_here.create(Collector())
+    enc = sender.encode({"subscriber": obs})
+    back = receiver.decode(enc.meta, enc.buffers)["subscriber"]
+    assert back == obs and back.methods == obs.methods and back.one_way_methods == {"on_note"}
+    # Bound to the receiver's hub, which has no way to that client: gone, said by that hub.
+    with pytest.raises(errors.ObserverGoneError, match="no network"):
+        await back.on_message("x")
+    assert sender.copy([obs])[0] is obs  # a value nobody changes: passed as it is on one silo
+    # Decoded where no hub is bound (a codec of its own): it decodes, and a call says why it cannot go.
+    loose = Codec().decode(enc.meta, enc.buffers)["subscriber"]
+    with pytest.raises(errors.CodecError, match="outside a silo or client"):
+        await loose.on_message("x")
+    with pytest.raises(errors.CodecError, match="observer reference should be"):
+        receiver.decode(msgpack.packb(msgpack.ExtType(15, msgpack.packb(["client:abc", 7, [], [], []]))))
 
 
 # --- the in-process harness ----------------------------------------------------------
