@@ -46,6 +46,23 @@ class Collector:
         """Not async: not part of the observer's interface."""
 
 
+class CallsBack(Collector):
+    """A handler that calls the grain notifying it (``room``) from inside the notification."""
+
+    def __init__(self, room: Any) -> None:
+        super().__init__()
+        self.room = room
+
+    async def on_message(self, text: str) -> str:
+        return str(await self.room.size())
+
+    @one_way
+    async def on_note(self, text: str) -> str:
+        self.messages.append(f"size {await self.room.size()}")
+        self.arrived.set()
+        return "dropped"
+
+
 class Room(Grain):
     """Subscribers in an ObserverSet, notified from a later call."""
 

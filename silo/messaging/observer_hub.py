@@ -265,11 +265,16 @@ class ObserverHub:
             raise errors.UnknownMethodError(f"{key} ({type(entry.handler).__qualname__})", method, kind="observer")
         self._calls_in += 1
         fn = getattr(entry.handler, method)
+        # The handler's calls carry the caller's chain, as a grain's turn does: one back into the
+        # grain that is waiting on this notification is a DeadlockError at once, not a hang.
+        token = CALL_CHAIN.set(call.chain)
         try:
             async with asyncio.timeout_at(deadline):
                 return await (fn(*call.args, **call.kwargs) if call.kwargs else fn(*call.args))
         except TimeoutError:
             raise errors.GrainTimeoutError(key, method, call.timeout_s or 0.0) from None
+        finally:
+            CALL_CHAIN.reset(token)
 
     async def _relay(self, oid: ObserverId, call: Call, deadline: float) -> Any:
         """A call for a client connected to this silo, from a silo it is not connected to."""
@@ -337,6 +342,8 @@ class ObserverHub:
             pass  # the silo that asked is gone: nobody to answer
 
     def _spawn_one_way(self, call: Call, deadline: float, peer: str) -> None:
+        call = call._replace(chain=())  # nobody waits on a one-way call: calling back is no cycle
+
         async def run() -> None:
             try:
                 await self.serve(call, deadline)

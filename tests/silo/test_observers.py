@@ -25,7 +25,7 @@ from silo.codec import Codec
 from silo.messaging.observer_hub import ObserverHub
 from silo.testing import InProcessCluster, InProcessSilo
 from tests.helpers import REPO
-from tests.observer_grains import Collector, Room, Watcher
+from tests.observer_grains import CallsBack, Collector, Room, Watcher
 
 GRAINS = "tests.observer_grains"
 
@@ -169,6 +169,21 @@ async def test_a_silo_the_client_is_not_connected_to_relays_through_one_it_is(cl
     async with await ClusterClient.connect(client.redis_url, cluster=client.settings.cluster) as other:
         gone = await other.get_grain(Room, "near").say_in("far", "anyone?")
     assert gone == {"delivered": 0, "gone": [str(obs.observer_id)], "failed": {}}
+
+
+async def test_a_handler_calling_back_into_the_waiting_grain_is_a_deadlock_not_a_hang(cluster, client: ClusterClient) -> None:
+    await cluster(1, grains=(GRAINS,))
+    room = client.get_grain(Room, "loop")
+    handler = CallsBack(room)
+    obs = await client.observer(handler)
+    await room.join(obs)
+    # The room waits on the notification; the handler's call back carries that chain.
+    result = await asyncio.wait_for(room.say("x"), 10)
+    assert result == {"delivered": 0, "gone": [], "failed": {str(obs.observer_id): "DeadlockError"}}
+    # A one-way notification waits on nobody: its call back is an ordinary call.
+    assert await room.note("n") == 1
+    await asyncio.wait_for(handler.arrived.wait(), 10)
+    assert handler.messages == ["size 1"]
 
 
 async def test_observer_calls_honour_their_deadline_and_cancel_the_handler(silo_processes, client: ClusterClient) -> None:
