@@ -163,7 +163,9 @@ class ObserverRef:
         await self._caller.dispose_observer(self)
 
     def __getattr__(self, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-        if name.startswith("_") or name not in self._methods:
+        if name.startswith("_"):  # an unset slot (a half-built copy): never a remote name
+            raise AttributeError(name)
+        if name not in self._methods:
             raise AttributeError(
                 f"observer {self._id} has no public async method {name!r} (it has {', '.join(sorted(self._methods))})"
             )

@@ -113,7 +113,7 @@ class ClusterClient:
         for t in self._types:
             registry.register_annotations(t)
         self.codec = Codec(registry)
-        self.transport = Transport(s.transport, self.codec, client_id=self.client_id)
+        self.transport = Transport(s.transport, self.codec)
         self.observers = ObserverHub(
             owner=CLIENT_PREFIX + self.client_id,
             codec=self.codec,
@@ -155,7 +155,9 @@ class ClusterClient:
         ``await obs.dispose()``. See :mod:`grains.observer` and ``grains.ObserverSet``."""
         if self.closed:
             raise errors.SiloClosedError("cluster client")
-        return self.observers.create(handler)
+        ref = self.observers.create(handler)
+        self.transport.identify_as(self.client_id)  # from the first observer on (see identify_as)
+        return ref
 
     async def refresh(self) -> None:
         """Re-read membership and grain types now (they also refresh by themselves)."""

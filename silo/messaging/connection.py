@@ -17,9 +17,10 @@ earliest one in a heap (a timer per call costs more than the call itself); an
 expired request fails with GrainTimeoutError and a CANCEL goes to the peer.
 
 Until the handshake (:mod:`silo.messaging.handshake`) is done, a connection
-takes only handshake frames. A client names itself with a CLIENT frame right
-after it (``client_id``), on the connections it opens: a silo sends calls to that
-client's observers back over them (a client usually cannot be dialled).
+takes only handshake frames. A client that has observers names itself with a
+CLIENT frame (``client_id``) on the connections it opens, before any request
+that could carry one: a silo sends calls to that client's observers back over
+them (a client usually cannot be dialled).
 """
 
 from __future__ import annotations

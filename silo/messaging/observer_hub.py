@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from grains.call import CALL_CHAIN, Call
 from grains.ids import GrainId, SiloAddress
-from grains.observer import ObserverId, ObserverRef, observer_interface
+from grains.observer import CLIENT_PREFIX, ObserverId, ObserverRef, observer_interface
 from silo import errors
 from silo.codec import SCALARS, Codec
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
@@ -104,6 +104,7 @@ class ObserverHub:
         self._timeout_s = call_timeout_s
         self._mine: dict[str, _Entry] = {}
         self._sweep_at = 64
+        self._endpoint = None if owner.startswith(CLIENT_PREFIX) else SiloAddress.parse(owner).endpoint
         self._serving: dict[tuple[int, int], asyncio.Task[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls_out = self._calls_in = self._relayed = self._gone = self._one_way_failed = 0
@@ -188,6 +189,8 @@ class ObserverHub:
             return conn
         # Not connected to us: through a silo it was connected to (a client never dials another).
         for gateway in ref.gateways:
+            if gateway == self._endpoint:
+                continue  # that is us, and we have no connection from it
             try:
                 return await self._connect(transport, gateway, oid, deadline)
             except errors.ObserverGoneError:

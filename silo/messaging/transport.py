@@ -93,19 +93,12 @@ class Connector(Protocol):
 class Transport:
     """A listener (for silos) plus a pool of outgoing connections, one per endpoint."""
 
-    def __init__(
-        self,
-        settings: TransportSettings,
-        codec: Codec,
-        handler: RequestHandler | None = None,
-        *,
-        client_id: str | None = None,
-    ) -> None:
+    def __init__(self, settings: TransportSettings, codec: Codec, handler: RequestHandler | None = None) -> None:
         self.settings = settings
         self.codec = codec
         self._handler = handler
-        self.client_id = client_id
-        """A client's id, sent on every connection it opens (a CLIENT frame); None on a silo."""
+        self.client_id: str | None = None
+        """A client's id, sent on every connection it opens (a CLIENT frame; :meth:`identify_as`)."""
         self._clients: dict[str, Connection] = {}
         """Connections clients opened to us, by the id they named (where their observers are reached)."""
         self._n = Counters()
@@ -191,6 +184,21 @@ class Transport:
             return None
         self._local_path = path
         return path
+
+    def identify_as(self, client_id: str) -> None:
+        """Name this (client's) end, from now on, on every connection it has opened and opens.
+
+        A client does so when it makes its first observer, not before: a silo that predates
+        the CLIENT frame would drop the connection, so a client that makes none keeps working
+        with it (a rolling upgrade). Sent before any later request on each connection, so a
+        silo knows the client before a reference to one of its observers can reach it.
+        """
+        if self.client_id == client_id:
+            return
+        self.client_id = client_id
+        for conn in self._out.values():
+            if not conn.closed:
+                conn.identify(client_id)
 
     def open_endpoints(self) -> list[str]:
         """Endpoints (``host:port``) of the open connections we made."""

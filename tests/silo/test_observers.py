@@ -79,9 +79,10 @@ def _spawn_client(redis_url: str, cluster: str, room: str, tmp_path: Path) -> su
 
 async def test_a_client_observer_receives_a_grains_notification(silo_processes, client: ClusterClient) -> None:
     silo_processes(1, grains=GRAINS)
+    room = client.get_grain(Room, "lobby")
+    assert await room.size() == 0  # connected before it has an observer: it names itself on it then
     handler = Collector()
     obs = await client.observer(handler)
-    room = client.get_grain(Room, "lobby")
     assert await room.join(obs) == 1
     # Notified from a later call: the grain kept the reference, and calls back over our connection.
     assert await room.say("hello") == {"delivered": 1, "gone": [], "failed": {}}
