@@ -81,7 +81,7 @@ class ObserverStatistics:
     relayed: int
     """Calls relayed here to a client connected to this silo (a silo it is not connected to asked)."""
     gone: int
-    """Calls that raised ObserverGoneError (from here, or answered here)."""
+    """Calls made from here that raised ObserverGoneError."""
     one_way_failed: int
     """One-way calls to observers made here that failed (logged: their callers never hear of it)."""
 
@@ -164,38 +164,50 @@ class ObserverHub:
                     self._spawn_one_way(call, deadline, "this process")
                     return None
                 return self._copy(await self.serve(call, deadline))
-            conn = await self._link(ref, deadline)
-            return await self._send(conn, str(oid), method, args, kwargs, deadline, one_way, 0)
+            return await self._remote(ref, method, args, kwargs, deadline, one_way)
         except errors.ObserverGoneError:
             self._gone += 1
             raise
 
     # --- the way out ------------------------------------------------------------------
-    async def _link(self, ref: ObserverRef, deadline: float) -> Connection:
-        """The connection a call to ``ref`` goes out on (ObserverGoneError when there is none)."""
+    async def _remote(
+        self,
+        ref: ObserverRef,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        deadline: float,
+        one_way: bool,
+    ) -> Any:
+        """Send a call to an observer made elsewhere (ObserverGoneError when no way is left)."""
         oid = ref.observer_id
+        key = str(oid)
         transport = self._transport
         if transport is None:
-            raise errors.ObserverGoneError(str(oid), "this process has no network to reach it")
+            raise errors.ObserverGoneError(key, "this process has no network to reach it")
         client = oid.client
         if client is None:
             try:
                 silo = SiloAddress.parse(oid.owner)
             except ValueError as exc:
-                raise errors.ObserverGoneError(str(oid), f"owner {oid.owner!r} is neither a client nor a silo") from exc
-            return await self._connect(transport, silo.endpoint, oid, deadline)
-        conn = transport.client_connection(client)
-        if conn is not None:
-            return conn
-        # Not connected to us: through a silo it was connected to (a client never dials another).
+                raise errors.ObserverGoneError(key, f"owner {oid.owner!r} is neither a client nor a silo") from exc
+            conn = await self._connect(transport, silo.endpoint, oid, deadline)
+            return await self._send(conn, key, method, args, kwargs, deadline, one_way, 0)
+        back = transport.client_connection(client)
+        if back is not None:
+            return await self._send(back, key, method, args, kwargs, deadline, one_way, 0)
+        # Not connected to us: through a silo it was connected to (a client never dials another),
+        # the next one if that one has lost it too.
+        gone = errors.ObserverGoneError(key, "its client has no connection to this process (closed, or it died)")
         for gateway in ref.gateways:
             if gateway == self._endpoint:
                 continue  # that is us, and we have no connection from it
             try:
-                return await self._connect(transport, gateway, oid, deadline)
-            except errors.ObserverGoneError:
-                continue
-        raise errors.ObserverGoneError(str(oid), "its client has no connection to this process (closed, or it died)")
+                conn = await self._connect(transport, gateway, oid, deadline)
+                return await self._send(conn, key, method, args, kwargs, deadline, one_way, 0)
+            except errors.ObserverGoneError as exc:
+                gone = exc
+        raise gone
 
     async def _connect(self, transport: Transport, endpoint: str, oid: ObserverId, deadline: float) -> Connection:
         conn = transport.connection_nowait(endpoint)
@@ -262,7 +274,6 @@ class ObserverHub:
             del self._mine[oid.local_id]
             entry = None
         if entry is None:
-            self._gone += 1
             raise errors.ObserverGoneError(key, "disposed")
         if method not in entry.methods:
             raise errors.UnknownMethodError(f"{key} ({type(entry.handler).__qualname__})", method, kind="observer")
@@ -284,7 +295,6 @@ class ObserverHub:
         client = oid.client
         conn = self._transport.client_connection(client) if client is not None and self._transport is not None else None
         if conn is None or call.hops >= MAX_RELAY_HOPS:
-            self._gone += 1
             why = "its client has no connection to this silo" if client is not None else "made by a process replaced since"
             raise errors.ObserverGoneError(str(oid), why)
         self._relayed += 1
