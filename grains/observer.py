@@ -262,15 +262,17 @@ class ObserverSet:
         (and listed in the result); any other failure is logged and kept in the
         result, and the entry stays until it expires.
         """
+        if not isinstance(method, str) and (args or kwargs):
+            raise TypeError("notify(callable) takes no further arguments: the callable gets each observer")
         targets = list(self)
-        if isinstance(method, str):
-            name = method
-            calls = [getattr(o, name)(*args, **kwargs) for o in targets]
-        else:
-            if args or kwargs:
-                raise TypeError("notify(callable) takes no further arguments: the callable gets each observer")
-            calls = [method(o) for o in targets]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+
+        async def call(obs: ObserverRef) -> Any:
+            # Inside the coroutine: an observer without the method fails alone (AttributeError).
+            if isinstance(method, str):
+                return await getattr(obs, method)(*args, **kwargs)
+            return await method(obs)
+
+        results = await asyncio.gather(*(call(o) for o in targets), return_exceptions=True)
         gone: list[ObserverRef] = []
         failed: dict[ObserverRef, BaseException] = {}
         for obs, res in zip(targets, results, strict=True):

@@ -141,7 +141,7 @@ class ObserverHub:
     # --- the ObserverCaller protocol (grains/observer.py) -----------------------------
     async def dispose_observer(self, ref: ObserverRef) -> None:
         if ref.observer_id.owner != self.owner:
-            raise errors.ConfigError(f"observer {ref.observer_id} was made by another process: only it can dispose of it")
+            raise ValueError(f"observer {ref.observer_id} was made by another process: only it can dispose of it")
         self.dispose_nowait(ref)
 
     def is_gone(self, exc: BaseException) -> bool:

@@ -129,6 +129,12 @@ async def test_notify_with_a_callable_gets_each_observer() -> None:
     assert caller.calls == [("a", "on_event", ("direct",))]
     with pytest.raises(TypeError, match="no further arguments"):
         await s.notify(tell, 1)
+    # A method one observer lacks fails that one alone.
+    b = ObserverRef(caller, ObserverId("client:c", "b"), frozenset({"on_event", "on_other"}))
+    caller.behaviour["b"] = caller.behaviour["a"]
+    s.subscribe(b)
+    result = await s.notify("on_other")
+    assert result.delivered == 1 and isinstance(result.failed[a], AttributeError) and len(s) == 2
 
 
 def test_subscribe_unsubscribe_and_bad_input() -> None:

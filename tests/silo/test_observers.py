@@ -127,6 +127,8 @@ async def test_a_killed_client_is_dropped_from_the_set_while_a_live_one_still_re
     with pytest.raises(errors.ObserverGoneError, match="gone"):
         await dead.on_message("anyone there?")
     assert await room.is_gone(dead)  # and from the grain itself
+    with pytest.raises(ValueError, match="only it can dispose"):
+        await dead.dispose()
     result = await room.say("after")
     assert result == {"delivered": 1, "gone": [dead_id], "failed": {}}
     assert await room.size() == 1 and live.messages == ["before", "after"]
