@@ -13,6 +13,7 @@ from grains.base import DeactivationReason, Grain
 from grains.context import PersistentState
 from grains.ids import GrainId, SiloAddress
 from grains.immutable import immutable
+from grains.observer import NotifyResult, ObserverId, ObserverRef, ObserverSet
 from grains.placement import (
     activation_count_placement,
     deactivate_on,
@@ -44,6 +45,10 @@ __all__ = [
     "GrainId",
     "GrainRef",
     "PersistentState",
+    "NotifyResult",
+    "ObserverId",
+    "ObserverRef",
+    "ObserverSet",
     "SiloAddress",
     "StartingSilo",
     "activation_count_placement",

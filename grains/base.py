@@ -33,6 +33,7 @@ from grains.context import (
     TimerHandle,
 )
 from grains.ids import GrainId, SiloAddress
+from grains.observer import ObserverRef
 
 __all__ = ["DeactivationReason", "Grain"]
 
@@ -113,6 +114,16 @@ class Grain:
         Use it for long-running loops such as a training job's driver.
         """
         return self._rg_context.start_task(coro, name=name)
+
+    def observer(self, handler: object) -> ObserverRef:
+        """A reference to ``handler`` (a plain object: its public async methods are the observer's
+        interface) that this grain can hand to other grains, which call it like a grain.
+
+        Its calls run on this silo beside this grain's turns (as ``@interleave`` methods do);
+        it lives as long as this activation: after a deactivation its calls raise
+        ObserverGoneError (see ``grains.ObserverSet``).
+        """
+        return self._rg_context.observer(handler)
 
     # --- timers ------------------------------------------------------------
     def register_timer(

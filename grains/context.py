@@ -5,7 +5,7 @@ reaches its silo only through the context the runtime binds to it when it
 activates the grain (``silo/catalog/context.py`` implements it; a test may
 bind its own). Everything on this protocol is public and typed, so workloads
 (training, serving) build on the same facilities any user grain has:
-identity, calls, threads, background tasks, timers, state, reminders,
+identity, calls, observers, threads, background tasks, timers, state, reminders,
 checkpoints of grain groups and progress publishing.
 """
 
@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel
 
 from grains.ids import GrainId, SiloAddress
+from grains.observer import ObserverRef
 
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
@@ -141,6 +142,11 @@ class GrainContext(Protocol):
     ) -> TimerHandle: ...
 
     def request_deactivation(self, reason: DeactivationReason) -> None: ...
+
+    def observer(self, handler: object) -> ObserverRef:
+        """A reference to ``handler`` that other grains and clients can call, for as long as
+        this activation lives (grains/observer.py)."""
+        ...
 
     # --- state ------------------------------------------------------------------------
     def get_state(self) -> Any: ...

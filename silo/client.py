@@ -13,15 +13,21 @@ single-machine try-out. ``tracing=Tracing(provider)`` (:mod:`silo.tracing`)
 makes every call a CLIENT span whose context travels with the call.
 Outgoing call filters (``outgoing_filters=[...]``, then the settings'
 ``outgoing_filters`` by import path) run around every call the client makes.
+
+``await client.observer(handler)`` makes a reference grains can call back
+(:mod:`grains.observer`); the calls come back over the connections this client
+opened, which it names with its ``client_id`` (:mod:`silo.messaging.observer_hub`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from grains.observer import CLIENT_PREFIX, ObserverRef
 from silo import errors
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.runtime import RefFactory
@@ -31,6 +37,7 @@ from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
+from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Manifests, Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
@@ -59,6 +66,8 @@ class ClusterClient:
         self.tracing = tracing
         self._outgoing = [*outgoing_filters, *load_filters(settings.outgoing_filters, "outgoing filter")]
         self.keys = Keys(settings.cluster)
+        self.client_id = uuid.uuid4().hex
+        """Names this client to the silos it connects to (its observers' calls come back to it)."""
         self._types = list(types)
         self._embedded: Any = None
         self._hook: ShutdownHook | None = None
@@ -122,6 +131,13 @@ class ClusterClient:
             registry.register_annotations(t)
         self.codec = Codec(registry)
         self.transport = Transport(s.transport, self.codec)
+        self.observers = ObserverHub(
+            owner=CLIENT_PREFIX + self.client_id,
+            codec=self.codec,
+            transport=self.transport,
+            call_timeout_s=s.transport.call_timeout_s,
+        )
+        self.transport.set_handler(self.observers.on_frame)
         table = RedisMembershipTable(self.redis, self.keys)
         self.view = MembershipView(table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
         self.directory = RedisGrainDirectory(self.redis, self.keys)
@@ -150,6 +166,16 @@ class ClusterClient:
             raise errors.SiloClosedError("cluster client")
         return self._refs.get_grain(grain, key)  # type: ignore[arg-type, no-any-return]
 
+    async def observer(self, handler: object) -> ObserverRef:
+        """A reference to ``handler`` (a plain object: its public async methods are the interface)
+        that grains can be given and call back, for as long as this client is open or until
+        ``await obs.dispose()``. See :mod:`grains.observer` and ``grains.ObserverSet``."""
+        if self.closed:
+            raise errors.SiloClosedError("cluster client")
+        ref = self.observers.create(handler)
+        self.transport.identify_as(self.client_id)  # from the first observer on (see identify_as)
+        return ref
+
     async def refresh(self) -> None:
         """Re-read membership and grain types now (they also refresh by themselves)."""
         await self.view.refresh()
@@ -161,6 +187,7 @@ class ClusterClient:
         self.closed = True
         if self._hook is not None:
             self._hook.disarm()
+        self.observers.close()
         await self.view.stop()
         await self.transport.close()
         await self.redis.aclose()
@@ -180,6 +207,7 @@ class ClusterClient:
         return {
             "transport": self.transport.statistics(),
             "router": self.router.statistics(),
+            "observers": self.observers.statistics(),
             "membership": self.view.statistics(),
         }
 

@@ -23,6 +23,11 @@ msgpack ExtType codes (-1 is msgpack's own Timestamp)::
     12 GrainId                    msgpack [type_name, key]
     13 SiloAddress                msgpack [host, port, generation]
     14 a local reference          msgpack int: index into the copy's references (never on the wire)
+    15 ObserverRef                msgpack [owner, local id, [methods], [one-way methods], [gateways]]
+
+An observer reference decodes bound to ``Codec.observers`` (the process's
+observer hub, :mod:`silo.messaging.observer_hub`), so the receiver can call it;
+the hub also says which gateways a reference made here carries.
 
 ``Codec.copy`` runs the same walk for a call to a grain on the caller's own
 silo: the value comes back as the callee would decode it (registered types
@@ -48,7 +53,7 @@ import typing
 import uuid
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
 from msgpack import ExtType
@@ -56,14 +61,15 @@ from pydantic import BaseModel, ValidationError
 
 from grains.ids import GrainId, SiloAddress
 from grains.immutable import is_immutable
+from grains.observer import ObserverId, ObserverRef
 from silo.errors import CodecError, ConfigError
 
-__all__ = ["Codec", "Encoded", "TypeRegistry"]
+__all__ = ["Codec", "Encoded", "ObserverBinding", "TypeRegistry"]
 
 T = TypeVar("T")
 
 (_BIGINT, _TUPLE, _SET, _FROZENSET, _UUID, _DATETIME, _BYTES, _TENSOR, _NDARRAY,
- _OBJECT, _ENUM, _GRAIN_ID, _SILO_ADDRESS, _LOCAL_REF) = range(1, 15)  # fmt: skip
+ _OBJECT, _ENUM, _GRAIN_ID, _SILO_ADDRESS, _LOCAL_REF, _OBSERVER) = range(1, 16)  # fmt: skip
 
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
 _PASS = frozenset({str, float, bool, type(None)})  # msgpack packs these as they are
@@ -83,6 +89,36 @@ _ID_FIELDS: dict[int, tuple[type, list[type]]] = {
 }
 _Encoder = Callable[[Any, list[memoryview]], Any]
 _unpackb = msgpack.unpackb
+
+
+class ObserverBinding(Protocol):
+    """What the codec needs of the process's observer hub."""
+
+    def bind(
+        self, observer_id: ObserverId, methods: frozenset[str], one_way: frozenset[str], gateways: tuple[str, ...]
+    ) -> ObserverRef:
+        """A reference, received here, that calls through this process."""
+        ...
+
+    def gateways(self, ref: ObserverRef) -> tuple[str, ...]:
+        """The gateways ``ref`` travels with (for one made here: the silos we are connected to now)."""
+        ...
+
+
+class _Unbound:
+    """The caller of a reference decoded where no hub is bound (a codec outside a silo or client)."""
+
+    async def invoke_observer(self, ref: ObserverRef, method: str, *_: Any) -> Any:
+        raise CodecError(f"observer {ref.observer_id} was decoded outside a silo or client: it cannot be called here")
+
+    async def dispose_observer(self, ref: ObserverRef) -> None:
+        raise CodecError(f"observer {ref.observer_id} was decoded outside a silo or client: it cannot be disposed here")
+
+    def is_gone(self, exc: BaseException) -> bool:
+        return False
+
+
+_UNBOUND = _Unbound()
 
 
 def _ext(code: int, data: bytes) -> ExtType:
@@ -282,6 +318,9 @@ class Codec:
     def __init__(self, registry: TypeRegistry | None = None, *, oob_threshold: int = 65536) -> None:
         self.registry = registry if registry is not None else TypeRegistry()
         self.oob_threshold = oob_threshold
+        self.observers: ObserverBinding | None = None
+        """Binds received observer references to this process (set by the silo or client that owns
+        the codec); None: they decode, but cannot be called."""
         # Packers are shared, so no pack() may run Python code that lets another thread in
         # mid-pack: the walker hands over only natives and ExtType, and the native fast path
         # bails out through NoneType(x), a C callable that raises TypeError for any argument.
@@ -301,6 +340,7 @@ class Codec:
             dt.datetime: lambda v, b: _ext(_DATETIME, v.isoformat().encode()),
             GrainId: lambda v, b: _ext(_GRAIN_ID, pack([v.type_name, v.key])),
             SiloAddress: lambda v, b: _ext(_SILO_ADDRESS, pack([v.host, v.port, v.generation])),
+            ObserverRef: self._encode_observer,
         }
 
     # --- encode ---------------------------------------------------------------
@@ -418,6 +458,11 @@ class Codec:
 
         return encode
 
+    def _encode_observer(self, v: ObserverRef, bufs: list[memoryview]) -> ExtType:
+        gateways = self.observers.gateways(v) if self.observers is not None else v.gateways
+        oid = v.observer_id
+        return _ext(_OBSERVER, self._pack([oid.owner, oid.local_id, sorted(v.methods), sorted(v.one_way_methods), list(gateways)]))
+
     def _encode_bigint(self, v: int) -> ExtType:
         try:
             return _ext(_BIGINT, str(v).encode())
@@ -532,6 +577,8 @@ class Codec:
             if list(map(type, items)) != kinds:
                 raise CodecError(f"{cls.__name__} fields should be {kinds}, got {items!r:.200}")
             return cls(*items)
+        if code == _OBSERVER:
+            return self._decode_observer(self._unpack(data, None))
         if code == _LOCAL_REF:
             refs = getattr(hook, "refs", None)
             index = self._unpack(data, None, int)
@@ -539,6 +586,18 @@ class Codec:
                 raise CodecError("a local reference outside a copy (it never travels)")
             return refs[index]
         raise CodecError(f"unknown ext type code {code}")
+
+    def _decode_observer(self, items: list[Any]) -> ObserverRef:
+        if not (
+            len(items) == 5 and type(items[0]) is str and type(items[1]) is str and items[0] and items[1]
+            and all(type(x) is list and all(type(n) is str for n in x) for x in items[2:])
+        ):  # fmt: skip
+            raise CodecError(f"observer reference should be [owner, id, [methods], [one-way], [gateways]], got {items!r:.200}")
+        oid = ObserverId(items[0], items[1])
+        methods, one_way, gateways = frozenset(items[2]), frozenset(items[3]), tuple(items[4])
+        if self.observers is None:
+            return ObserverRef(_UNBOUND, oid, methods, one_way, gateways)
+        return self.observers.bind(oid, methods, one_way, gateways)
 
     def _build(self, name: str, fields: Any) -> Any:
         cls = self.registry._by_name.get(name)

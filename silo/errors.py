@@ -9,7 +9,8 @@
     │   ├── GrainDeactivatedError    the activation went away and the call could not be re-routed
     │   ├── DeadlockError            a non-reentrant call chain came back to a grain already in it
     │   ├── UnknownGrainError        no such grain type (or not allowed on this silo)
-    │   ├── UnknownMethodError       the grain type has no such public async method
+    │   ├── UnknownMethodError       the grain type (or observer) has no such public async method
+    │   ├── ObserverGoneError        the observer's process is gone, or it was disposed: drop it
     │   └── OverloadedError          back-pressure: too many calls in flight or queued
     │       └── LoadShedError        a silo turned the call away unrun (over a limit): routers retry it with backoff
     ├── SiloError
@@ -93,10 +94,22 @@ class UnknownGrainError(GrainCallError):
 
 
 class UnknownMethodError(GrainCallError):
-    def __init__(self, type_name: str = "", method: str = "") -> None:
+    def __init__(self, type_name: str = "", method: str = "", kind: str = "grain type") -> None:
         self.type_name = type_name
         self.method = method
-        super().__init__(f"grain type {type_name!r} has no public async method {method!r}")
+        super().__init__(f"{kind} {type_name!r} has no public async method {method!r}")
+
+
+class ObserverGoneError(GrainCallError):
+    """The observer cannot be called any more: its client closed or died (its connection is
+    gone), its process was replaced, or it was disposed. Not worth retrying: ``ObserverSet``
+    drops it, and its owner subscribes a new one if it is still there."""
+
+    def __init__(self, observer: str = "", detail: str = "") -> None:
+        self.observer = observer
+        self.detail = detail
+        msg = f"observer {observer} is gone"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
 class OverloadedError(GrainCallError):
@@ -199,6 +212,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "deadlock": DeadlockError,
     "unknown_grain": UnknownGrainError,
     "unknown_method": UnknownMethodError,
+    "observer_gone": ObserverGoneError,
     "overloaded": OverloadedError,
     "shed": LoadShedError,
     "unavailable": SiloUnavailableError,
@@ -225,6 +239,7 @@ __all__ = [
     "GrainTimeoutError",
     "LoadShedError",
     "MembershipError",
+    "ObserverGoneError",
     "OverloadedError",
     "RedgrainError",
     "RemoteGrainError",

@@ -96,6 +96,7 @@ from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.logstream import LogStream
 from silo.messaging.dispatcher import Dispatcher
+from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
@@ -164,6 +165,7 @@ class Silo:
     store: RedisStateStore
     checkpoints: Checkpoints
     reminders: ReminderService
+    observers: ObserverHub
     runtime: SiloRuntime
     call_stats: CallStats
     catalog: Catalog
@@ -333,6 +335,10 @@ class Silo:
         self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
         # Its delivery (through the dispatcher) is given when it starts: see ReminderService.start.
         self.reminders = ReminderService(ReminderTable(self.redis, self.keys), s.reminders)
+        self.observers = ObserverHub(
+            owner=str(me), codec=self.codec, transport=self.transport, call_timeout_s=s.transport.call_timeout_s
+        )
+        self._on_stop("observers", self.observers.close)
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
@@ -345,6 +351,7 @@ class Silo:
             checkpoints=self.checkpoints,
             reminders=self.reminders,
             outgoing_filters=self._outgoing_filters,
+            observers=self.observers,
         )
         self._on_stop("grain threads", self.runtime.shutdown)
         self.call_stats = CallStats()
@@ -397,6 +404,7 @@ class Silo:
             system={"move": self.migrator.system_move, "drain": self.drain.system_drain},
             codec=self.codec,
             tracing=self._tracing,
+            observers=self.observers,
         )
         self._on_stop("dispatcher", self.dispatcher.close)
         # The two links built after construction, both cycles: the router
@@ -619,6 +627,7 @@ class Silo:
             "membership": self.view.statistics(),
             "router": self.router.statistics(),
             "dispatcher": self.dispatcher.statistics(),
+            "observers": self.observers.statistics(),
             "storage": self.store.statistics(),
             "reminders": self.reminders.statistics(),
             "checkpoints": self.checkpoints.statistics(),

@@ -85,6 +85,7 @@ class Runtime(Protocol):
     def named_state_handle(
         self, activation: Activation, name: str, model: type[Any], storage: str | None
     ) -> StateHandle: ...
+    def observer(self, activation: Activation, handler: object) -> Any: ...
 
 
 class Activation:

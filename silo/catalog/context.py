@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from grains.context import DeactivationReason, TimerHandle
 from grains.ids import GrainId, SiloAddress
+from grains.observer import ObserverRef
 from silo import errors
 from silo.records import forget_progress, publish_progress
 
@@ -77,6 +78,9 @@ class ActivationContext:
         return self._act.register_timer(  # type: ignore[no-any-return]
             callback, due_s=due_s, period_s=period_s, interleave=interleave
         )
+
+    def observer(self, handler: object) -> ObserverRef:
+        return self._runtime.observer(self._act, handler)  # type: ignore[no-any-return]
 
     def request_deactivation(self, reason: DeactivationReason) -> None:
         self._act.request_deactivation(reason)

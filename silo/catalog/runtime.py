@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from grains.base import Grain
 from grains.ids import GrainId
+from grains.observer import ObserverRef
 from grains.placement import grain_options
 from grains.ref import GrainRef, build_ref_class, ref_class_for
 from silo import errors
@@ -22,6 +23,7 @@ from silo.storage.store import StateStore
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
     from silo.cluster.reminders import ReminderService
+    from silo.messaging.observer_hub import ObserverHub
     from silo.messaging.router import Manifests
     from silo.storage.checkpoint import Checkpoints
 
@@ -81,6 +83,7 @@ class SiloRuntime:
         checkpoints: Checkpoints | None = None,
         reminders: ReminderService | None = None,
         outgoing_filters: list[OutgoingFilter] | None = None,
+        observers: ObserverHub | None = None,
     ) -> None:
         self.view = view
         """The silo's MembershipView (who is in the cluster)."""
@@ -98,6 +101,8 @@ class SiloRuntime:
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
         self._checkpoints = checkpoints
         self._reminders = reminders
+        self.observers = observers
+        """The silo's observer hub (grains' ``self.observer``)."""
 
     def get_grain(self, grain: Any, key: Any, source: Activation | None = None) -> Any:
         """A reference for a call from ``source`` (an activation: its calls run the outgoing filters)."""
@@ -139,6 +144,15 @@ class SiloRuntime:
         if self._checkpoints is None:
             raise errors.ConfigError("checkpoints are not available on this silo")
         return self._checkpoints
+
+    def observer(self, activation: Activation, handler: object) -> ObserverRef:
+        """An observer owned by ``activation``: gone once it stops (grains/observer.py)."""
+        if self.observers is None:
+            raise errors.ConfigError("observers are not available on this silo")
+        from silo.catalog.activation import ActivationState
+
+        live = (ActivationState.ACTIVATING, ActivationState.ACTIVE, ActivationState.DEACTIVATING)
+        return self.observers.create(handler, alive=lambda: activation.status in live)
 
     def state_handle(self, activation: Activation) -> StateHandle:
         return StateHandle(activation, self.stores.get(activation.options.storage), self._codec)

@@ -17,7 +17,10 @@ earliest one in a heap (a timer per call costs more than the call itself); an
 expired request fails with GrainTimeoutError and a CANCEL goes to the peer.
 
 Until the handshake (:mod:`silo.messaging.handshake`) is done, a connection
-takes only handshake frames.
+takes only handshake frames. A client that has observers names itself with a
+CLIENT frame (``client_id``) on the connections it opens, before any request
+that could carry one: a silo sends calls to that client's observers back over
+them (a client usually cannot be dialled).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from silo.messaging import handshake, tls
 from silo.messaging.frame import (
     AUTH_OK,
     CANCEL,
+    CLIENT,
     DIRECT_MIN,
     ERROR,
     HELLO,
@@ -88,8 +92,12 @@ class Connection(FrameReceiver):
         server_side: bool,
         on_close: Callable[[Connection], None] | None = None,
         on_open: Callable[[Connection], None] | None = None,
+        on_client: Callable[[Connection], None] | None = None,
     ) -> None:
         super().__init__(settings, counters, server_side)
+        self._on_client = on_client
+        self.client_id: str | None = None
+        """The id the peer named itself with (a CLIENT frame): set on a silo's side of a client's connection."""
         self.codec = codec
         self._handler = handler
         self._on_close = on_close
@@ -215,6 +223,12 @@ class Connection(FrameReceiver):
             self._send_frame([PONG, frame.header[1] if len(frame.header) > 1 else 0])
         elif kind == PONG:
             self._on_response(frame)
+        elif kind == CLIENT and self._server_side and self.client_id is None:
+            if len(frame.header) < 3 or not isinstance(frame.header[2], str) or not frame.header[2]:
+                raise errors.CodecError(f"CLIENT frame without a client id: {frame.header!r:.100}")
+            self.client_id = frame.header[2]
+            if self._on_client is not None:
+                self._on_client(self)
         else:
             raise errors.CodecError(f"unknown frame kind {kind!r}")
 
@@ -442,6 +456,10 @@ class Connection(FrameReceiver):
         if self.closed:
             raise errors.SiloUnavailableError(self.peer, "connection closed")
         self._send_frame(header, self.codec.encode(body))
+
+    def identify(self, client_id: str) -> None:
+        """Name this (client's) end to the silo: calls to the client's observers may come back on it."""
+        self._send_frame([CLIENT, 0, client_id])
 
     def ping(self, timeout_s: float) -> asyncio.Future[Any]:
         req_id = next(self._ids)

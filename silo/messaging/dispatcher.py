@@ -36,6 +36,7 @@ from silo.codec import SCALARS as _SCALARS
 from silo.codec import Codec
 from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
+from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
 if TYPE_CHECKING:
@@ -110,8 +111,11 @@ class Dispatcher:
         system: Mapping[str, SystemHandler] | None = None,
         tracing: Tracing | None = None,
         codec: Codec | None = None,
+        observers: ObserverHub | None = None,
     ) -> None:
         self.address = address
+        self.observers = observers
+        """Serves calls to observers (grain type ``$observer``); None: this silo takes none."""
         self._codec = codec
         """Copies a local call's arguments and result (None: passed as they are; tests of the
         dispatcher alone)."""
@@ -331,6 +335,8 @@ class Dispatcher:
             if handler is None:
                 raise errors.UnknownMethodError(SYSTEM_TYPE, method)
             return await handler(*args)
+        if grain.type_name == OBSERVER_TYPE and self.observers is not None:
+            return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
         if method not in self._types.methods(grain.type_name) and method != REMINDER_METHOD:
             raise errors.UnknownMethodError(grain.type_name, method)

@@ -28,8 +28,9 @@ import numpy as np
 PREFIX = struct.Struct("<IIH")
 BUFLEN = struct.Struct("<Q")
 
-# Frame kinds (first item of every header).
-REQUEST, RESPONSE, ERROR, CANCEL, PING, PONG, HELLO, AUTH, AUTH_OK, ONEWAY = range(1, 11)
+# Frame kinds (first item of every header). CLIENT ([CLIENT, 0, client id]): a client with observers
+# names itself on a connection it opened, so the silo knows where to send calls to them.
+REQUEST, RESPONSE, ERROR, CANCEL, PING, PONG, HELLO, AUTH, AUTH_OK, ONEWAY, CLIENT = range(1, 12)
 
 # Buffers at least this big go on their own: received straight into their own array,
 # written without being joined to other frames.

@@ -97,6 +97,10 @@ class Transport:
         self.settings = settings
         self.codec = codec
         self._handler = handler
+        self.client_id: str | None = None
+        """A client's id, sent on every connection it opens (a CLIENT frame; :meth:`identify_as`)."""
+        self._clients: dict[str, Connection] = {}
+        """Connections clients opened to us, by the id they named (where their observers are reached)."""
         self._n = Counters()
         self._server: asyncio.base_events.Server | None = None
         self._local_server: asyncio.base_events.Server | None = None
@@ -127,10 +131,25 @@ class Transport:
             on_close=self._forget,
             # Counted as inbound once made: under TLS a peer whose handshake fails never is.
             on_open=self._inbound.add if server_side else None,
+            on_client=self._client_named if server_side else None,
         )
+
+    def _client_named(self, conn: Connection) -> None:
+        assert conn.client_id is not None
+        old = self._clients.get(conn.client_id)
+        self._clients[conn.client_id] = conn
+        if old is not None and old is not conn:
+            log.info("client %s opened a second connection; its observers are called on the newer", conn.client_id)
+
+    def client_connection(self, client_id: str) -> Connection | None:
+        """The open connection client ``client_id`` made to us, or None (closed, or never made)."""
+        conn = self._clients.get(client_id)
+        return conn if conn is not None and not conn.closed else None
 
     def _forget(self, conn: Connection) -> None:
         self._inbound.discard(conn)
+        if conn.client_id is not None and self._clients.get(conn.client_id) is conn:
+            del self._clients[conn.client_id]
         for ep, c in list(self._out.items()):
             if c is conn:
                 del self._out[ep]
@@ -166,6 +185,25 @@ class Transport:
         self._local_path = path
         return path
 
+    def identify_as(self, client_id: str) -> None:
+        """Name this (client's) end, from now on, on every connection it has opened and opens.
+
+        A client does so when it makes its first observer, not before: a silo that predates
+        the CLIENT frame would drop the connection, so a client that makes none keeps working
+        with it (a rolling upgrade). Sent before any later request on each connection, so a
+        silo knows the client before a reference to one of its observers can reach it.
+        """
+        if self.client_id == client_id:
+            return
+        self.client_id = client_id
+        for conn in self._out.values():
+            if not conn.closed:
+                conn.identify(client_id)
+
+    def open_endpoints(self) -> list[str]:
+        """Endpoints (``host:port``) of the open connections we made."""
+        return [ep for ep, c in self._out.items() if not c.closed]
+
     def connection_nowait(self, endpoint: str) -> Connection | None:
         """The open pooled connection to ``host:port``, or None (then ``await connect()``)."""
         conn = self._out.get(endpoint)
@@ -185,6 +223,8 @@ class Transport:
         self._connecting[endpoint] = fut
         try:
             conn = await self._open(endpoint)
+            if self.client_id is not None:
+                conn.identify(self.client_id)  # before any request: the silo knows us when one arrives
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()

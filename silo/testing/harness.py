@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 from grains.base import DeactivationReason, Grain
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
+from grains.observer import ObserverRef
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -73,6 +74,7 @@ from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
+from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Manifests, Router, TypeInfo
 from silo.records import MemberRow, SiloStatus
 from silo.settings import CatalogSettings, TransportSettings
@@ -218,6 +220,11 @@ class InProcessSilo:
         # The in-memory store stands in for "redis", the built-in default provider.
         self.storage = StorageProviders({REDIS: self.store, **(storage or {})})
         self.storage.check(self.types.classes())
+        # Observers made here (by grains, or by the test through observer()) are owned by this
+        # silo; on a network, calls to other silos' observers go over the transport twin.
+        self.observers = ObserverHub(
+            owner=str(address), codec=self.codec, transport=self.transport, call_timeout_s=call_timeout_s
+        )
         self.runtime = SiloRuntime(
             device="cpu",
             refs=self.refs,
@@ -226,6 +233,7 @@ class InProcessSilo:
             threads=self.settings.thread_pool_size,
             view=self.view,
             outgoing_filters=list(outgoing_filters),
+            observers=self.observers,
         )
         self.catalog = Catalog(
             settings=self.settings,
@@ -237,7 +245,7 @@ class InProcessSilo:
             clock=clock,
         )
         self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router),
-                                     codec=self.codec)  # fmt: skip
+                                     codec=self.codec, observers=self.observers)  # fmt: skip
         if isinstance(router, _LocalRouter):
             router.dispatcher = self.dispatcher
         else:
@@ -295,6 +303,7 @@ class InProcessSilo:
             await self.directory.purge_silo(self.address)
         if self.view is not None:
             await self.view.stop()
+        self.observers.close()
         await self.dispatcher.close()
         if self.transport is not None:
             await self.transport.close()
@@ -309,6 +318,7 @@ class InProcessSilo:
         self.killed = True
         self.transport.abort_all()
         self.catalog.drop_all_nowait()
+        self.observers.close()
         self.dispatcher.closed = True
         if not self._started:
             return
@@ -331,6 +341,11 @@ class InProcessSilo:
     def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
         """A reference whose calls come from outside any grain (as a client's do)."""
         return self.refs.get_grain(grain, key)
+
+    def observer(self, handler: object) -> ObserverRef:
+        """A reference to ``handler`` that grains can call back (as ``client.observer`` makes), owned
+        by this silo: it lives until disposed or the silo stops."""
+        return self.observers.create(handler)
 
     def activation(self, ref: Any) -> Activation | None:
         """The live activation of a reference's grain (or a GrainId's), if there is one."""
