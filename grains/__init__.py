@@ -31,13 +31,14 @@ from grains.placement import (
     stateless_worker,
     write_behind,
 )
-from grains.ref import GrainRef
+from grains.ref import GrainRef, Ref
 
 __all__ = [
     "DeactivationReason",
     "Grain",
     "GrainId",
     "GrainRef",
+    "Ref",
     "SiloAddress",
     "activation_count_placement",
     "deactivate_on",

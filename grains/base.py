@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from pydantic import BaseModel
 
 from grains.context import DeactivationReason, GrainContext, SnapshotInfo, TimerHandle
 from grains.ids import GrainId, SiloAddress
 
+if TYPE_CHECKING:
+    from grains.ref import GrainRef, Ref
+
 __all__ = ["DeactivationReason", "Grain"]
 
-G = TypeVar("G")
+G = TypeVar("G", bound="Grain")
 R = TypeVar("R")
 
 
@@ -77,9 +80,16 @@ class Grain:
         self._rg_context.request_deactivation(DeactivationReason.REQUESTED)
 
     # --- calls -------------------------------------------------------------
-    def get_grain(self, grain: type[G] | str, key: str | int | Any) -> G:
-        """A reference to another grain (or this one); calls carry this call chain."""
-        return self._rg_context.get_grain(grain, key)  # type: ignore[return-value]
+    @overload
+    def get_grain(self, grain: type[G], key: str | int | Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: str | int | Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: str | int | Any) -> GrainRef:
+        """A reference to another grain (or this one); calls carry this call chain.
+
+        Typed as ``Ref[G]`` for a class (its public async methods, with the mypy plugin),
+        as a plain ``GrainRef`` for a type name."""
+        return self._rg_context.get_grain(grain, key)
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""

@@ -6,12 +6,12 @@ import asyncio
 import concurrent.futures
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from grains.base import Grain
 from grains.ids import GrainId
 from grains.placement import grain_options
-from grains.ref import GrainRef, build_ref_class, ref_class_for
+from grains.ref import GrainRef, Ref, build_ref_class, ref_class_for
 from silo import errors
 from silo.catalog.state import StateHandle
 from silo.codec import Codec
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from silo.storage.checkpoint import Checkpoints
 
 R = TypeVar("R")
+G = TypeVar("G", bound=Grain)
 
 
 class RefFactory:
@@ -33,9 +34,15 @@ class RefFactory:
         self._caller = caller
         self._manifests = manifests
         self._codec = codec
-        self._by_name: dict[str, type[GrainRef]] = {}
+        self._by_name: dict[str, type[Ref[Any]]] = {}
 
-    def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """``Ref[G]`` for a grain class; a plain ``GrainRef`` for a type name, whose methods
+        are those the silos published for it (the static type cannot know them)."""
         if isinstance(grain, str):
             ref_cls = self._by_name.get(grain)
             if ref_cls is None:

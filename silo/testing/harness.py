@@ -58,11 +58,12 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast, overload
 
 from grains.base import DeactivationReason, Grain
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
+from grains.ref import GrainRef, Ref
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -84,6 +85,8 @@ if TYPE_CHECKING:
     from silo.catalog.activation import Activation
 
 ADDRESS = SiloAddress("127.0.0.1", 11111, 1)
+
+G = TypeVar("G", bound=Grain)
 
 
 class _LocalRouter:
@@ -315,8 +318,13 @@ class InProcessSilo:
         await self.stop()
 
     # --- calls and activations -------------------------------------------------------
-    def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
-        """A reference whose calls come from outside any grain (as a client's do)."""
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """A reference whose calls come from outside any grain (as a client's do); typed as
+        the client's (``Ref[G]`` for a class, ``GrainRef`` for a type name)."""
         return self.refs.get_grain(grain, key)
 
     def activation(self, ref: Any) -> Activation | None:
