@@ -28,7 +28,7 @@ from mypy.errorcodes import ATTR_DEFINED
 from mypy.expandtype import expand_type_by_instance
 from mypy.maptype import map_instance_to_supertype
 from mypy.messages import format_type_bare
-from mypy.nodes import Decorator, FuncDef, OverloadedFuncDef, RefExpr, TypeInfo
+from mypy.nodes import ARG_STAR, ARG_STAR2, Decorator, FuncDef, OverloadedFuncDef, RefExpr, TypeInfo
 from mypy.plugin import AttributeContext, Plugin
 from mypy.typeops import bind_self, function_type
 from mypy.types import (
@@ -129,6 +129,12 @@ def _async_method(
     if typ is None:  # an unannotated def: any arguments, result Any
         typ = function_type(func, ctx.api.named_generic_type("builtins.function", []))
     proper = get_proper_type(typ)
+    if isinstance(proper, AnyType):  # an untyped decorator: mypy knows no more of the grain's own
+        proper = CallableType(
+            [proper, proper], [ARG_STAR, ARG_STAR2], [None, None], proper,
+            ctx.api.named_generic_type("builtins.function", []),
+        )
+        return proper, func.info, True, False, False  # nothing to bind: "static"
     if not isinstance(proper, FunctionLike):  # a decorator that made it something else
         return None
     one_way = any(isinstance(d, RefExpr) and d.fullname == ONE_WAY for d in decorators)

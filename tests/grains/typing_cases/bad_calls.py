@@ -17,6 +17,7 @@ async def from_a_client(client: ClusterClient) -> None:
     counter = client.get_grain(Counter, "c")
     counter.peek()  # E: [attr-defined] Reference to "Counter" has no attribute "peek" (not an async method
     await counter.nope()  # E: [attr-defined] Reference to "Counter" has no attribute "nope"
+    print(counter.label)  # E: [attr-defined] has no attribute "label" (not an async method
     await counter.write_state()  # E: [attr-defined] has no attribute "write_state" (a Grain helper
     print(counter.state)  # E: [attr-defined] has no attribute "state" (a Grain helper
     await counter.on_activate()  # E: [attr-defined] has no attribute "on_activate" (a Grain helper or lifecycle hook

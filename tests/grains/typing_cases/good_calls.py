@@ -20,6 +20,7 @@ async def from_a_client(client: ClusterClient) -> None:
     assert_type(await counter.with_timeout(2).add(3, note="x"), int)
     assert_type(counter.with_timeout(0.5), Ref[Counter])
     assert_type(await counter.touch("me"), None)
+    assert_type(await counter.total(), int)
     assert_type(counter.grain_id, GrainId)
     assert_type(counter.key, str)
 

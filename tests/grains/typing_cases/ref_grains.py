@@ -6,7 +6,7 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
-from grains import Grain, one_way
+from grains import Grain, one_way, read_only
 
 T = TypeVar("T")
 
@@ -19,6 +19,15 @@ class Counter(Grain):
         self.state.value += n
         await self.write_state()
         return int(self.state.value)
+
+    @read_only
+    async def total(self) -> int:
+        return int(self.state.value)
+
+    @property
+    def label(self) -> str:
+        """A property: not remote."""
+        return self.key
 
     def peek(self) -> int:
         """Sync: not remote."""
