@@ -327,19 +327,24 @@ class InProcessSilo:
         the client's (``Ref[G]`` for a class, ``GrainRef`` for a type name)."""
         return self.refs.get_grain(grain, key)
 
-    def activation(self, ref: Any) -> Activation | None:
+    def activation(self, ref: GrainRef | GrainId) -> Activation | None:
         """The live activation of a reference's grain (or a GrainId's), if there is one."""
         grain = ref if isinstance(ref, GrainId) else ref.grain_id
         return self.catalog.get(grain)
 
-    def instance(self, ref: Any) -> Any:
-        """The grain object behind a reference (its activation must be live)."""
+    @overload
+    def instance(self, ref: Ref[G]) -> G: ...
+    @overload
+    def instance(self, ref: GrainRef | GrainId) -> Any: ...
+    def instance(self, ref: GrainRef | GrainId) -> Any:
+        """The grain object behind a reference (its activation must be live): a ``G`` for a
+        ``Ref[G]``, so a test reads its fields typed."""
         act = self.activation(ref)
         if act is None:
             raise LookupError(f"{ref!r} has no live activation on this silo")
         return act.instance
 
-    async def deactivate(self, ref: Any, reason: DeactivationReason = DeactivationReason.REQUESTED) -> None:
+    async def deactivate(self, ref: GrainRef | GrainId, reason: DeactivationReason = DeactivationReason.REQUESTED) -> None:
         """Deactivate a grain's activation now and wait until it is gone."""
         act = self.activation(ref)
         if act is not None:

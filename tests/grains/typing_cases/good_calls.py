@@ -28,6 +28,7 @@ async def from_a_client(client: ClusterClient) -> None:
 async def from_a_silo_and_the_harness(silo: Silo, harness: InProcessSilo) -> None:
     assert_type(await silo.get_grain(Counter, "c").add(1), int)
     assert_type(await harness.get_grain(Counter, "c").with_timeout(2).add(1), int)
+    assert_type(harness.instance(harness.get_grain(Counter, "c")), Counter)
 
 
 class Caller(Grain):
