@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from mypy.errorcodes import ATTR_DEFINED
 from mypy.expandtype import expand_type_by_instance
@@ -77,11 +78,11 @@ def _remote_attribute(name: str, ctx: AttributeContext) -> Type:
     found = _async_method(node, ctx)
     if found is None:
         return _fail(ctx, f"{missing} (not an async method: only public async methods are remote)")
-    typ, owner, static, classmethod, one_way = found
-    if not static:
-        typ = bind_self(typ, grain, is_classmethod=classmethod)
-    bound = get_proper_type(expand_type_by_instance(typ, map_instance_to_supertype(grain, owner)))
-    if one_way and isinstance(bound, CallableType):
+    typ = found.signature
+    if found.binds_self:
+        typ = bind_self(typ, grain, is_classmethod=found.classmethod)
+    bound = get_proper_type(expand_type_by_instance(typ, map_instance_to_supertype(grain, found.owner)))
+    if found.one_way and isinstance(bound, CallableType):
         # The caller's await ends once the message is sent, with None (grains/placement.py).
         any_ = AnyType(TypeOfAny.implementation_artifact)
         bound = bound.copy_modified(
@@ -107,10 +108,18 @@ def _grain_of(typ: Type) -> Instance | None:
     return grain if isinstance(grain, Instance) else None
 
 
-def _async_method(
-    node: object, ctx: AttributeContext
-) -> tuple[FunctionLike, TypeInfo, bool, bool, bool] | None:
-    """(signature, defining class, static, classmethod, one-way) of an ``async def``, else None."""
+class _Method(NamedTuple):
+    """What a reference needs of one of the grain's ``async def`` methods."""
+
+    signature: FunctionLike
+    owner: TypeInfo
+    binds_self: bool
+    classmethod: bool
+    one_way: bool
+
+
+def _async_method(node: object, ctx: AttributeContext) -> _Method | None:
+    """The grain's method ``node``, if it is an ``async def`` (not a generator or property)."""
     decorators: Sequence[object] = ()
     if isinstance(node, Decorator):
         func, typ, decorators = node.func, node.var.type or node.func.type, node.original_decorators
@@ -122,23 +131,21 @@ def _async_method(
             return None
         func = first.func if isinstance(first, Decorator) else first
         typ = node.type
-    else:  # a variable, a property, a nested class: never remote
+    else:  # a variable, a nested class: never remote
         return None
-    if not func.is_coroutine or func.is_async_generator:
+    if not func.is_coroutine or func.is_async_generator or func.is_property:
         return None
+    function = ctx.api.named_generic_type("builtins.function", [])
     if typ is None:  # an unannotated def: any arguments, result Any
-        typ = function_type(func, ctx.api.named_generic_type("builtins.function", []))
+        typ = function_type(func, function)
     proper = get_proper_type(typ)
-    if isinstance(proper, AnyType):  # an untyped decorator: mypy knows no more of the grain's own
-        proper = CallableType(
-            [proper, proper], [ARG_STAR, ARG_STAR2], [None, None], proper,
-            ctx.api.named_generic_type("builtins.function", []),
-        )
-        return proper, func.info, True, False, False  # nothing to bind: "static"
-    if not isinstance(proper, FunctionLike):  # a decorator that made it something else
+    if isinstance(proper, AnyType):  # behind an untyped decorator: Any, as mypy sees the grain's own
+        anything = CallableType([proper, proper], [ARG_STAR, ARG_STAR2], [None, None], proper, function)
+        return _Method(anything, func.info, binds_self=False, classmethod=False, one_way=False)
+    if not isinstance(proper, FunctionLike):  # a decorator made it something else
         return None
     one_way = any(isinstance(d, RefExpr) and d.fullname == ONE_WAY for d in decorators)
-    return proper, func.info, func.is_static, func.is_class, one_way
+    return _Method(proper, func.info, not func.is_static, func.is_class, one_way)
 
 
 def _fail(ctx: AttributeContext, message: str) -> Type:
