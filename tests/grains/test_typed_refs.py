@@ -28,13 +28,14 @@ def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mypy-cache")
 
 
-def mypy(cache: Path, *args: str) -> tuple[int, list[tuple[str, int, str, str]]]:
-    """mypy's exit status and its errors as (path, line, code, message)."""
+def mypy(cache: Path, *args: str, project: Path = ROOT) -> tuple[int, list[tuple[str, int, str, str]]]:
+    """mypy's exit status and its errors as (path, line, code, message), run in ``project``
+    with its pyproject.toml; this checkout is on the path as an installed redgrain would be."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(cache),
+        [sys.executable, "-m", "mypy", "--config-file", str(project / "pyproject.toml"), "--cache-dir", str(cache),
          "--no-error-summary", "--hide-error-context", "--no-pretty", *args],
-        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        check=False, cwd=project, env=env, capture_output=True, text=True, timeout=300,
     )
     errors = []
     for line in proc.stdout.splitlines():
@@ -95,3 +96,25 @@ def test_the_plugin_allows_exactly_the_names_the_runtime_reference_has(mypy_cach
     assert {code for *_, code, _ in errors} <= {"attr-defined"}, errors
     assert set(names) - refused == set(public_methods(Counter)) | (own & set(names))
     assert set(public_methods(Counter)) == {"add", "total", "touch"}
+
+
+def test_a_users_project_gets_the_checks_from_the_installed_packages(mypy_cache: Path, tmp_path: Path) -> None:
+    # As docs/concepts.md tells a user: one line of configuration. Outside this repository
+    # mypy reads grains and silo as installed packages, which needs their py.typed markers.
+    (tmp_path / "pyproject.toml").write_text('[tool.mypy]\nplugins = ["grains.mypy_plugin"]\n')
+    (tmp_path / "app.py").write_text(
+        "from grains import Grain\n"
+        "from silo import ClusterClient\n"
+        "class Counter(Grain):\n"
+        "    async def add(self, n: int) -> int:\n"
+        "        return n\n"
+        "    def peek(self) -> int:\n"
+        "        return 0\n"
+        "async def main(client: ClusterClient) -> None:\n"
+        "    counter = client.get_grain(Counter, 'c')\n"
+        "    total: int = await counter.with_timeout(2).add(1)\n"
+        "    counter.peek()\n"
+    )
+    _, errors = mypy(mypy_cache, "app.py", project=tmp_path)
+    assert [(line, code) for _, line, code, _ in errors] == [(11, "attr-defined")], errors
+    assert 'has no attribute "peek"' in errors[0][3]
