@@ -14,6 +14,7 @@ the type is not known before run time, so any attribute is an awaitable returnin
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
@@ -44,9 +45,14 @@ def never_remote(name: str) -> bool:
     """Names a reference never has: private ones, lifecycle hooks and ``Grain``'s own members
     (``write_state``, ``state``, ``get_grain``, ...), even where a subclass overrides them.
     The mypy plugin asks the same question, so the static and the run-time interface agree."""
+    return name.startswith("_") or name in _NOT_REMOTE or name in _grain_members()
+
+
+@functools.cache
+def _grain_members() -> frozenset[str]:
     from grains.base import Grain
 
-    return name.startswith("_") or name in _NOT_REMOTE or hasattr(Grain, name)
+    return frozenset(dir(Grain))
 
 
 def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
