@@ -36,7 +36,7 @@ from grains.placement import (
     storage,
     write_behind,
 )
-from grains.ref import GrainRef
+from grains.ref import GrainRef, Ref
 from grains.startup import StartingSilo, on_silo_start
 
 __all__ = [
@@ -44,11 +44,12 @@ __all__ = [
     "Grain",
     "GrainId",
     "GrainRef",
-    "PersistentState",
     "NotifyResult",
     "ObserverId",
     "ObserverRef",
     "ObserverSet",
+    "PersistentState",
+    "Ref",
     "SiloAddress",
     "StartingSilo",
     "activation_count_placement",

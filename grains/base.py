@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from pydantic import BaseModel
 
@@ -35,9 +35,12 @@ from grains.context import (
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 
+if TYPE_CHECKING:
+    from grains.ref import GrainRef, Ref
+
 __all__ = ["DeactivationReason", "Grain"]
 
-G = TypeVar("G")
+G = TypeVar("G", bound="Grain")
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
 
@@ -88,9 +91,16 @@ class Grain:
         self._rg_context.request_deactivation(DeactivationReason.REQUESTED)
 
     # --- calls -------------------------------------------------------------
-    def get_grain(self, grain: type[G] | str, key: str | int | Any) -> G:
-        """A reference to another grain (or this one); calls carry this call chain."""
-        return self._rg_context.get_grain(grain, key)  # type: ignore[return-value]
+    @overload
+    def get_grain(self, grain: type[G], key: str | int | Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: str | int | Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: str | int | Any) -> GrainRef:
+        """A reference to another grain (or this one); calls carry this call chain.
+
+        Typed as ``Ref[G]`` for a class (its public async methods, with the mypy plugin),
+        as a plain ``GrainRef`` for a type name."""
+        return self._rg_context.get_grain(grain, key)
 
     def cluster_members(self, type_name: str | None = None) -> list[Any]:
         """Membership rows of the active silos (hosting ``type_name``, when given), as this silo sees them."""

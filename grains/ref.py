@@ -5,13 +5,19 @@ public ``async def`` of the grain, so a typo is an ``AttributeError`` at the
 call site, never a remote surprise. Each call becomes one
 :class:`~grains.call.Call` value, sent through a :class:`Caller` (the client's
 or the silo's router).
+
+Statically, ``get_grain(Counter, key)`` is a :class:`Ref` ``[Counter]``; the mypy plugin in
+grains/mypy_plugin.py gives it exactly the methods :func:`public_methods` picks, with their
+signatures. A by-name reference (``get_grain("Counter", key)``) is a plain :class:`GrainRef`:
+the type is not known before run time, so any attribute is an awaitable returning ``Any``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from grains.call import CALL_CHAIN, Call
 from grains.ids import GrainId
@@ -19,7 +25,9 @@ from grains.ids import GrainId
 if TYPE_CHECKING:
     from grains.base import Grain
 
-G = TypeVar("G")
+# Covariant: a reference to a subclass has every remote method of its base class.
+G_co = TypeVar("G_co", bound="Grain", covariant=True)
+GrainT = TypeVar("GrainT", bound="Grain")
 
 # Methods of the base class that are lifecycle hooks or helpers, never remote.
 _NOT_REMOTE = frozenset({"on_activate", "on_deactivate", "receive_reminder"})
@@ -33,14 +41,25 @@ class Caller(Protocol):
         ...
 
 
-def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
-    """The grain's remote interface: public coroutine functions not from ``Grain`` itself."""
+def never_remote(name: str) -> bool:
+    """Names a reference never has: private ones, lifecycle hooks and ``Grain``'s own members
+    (``write_state``, ``state``, ``get_grain``, ...), even where a subclass overrides them.
+    The mypy plugin asks the same question, so the static and the run-time interface agree."""
+    return name.startswith("_") or name in _NOT_REMOTE or name in _grain_members()
+
+
+@functools.cache
+def _grain_members() -> frozenset[str]:
     from grains.base import Grain
 
-    base_names = set(dir(Grain))
+    return frozenset(dir(Grain))
+
+
+def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """The grain's remote interface: public coroutine functions not from ``Grain`` itself."""
     out: dict[str, Callable[..., Any]] = {}
     for name in dir(cls):
-        if name.startswith("_") or name in _NOT_REMOTE or name in base_names:
+        if never_remote(name):
             continue
         fn = getattr(cls, name, None)
         if inspect.iscoroutinefunction(fn):
@@ -81,6 +100,27 @@ class GrainRef:
     def __repr__(self) -> str:
         return f"<GrainRef {self._grain_id}>"
 
+    if TYPE_CHECKING:
+        # A by-name reference's methods are known only at run time (from the silos' manifest).
+        def __getattr__(self, name: str) -> Callable[..., Coroutine[Any, Any, Any]]: ...
+
+
+class Ref(GrainRef, Generic[G_co]):
+    """A reference to a grain of class ``G``: what ``get_grain(G, key)`` returns.
+
+    Every generated reference class derives from it. For mypy with ``grains.mypy_plugin``
+    it has exactly ``G``'s public ``async def`` methods, each taking the same arguments and
+    returning an awaitable of the same result, plus ``with_timeout``, ``grain_id`` and ``key``;
+    without the plugin any attribute is accepted, as on :class:`GrainRef`.
+    """
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        # Only here for the plugin's attribute hook (grains.ref.Ref.<name>), which answers
+        # with G's method or an error.
+        def __getattr__(self, name: str) -> Callable[..., Coroutine[Any, Any, Any]]: ...
+
 
 _chain = CALL_CHAIN.get
 _new_call = tuple.__new__
@@ -114,16 +154,16 @@ def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callabl
 
 def build_ref_class(
     type_name: str, methods: Iterable[str], docs: dict[str, str | None] | None = None, one_way: Iterable[str] = ()
-) -> type[GrainRef]:
+) -> type[Ref[Any]]:
     names = sorted(methods)
     sent = frozenset(one_way)
     ns: dict[str, Any] = {"__slots__": (), "_methods": frozenset(names)}
     for name in names:
         ns[name] = _remote_method(name, (docs or {}).get(name), name in sent)
-    return type(f"{type_name}Ref", (GrainRef,), ns)
+    return type(f"{type_name}Ref", (Ref,), ns)
 
 
-def ref_class_for(cls: type[Grain]) -> type[GrainRef]:
+def ref_class_for(cls: type[GrainT]) -> type[Ref[GrainT]]:
     """The reference class of a grain class, generated once and kept on the class."""
     cached = cls.__dict__.get("__rg_ref_class__")
     if cached is not None:

@@ -25,9 +25,11 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
+from grains.base import Grain
 from grains.observer import CLIENT_PREFIX, ObserverRef
+from grains.ref import GrainRef, Ref
 from silo import errors
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.runtime import RefFactory
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("redgrain.client")
 
-G = TypeVar("G")
+G = TypeVar("G", bound=Grain)
 
 
 class ClusterClient:
@@ -160,11 +162,18 @@ class ClusterClient:
         # (or any loop's shutdown) cancels its tasks, this closes the client.
         self._hook = ShutdownHook(self.close, name="cluster client")
 
-    def get_grain(self, grain: type[G] | str, key: Any) -> G:
-        """A reference to a grain; no lookup, no activation until the first call."""
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """A reference to a grain; no lookup, no activation until the first call.
+
+        ``Ref[G]`` for a grain class (typed with its public async methods by the mypy
+        plugin, grains/mypy_plugin.py); a plain ``GrainRef`` for a type name."""
         if self.closed:
             raise errors.SiloClosedError("cluster client")
-        return self._refs.get_grain(grain, key)  # type: ignore[arg-type, no-any-return]
+        return self._refs.get_grain(grain, key)
 
     async def observer(self, handler: object) -> ObserverRef:
         """A reference to ``handler`` (a plain object: its public async methods are the interface)

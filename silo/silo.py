@@ -67,13 +67,14 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar, overload
 
 import psutil
 import redis.asyncio as aioredis
 
 from grains.base import Grain
 from grains.ids import SiloAddress
+from grains.ref import GrainRef, Ref
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -112,6 +113,8 @@ from silo.storage.store import RedisStateStore
 from silo.tracing import Tracing
 
 log = logging.getLogger("redgrain.silo")
+
+G = TypeVar("G", bound=Grain)
 
 Undo = Callable[[], Awaitable[Any] | None]
 
@@ -615,7 +618,13 @@ class Silo:
         return self.status is SiloState.DEAD
 
     # --- client-like access, for grains' callers inside the silo process ---
-    def get_grain(self, grain: Any, key: Any) -> Any:
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """A reference whose calls start in this silo, outside any grain; typed as the
+        client's (``Ref[G]`` for a class, ``GrainRef`` for a type name)."""
         return self.refs.get_grain(grain, key)
 
     def statistics(self) -> dict[str, Any]:

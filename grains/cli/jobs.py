@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 from silo.process import add_connection_arguments, add_secret_argument, settings_kwargs
 
@@ -71,7 +70,7 @@ async def _forget(args: argparse.Namespace) -> int:
     async with await ClusterClient.connect(
         kw.get("redis_url"), cluster=kw.get("cluster"), settings=settings
     ) as client:
-        coord: Any = client.get_grain(CoordinatorGrain, args.job)
+        coord = client.get_grain(CoordinatorGrain, args.job)
         await coord.with_timeout(120.0).forget()
     print(f"job {args.job} forgotten: its checkpoints, records and state are deleted")
     return 0

@@ -39,7 +39,7 @@ LIMIT_TTL_S = 30.0
 
 async def deploy(client: Any, name: str, spec: ServeSpec | dict[str, Any]) -> Deployment:
     """Serve ``spec`` as model ``name``; returns the deployment (its revision)."""
-    return await client.get_grain(DeploymentGrain, name).deploy(spec)  # type: ignore[no-any-return]
+    return await client.get_grain(DeploymentGrain, name).deploy(spec)
 
 
 def grain_for(role: str | None) -> type[ModelGrain]:

@@ -291,7 +291,7 @@ class ModelGrain(Grain):
     async def _load_newer(self, spec: ServeSpec) -> None:
         self._weights_exist = False
         if spec.job is not None:
-            coord: Any = self.get_grain(CoordinatorGrain, spec.job)
+            coord = self.get_grain(CoordinatorGrain, spec.job)
             st: TrainingStatus = await coord.status()
             if st.status == "completed":
                 key: tuple[Any, ...] = ("job", spec.job, st.run, "final", st.step)

@@ -216,7 +216,7 @@ class CoordinatorGrain(Grain):
             # checkpoint, and a rollback before the first checkpoint comes back to it.
             evaluator = await self._job_evaluator()
             snap = await self.run_in_thread(evaluator.init_snapshot, job.init_from, job)
-            store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+            store = self.get_grain(CheckpointStoreGrain, self.key)
             await store.with_timeout(120.0).save_whole(self.state.run, snap, checkpoint.retained(job))
             self.state.committed = [0]
             self.state.committed_at = {0: time.time()}
@@ -257,7 +257,7 @@ class CoordinatorGrain(Grain):
                     for info in await self.list_snapshots(g, pending=pending):
                         await self.delete_snapshot(g, info.snapshot_id)
         await self.forget_progress(self.key)
-        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        store = self.get_grain(CheckpointStoreGrain, self.key)
         with contextlib.suppress(errors.RedgrainError):
             await store.release()
         await self.clear_state()
@@ -307,7 +307,7 @@ class CoordinatorGrain(Grain):
             if self.state.best_step is None:
                 raise errors.ConfigError(f"job {self.key} has kept no best checkpoint (keep_best: {self.state.spec.keep_best})")
             evaluator = await self._job_evaluator()
-            store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+            store = self.get_grain(CheckpointStoreGrain, self.key)
             snap = await store.with_timeout(120.0).read_best(self.state.run, self.state.best_step, evaluator.names, evaluator.extra)
             tensors = {**snap.params, **snap.buffers}
         elif step is None:
@@ -332,7 +332,7 @@ class CoordinatorGrain(Grain):
 
     async def _checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         evaluator = await self._job_evaluator()
-        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        store = self.get_grain(CheckpointStoreGrain, self.key)
         snap: TrainingSnapshot = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
         return {**snap.params, **snap.buffers}
 
@@ -603,7 +603,7 @@ class CoordinatorGrain(Grain):
 
     async def _save_best(self, step: int, value: float) -> None:
         evaluator = await self._job_evaluator()
-        store: Any = self.get_grain(CheckpointStoreGrain, self.key)
+        store = self.get_grain(CheckpointStoreGrain, self.key)
         try:
             snap = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
             await store.with_timeout(120.0).save_best(self.state.run, snap)

@@ -101,7 +101,7 @@ class CheckpointEvaluations:
         """Checkpoint ``step`` of ``job``'s ``run``, read through the job's store, evaluated on
         ``grain``'s silo and device."""
         ev = await self._ready(grain, spec)
-        store: Any = grain.get_grain(CheckpointStoreGrain, job)
+        store = grain.get_grain(CheckpointStoreGrain, job)
         snap: TrainingSnapshot = await store.with_timeout(READ_TIMEOUT_S).read(run, step, ev.names, ev.extra)
         return await self.evaluate_held(grain, spec, snap)
 

@@ -6,13 +6,13 @@ import asyncio
 import concurrent.futures
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from grains.base import Grain
 from grains.ids import GrainId
 from grains.observer import ObserverRef
 from grains.placement import grain_options
-from grains.ref import GrainRef, build_ref_class, ref_class_for
+from grains.ref import GrainRef, Ref, build_ref_class, ref_class_for
 from silo import errors
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.state import StateHandle
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from silo.storage.checkpoint import Checkpoints
 
 R = TypeVar("R")
+G = TypeVar("G", bound=Grain)
 
 
 class RefFactory:
@@ -37,7 +38,7 @@ class RefFactory:
         self._caller = caller
         self._manifests = manifests
         self._codec = codec
-        self._by_name: dict[str, type[GrainRef]] = {}
+        self._by_name: dict[str, type[Ref[Any]]] = {}
 
     @property
     def caller(self) -> Any:
@@ -48,7 +49,13 @@ class RefFactory:
         """The same factory sending through another caller (outgoing filters wrapped around it)."""
         return RefFactory(caller, self._manifests, self._codec)
 
-    def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """``Ref[G]`` for a grain class; a plain ``GrainRef`` for a type name, whose methods
+        are those the silos published for it (the static type cannot know them)."""
         if isinstance(grain, str):
             ref_cls = self._by_name.get(grain)
             if ref_cls is None:

@@ -58,12 +58,13 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast, overload
 
 from grains.base import DeactivationReason, Grain
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
+from grains.ref import GrainRef, Ref
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -89,6 +90,8 @@ if TYPE_CHECKING:
     from silo.catalog.activation import Activation
 
 ADDRESS = SiloAddress("127.0.0.1", 11111, 1)
+
+G = TypeVar("G", bound=Grain)
 
 
 class _LocalRouter:
@@ -338,8 +341,13 @@ class InProcessSilo:
         await self.stop()
 
     # --- calls and activations -------------------------------------------------------
-    def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
-        """A reference whose calls come from outside any grain (as a client's do)."""
+    @overload
+    def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
+    @overload
+    def get_grain(self, grain: str, key: Any) -> GrainRef: ...
+    def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
+        """A reference whose calls come from outside any grain (as a client's do); typed as
+        the client's (``Ref[G]`` for a class, ``GrainRef`` for a type name)."""
         return self.refs.get_grain(grain, key)
 
     def observer(self, handler: object) -> ObserverRef:
@@ -347,19 +355,24 @@ class InProcessSilo:
         by this silo: it lives until disposed or the silo stops."""
         return self.observers.create(handler)
 
-    def activation(self, ref: Any) -> Activation | None:
+    def activation(self, ref: GrainRef | GrainId) -> Activation | None:
         """The live activation of a reference's grain (or a GrainId's), if there is one."""
         grain = ref if isinstance(ref, GrainId) else ref.grain_id
         return self.catalog.get(grain)
 
-    def instance(self, ref: Any) -> Any:
-        """The grain object behind a reference (its activation must be live)."""
+    @overload
+    def instance(self, ref: Ref[G]) -> G: ...
+    @overload
+    def instance(self, ref: GrainRef | GrainId) -> Any: ...
+    def instance(self, ref: GrainRef | GrainId) -> Any:
+        """The grain object behind a reference (its activation must be live): a ``G`` for a
+        ``Ref[G]``, so a test reads its fields typed."""
         act = self.activation(ref)
         if act is None:
             raise LookupError(f"{ref!r} has no live activation on this silo")
         return act.instance
 
-    async def deactivate(self, ref: Any, reason: DeactivationReason = DeactivationReason.REQUESTED) -> None:
+    async def deactivate(self, ref: GrainRef | GrainId, reason: DeactivationReason = DeactivationReason.REQUESTED) -> None:
         """Deactivate a grain's activation now and wait until it is gone."""
         act = self.activation(ref)
         if act is not None:

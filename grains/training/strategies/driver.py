@@ -33,11 +33,12 @@ import abc
 import asyncio
 import logging
 import time
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from grains.base import Grain
+from grains.ref import Ref
 from grains.training.api.job_state import JobState
 from grains.training.api.messages import GroupChange, JobStatus, ShardStatus, TrainerProgress
 from grains.training.api.records import StageInfo
@@ -48,6 +49,8 @@ from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies.elastic import SiloLook, TrainerSilos
 
 log = logging.getLogger("redgrain.training.coordinator")
+
+G = TypeVar("G", bound=Grain)
 
 FINAL_CHECKPOINT_WAIT_S = 60.0
 """How long a finished job waits for its final checkpoint to be saved before completing without it."""
@@ -162,9 +165,8 @@ class Driver(abc.ABC):
     def key(self) -> str:
         return self.job.key
 
-    def ref(self, cls: type[Grain], key: str, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-        ref: Any = self.job.grain.get_grain(cls, key)
-        return ref.with_timeout(timeout_s)
+    def ref(self, cls: type[G], key: str, timeout_s: float = CALL_TIMEOUT_S) -> Ref[G]:
+        return self.job.grain.get_grain(cls, key).with_timeout(timeout_s)
 
     def look(self) -> SiloLook:
         """Membership for this job: trainer silos, less those it shed (out of memory there)."""

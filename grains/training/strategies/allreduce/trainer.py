@@ -333,7 +333,7 @@ class AllreduceTrainerGrain(Grain):
             self._core = await self.run_in_thread(TrainerCore, a.spec, self.device)
         core = self._core
         if a.source is not None and a.source != self.key:
-            peer: Any = self.get_grain(AllreduceTrainerGrain, a.source)
+            peer = self.get_grain(AllreduceTrainerGrain, a.source)
             snap = await peer.with_timeout(a.spec.step_timeout_s).snapshot(a.run, a.start_step)
             await self.run_in_thread(core.load, snap, a.run)
         elif a.restore_step is not None:

@@ -204,7 +204,7 @@ class PipelineStageGrain(Grain):
         if cfg.rank == 0:
             mean = await self._collect(generation, step, 0, part, trainers)
         else:
-            leader: Any = self.get_grain(PipelineStageGrain, cfg.peer_keys[0])
+            leader = self.get_grain(PipelineStageGrain, cfg.peer_keys[0])
             mean = await leader.with_timeout(cfg.spec.step_timeout_s).contribute(generation, step, cfg.rank, part)
         await self.run_in_thread(core.take_mean, mean)
         return bool(mean[_SKIP] > 0)
@@ -280,7 +280,7 @@ class PipelineStageGrain(Grain):
     def _peer(self, index: int) -> Any:
         cfg = self._cfg
         assert cfg is not None
-        ref: Any = self.get_grain(PipelineStageGrain, cfg.stage_keys[index])
+        ref = self.get_grain(PipelineStageGrain, cfg.stage_keys[index])
         return ref.with_timeout(cfg.spec.step_timeout_s)
 
     def _spawn(self, work: Any, name: str) -> asyncio.Task[Any]:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import torch
 
+from grains.ref import Ref
 from grains.training.api.messages import (
     JobStatus,
     ShardConfig,
@@ -205,7 +205,7 @@ class ParameterServerDriver(Driver):
             await asyncio.gather(*(sh.stop(generation) for sh in self._shards()), return_exceptions=True)
 
     # --- placement and repair -------------------------------------------------
-    def _shards(self) -> list[Any]:
+    def _shards(self) -> list[Ref[ParamShardGrain]]:
         return [self.ref(ParamShardGrain, k) for k in self.state.shard_keys]
 
     async def _configure_shards(self, restore_step: int | None) -> None:

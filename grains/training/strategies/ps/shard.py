@@ -279,7 +279,7 @@ class ParamShardGrain(Grain):
             return sq
         peers = [self.get_grain(ParamShardGrain, k) for i, k in enumerate(cfg.shard_keys) if i != cfg.index]
         timeout = cfg.spec.step_timeout_s
-        await asyncio.gather(*(p.with_timeout(timeout).norm_part(generation, step, cfg.index, sq) for p in peers))  # type: ignore[attr-defined]
+        await asyncio.gather(*(p.with_timeout(timeout).norm_part(generation, step, cfg.index, sq) for p in peers))
         await self.norm_part(generation, step, cfg.index, sq)
         async with self._changed:
             while len(self._norms.get(step, {})) < len(cfg.shard_keys):

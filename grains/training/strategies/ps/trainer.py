@@ -36,6 +36,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, immovable, interleave, keep_alive
+from grains.ref import Ref
 from grains.training.api.job import TrainingJob, parse_compression
 from grains.training.api.messages import (
     Evaluation,
@@ -284,8 +285,8 @@ class TrainerGrain(Grain):
             await asyncio.shield(self.run_in_thread(core.close))
 
     async def _steps(self, a: TrainerAssignment, core: TrainerCore) -> None:
-        shards: list[Any] = [
-            self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s)  # type: ignore[attr-defined]
+        shards: list[Ref[ParamShardGrain]] = [
+            self.get_grain(ParamShardGrain, key).with_timeout(a.spec.step_timeout_s)
             for key in a.shard_keys
         ]
         n = len(shards)
