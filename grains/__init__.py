@@ -32,6 +32,7 @@ from grains.placement import (
     write_behind,
 )
 from grains.ref import GrainRef
+from grains.streams import Stream, StreamItem, subscribes
 
 __all__ = [
     "DeactivationReason",
@@ -39,6 +40,8 @@ __all__ = [
     "GrainId",
     "GrainRef",
     "SiloAddress",
+    "Stream",
+    "StreamItem",
     "activation_count_placement",
     "deactivate_on",
     "grain_type",
@@ -56,5 +59,6 @@ __all__ = [
     "resource_placement",
     "silo_role",
     "stateless_worker",
+    "subscribes",
     "write_behind",
 ]

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from grains.context import DeactivationReason, GrainContext, SnapshotInfo, TimerHandle
 from grains.ids import GrainId, SiloAddress
+from grains.streams import Stream
 
 __all__ = ["DeactivationReason", "Grain"]
 
@@ -103,6 +104,17 @@ class Grain:
         Use it for long-running loops such as a training job's driver.
         """
         return self._rg_context.start_task(coro, name=name)
+
+    # --- streams -----------------------------------------------------------
+    def stream(self, namespace: str, key: str | int | Any) -> Stream:
+        """A handle on stream ``(namespace, key)``: ``await s.publish(item)``,
+        ``async for ev in s.subscribe(...)`` (grains/streams.py)."""
+        return self._rg_context.stream(namespace, key)
+
+    async def on_stream_item(self, item: Any, token: str) -> None:
+        """Override in a ``@subscribes`` class: one item of the stream keyed like this grain,
+        as a turn, in order; acknowledged once it returns (at least once: see ``token``)."""
+        raise NotImplementedError(f"{type(self).__qualname__} receives stream items but has no on_stream_item")
 
     # --- timers ------------------------------------------------------------
     def register_timer(

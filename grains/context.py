@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from typing import Any, Protocol, TypeVar
 
 from grains.ids import GrainId, SiloAddress
+from grains.streams import Stream
 
 R = TypeVar("R")
 
@@ -93,6 +94,9 @@ class GrainContext(Protocol):
     ) -> TimerHandle: ...
 
     def request_deactivation(self, reason: DeactivationReason) -> None: ...
+
+    # --- streams ------------------------------------------------------------------------
+    def stream(self, namespace: str, key: Any) -> Stream: ...
 
     # --- state ------------------------------------------------------------------------
     def get_state(self) -> Any: ...

@@ -33,6 +33,7 @@ from silo.messaging.transport import Transport
 from silo.redis_util import connect_redis, verify_redis
 from silo.settings import ClientSettings
 from silo.shutdown import ShutdownHook
+from silo.streams.stream import RedisStream, Streams
 
 if TYPE_CHECKING:
     from silo.tracing import Tracing
@@ -120,6 +121,7 @@ class ClusterClient:
         )
         caller = self.router if self.tracing is None else self.tracing.caller(self.router)
         self._refs = RefFactory(caller, self.manifests, self.codec)
+        self.streams = Streams(self.redis, self.keys, self.codec, s.streams)
         await self.view.start()
         await self.manifests.refresh()
         self.closed = False
@@ -132,6 +134,13 @@ class ClusterClient:
         if self.closed:
             raise errors.SiloClosedError("cluster client")
         return self._refs.get_grain(grain, key)  # type: ignore[arg-type, no-any-return]
+
+    def stream(self, namespace: str, key: Any) -> RedisStream:
+        """A handle on stream ``(namespace, key)``: ``await s.publish(item)`` returns the item's
+        token; ``async for ev in s.subscribe(from_start=True)`` reads it (grains/streams.py)."""
+        if self.closed:
+            raise errors.SiloClosedError("cluster client")
+        return self.streams.stream(namespace, key)
 
     async def refresh(self) -> None:
         """Re-read membership and grain types now (they also refresh by themselves)."""

@@ -54,6 +54,7 @@ it Dead already, and a zombie must not purge what its successors registered.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import inspect
@@ -70,6 +71,8 @@ import redis.asyncio as aioredis
 
 from grains.base import Grain
 from grains.ids import SiloAddress
+from grains.placement import grain_options
+from grains.streams import subscriptions
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -101,6 +104,8 @@ from silo.shutdown import ShutdownHook
 from silo.stats import CallStats, StatsPublisher
 from silo.storage.checkpoint import Checkpoints
 from silo.storage.store import RedisStateStore
+from silo.streams.agent import StreamAgent
+from silo.streams.stream import Streams
 from silo.tracing import Tracing
 
 log = logging.getLogger("redgrain.silo")
@@ -169,6 +174,7 @@ class Silo:
     housekeeper: Housekeeper
     watchdog: LoopWatchdog
     stats_publisher: StatsPublisher
+    streams: Streams
 
     def __init__(
         self,
@@ -201,6 +207,8 @@ class Silo:
         self._dead_unwind: asyncio.Task[None] | None = None
         self._dead_deadline: asyncio.TimerHandle | None = None
         self._hook: ShutdownHook | None = None
+        self.stream_agents: list[StreamAgent] = []
+        """One per (namespace, @subscribes grain type) this silo hosts (silo/streams/agent.py)."""
 
     # --- start -------------------------------------------------------------
     async def start(self) -> Silo:
@@ -310,6 +318,7 @@ class Silo:
         self.checkpoints = Checkpoints(self.redis, self.keys, s.storage)
         # Its delivery (through the dispatcher) is given when it starts: see ReminderService.start.
         self.reminders = ReminderService(ReminderTable(self.redis, self.keys), s.reminders)
+        self.streams = Streams(self.redis, self.keys, self.codec, s.streams, clock=self._clock)
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
@@ -321,6 +330,7 @@ class Silo:
             keys=self.keys,
             checkpoints=self.checkpoints,
             reminders=self.reminders,
+            streams=self.streams,
         )
         self._on_stop("grain threads", self.runtime.shutdown)
         self.call_stats = CallStats()
@@ -484,6 +494,51 @@ class Silo:
             )
         )
 
+        self._on_stop("stream delivery", self._stop_stream_agents)
+        self._start_stream_agents()
+
+    def _start_stream_agents(self) -> None:
+        """Deliver the namespaces our ``@subscribes`` grain types subscribe to (last: it makes calls)."""
+        me = str(self.address)
+        delivery = RouterDelivery(
+            router=self.router,
+            manifests=self.manifests,
+            dispatcher=self.dispatcher,
+            transport=self.transport,
+            timeout_s=self.settings.streams.delivery_timeout_s,
+        )
+        for cls in self.types.classes():
+            type_name = grain_options(cls).type_name
+            for namespace in subscriptions(cls):
+                agent = StreamAgent(
+                    redis=self.redis,
+                    keys=self.keys,
+                    namespace=namespace,
+                    group=type_name,
+                    me=me,
+                    candidates=functools.partial(self._hosting, type_name),
+                    is_dead=self._is_dead,
+                    deliver=delivery.send,
+                    codec=self.codec,
+                    settings=self.settings.streams,
+                )
+                self.stream_agents.append(agent)
+                agent.start()
+
+    async def _stop_stream_agents(self) -> None:
+        # A silo declared dead touches nothing in Redis: its leases run out or are taken.
+        await asyncio.gather(*(a.stop(release=not self._declared_dead) for a in self.stream_agents))
+
+    def _hosting(self, type_name: str) -> list[str]:
+        return [r.address for r in self.view.hosting(type_name)]
+
+    def _is_dead(self, address: str) -> bool:
+        try:
+            row = self.view.row(SiloAddress.parse(address))
+        except ValueError:
+            return False
+        return row is not None and row.status is SiloStatus.DEAD
+
     def _load(self) -> SiloLoad:
         return SiloLoad(
             cpu_percent=self._process.cpu_percent(None),
@@ -601,6 +656,7 @@ class Silo:
             "failure_detector": self.detector.statistics(),
             "rebalancer": self.rebalancer.statistics(self.migrator),
             "housekeeping": self.housekeeper.statistics(),
+            "streams": {f"{a.namespace}/{a.group}": dataclasses.asdict(a.statistics()) for a in self.stream_agents},
         }
 
 

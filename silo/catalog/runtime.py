@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from silo.cluster.reminders import ReminderService
     from silo.messaging.router import Manifests
     from silo.storage.checkpoint import Checkpoints
+    from silo.streams.stream import RedisStream, Streams
 
 R = TypeVar("R")
 
@@ -69,6 +70,7 @@ class SiloRuntime:
         keys: Any = None,
         checkpoints: Checkpoints | None = None,
         reminders: ReminderService | None = None,
+        streams: Streams | None = None,
     ) -> None:
         self.view = view
         """The silo's MembershipView (who is in the cluster)."""
@@ -83,6 +85,7 @@ class SiloRuntime:
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
         self._checkpoints = checkpoints
         self._reminders = reminders
+        self._streams = streams
 
     def get_grain(self, grain: Any, key: Any) -> Any:
         return self._refs.get_grain(grain, key)
@@ -108,6 +111,12 @@ class SiloRuntime:
         if self._reminders is None:
             raise errors.ConfigError("reminders are not available on this silo")
         return self._reminders
+
+    def stream(self, namespace: str, key: Any) -> RedisStream:
+        """A handle on stream ``(namespace, key)`` (silo/streams/)."""
+        if self._streams is None:
+            raise errors.ConfigError("streams need Redis: not available on this silo (the in-process harness)")
+        return self._streams.stream(namespace, key)
 
     def checkpoints(self) -> Checkpoints:
         """The silo's ``silo.storage.checkpoint.Checkpoints`` (snapshots of grain groups)."""
