@@ -19,7 +19,8 @@ once; a holder that merely stops renewing loses it after ``lease_s``.
 
 **Taking a key over** (at start, after a move, after a death): ``XAUTOCLAIM``
 moves every entry pending in the group, whoever read it, to us (idle time 0:
-the lease is the exclusion, and its expiry the idle time), then our pending
+the lease is the exclusion, and its expiry the idle time), the consumers of
+dead silos are deleted from the group, then our pending
 list is delivered in entry order before anything new. Entries pending in the
 group are older than any never read (``XREADGROUP >`` hands them out in
 order), so the grain sees its items in order, resuming after the last one
@@ -336,6 +337,12 @@ class StreamAgent:
                 start = reply[0]
                 if _text(start) == "0-0":
                     break
+            # Consumers of dead silos hold nothing now: drop them, so the group lists the living.
+            consumers: Any = await self._redis.xinfo_consumers(k.redis_key, self.group)
+            for c in consumers:
+                name = _text(c["name"])
+                if name != self.me and not c["pending"] and self._is_dead(name):
+                    await self._redis.xgroup_delconsumer(k.redis_key, self.group, name)
         last: bytes | str = "0-0"
         while not k.stopping:
             pending = await self._read(k, last)
