@@ -4,6 +4,7 @@ namespace to an implicitly subscribed grain; the silo delivering it dies half-wa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 
@@ -85,7 +86,7 @@ async def test_200_items_reach_an_implicit_subscriber_whose_silo_is_killed_half_
             assert firsts == list(range(PER_KEY)), (k, seen)
             # At least once, in order: a re-delivery starts again after the last acknowledged
             # item (repeating what ran but whose ack died with the silo); nothing ever skips ahead.
-            assert seen[0] == 0 and all(b <= a + 1 for a, b in zip(seen, seen[1:])), (k, seen)
+            assert seen[0] == 0 and all(b <= a + 1 for a, b in itertools.pairwise(seen)), (k, seen)
         # The victim's keys moved to the survivor (declared dead: its leases taken at once).
         assert set((await holders()).values()) == {str(survivor.address)}
         assert victim_keys, "the victim delivered nothing: the kill tested no take-over"
