@@ -30,7 +30,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 T = TypeVar("T", bound=type)
 
-__all__ = ["Stream", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions"]
+__all__ = ["Stream", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions", "token_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,14 @@ class Stream(Protocol):
     def subscribe(self, *, from_start: bool = False, from_token: str | None = None) -> Subscription:
         """Items after ``from_token``, or all kept ones (``from_start``), or those published from now."""
         ...
+
+
+def token_order(token: str) -> tuple[int, int]:
+    """A token as a sortable pair: a subscriber that must see each item once keeps the last
+    token it handled and skips items whose ``token_order`` is not greater (at-least-once
+    delivery may repeat the items after the last acknowledged one)."""
+    ms, _, seq = token.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def check_namespace(namespace: str) -> str:
