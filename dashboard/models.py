@@ -19,7 +19,14 @@ from grains.training.api.records import (
     Placement,
     RecoveryInfo,
 )
-from silo.records import ClusterEvent, LoadPoint, LogEntry, ReminderInfo, SiloStatsRecord, StreamInfo
+from silo.records import (
+    ClusterEvent,
+    LoadPoint,
+    LogEntry,
+    ReminderInfo,
+    SiloStatsRecord,
+    StreamInfo,
+)
 
 __all__ = [
     "AdminResult",
@@ -47,12 +54,12 @@ __all__ = [
     "RedisStatus",
     "ReminderInfo",
     "ReminderList",
-    "StreamInfo",
-    "StreamList",
     "SiloDetail",
     "SiloList",
     "SiloStatsRecord",
     "SiloSummary",
+    "StreamInfo",
+    "StreamList",
 ]
 
 
