@@ -27,14 +27,16 @@ in order, with the reason for the order:
 9. ``cluster``: heartbeat thread, failure detector, control inbox and drain
    requests, rebalancer. They act as a member (refresh our row, vote, lead),
    so they start once the row is Active.
-10. ``services``: idle collection, loop watchdog, stats publisher, reminders.
-    Last: they make work for the rest (a reminder tick is a call; the stats
-    record reads every component).
+10. ``services``: idle collection, loop watchdog, stats publisher, reminders,
+    stream delivery to ``@subscribes`` grains. Last: they make work for the
+    rest (a reminder tick and a stream item are calls; the stats record reads
+    every component).
 
 Each stage registers how to undo what it did as it does it; a start that
 fails at any stage runs the undos registered so far, newest first, and
 re-raises; ``stop()`` runs the same list. So the stop order is written once,
-as the start order reversed: reminders, stats, watchdog, idle collection;
+as the start order reversed: stream delivery (leases handed back), reminders,
+stats, watchdog, idle collection;
 rebalancer, control inbox, drain requests, migrator, failure detector,
 heartbeat (all before the leave, so no heartbeat runs into our own Dead
 row); the view; the leave (Dead, directory entries purged, and for a
@@ -493,7 +495,6 @@ class Silo:
                 timeout_s=self.settings.reminders.delivery_timeout_s,
             )
         )
-
         self._on_stop("stream delivery", self._stop_stream_agents)
         self._start_stream_agents()
 
