@@ -40,6 +40,7 @@ from silo.records import (
     read_events,
     read_logs,
     read_reminders,
+    read_streams,
     request_cancel,
     request_drain,
 )
@@ -280,6 +281,17 @@ def create_app(
             reminders=[x for x in every if type is None or x.type == type],
             types=sorted({x.type for x in every}),
         )
+
+    @app.get("/api/streams", response_model=m.StreamList, tags=["grains"])
+    async def streams(
+        r: Reader,
+        namespace: str | None = Query(None, description="Only streams of this namespace."),
+        limit: int = Query(200, ge=1, le=2000, description="Most streams listed."),
+    ) -> m.StreamList:
+        """Streams: items kept, the newest token, and per subscribing grain type (consumer group)
+        its lag, pending items, the silo delivering it and the group's consumers."""
+        found, namespaces, truncated = await read_streams(r.redis, keys, namespace, limit)
+        return m.StreamList(streams=found, namespaces=namespaces, truncated=truncated)
 
     @app.get("/api/logs", response_model=m.LogList, tags=["cluster"])
     async def logs(

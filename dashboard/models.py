@@ -19,7 +19,14 @@ from grains.training.api.records import (
     Placement,
     RecoveryInfo,
 )
-from silo.records import ClusterEvent, LoadPoint, LogEntry, ReminderInfo, SiloStatsRecord
+from silo.records import (
+    ClusterEvent,
+    LoadPoint,
+    LogEntry,
+    ReminderInfo,
+    SiloStatsRecord,
+    StreamInfo,
+)
 
 __all__ = [
     "AdminResult",
@@ -51,6 +58,8 @@ __all__ = [
     "SiloList",
     "SiloStatsRecord",
     "SiloSummary",
+    "StreamInfo",
+    "StreamList",
 ]
 
 
@@ -224,6 +233,12 @@ class ReminderList(BaseModel):
     types: list[str] = Field(
         default_factory=list, description="Every grain type with a reminder (for the filter)."
     )
+
+
+class StreamList(BaseModel):
+    streams: list[StreamInfo] = Field(description="By namespace and key.")
+    namespaces: list[str] = Field(default_factory=list, description="Every stream namespace (for the filter).")
+    truncated: bool = Field(default=False, description="More streams exist than `limit` listed.")
 
 
 class LogList(BaseModel):

@@ -38,6 +38,7 @@ from grains.placement import (
 )
 from grains.ref import GrainRef, Ref
 from grains.startup import StartingSilo, on_silo_start
+from grains.streams import Stream, StreamItem, subscribes
 
 __all__ = [
     "DeactivationReason",
@@ -52,6 +53,8 @@ __all__ = [
     "Ref",
     "SiloAddress",
     "StartingSilo",
+    "Stream",
+    "StreamItem",
     "activation_count_placement",
     "deactivate_on",
     "grain_type",
@@ -73,5 +76,6 @@ __all__ = [
     "silo_role",
     "stateless_worker",
     "storage",
+    "subscribes",
     "write_behind",
 ]

@@ -37,6 +37,7 @@ from grains.observer import ObserverRef
 
 if TYPE_CHECKING:
     from grains.ref import GrainRef, Ref
+from grains.streams import Stream
 
 __all__ = ["DeactivationReason", "Grain"]
 
@@ -134,6 +135,16 @@ class Grain:
         ObserverGoneError (see ``grains.ObserverSet``).
         """
         return self._rg_context.observer(handler)
+    # --- streams -----------------------------------------------------------
+    def stream(self, namespace: str, key: str | int | Any) -> Stream:
+        """A handle on stream ``(namespace, key)``: ``await s.publish(item)``,
+        ``async for ev in s.subscribe(...)`` (grains/streams.py)."""
+        return self._rg_context.stream(namespace, key)
+
+    async def on_stream_item(self, item: Any, token: str) -> None:
+        """Override in a ``@subscribes`` class: one item of the stream keyed like this grain,
+        as a turn, in order; acknowledged once it returns (at least once: see ``token``)."""
+        raise NotImplementedError(f"{type(self).__qualname__} receives stream items but has no on_stream_item")
 
     # --- timers ------------------------------------------------------------
     def register_timer(

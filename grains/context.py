@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
+from grains.streams import Stream
 
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
@@ -147,6 +148,8 @@ class GrainContext(Protocol):
         """A reference to ``handler`` that other grains and clients can call, for as long as
         this activation lives (grains/observer.py)."""
         ...
+    # --- streams ------------------------------------------------------------------------
+    def stream(self, namespace: str, key: Any) -> Stream: ...
 
     # --- state ------------------------------------------------------------------------
     def get_state(self) -> Any: ...

@@ -46,6 +46,7 @@ from silo.plugins import load_filters
 from silo.redis_util import connect_redis, verify_redis
 from silo.settings import ClientSettings
 from silo.shutdown import ShutdownHook
+from silo.streams.stream import RedisStream, Streams
 
 if TYPE_CHECKING:
     from silo.tracing import Tracing
@@ -155,6 +156,7 @@ class ClusterClient:
         )
         caller = self.router if self.tracing is None else self.tracing.caller(self.router)
         self._refs = RefFactory(filtered_caller(caller, self._outgoing), self.manifests, self.codec)
+        self.streams = Streams(self.redis, self.keys, self.codec, s.streams)
         await self.view.start()
         await self.manifests.refresh()
         self.closed = False
@@ -184,6 +186,13 @@ class ClusterClient:
         ref = self.observers.create(handler)
         self.transport.identify_as(self.client_id)  # from the first observer on (see identify_as)
         return ref
+
+    def stream(self, namespace: str, key: Any) -> RedisStream:
+        """A handle on stream ``(namespace, key)``: ``await s.publish(item)`` returns the item's
+        token; ``async for ev in s.subscribe(from_start=True)`` reads it (grains/streams.py)."""
+        if self.closed:
+            raise errors.SiloClosedError("cluster client")
+        return self.streams.stream(namespace, key)
 
     async def refresh(self) -> None:
         """Re-read membership and grain types now (they also refresh by themselves)."""

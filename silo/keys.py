@@ -213,6 +213,29 @@ class Keys:
         """List: admin commands for one silo (drain)."""
         return self.prefix + f"control:{silo}"
 
+    # --- streams (silo/streams/) ---------------------------------------------
+    # Names are unambiguous: a namespace has no ':' and a grain type name no '/'. Today every
+    # key shares the cluster's hash tag; a move to per-stream tags for Redis Cluster would tag
+    # ``{namespace:key}`` in both names below, so a stream and its leases stay in one slot.
+    # The namespace sets are cluster-wide and only ever written beside a stream in a pipeline,
+    # never in one script with it.
+    def stream(self, namespace: str, key: str) -> str:
+        """Stream: the items of stream ``(namespace, key)``, field ``v`` = codec blob; entry id = token."""
+        return self.prefix + f"stream:{namespace}:{key}"
+
+    def stream_lease(self, namespace: str, key: str, group: str) -> str:
+        """String with a TTL: the silo delivering this stream to consumer group ``group`` (a grain type)."""
+        return self.prefix + f"stream-lease:{namespace}:{group}/{key}"
+
+    @property
+    def stream_namespaces(self) -> str:
+        """Set of stream namespaces anyone published to (the dashboard's list)."""
+        return self.prefix + "streams"
+
+    def stream_keys(self, namespace: str) -> str:
+        """Set of the stream keys of one namespace (how silos find keys to deliver)."""
+        return self.prefix + f"streams:{namespace}"
+
     # --- fencing across Redis failovers -------------------------------------
     @property
     def fencing_term(self) -> str:

@@ -470,6 +470,94 @@ async def read_reminders(
     return sorted(out, key=lambda r: (r.type, r.key, r.name))
 
 
+class StreamConsumerInfo(BaseModel):
+    """One consumer (a silo) of a stream's consumer group."""
+
+    name: str = Field(description="The consuming silo's address.")
+    pending: int = Field(description="Items it read and has not acknowledged yet.")
+    idle_ms: int = Field(description="Since it last read or claimed from this stream.")
+
+
+class StreamGroupInfo(BaseModel):
+    """One implicit subscription of a stream: the consumer group of a ``@subscribes`` grain type."""
+
+    name: str = Field(description="The subscribing grain type (the group's name).")
+    lag: int | None = Field(
+        default=None, description="Items not yet read by the group (None: Redis cannot tell after trimming)."
+    )
+    pending: int = Field(description="Items read, not yet acknowledged (their turns running, or to redo).")
+    last_delivered: str = Field(description="Token of the last item the group read.")
+    holder: str | None = Field(default=None, description="The silo delivering this key now (its lease).")
+    consumers: list[StreamConsumerInfo] = Field(default_factory=list)
+
+
+class StreamInfo(BaseModel):
+    """One stream, ``(namespace, key)``, as silo/streams/ keeps it in Redis."""
+
+    namespace: str
+    key: str
+    length: int = Field(description="Items kept (after trimming).")
+    first_token: str | None = None
+    last_token: str | None = Field(default=None, description="Token of the newest item.")
+    groups: list[StreamGroupInfo] = Field(default_factory=list)
+
+
+async def read_streams(
+    redis: aioredis.Redis, keys: Keys, namespace: str | None = None, limit: int = 200
+) -> tuple[list[StreamInfo], list[str], bool]:
+    """Streams (of one namespace, or all), their groups, consumers and lag; at most ``limit``
+    streams, by namespace and key. Returns (streams, every namespace, whether some were left out)."""
+    with redis_errors("read streams"):
+        namespaces = sorted(_text(n) for n in await redis.smembers(keys.stream_namespaces))
+        wanted = [n for n in namespaces if namespace is None or n == namespace]
+        names: list[tuple[str, str]] = []
+        for ns in wanted:
+            names.extend((ns, _text(k)) for k in await redis.smembers(keys.stream_keys(ns)))
+        names.sort()
+        truncated = len(names) > limit
+        names = names[:limit]
+        async with redis.pipeline(transaction=False) as pipe:
+            for ns, key in names:
+                pipe.xinfo_stream(keys.stream(ns, key))
+                pipe.xinfo_groups(keys.stream(ns, key))
+            replies = await pipe.execute(raise_on_error=False)
+        out: list[StreamInfo] = []
+        consumers_of: list[tuple[StreamGroupInfo, str, str]] = []
+        for i, (ns, key) in enumerate(names):
+            info, groups = replies[2 * i], replies[2 * i + 1]
+            if isinstance(info, Exception):  # listed, but gone (deleted by hand)
+                info, groups = {"length": 0}, []
+            first, last = info.get("first-entry"), info.get("last-entry")
+            stream = StreamInfo(
+                namespace=ns, key=key, length=int(info.get("length", 0)),
+                first_token=_text(first[0]) if first else None,
+                last_token=_text(last[0]) if last else None,
+            )  # fmt: skip
+            for g in groups if isinstance(groups, list) else ():
+                group = StreamGroupInfo(
+                    name=_text(g["name"]), pending=int(g["pending"]),
+                    lag=None if g.get("lag") is None else int(g["lag"]),
+                    last_delivered=_text(g.get("last-delivered-id", "")),
+                )  # fmt: skip
+                stream.groups.append(group)
+                consumers_of.append((group, ns, key))
+            out.append(stream)
+        if consumers_of:
+            async with redis.pipeline(transaction=False) as pipe:
+                for group, ns, key in consumers_of:
+                    pipe.xinfo_consumers(keys.stream(ns, key), group.name)
+                    pipe.get(keys.stream_lease(ns, key, group.name))
+                replies = await pipe.execute(raise_on_error=False)
+            for i, (group, _, _) in enumerate(consumers_of):
+                consumers, holder = replies[2 * i], replies[2 * i + 1]
+                group.holder = None if holder is None or isinstance(holder, Exception) else _text(holder)
+                for c in consumers if isinstance(consumers, list) else ():
+                    group.consumers.append(
+                        StreamConsumerInfo(name=_text(c["name"]), pending=int(c["pending"]), idle_ms=int(c["idle"]))
+                    )
+    return out, namespaces, truncated
+
+
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
 

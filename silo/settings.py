@@ -190,6 +190,36 @@ class RemindersSettings(_Section):
     delivery_timeout_s: float = Field(30.0, gt=0, description="Deadline of one reminder delivery call.")
 
 
+class StreamSettings(_Section):
+    """Streams on Redis Streams (silo/streams/): retention, and how silos deliver to ``@subscribes`` grains."""
+
+    maxlen: int | None = Field(
+        100_000, gt=0, description="Items a stream keeps at most (trimmed on publish); None: no cap."
+    )
+    max_age_s: float | None = Field(
+        None, gt=0, description="Items older than this are trimmed on publish (by token time); None: no limit."
+    )
+    approximate_trim: bool = Field(
+        True,
+        description="Trim with XADD/XTRIM '~' (whole radix nodes, cheap; a stream keeps up to ~100 more);"
+        " off: exactly maxlen / max_age_s.",
+    )
+    lease_s: float = Field(
+        5.0, gt=0, description="A silo's hold on one stream key (renewed every third of it); a silo that"
+        " stops renewing loses its keys to another silo this long after, or once declared dead.",
+    )
+    discover_interval_s: float = Field(
+        0.5, gt=0, description="How often a silo reads the stream keys of its @subscribes namespaces."
+    )
+    block_ms: int = Field(
+        250, gt=0, lt=4000, description="Longest wait of one blocking stream read (below the Redis socket timeout).",
+    )
+    batch: int = Field(64, gt=0, description="Items read from one stream key at a time.")
+    delivery_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of one on_stream_item delivery (it is retried until it runs)."
+    )
+
+
 class LogStreamSettings(_Section):
     """Log records published to the cluster's log stream (the dashboard's Logs page)."""
 
@@ -285,6 +315,7 @@ class SiloSettings(_SecretAlias):
     logs: LogStreamSettings = LogStreamSettings()
     tracing: TracingSettings = TracingSettings()
     retention: RetentionSettings = RetentionSettings()
+    streams: StreamSettings = StreamSettings()
     stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
     incoming_filters: tuple[str, ...] = Field(
         (),
@@ -325,3 +356,4 @@ class ClientSettings(_SecretAlias):
     def _import_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         return _check_import_paths(paths)
 
+    streams: StreamSettings = StreamSettings()

@@ -27,9 +27,10 @@ in order, with the reason for the order:
 9. ``cluster``: heartbeat thread, failure detector, control inbox and drain
    requests, rebalancer. They act as a member (refresh our row, vote, lead),
    so they start once the row is Active.
-10. ``services``: idle collection, loop watchdog, stats publisher, reminders.
-    They make work for the rest (a reminder tick is a call; the stats
-    record reads every component).
+10. ``services``: idle collection, loop watchdog, stats publisher, reminders,
+    stream delivery to ``@subscribes`` grains. Late: they make work for the
+    rest (a reminder tick and a stream item are calls; the stats record reads
+    every component).
 11. ``startup``: the grain modules' ``@on_silo_start`` tasks (``silo/startup.py``).
     Last: a task may call any grain, this silo's too, so everything that serves
     calls runs; and first a failed task fails the start, so nobody is told the
@@ -38,7 +39,8 @@ in order, with the reason for the order:
 Each stage registers how to undo what it did as it does it; a start that
 fails at any stage runs the undos registered so far, newest first, and
 re-raises; ``stop()`` runs the same list. So the stop order is written once,
-as the start order reversed: reminders, stats, watchdog, idle collection;
+as the start order reversed: stream delivery (leases handed back), reminders,
+stats, watchdog, idle collection;
 rebalancer, control inbox, drain requests, migrator, failure detector,
 heartbeat (all before the leave, so no heartbeat runs into our own Dead
 row); the view; the leave (Dead, directory entries purged, and for a
@@ -58,6 +60,7 @@ it Dead already, and a zombie must not purge what its successors registered.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import inspect
@@ -74,7 +77,9 @@ import redis.asyncio as aioredis
 
 from grains.base import Grain
 from grains.ids import SiloAddress
+from grains.placement import grain_options
 from grains.ref import GrainRef, Ref
+from grains.streams import subscriptions
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -110,6 +115,8 @@ from silo.stats import CallStats, StatsPublisher
 from silo.storage.checkpoint import Checkpoints
 from silo.storage.provider import REDIS, StorageProviders, directory_owner
 from silo.storage.store import RedisStateStore
+from silo.streams.agent import StreamAgent
+from silo.streams.stream import Streams
 from silo.tracing import Tracing
 
 log = logging.getLogger("redgrain.silo")
@@ -183,6 +190,7 @@ class Silo:
     housekeeper: Housekeeper
     watchdog: LoopWatchdog
     stats_publisher: StatsPublisher
+    streams: Streams
 
     def __init__(
         self,
@@ -220,6 +228,8 @@ class Silo:
         self._dead_unwind: asyncio.Task[None] | None = None
         self._dead_deadline: asyncio.TimerHandle | None = None
         self._hook: ShutdownHook | None = None
+        self.stream_agents: list[StreamAgent] = []
+        """One per (namespace, @subscribes grain type) this silo hosts (silo/streams/agent.py)."""
 
     # --- start -------------------------------------------------------------
     async def start(self) -> Silo:
@@ -342,6 +352,7 @@ class Silo:
             owner=str(me), codec=self.codec, transport=self.transport, call_timeout_s=s.transport.call_timeout_s
         )
         self._on_stop("observers", self.observers.close)
+        self.streams = Streams(self.redis, self.keys, self.codec, s.streams, clock=self._clock)
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
@@ -355,6 +366,7 @@ class Silo:
             reminders=self.reminders,
             outgoing_filters=self._outgoing_filters,
             observers=self.observers,
+            streams=self.streams,
         )
         self._on_stop("grain threads", self.runtime.shutdown)
         self.call_stats = CallStats()
@@ -518,6 +530,50 @@ class Silo:
                 timeout_s=self.settings.reminders.delivery_timeout_s,
             )
         )
+        self._on_stop("stream delivery", self._stop_stream_agents)
+        self._start_stream_agents()
+
+    def _start_stream_agents(self) -> None:
+        """Deliver the namespaces our ``@subscribes`` grain types subscribe to (last: it makes calls)."""
+        me = str(self.address)
+        delivery = RouterDelivery(
+            router=self.router,
+            manifests=self.manifests,
+            dispatcher=self.dispatcher,
+            transport=self.transport,
+            timeout_s=self.settings.streams.delivery_timeout_s,
+        )
+        for cls in self.types.classes():
+            type_name = grain_options(cls).type_name
+            for namespace in subscriptions(cls):
+                agent = StreamAgent(
+                    redis=self.redis,
+                    keys=self.keys,
+                    namespace=namespace,
+                    group=type_name,
+                    me=me,
+                    candidates=functools.partial(self._hosting, type_name),
+                    is_dead=self._is_dead,
+                    deliver=delivery.send,
+                    codec=self.codec,
+                    settings=self.settings.streams,
+                )
+                self.stream_agents.append(agent)
+                agent.start()
+
+    async def _stop_stream_agents(self) -> None:
+        # A silo declared dead touches nothing in Redis: its leases run out or are taken.
+        await asyncio.gather(*(a.stop(release=not self._declared_dead) for a in self.stream_agents))
+
+    def _hosting(self, type_name: str) -> list[str]:
+        return [r.address for r in self.view.hosting(type_name)]
+
+    def _is_dead(self, address: str) -> bool:
+        try:
+            row = self.view.row(SiloAddress.parse(address))
+        except ValueError:
+            return False
+        return row is not None and row.status is SiloStatus.DEAD
 
     async def _stage_startup(self) -> None:
         await run_startup_tasks(self._startup_tasks, self, self.settings.startup_timeout_s)
@@ -646,6 +702,7 @@ class Silo:
             "failure_detector": self.detector.statistics(),
             "rebalancer": self.rebalancer.statistics(self.migrator),
             "housekeeping": self.housekeeper.statistics(),
+            "streams": {f"{a.namespace}/{a.group}": dataclasses.asdict(a.statistics()) for a in self.stream_agents},
         }
 
 

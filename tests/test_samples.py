@@ -29,10 +29,11 @@ def test_hello_sample_greets_from_a_silo() -> None:
     assert "Hello again, from greeter 'alice'" in out and "(greeting #2)" in out
 
 
-def test_chat_room_sample_fans_out_to_every_member() -> None:
+def test_chat_room_sample_streams_to_every_member_and_its_history_grain() -> None:
     out = run_sample("chat_room.py")
     assert "each message went to 3 members" in out
-    assert "[lobby] ada: hello everyone" in out and "[lobby] grace: hi ada" in out
+    assert "  [lobby] ada: hello everyone\n  [lobby] grace: hi ada\n" in out  # in order
+    assert "(RoomHistory, fed by its implicit subscription): 2 lines" in out
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ const state = {
   methodSort: { key: "calls_per_s", desc: true },
   eventKind: "",
   reminderType: "",
+  streamNamespace: "",
   logs: { level: "", silo: "", entries: [], lastId: null, open: new Set() },  // the Logs page's tail
   overviewRing: [],      // [time, calls/s, errors/s] kept by this page for the overview chart
   timer: null,
@@ -512,6 +513,35 @@ pages.reminders = async () => {
       `<td class="num" data-col="period">${period(x.period_s)}</td><td data-col="next-due">${due(x.next_due)}</td>` +
       `<td data-col="last-fired">${x.last_fired ? due(x.last_fired) : `<span class="muted">not yet</span>`}</td>` +
       `<td data-col="silo">${x.last_silo ? link("/silos/" + enc(x.last_silo), x.last_silo) : "–"}</td></tr>`;
+  }
+  return html + `</tbody></table></div>`;
+};
+
+// Streams: per stream, each subscribing grain type (consumer group) with its lag and consumers.
+function tokenTime(t) { return t ? clock(+t.split("-")[0] / 1000) : "–"; }
+pages.streams = async () => {
+  const q = state.streamNamespace ? "?namespace=" + enc(state.streamNamespace) : "";
+  const r = await api("/api/streams" + q);
+  let html = `<h1>Streams</h1><div class="sub">Redis streams by namespace and key: items kept, and for each @subscribes grain type its lag, unacknowledged items, the silo delivering it and the group's consumers</div>` +
+    `<div class="toolbar">Namespace <select data-testid="stream-namespace" onchange="state.streamNamespace=this.value;refresh()">` +
+    ["", ...r.namespaces].map((n) => `<option value="${esc(n)}"${n === state.streamNamespace ? " selected" : ""}>${esc(n || "all")}</option>`).join("") +
+    `</select><span class="muted">${num(r.streams.length)} stream${r.streams.length === 1 ? "" : "s"}${r.truncated ? " (more not listed)" : ""}</span></div>`;
+  if (!r.streams.length) return html + `<div class="notice" data-testid="streams-empty">No streams${state.streamNamespace ? " in " + esc(state.streamNamespace) : ""}.</div>`;
+  html += `<div class="table-wrap"><table data-testid="streams-table"><thead><tr><th>Namespace</th><th>Key</th><th class="num">Items</th><th>Newest</th>` +
+    `<th>Subscriber</th><th class="num">Lag</th><th class="num">Pending</th><th>Delivered by</th><th>Consumers (pending)</th></tr></thead><tbody>`;
+  for (const x of r.streams) {
+    const groups = x.groups.length ? x.groups : [null];
+    groups.forEach((g, i) => {
+      const head = i ? `<td></td><td></td><td></td><td></td>` :
+        `<td data-col="namespace">${esc(x.namespace)}</td><td data-col="key">${esc(x.key)}</td>` +
+        `<td class="num" data-col="length">${num(x.length)}</td><td data-col="newest">${tokenTime(x.last_token)}</td>`;
+      const tail = !g ? `<td class="muted">no implicit subscriber</td><td></td><td></td><td></td><td></td>` :
+        `<td data-col="group">${link("/grains/" + enc(g.name), g.name)}</td>` +
+        `<td class="num" data-col="lag">${g.lag === null ? "?" : num(g.lag)}</td><td class="num" data-col="pending">${num(g.pending)}</td>` +
+        `<td data-col="holder">${g.holder ? link("/silos/" + enc(g.holder), g.holder) : "–"}</td>` +
+        `<td data-col="consumers">${g.consumers.map((c) => `${esc(c.name)} (${num(c.pending)})`).join(", ") || "–"}</td>`;
+      html += `<tr data-stream="${esc(x.namespace + "/" + x.key)}">${head}${tail}</tr>`;
+    });
   }
   return html + `</tbody></table></div>`;
 };

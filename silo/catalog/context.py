@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from grains.context import DeactivationReason, TimerHandle
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
+from grains.streams import Stream
 from silo import errors
 from silo.records import forget_progress, publish_progress
 
@@ -84,6 +85,10 @@ class ActivationContext:
 
     def request_deactivation(self, reason: DeactivationReason) -> None:
         self._act.request_deactivation(reason)
+
+    # --- streams ------------------------------------------------------------------------
+    def stream(self, namespace: str, key: Any) -> Stream:
+        return self._runtime.stream(namespace, key)  # type: ignore[no-any-return]
 
     # --- state ------------------------------------------------------------------------
     def get_state(self) -> Any:

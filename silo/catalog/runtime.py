@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from silo.messaging.observer_hub import ObserverHub
     from silo.messaging.router import Manifests
     from silo.storage.checkpoint import Checkpoints
+    from silo.streams.stream import RedisStream, Streams
 
 R = TypeVar("R")
 G = TypeVar("G", bound=Grain)
@@ -91,6 +92,7 @@ class SiloRuntime:
         reminders: ReminderService | None = None,
         outgoing_filters: list[OutgoingFilter] | None = None,
         observers: ObserverHub | None = None,
+        streams: Streams | None = None,
     ) -> None:
         self.view = view
         """The silo's MembershipView (who is in the cluster)."""
@@ -110,6 +112,7 @@ class SiloRuntime:
         self._reminders = reminders
         self.observers = observers
         """The silo's observer hub (grains' ``self.observer``)."""
+        self._streams = streams
 
     def get_grain(self, grain: Any, key: Any, source: Activation | None = None) -> Any:
         """A reference for a call from ``source`` (an activation: its calls run the outgoing filters)."""
@@ -145,6 +148,12 @@ class SiloRuntime:
         if self._reminders is None:
             raise errors.ConfigError("reminders are not available on this silo")
         return self._reminders
+
+    def stream(self, namespace: str, key: Any) -> RedisStream:
+        """A handle on stream ``(namespace, key)`` (silo/streams/)."""
+        if self._streams is None:
+            raise errors.ConfigError("streams need Redis: not available on this silo (the in-process harness)")
+        return self._streams.stream(namespace, key)
 
     def checkpoints(self) -> Checkpoints:
         """The silo's ``silo.storage.checkpoint.Checkpoints`` (snapshots of grain groups)."""

@@ -360,7 +360,8 @@ class ReminderService:
 
 
 class RouterDelivery:
-    """Delivers a tick as a call through the silo's router: locate (activating if needed), send."""
+    """Delivers a tick (or a stream item) as a call through the silo's router: locate (activating
+    if needed), send."""
 
     def __init__(
         self,
@@ -378,6 +379,11 @@ class RouterDelivery:
         self._timeout_s = timeout_s
 
     async def __call__(self, grain: GrainId, name: str) -> str:
+        return await self.send(grain, REMINDER_METHOD, (name,))
+
+    async def send(self, grain: GrainId, method: str, args: tuple[Any, ...]) -> str:
+        """Deliver one call of an internal method (a reminder tick, a stream item); returns
+        the address of the silo that ran it."""
         info = await self._manifests.get(grain.type_name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
@@ -387,7 +393,7 @@ class RouterDelivery:
             target = await self._router.locate(grain, info)
             try:
                 if target == self._dispatcher.address:
-                    await self._dispatcher.dispatch(Call(grain, REMINDER_METHOD, (name,)), deadline)
+                    await self._dispatcher.dispatch(Call(grain, method, args), deadline)
                     return str(target)
                 try:
                     conn = await self._transport.connect(target.endpoint)
@@ -397,7 +403,7 @@ class RouterDelivery:
                     self._router.forget_silo(target)
                 else:
                     remaining = deadline - loop.time()
-                    await self._router.send(conn, Call(grain, REMINDER_METHOD, (name,), None, remaining))
+                    await self._router.send(conn, Call(grain, method, args, None, remaining))
                     return str(target)
             except errors.SiloNotServingError:
                 if loop.time() + delay > deadline:

@@ -37,6 +37,7 @@ from silo.codec import Codec
 from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
+from silo.streams.turn import STREAM_METHOD, stream_turn
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ class Dispatcher:
             or self.closed
             or self.draining
             or method == REMINDER_METHOD
+            or method == STREAM_METHOD
             or method not in self._types.methods(grain.type_name)
             or (self.moving and grain in self.moving)
             or self.fenced()
@@ -338,7 +340,7 @@ class Dispatcher:
         if grain.type_name == OBSERVER_TYPE and self.observers is not None:
             return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
-        if method not in self._types.methods(grain.type_name) and method != REMINDER_METHOD:
+        if method not in self._types.methods(grain.type_name) and method not in (REMINDER_METHOD, STREAM_METHOD):
             raise errors.UnknownMethodError(grain.type_name, method)
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
@@ -373,6 +375,8 @@ class Dispatcher:
             turn: Callable[[], Awaitable[Any]] | None
             if method == REMINDER_METHOD:
                 turn = reminder_turn(act, args)
+            elif method == STREAM_METHOD:
+                turn = stream_turn(act, args)
             else:
                 turn = None if self.tracing is None else self._traced_turn(act, call, trace)
             inv = Invocation(  # positional, as in _serve_nowait

@@ -1,0 +1,460 @@
+"""Delivery to ``@subscribes`` grains: at least once, in order per stream key, on any silo.
+
+Each silo hosting a grain type marked ``@subscribes(namespace)`` runs one
+:class:`StreamAgent` per (namespace, type). The type's name is the consumer
+group on every stream of the namespace (so two types subscribed to one
+namespace each get every item); the silo's address is its consumer name.
+
+**Which silo delivers which key.** Per-key order needs one reader per key at
+a time; a consumer group alone would hand consecutive entries of one stream to
+different silos. So each key is held by one silo under a lease
+(``keys.stream_lease``, a string with a TTL, renewed every third of
+``lease_s``). A silo goes for the keys that rendezvous hashing over the active
+silos hosting the type gives it (balanced, and stable as silos come and go),
+found in the namespace's key set (``keys.stream_keys``, re-read every
+``discover_interval_s``). A key that rendezvous moves away from us is
+released once its delivery in progress ends, and only then can its new owner
+take it. A lease whose holder the membership table declares Dead is taken at
+once; a holder that merely stops renewing loses it after ``lease_s``.
+
+**Taking a key over** (at start, after a move, after a death): ``XAUTOCLAIM``
+moves every entry pending in the group, whoever read it, to us (idle time 0:
+the lease is the exclusion, and its expiry the idle time), the consumers of
+dead silos are deleted from the group, then our pending
+list is delivered in entry order before anything new. Entries pending in the
+group are older than any never read (``XREADGROUP >`` hands them out in
+order), so the grain sees its items in order, resuming after the last one
+acknowledged: a turn that ran but whose ``XACK`` was lost runs again.
+
+**Delivering.** One task per held key: read (``XREADGROUP >``, a batch, no
+block) while there is a backlog, else go idle; one shared blocking read per
+agent waits on every idle key at once (so a silo holding thousands of quiet
+keys uses one Redis connection for them). Each item is a call of the internal
+``__stream__`` method (``turn.py``), routed like any call (activating the
+grain where placement puts it), then ``XACK``-ed. Failures of the runtime
+(silo gone, timeout, Redis) are retried, with backoff, until the item runs:
+order is kept rather than skipping. An exception raised by the grain's own
+``on_stream_item`` is logged, counted and acknowledged (a poison item must not
+stop its key), as is an item this silo cannot decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from grains.ids import GrainId
+from silo import errors
+from silo.codec import Codec
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+from silo.settings import StreamSettings
+from silo.shutdown import raise_if_cancelled
+from silo.streams.stream import ITEM_FIELD
+from silo.streams.turn import STREAM_METHOD
+
+log = logging.getLogger("redgrain.streams")
+
+Deliver = Callable[[GrainId, str, tuple[Any, ...]], Awaitable[Any]]
+"""Runs one call (grain, method, args) wherever the grain lives; raises what the call raised."""
+
+RETRIED = (
+    errors.SiloError,
+    errors.GrainTimeoutError,
+    errors.GrainDeactivatedError,
+    errors.OverloadedError,
+    errors.StorageError,
+)
+"""Failures of the runtime, not of the grain: the item is delivered again until it runs."""
+
+# KEYS: leases.  ARGV: holder, ttl ms.  1 per lease still ours (TTL renewed), 0 per lost one.
+_RENEW = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[1] then
+    redis.call('PEXPIRE', k, ARGV[2])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# KEYS: lease.  ARGV: holder.  Deletes the lease only if it is the holder's.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAgentStatistics:
+    namespace: str
+    group: str
+    """The subscribing grain type (the consumer group's name)."""
+    keys_held: int
+    """Stream keys this silo delivers now (holds the lease of)."""
+    delivered: int
+    """Items whose on_stream_item returned (acknowledged)."""
+    failed: int
+    """Items acknowledged without a successful turn: the grain raised, or the item was undecodable."""
+    retries: int
+    """Deliveries retried after a runtime failure (silo gone, timeout, Redis)."""
+    claimed: int
+    """Pending entries taken over from the group (another silo's, or our own earlier read)."""
+    trimmed: int
+    """Pending entries gone from the stream (trimmed) before they could be delivered."""
+
+
+class _Key:
+    """One held stream key: its delivery task and what was read ahead."""
+
+    __slots__ = ("fed", "grain", "idle", "key", "lost", "queue", "redis_key", "stopping", "task")
+
+    def __init__(self, key: str, redis_key: str, grain: GrainId) -> None:
+        self.key, self.redis_key, self.grain = key, redis_key, grain
+        self.queue: collections.deque[tuple[bytes, dict[bytes, bytes] | None]] = collections.deque()
+        self.idle = False
+        """Caught up: the agent's shared blocking read waits on this key."""
+        self.fed = asyncio.Event()
+        self.stopping = False
+        self.lost = False
+        """The lease was lost (not released by us): touch nothing of this key any more."""
+        self.task: asyncio.Task[None] | None = None
+
+
+def _owner(candidates: list[str], namespace: str, key: str) -> str | None:
+    """Rendezvous hashing: the candidate with the highest hash of (candidate, stream)."""
+    best, best_score = None, b""
+    for c in candidates:
+        score = hashlib.blake2b(f"{c}\x00{namespace}\x00{key}".encode(), digest_size=8).digest()
+        if best is None or score > best_score:
+            best, best_score = c, score
+    return best
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class StreamAgent:
+    """Delivers one namespace's streams to one ``@subscribes`` grain type, for one silo."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        namespace: str,
+        group: str,
+        me: str,
+        candidates: Callable[[], Iterable[str]],
+        is_dead: Callable[[str], bool],
+        deliver: Deliver,
+        codec: Codec,
+        settings: StreamSettings,
+    ) -> None:
+        self._redis, self._keys, self._codec, self._settings = redis, keys, codec, settings
+        self.namespace, self.group, self.me = namespace, group, me
+        self._candidates = candidates
+        self._is_dead = is_dead
+        self._deliver = deliver
+        self._held: dict[str, _Key] = {}
+        self._owners: dict[str, str | None] = {}
+        self._owners_for: tuple[str, ...] = ()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._renew_script = redis.register_script(_RENEW)
+        self._release_script = redis.register_script(_RELEASE)
+        self._delivered = self._failed = self._retries = self._claimed = self._trimmed = 0
+
+    # --- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._maintain_forever(), name=f"streams {self.namespace}/{self.group}: leases"),
+            loop.create_task(self._read_idle_forever(), name=f"streams {self.namespace}/{self.group}: reader"),
+        ]
+
+    async def stop(self, *, release: bool = True) -> None:
+        """Stop delivering; a delivery in progress is cancelled unacknowledged (it comes again).
+
+        ``release``: hand our leases back at once, so another silo takes the keys now
+        (False for a silo declared dead: it touches nothing in Redis).
+        """
+        self._closed = True
+        pumps = [k.task for k in self._held.values() if k.task is not None]
+        for t in (*self._tasks, *pumps):
+            t.cancel()
+        await asyncio.gather(*self._tasks, *pumps, return_exceptions=True)
+        held, self._held = list(self._held.values()), {}
+        if release:
+            for k in held:
+                if not k.lost:
+                    await self._release(k)
+
+    # --- leases and ownership --------------------------------------------------------
+    async def _maintain_forever(self) -> None:
+        s = self._settings
+        period = min(s.discover_interval_s, s.lease_s / 3)
+        loop = asyncio.get_running_loop()
+        renew_at = 0.0
+        while not self._closed:
+            try:
+                if loop.time() >= renew_at:
+                    renew_at = loop.time() + s.lease_s / 3
+                    await self._renew()
+                await self.balance()
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                log.warning("streams %s/%s: %s", self.namespace, self.group, exc)
+            except Exception:  # the loop must outlive one bad pass
+                log.exception("streams %s/%s: lease pass failed", self.namespace, self.group)
+            raise_if_cancelled()
+            await asyncio.sleep(period)
+
+    async def balance(self) -> None:
+        """Take the keys rendezvous gives us (when free), hand back those it gives another silo."""
+        with redis_errors(f"read the keys of stream namespace {self.namespace!r}"):
+            found = {_text(k) for k in await self._redis.smembers(self._keys.stream_keys(self.namespace))}
+        candidates = tuple(sorted(set(self._candidates())))
+        if candidates != self._owners_for:
+            self._owners, self._owners_for = {}, candidates
+        mine = set()
+        for key in found:
+            owner = self._owners.get(key, "")
+            if owner == "":
+                owner = self._owners[key] = _owner(list(candidates), self.namespace, key)
+            if owner == self.me:
+                mine.add(key)
+        for key, k in list(self._held.items()):
+            if key not in mine and not k.stopping:
+                k.stopping = True  # the pump ends after its delivery in progress, then releases
+                k.fed.set()
+        for key in sorted(mine - self._held.keys()):
+            if self._closed:
+                return
+            if await self._acquire(key):
+                self._take(key)
+
+    async def _acquire(self, key: str) -> bool:
+        lease = self._keys.stream_lease(self.namespace, key, self.group)
+        ttl_ms = max(1, round(self._settings.lease_s * 1000))
+        with redis_errors(f"take stream {self.namespace}/{key}"):
+            if await self._redis.set(lease, self.me, nx=True, px=ttl_ms):
+                return True
+            holder = await self._redis.get(lease)
+            if holder is None or _text(holder) == self.me or not self._is_dead(_text(holder)):
+                return False
+            # Declared dead: it serves nothing any more, so its lease need not run out first.
+            await self._release_script(keys=[lease], args=[holder])
+            return bool(await self._redis.set(lease, self.me, nx=True, px=ttl_ms))
+
+    async def _renew(self) -> None:
+        held = [k for k in self._held.values() if not k.lost]
+        if not held:
+            return
+        ttl_ms = max(1, round(self._settings.lease_s * 1000))
+        leases = [self._keys.stream_lease(self.namespace, k.key, self.group) for k in held]
+        with redis_errors(f"renew stream leases of {self.namespace!r}"):
+            kept = await self._renew_script(keys=leases, args=[self.me, ttl_ms])
+        for k, ok in zip(held, kept, strict=True):
+            if not ok:
+                log.warning("streams: lost the lease of %s/%s to another silo", self.namespace, k.key)
+                k.lost = k.stopping = True
+                k.fed.set()
+
+    async def _release(self, k: _Key) -> None:
+        try:
+            with redis_errors(f"release stream {self.namespace}/{k.key}"):
+                await self._release_script(keys=[self._keys.stream_lease(self.namespace, k.key, self.group)], args=[self.me])
+        except errors.StorageError as exc:  # it runs out by itself
+            log.warning("streams: %s", exc)
+
+    def _take(self, key: str) -> None:
+        k = _Key(key, self._keys.stream(self.namespace, key), GrainId(self.group, key))
+        self._held[key] = k
+        k.task = asyncio.get_running_loop().create_task(self._pump(k), name=f"stream {self.namespace}/{key}")
+
+    # --- one key ---------------------------------------------------------------------
+    async def _pump(self, k: _Key) -> None:
+        try:
+            await self._ensure_group(k)
+            await self._recover(k)
+            while not k.stopping:
+                if not k.queue:
+                    read = await self._read(k, ">")
+                    if not read:
+                        k.idle = True
+                        self._wake.set()
+                        await k.fed.wait()
+                        k.fed.clear()
+                        continue
+                    k.queue.extend(read)
+                entry_id, fields = k.queue.popleft()
+                await self._deliver_entry(k, entry_id, fields)
+        except errors.StorageError as exc:
+            log.warning("streams: delivery of %s/%s stopped: %s", self.namespace, k.key, exc)
+        except Exception:
+            log.exception("streams: delivery of %s/%s failed", self.namespace, k.key)
+        finally:
+            k.idle = False
+            if self._held.get(k.key) is k and not self._closed:
+                del self._held[k.key]
+                if not k.lost:
+                    await self._release(k)  # another silo takes it from what we acknowledged
+
+    async def _ensure_group(self, k: _Key) -> None:
+        with redis_errors(f"create consumer group {self.group} on stream {self.namespace}/{k.key}"):
+            try:
+                # From the stream's start: an implicit subscriber gets every item the stream keeps.
+                await self._redis.xgroup_create(k.redis_key, self.group, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _recover(self, k: _Key) -> None:
+        """Take every entry pending in the group, then deliver ours in order (see the module doc)."""
+        start: bytes | str = "0-0"
+        with redis_errors(f"claim pending entries of stream {self.namespace}/{k.key}"):
+            while True:
+                reply = await self._redis.xautoclaim(
+                    k.redis_key, self.group, self.me, min_idle_time=0, start_id=start, count=self._settings.batch
+                )
+                self._claimed += len(reply[1])
+                self._trimmed += len(reply[2]) if len(reply) > 2 else 0
+                start = reply[0]
+                if _text(start) == "0-0":
+                    break
+            # Consumers of dead silos hold nothing now: drop them, so the group lists the living.
+            consumers: Any = await self._redis.xinfo_consumers(k.redis_key, self.group)
+            for c in consumers:
+                name = _text(c["name"])
+                if name != self.me and not c["pending"] and self._is_dead(name):
+                    await self._redis.xgroup_delconsumer(k.redis_key, self.group, name)
+        last: bytes | str = "0-0"
+        while not k.stopping:
+            pending = await self._read(k, last)
+            if not pending:
+                return
+            for entry_id, fields in pending:
+                if k.stopping:
+                    return
+                await self._deliver_entry(k, entry_id, fields)
+                last = entry_id
+
+    async def _read(self, k: _Key, position: bytes | str) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        with redis_errors(f"read stream {self.namespace}/{k.key}"):
+            reply: Any = await self._redis.xreadgroup(
+                self.group, self.me, {k.redis_key: position}, count=self._settings.batch
+            )
+        return [(e, f) for _, entries in reply or () for e, f in entries]
+
+    async def _deliver_entry(self, k: _Key, entry_id: bytes, fields: dict[bytes, bytes] | None) -> None:
+        token = _text(entry_id)
+        blob = (fields or {}).get(ITEM_FIELD)
+        if blob is None:  # trimmed while pending: nothing left to deliver
+            self._trimmed += 1
+            await self._ack(k, entry_id)
+            return
+        try:
+            item = self._codec.loads(blob)
+        except errors.CodecError as exc:
+            self._failed += 1
+            log.warning("streams: item %s of %s/%s cannot be decoded here, skipped: %s", token, self.namespace, k.key, exc)
+            await self._ack(k, entry_id)
+            return
+        delay = 0.05
+        while True:
+            try:
+                await self._deliver(k.grain, STREAM_METHOD, (self.namespace, item, token))
+                self._delivered += 1
+                break
+            except RETRIED as exc:
+                if k.stopping or self._closed:
+                    return  # no ack: whoever holds the key next delivers it
+                self._retries += 1
+                log.info("streams: delivery of %s to %s failed (%s), retrying", token, k.grain, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except Exception as exc:  # noqa: BLE001 - the grain's own error: skip the item, keep the key
+                self._failed += 1
+                log.warning("streams: %s.on_stream_item(%s) raised %s: %s", k.grain, token, type(exc).__name__, exc)
+                break
+        await self._ack(k, entry_id)
+
+    async def _ack(self, k: _Key, entry_id: bytes) -> None:
+        # Until it lands (or the key is no longer ours): a later item acknowledged before an
+        # earlier one would let a new holder deliver them out of order.
+        delay = 0.05
+        while not k.lost:
+            try:
+                with redis_errors(f"acknowledge item of stream {self.namespace}/{k.key}"):
+                    await self._redis.xack(k.redis_key, self.group, entry_id)
+                return
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                log.warning("streams: %s (retrying)", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # --- the shared wait on idle keys ------------------------------------------------------
+    async def _read_idle_forever(self) -> None:
+        s = self._settings
+        while not self._closed:
+            idle = {k.redis_key: k for k in self._held.values() if k.idle and not k.stopping}
+            self._wake.clear()
+            if not idle:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), s.block_ms / 1000)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                with redis_errors(f"wait on streams of {self.namespace!r}"):
+                    reply: Any = await self._redis.xreadgroup(
+                        self.group, self.me, dict.fromkeys(idle, ">"), count=s.batch, block=s.block_ms
+                    )
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                if "NOGROUP" in str(exc):  # a stream deleted under us: its pump makes the group again
+                    for k in idle.values():
+                        k.idle = False
+                        k.fed.set()
+                    continue
+                log.warning("streams: %s", exc)
+                await asyncio.sleep(s.block_ms / 1000)
+                continue
+            raise_if_cancelled()
+            for name, entries in reply or ():
+                fed = idle.get(_text(name))
+                if fed is None or not entries:
+                    continue
+                fed.queue.extend(entries)
+                fed.idle = False
+                fed.fed.set()
+
+    def statistics(self) -> StreamAgentStatistics:
+        return StreamAgentStatistics(
+            namespace=self.namespace,
+            group=self.group,
+            keys_held=len(self._held),
+            delivered=self._delivered,
+            failed=self._failed,
+            retries=self._retries,
+            claimed=self._claimed,
+            trimmed=self._trimmed,
+        )

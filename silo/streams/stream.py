@@ -1,0 +1,200 @@
+"""Publishing to a stream and reading it explicitly, on Redis Streams.
+
+One Redis stream per ``(namespace, key)`` (``keys.stream``); each item is one
+entry whose field ``v`` holds the item as a codec blob (``Codec.dumps``: the
+wire's rules, never pickle), and whose entry id is the item's *token*. A
+publish is one pipeline: the namespace into ``keys.stream_namespaces``, the
+key into ``keys.stream_keys(namespace)`` (how silos find keys to deliver to
+``@subscribes`` grains: ``agent.py``), the ``XADD`` with ``MAXLEN`` and, with
+a max age, an ``XTRIM MINID`` (retention: ``StreamSettings``). The sets come
+first, so a key is never in a stream without being findable; the pipeline is
+not a transaction, so a future Redis Cluster may put the stream in a slot of
+its own.
+
+An explicit subscription is a plain reader (``XREAD BLOCK`` from a position it
+keeps): no consumer group, nothing stored in Redis, nothing to clean up when
+the subscriber leaves. Starting "from now" pins the stream's last id at the
+first read, so nothing published between two reads is skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, Self
+
+import redis.asyncio as aioredis
+
+from grains.ids import _key_str
+from grains.streams import StreamItem, check_namespace
+from silo import errors
+from silo.codec import Codec
+from silo.keys import Keys
+from silo.redis_util import redis_errors
+from silo.settings import StreamSettings
+
+ITEM_FIELD = b"v"
+"""The entry field holding the item's codec blob."""
+
+
+def stream_key_str(key: Any) -> str:
+    """A stream key as the grain key of its ``@subscribes`` grain (str, int or UUID, as str)."""
+    try:
+        return _key_str(key)
+    except TypeError as exc:
+        raise ValueError(str(exc).replace("grain key", "stream key")) from None
+
+
+def check_token(token: str) -> str:
+    """A token is a Redis stream entry id, ``<ms>-<seq>``."""
+    ms, sep, seq = token.partition("-") if isinstance(token, str) else ("", "", "")
+    if not (sep and ms.isdigit() and seq.isdigit()):
+        raise ValueError(f"a stream token is an entry id like '1700000000000-0', not {token!r}")
+    return token
+
+
+class Streams:
+    """Makes stream handles for one silo or client (its Redis, keys, codec and settings)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        codec: Codec,
+        settings: StreamSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis, self.keys, self.codec, self.settings = redis, keys, codec, settings
+        self.clock = clock
+        """Wall clock for max-age trimming (injected by tests)."""
+
+    def stream(self, namespace: str, key: Any) -> RedisStream:
+        return RedisStream(self, check_namespace(namespace), stream_key_str(key))
+
+
+class RedisStream:
+    """A handle on one stream (see ``grains.streams.Stream``); holds nothing open."""
+
+    __slots__ = ("_key", "_namespace", "_redis_key", "_streams")
+
+    def __init__(self, streams: Streams, namespace: str, key: str) -> None:
+        self._streams = streams
+        self._namespace, self._key = namespace, key
+        self._redis_key = streams.keys.stream(namespace, key)
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def __repr__(self) -> str:
+        return f"<stream {self._namespace}/{self._key}>"
+
+    async def publish(self, item: Any) -> str:
+        s = self._streams
+        try:
+            blob = s.codec.dumps(item)
+        except errors.CodecError as exc:
+            raise errors.CodecError(f"cannot publish to stream {self._namespace}/{self._key}: {exc}") from exc
+        cfg = s.settings
+        pipe = s.redis.pipeline(transaction=False)
+        pipe.sadd(s.keys.stream_namespaces, self._namespace)
+        pipe.sadd(s.keys.stream_keys(self._namespace), self._key)
+        pipe.xadd(self._redis_key, {ITEM_FIELD: blob}, maxlen=cfg.maxlen, approximate=cfg.approximate_trim)
+        if cfg.max_age_s is not None:
+            oldest_ms = int((s.clock() - cfg.max_age_s) * 1000)
+            pipe.xtrim(self._redis_key, minid=f"{max(oldest_ms, 0)}-0", approximate=cfg.approximate_trim)
+        with redis_errors(f"publish to stream {self._namespace}/{self._key}"):
+            replies = await pipe.execute()
+        token = replies[2]
+        return token.decode() if isinstance(token, bytes) else str(token)
+
+    def subscribe(self, *, from_start: bool = False, from_token: str | None = None) -> RedisSubscription:
+        if from_start and from_token is not None:
+            raise ValueError("subscribe takes from_start or from_token, not both")
+        position = "0-0" if from_start else None if from_token is None else check_token(from_token)
+        return RedisSubscription(self._streams, self._namespace, self._key, position)
+
+    async def length(self) -> int:
+        """Items the stream keeps now (after trimming)."""
+        with redis_errors(f"read length of stream {self._namespace}/{self._key}"):
+            return int(await self._streams.redis.xlen(self._redis_key))
+
+
+class RedisSubscription:
+    """Items of one stream after a position, in order, as :class:`~grains.streams.StreamItem`.
+
+    ``async for ev in sub`` waits for new items (``XREAD BLOCK``, at most
+    ``StreamSettings.block_ms`` per read). Without a start, "from now" means
+    from ``async with`` (or the first read); leaving the loop stops it, and
+    ``close()`` from another task ends the loop after the read in progress. An
+    item this process cannot decode raises ``CodecError`` naming its token (a
+    new subscription ``from_token=`` it goes on after it).
+    """
+
+    def __init__(self, streams: Streams, namespace: str, key: str, position: str | None) -> None:
+        self._streams = streams
+        self._namespace, self._key = namespace, key
+        self._redis_key = streams.keys.stream(namespace, key)
+        self._position = position
+        """Token of the last item handed out (None: not pinned yet, 'from now')."""
+        self._ready: collections.deque[tuple[str, bytes | None]] = collections.deque()
+        self._closed = False
+
+    @property
+    def position(self) -> str | None:
+        """Token of the last item handed out (where a new subscription would resume)."""
+        return self._position
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        while not self._ready or self._closed:
+            if self._closed:
+                raise StopAsyncIteration
+            await self._read()
+        token, blob = self._ready.popleft()
+        self._position = token
+        if blob is None:
+            raise errors.CodecError(f"stream {self._namespace}/{self._key} item {token} has no {ITEM_FIELD!r} field")
+        try:
+            item = self._streams.codec.loads(blob)
+        except errors.CodecError as exc:
+            raise errors.CodecError(f"stream {self._namespace}/{self._key} item {token}: {exc}") from exc
+        return StreamItem(item, token)
+
+    async def pin(self) -> None:
+        """Fix "from now" to the stream's last item (done by ``async with`` and the first read)."""
+        if self._position is None:
+            with redis_errors(f"read stream {self._namespace}/{self._key}"):
+                last: Any = await self._streams.redis.xrevrange(self._redis_key, count=1)
+            self._position = last[0][0].decode() if last else "0-0"
+
+    async def _read(self) -> None:
+        s = self._streams
+        await self.pin()  # two reads never skip what was published between them
+        assert self._position is not None
+        with redis_errors(f"read stream {self._namespace}/{self._key}"):
+            reply: Any = await s.redis.xread(
+                {self._redis_key: self._position}, count=s.settings.batch, block=s.settings.block_ms
+            )
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                token = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                self._ready.append((token, (fields or {}).get(ITEM_FIELD)))
+
+    async def close(self) -> None:
+        self._closed = True
+
+    async def __aenter__(self) -> Self:
+        await self.pin()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

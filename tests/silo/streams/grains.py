@@ -1,0 +1,74 @@
+"""Grains for the stream tests (also loaded by silo subprocesses: no torch import here)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from grains import Grain, random_placement, subscribes
+
+
+class Tick(BaseModel):
+    """One numbered item of one stream key."""
+
+    n: int
+
+
+@random_placement
+@subscribes("orders")
+class OrderLog(Grain):
+    """Implicitly subscribed to namespace "orders": records every item it was given, persisted
+    in the same turn, so what it saw survives the death of its silo."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+        tokens: list[str] = []
+        silos: list[str] = []
+
+    async def on_stream_item(self, item: Tick, token: str) -> None:
+        self.state.seen.append(item.n)
+        self.state.tokens.append(token)
+        self.state.silos.append(str(self.silo))
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)
+
+    async def tokens(self) -> list[str]:
+        return list(self.state.tokens)
+
+    async def silos(self) -> list[str]:
+        return list(self.state.silos)
+
+
+@subscribes("poison")
+class Picky(Grain):
+    """Raises on odd items: they are skipped (logged, counted), the even ones still arrive."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        if item % 2:
+            raise ValueError(f"odd item {item}")
+        self.state.seen.append(item)
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)
+
+
+class Publisher(Grain):
+    """Publishes from inside a grain (``self.stream``)."""
+
+    async def publish(self, namespace: str, key: str, n: int) -> str:
+        return await self.stream(namespace, key).publish(Tick(n=n))
+
+    async def read(self, namespace: str, key: str, count: int) -> list[int]:
+        """The first ``count`` items of the stream, read with an explicit subscription."""
+        out: list[int] = []
+        async with self.stream(namespace, key).subscribe(from_start=True) as sub:
+            async for ev in sub:
+                out.append(ev.item.n)
+                if len(out) == count:
+                    break
+        return out
