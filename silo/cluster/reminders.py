@@ -394,7 +394,7 @@ class RouterDelivery:
                 except errors.SiloUnavailableError:
                     if loop.time() + delay > deadline:
                         raise
-                    self._router.forget_silo(target)
+                    self._router.forget(grain)
                 else:
                     remaining = deadline - loop.time()
                     await self._router.send(conn, Call(grain, REMINDER_METHOD, (name,), None, remaining))
