@@ -31,10 +31,24 @@ pytestmark = pytest.mark.slow
 
 ENTRIES = 200_000
 SLOW_US = 10_000
+OVERLOADED_SLOW_US = 100_000
+"""The bound when the machine has more runnable processes than cores (see ``overloaded``)."""
 # Tighter than the tests' usual settings: Redis blocked for half a second fences the silo.
 MEMBERSHIP = MembershipSettings(
     heartbeat_s=0.1, suspect_after_s=0.4, probe_timeout_s=0.2, dead_after_s=0.5, refresh_s=0.5
 )
+
+
+def overloaded() -> bool:
+    """More runnable processes than cores: wall-clock times then say more about the scheduler.
+
+    SLOWLOG times commands by the wall clock. On a shared 2-core machine with a load
+    of 6-7, a 0.7 ms purge step was logged at up to 80 ms (redis-server descheduled
+    mid-script, its raised priority notwithstanding: the other load runs in other
+    cgroups). There the bound is 100 ms, still far below the one-script purge this
+    test exists for (0.44 s for these 200k entries on an idle machine).
+    """
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
 
 
 def fill_directory(client: redis.Redis, keys: Keys, silo: str, n: int) -> None:
@@ -87,6 +101,7 @@ async def test_a_dead_silo_with_200k_entries_is_purged_without_a_slow_command_or
                     await asyncio.sleep(0.01)
 
             await silo.start()
+            loaded = overloaded()
             silo.cluster_events.add_listener(on_event)
             watcher = asyncio.ensure_future(watch_fence())
             try:
@@ -101,10 +116,13 @@ async def test_a_dead_silo_with_200k_entries_is_purged_without_a_slow_command_or
             assert data["purged"] == ENTRIES
             assert sync.scard(keys.directory_index(dead.address)) == 0
             assert next(sync.scan_iter(keys.directory_entry("*"), count=10_000), None) is None
-            slow = [(e["duration"], e["command"][:80]) for e in sync.slowlog_get(1024)]
-            assert not slow, f"commands over {SLOW_US} µs: {slow}"
+            bound = OVERLOADED_SLOW_US if loaded or overloaded() else SLOW_US
+            slow = [(e["duration"], e["command"][:80]) for e in sync.slowlog_get(1024) if e["duration"] > bound]
+            assert not slow, f"commands over {bound} µs: {slow}"
             assert not fenced_seen, f"the live silo fenced itself (last heartbeat {max(fenced_seen):.2f}s old)"
             assert beats.failures == 0
-            print(f"purged {ENTRIES} entries in {took:.2f}s; heartbeats {beats.beats}")
+            slowest = max((e["duration"] for e in sync.slowlog_get(1024)), default=0)
+            print(f"purged {ENTRIES} entries in {took:.2f}s; slowest command {slowest} µs (logged over {SLOW_US} µs; "
+                  f"bound {bound} µs, load {os.getloadavg()[0]:.1f}); heartbeats {beats.beats}")
         finally:
             sync.close()

@@ -6,8 +6,8 @@ the twin reads an in-memory table, the Redis directory the rows in Redis.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
