@@ -123,6 +123,9 @@ class RouterStatistics:
     """Undelivered calls retried after a fresh lookup."""
     placements: int
     """Calls that placed a new activation."""
+    cached_locations: int = 0
+    """Grain locations in the cache (at most ``directory.cache_size``); some may name dead silos,
+    which calls skip: the cache is not swept when a silo dies."""
 
 
 class Router:
@@ -403,7 +406,11 @@ class Router:
 
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(
-            calls=self._calls, local_calls=self._local_calls, retries=self._retries, placements=self._placements
+            calls=self._calls,
+            local_calls=self._local_calls,
+            retries=self._retries,
+            placements=self._placements,
+            cached_locations=len(self._where),
         )
 
 

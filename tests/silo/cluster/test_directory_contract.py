@@ -207,3 +207,14 @@ async def test_a_live_silos_entries_are_never_purged(world: World) -> None:
         await d.purge_silo(A)
     assert await d.lookup(G) == entry
     assert await d.entries_of(A) == [G]
+
+
+async def test_lookups_share_one_address_object_per_silo(world: World) -> None:
+    # The router caches an entry's silo for up to a million grains: one object per silo, not per grain.
+    d = world.directory
+    grains = [GrainId("Counter", f"s{i}") for i in range(3)]
+    for g in grains:
+        await d.register(g, A, f"act-{g.key}")
+    found = [await d.lookup(g) for g in grains]
+    assert all(e is not None and e.silo == A for e in found)
+    assert len({id(e.silo) for e in found if e is not None}) == 1
