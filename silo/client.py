@@ -143,7 +143,9 @@ class ClusterClient:
         self.transport.set_handler(self.observers.on_frame)
         table = RedisMembershipTable(self.redis, self.keys)
         self.view = MembershipView(table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
-        self.directory = RedisGrainDirectory(self.redis, self.keys)
+        # The router's location cache is the one calls read (directory.cache_size); the
+        # directory's own entry cache would hold the same grains again at ~530 B each.
+        self.directory = RedisGrainDirectory(self.redis, self.keys, cache_size=0)
         self.manifests = Manifests(self.redis, self.keys)
         self.router = Router(
             transport=self.transport,
@@ -152,6 +154,7 @@ class ClusterClient:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            cache_size=s.directory.cache_size,
             tracing=self.tracing,
         )
         caller = self.router if self.tracing is None else self.tracing.caller(self.router)

@@ -106,16 +106,31 @@ class CatalogSettings(_Section):
     slow_turn_ms: float = Field(100.0, gt=0, description="Watchdog: log any turn holding the loop longer.")
 
 
+class DirectorySettings(_Section):
+    """Where grains live: the lookup cache of a silo or client."""
+
+    cache_size: int = Field(
+        1_000_000,
+        ge=0,
+        description="Grain locations a silo or client caches (about 105 B an entry, plus the grain id when "
+        "nothing else holds it); a call to a grain not in it reads the directory in Redis first.",
+    )
+
+
 class RebalancerSettings(_Section):
     """The cluster's one rebalancer (elected) and the handoff on drain."""
 
     enabled: bool = Field(True, description="Take part in the rebalancer election on this silo.")
     period_s: float = Field(5.0, gt=0, description="How often the leader compares loads and orders moves.")
     max_moves_per_period: int = Field(
-        20, ge=0, description="Activations moved per period at most, so training is not disturbed."
+        20,
+        ge=0,
+        description="Activations each silo is told to move away per period at most (the cluster's rate "
+        "grows with the silos above the mean), so training is not disturbed.",
     )
     tolerance: float = Field(
-        0.2, ge=0, description="A silo is overloaded above mean * (1 + tolerance) movable activations."
+        0.2, ge=0, description="A silo is overloaded above mean * (1 + tolerance) movable activations; one below "
+        "mean * (1 - tolerance) draws from every silo above the mean.",
     )
     lease_ttl_s: float = Field(
         3.0, gt=0, description="Leader lease in Redis; a dead leader is replaced after this."
@@ -309,6 +324,7 @@ class SiloSettings(_SecretAlias):
     transport: TransportSettings = TransportSettings()
     membership: MembershipSettings = MembershipSettings()
     catalog: CatalogSettings = CatalogSettings()
+    directory: DirectorySettings = DirectorySettings()
     storage: StorageSettings = StorageSettings()
     reminders: RemindersSettings = RemindersSettings()
     rebalancer: RebalancerSettings = RebalancerSettings()
@@ -357,3 +373,4 @@ class ClientSettings(_SecretAlias):
         return _check_import_paths(paths)
 
     streams: StreamSettings = StreamSettings()
+    directory: DirectorySettings = DirectorySettings()

@@ -318,7 +318,9 @@ class Silo:
         assert me is not None
         self.cluster_events = ClusterEvents()
         self.cluster_events.add_listener(self.events.on_event)
-        self.directory = RedisGrainDirectory(self.redis, self.keys)
+        # The router's location cache is the one calls read (directory.cache_size); the
+        # directory's own entry cache would hold the same grains again at ~530 B each.
+        self.directory = RedisGrainDirectory(self.redis, self.keys, cache_size=0)
         self.view = MembershipView(self.table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
         self.manifests = Manifests(self.redis, self.keys)
         for name in self.types.names():
@@ -336,6 +338,7 @@ class Silo:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            cache_size=s.directory.cache_size,
             tracing=self._tracing,
         )
         self.refs = RefFactory(self.router, self.manifests, self.codec)

@@ -3,14 +3,16 @@
 One silo at a time holds the ``rebalancer`` lease in Redis (SET NX PX,
 renewed; a dead leader is replaced after ``lease_ttl_s``). The leader:
 
-* **fails over** every Dead silo that still has directory entries: it lists
-  the dead silo's index, purges its entries, and re-activates its
-  ``@keep_alive`` grains on survivors at once (the others re-activate on
-  their next call);
+* **fails over** every Dead silo that still has directory entries: it purges
+  them in bounded steps (``RedisGrainDirectory.purge_batch``: no script holds
+  Redis more than a few ms) and re-activates the ``@keep_alive`` grains among
+  them on survivors at once (the others re-activate on their next call);
 * **balances**: a silo holding more than ``mean * (1 + tolerance)``
-  activations is told (a ``move`` system call) to move the surplus to the
-  silos below the mean, at most ``max_moves_per_period`` per period. A silo
-  that just joined has none, so it gets a share within a period.
+  activations (or more than the mean while another holds less than
+  ``mean * (1 - tolerance)``) is told (a ``move`` system call) to move the
+  surplus to the silos below the mean, at most ``max_moves_per_period`` per
+  period *each*, so the cluster's rate grows with its size. A silo that just
+  joined has none, so it gets a share from every silo above the mean.
 
 The move itself runs on the source silo (``silo/cluster/migrator.py``);
 ``@immovable`` and ``@keep_alive`` grains are never moved for balance
@@ -189,18 +191,36 @@ class Rebalancer:
                 await self.fail_over(row.silo)
 
     async def fail_over(self, dead: SiloAddress) -> None:
-        grains = await self._directory.entries_of(dead)
+        """Purge a dead silo's entries step by step, re-activating its @keep_alive grains as they come.
+
+        Each step is one bounded script (``RedisGrainDirectory.purge_batch``); the
+        lease is renewed between steps when due, so a long purge (a million
+        entries take seconds) never lets it lapse. Lost to another silo: that
+        leader's next round goes on where this one stopped.
+        """
         keep = await self._keep_alive_types()
-        purged = await self._directory.purge_silo(dead)
-        restarted = 0
-        for grain in grains:
-            if grain.type_name not in keep:
-                continue
-            try:
-                await self._router.activate(grain)
-                restarted += 1
-            except errors.RedgrainError as exc:
-                log.warning("could not re-activate keep-alive %s: %s", grain, exc)
+        renew_every = min(self._s.lease_ttl_s / 3, self._s.period_s)
+        renewed = self._clock()
+        purged = restarted = 0
+        while True:
+            if self._stopping:
+                return
+            if self._clock() - renewed >= renew_every:
+                if not await self.lease.acquire_or_renew():
+                    return
+                renewed = self._clock()
+            batch = await self._directory.purge_batch(dead)
+            purged += len(batch.grains)
+            for grain in batch.grains:
+                if grain.type_name not in keep:
+                    continue
+                try:
+                    await self._router.activate(grain)
+                    restarted += 1
+                except errors.RedgrainError as exc:
+                    log.warning("could not re-activate keep-alive %s: %s", grain, exc)
+            if not batch.remaining:
+                break
         self.failovers += 1
         self.keep_alive_restarted += restarted
         self._events.emit(
@@ -220,26 +240,37 @@ class Rebalancer:
         return out
 
     def plan(self) -> list[tuple[SiloAddress, int, list[str]]]:
-        """(source, how many, targets) for each overloaded silo, within the move budget."""
+        """(source, how many, targets) for each silo that gives, each within its move budget.
+
+        A silo gives when it holds more than ``mean * (1 + tolerance)``, or more
+        than the mean while some silo holds less than ``mean * (1 - tolerance)``
+        (one that just joined: among a hundred silos no single one rises far
+        above the mean when a new one starts empty). The budget,
+        ``max_moves_per_period``, is each source's: the cluster's rate grows
+        with the silos that give, while no silo moves more per period than
+        before (docs/decisions.md).
+        """
         rows = self._view.active()
         if len(rows) < 2:
             return []
         counts = {r.address: r.load.activations for r in rows}
         mean = sum(counts.values()) / len(rows)
         under = [a for a, c in sorted(counts.items(), key=lambda x: x[1]) if c < mean]
+        starved = any(c < mean * (1 - self._s.tolerance) for c in counts.values())
         budget = self._s.max_moves_per_period
         out = []
         now = self._clock()
         for row in sorted(rows, key=lambda r: -counts[r.address]):
             c = counts[row.address]
-            if budget <= 0 or not under or c <= mean * (1 + self._s.tolerance) or c - mean < 1:
+            if budget <= 0 or not under or c - mean < 1:
+                continue
+            if c <= mean * (1 + self._s.tolerance) and not starved:
                 continue
             if self._cooldown.get(row.address, 0.0) > now:
                 continue  # its published count may not show the last moves yet
             k = min(c - math.ceil(mean), budget)
             if k > 0:
                 out.append((row.silo, k, under))
-                budget -= k
         return out
 
     async def balance(self) -> int:

@@ -400,7 +400,7 @@ class RouterDelivery:
                 except errors.SiloUnavailableError:
                     if loop.time() + delay > deadline:
                         raise
-                    self._router.forget_silo(target)
+                    self._router.forget(grain)
                 else:
                     remaining = deadline - loop.time()
                     await self._router.send(conn, Call(grain, method, args, None, remaining))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -48,8 +48,9 @@ class MembershipStatistics:
     """Silos Dead in the view."""
     refreshes: int
     """Times the table was re-read."""
-    members: dict[str, str] = field(default_factory=dict)
-    """Address -> status, as seen here."""
+    # No member list: every silo publishes these figures each second, and a list
+    # would make each record O(n) and the dashboard's read of all of them O(n²).
+    # The dashboard reads the membership table itself.
 
 
 class MembershipView:
@@ -210,5 +211,4 @@ class MembershipView:
             active=statuses.count(SiloStatus.ACTIVE),
             dead=statuses.count(SiloStatus.DEAD),
             refreshes=self._refreshes,
-            members={a: r.status.value for a, r in self.rows.items()},
         )

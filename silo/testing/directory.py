@@ -5,7 +5,8 @@ contract tests in ``tests/silo/cluster/test_directory_contract.py`` run the
 same cases on both): register returns the winner and hands out increasing
 fencing tokens, a registrant that is not live is refused, an entry whose silo
 is not live is taken over, unregister is compare-and-delete, a per-silo index
-lets survivors purge a dead silo's entries, and lookups go through the same
+lets survivors purge a dead silo's entries (in steps of at most
+``purge_batch`` grains, never a live silo's), and lookups go through the same
 bounded local cache (so a test sees what a silo sees after an invalidation).
 
 ``is_alive`` plays the membership table; by default every silo is live. Wire
@@ -19,7 +20,14 @@ from typing import TYPE_CHECKING
 
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.cluster.directory import DirectoryEntry, DirectoryStatistics, GrainDirectory, _Cache
+from silo.cluster.directory import (
+    PURGE_BATCH,
+    DirectoryEntry,
+    DirectoryStatistics,
+    GrainDirectory,
+    PurgedBatch,
+    _Cache,
+)
 
 
 def _always_alive(silo: SiloAddress) -> bool:
@@ -30,8 +38,15 @@ class InMemoryGrainDirectory:
     """A ``GrainDirectory`` in a dict (all silos of a test may share one)."""
 
     def __init__(
-        self, is_alive: Callable[[SiloAddress], bool] = _always_alive, *, cache_size: int = 100_000
+        self,
+        is_alive: Callable[[SiloAddress], bool] = _always_alive,
+        *,
+        cache_size: int = 100_000,
+        purge_batch: int = PURGE_BATCH,
     ) -> None:
+        if purge_batch < 1:
+            raise errors.ConfigError(f"purge_batch must be at least 1, not {purge_batch}")
+        self._purge_count = purge_batch
         self._entries: dict[GrainId, DirectoryEntry] = {}
         self._index: dict[SiloAddress, set[GrainId]] = {}
         self._is_alive = is_alive
@@ -85,16 +100,30 @@ class InMemoryGrainDirectory:
             self._cache.drop(grain)
         return entry
 
-    async def purge_silo(self, silo: SiloAddress) -> int:
-        self._cache.drop_silo(silo)
-        n = 0
-        for grain in self._index.pop(silo, set()):
+    async def purge_batch(self, silo: SiloAddress) -> PurgedBatch:
+        if self._is_alive(silo):
+            raise errors.MembershipError(f"silo {silo} is live: its directory entries are not purged")
+        index = self._index.get(silo, set())
+        removed = []
+        for _ in range(min(self._purge_count, len(index))):
+            grain = index.pop()
             cur = self._entries.get(grain)
             if cur is not None and cur.silo == silo:
                 del self._entries[grain]
-                n += 1
-        self._purged += n
-        return n
+                removed.append(grain)
+        if not index:
+            self._index.pop(silo, None)
+        self._purged += len(removed)
+        return PurgedBatch(tuple(removed), len(index))
+
+    async def purge_silo(self, silo: SiloAddress) -> int:
+        self._cache.drop_silo(silo)
+        n = 0
+        while True:
+            batch = await self.purge_batch(silo)
+            n += len(batch.grains)
+            if not batch.remaining:
+                return n
 
     async def entries_of(self, silo: SiloAddress) -> list[GrainId]:
         return list(self._index.get(silo, ()))

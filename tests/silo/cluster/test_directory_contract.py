@@ -6,6 +6,7 @@ the twin reads an in-memory table, the Redis directory the rows in Redis.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import pytest
 
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.cluster.directory import RedisGrainDirectory
+from silo.cluster.directory import PurgedBatch, RedisGrainDirectory
 from silo.cluster.membership import MembershipTable, RedisMembershipTable
 from silo.keys import Keys
 from silo.records import MemberRow, SiloStatus
@@ -23,6 +24,8 @@ from silo.testing.membership import InMemoryMembershipTable
 
 A, B, C = (SiloAddress("127.0.0.1", 7000 + i, 1) for i in range(3))
 G = GrainId("Counter", "g")
+BATCH = 4
+"""Purge step bound in these tests: small, so a purge of a few grains takes several steps."""
 
 
 @dataclass
@@ -43,13 +46,13 @@ class World:
 async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
     if request.param == "memory":
         table = InMemoryMembershipTable()
-        w = World(InMemoryGrainDirectory(table.is_alive), table)
+        w = World(InMemoryGrainDirectory(table.is_alive, purge_batch=BATCH), table)
         await w.live(A, B)
         yield w
         return
     redis = connect_redis(request.getfixturevalue("redis_url"))
     keys = Keys("contract")
-    w = World(RedisGrainDirectory(redis, keys), RedisMembershipTable(redis, keys))
+    w = World(RedisGrainDirectory(redis, keys, purge_batch=BATCH), RedisMembershipTable(redis, keys))
     await w.live(A, B)
     try:
         yield w
@@ -150,3 +153,68 @@ async def test_the_lookup_cache_serves_until_invalidated(world: World) -> None:
     assert d.cached(G) is None and d.cached(g2) == other
     stats = d.statistics()
     assert (stats.cache_size, stats.cache_hits, stats.cache_misses) == (1, 3, 2)
+
+
+async def test_purge_goes_in_steps_of_at_most_the_batch_and_keeps_what_a_live_silo_took_over(world: World) -> None:
+    d = world.directory
+    mine = [GrainId("Counter", f"a{i}") for i in range(11)]
+    for g in mine:
+        await d.register(g, A, f"act-{g.key}")
+    await world.kill(A)
+    left = len(mine)
+    purged: list[GrainId] = []
+    taken = {}
+    while True:
+        batch = await d.purge_batch(A)
+        # A step takes at most BATCH grains off the index, and removes only what it took.
+        assert len(batch.grains) <= BATCH and left - batch.remaining <= BATCH
+        assert batch.remaining == len(await d.entries_of(A))
+        purged += batch.grains
+        # Between steps a live silo re-activates grains of the dead one (a takeover also
+        # takes the grain off the dead silo's index): the purge leaves them be.
+        for g in [g for g in mine if g not in purged and g not in taken][:2]:
+            taken[g] = await d.register(g, B, f"b-{g.key}")
+        left = len(await d.entries_of(A))
+        if not batch.remaining:
+            break
+    assert taken and purged and set(purged).isdisjoint(taken) and set(purged) | set(taken) == set(mine)
+    for g in mine:
+        assert await d.lookup(g) == taken.get(g)
+    assert sorted(await d.entries_of(B), key=str) == sorted(taken, key=str)
+    assert await d.purge_batch(A) == PurgedBatch((), 0)  # done, and a second purger finds nothing
+    assert d.statistics().purged == len(purged)
+
+
+async def test_two_purgers_at_once_split_the_work_and_remove_everything(world: World) -> None:
+    d = world.directory
+    mine = [GrainId("Counter", f"a{i}") for i in range(30)]
+    for g in mine:
+        await d.register(g, A, f"act-{g.key}")
+    await world.kill(A)
+    counts = await asyncio.gather(d.purge_silo(A), d.purge_silo(A))
+    assert sum(counts) == len(mine)
+    for g in mine:
+        assert await d.lookup(g) is None
+    assert await d.entries_of(A) == []
+
+
+async def test_a_live_silos_entries_are_never_purged(world: World) -> None:
+    d = world.directory
+    entry = await d.register(G, A, "a1")
+    with pytest.raises(errors.MembershipError):
+        await d.purge_batch(A)
+    with pytest.raises(errors.MembershipError):
+        await d.purge_silo(A)
+    assert await d.lookup(G) == entry
+    assert await d.entries_of(A) == [G]
+
+
+async def test_lookups_share_one_address_object_per_silo(world: World) -> None:
+    # The router caches an entry's silo for up to a million grains: one object per silo, not per grain.
+    d = world.directory
+    grains = [GrainId("Counter", f"s{i}") for i in range(3)]
+    for g in grains:
+        await d.register(g, A, f"act-{g.key}")
+    found = [await d.lookup(g) for g in grains]
+    assert all(e is not None and e.silo == A for e in found)
+    assert len({id(e.silo) for e in found if e is not None}) == 1

@@ -185,6 +185,25 @@ async def test_a_call_to_a_killed_silo_is_retried_until_it_is_declared_dead(
     assert router(a).statistics().retries >= 2
 
 
+async def test_a_dead_silos_cached_locations_are_skipped_not_swept_and_its_grains_come_back(
+    cluster: InProcessCluster, clock: VirtualClock
+) -> None:
+    a, b, _ = cluster.silos
+    refs = [a.get_grain(Where, f"w{i}") for i in range(3)]
+    for ref in refs:
+        await placed(ref, b, via=a)
+        assert await ref.where() == str(b.address)
+    cached = router(a).statistics().cached_locations
+    assert cached >= len(refs)
+    await cluster.kill(b)
+    await cluster.declare_dead(b)
+    # A death costs the survivors' loops nothing: the cache (up to a million grains) is not walked.
+    assert router(a).statistics().cached_locations == cached
+    for ref in refs:
+        assert await ref.where() != str(b.address)  # the stale location is skipped, then replaced
+    assert router(a).statistics().cached_locations == cached
+
+
 async def test_bad_requests_get_a_codec_error_answer_and_the_silo_keeps_serving(
     cluster: InProcessCluster, clock: VirtualClock
 ) -> None:
