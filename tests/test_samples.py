@@ -29,11 +29,21 @@ def test_hello_sample_greets_from_a_silo() -> None:
     assert "Hello again, from greeter 'alice'" in out and "(greeting #2)" in out
 
 
-def test_chat_room_sample_streams_to_every_member_and_its_history_grain() -> None:
+def test_chat_room_sample_streams_messages_and_pushes_presence_by_observer() -> None:
     out = run_sample("chat_room.py")
     assert "each message went to 3 members" in out
-    assert "  [lobby] ada: hello everyone\n  [lobby] grace: hi ada\n" in out  # in order
+    assert "  [lobby] ada: hello everyone\n  [lobby] grace: hi ada, and @linus\n" in out  # in order
     assert "(RoomHistory, fed by its implicit subscription): 2 lines" in out
+    # Observers: each member is told of the others' joins and leaves (not its own, nor ada's
+    # renewal), only linus of his mention, and linus, whose client closed without leaving, is
+    # found gone when grace leaves: dropped, and announced to ada as left.
+    told = out[out.index("what the room told each member") :].splitlines()[1:]
+    assert told == [
+        "  ada: grace joined; linus joined; grace left; linus left",
+        "  grace: linus joined",
+        "  linus: grace mentioned you: hi ada, and @linus",
+        "present now: ada",
+    ], out
 
 
 @pytest.mark.slow
