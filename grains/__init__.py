@@ -29,6 +29,7 @@ from grains.placement import (
     resource_placement,
     silo_role,
     stateless_worker,
+    version,
     write_behind,
 )
 from grains.ref import GrainRef
@@ -56,5 +57,6 @@ __all__ = [
     "resource_placement",
     "silo_role",
     "stateless_worker",
+    "version",
     "write_behind",
 ]

@@ -43,6 +43,8 @@ class GrainOptions:
     interleave: frozenset[str] = field(default_factory=frozenset)
     read_only: frozenset[str] = field(default_factory=frozenset)
     one_way: frozenset[str] = field(default_factory=frozenset)
+    version: int = 1
+    """The class's ``@version(n)``: its method list is published per (type, version)."""
 
 
 def _set(attr: str, value: object) -> Callable[[T], T]:
@@ -58,6 +60,18 @@ def grain_type(name: str) -> Callable[[T], T]:
     if not name or "/" in name:
         raise ValueError(f"grain type name must be non-empty and contain no '/': {name!r}")
     return _set("__rg_type_name__", name)
+
+
+def version(n: int) -> Callable[[T], T]:
+    """This class is version ``n`` of its grain type (undecorated: 1).
+
+    Bump it whenever the public methods change, so silos of two versions can run side
+    by side in a rolling upgrade: each publishes its own method list, and a call goes to
+    an activation whose version has the method (docs/concepts.md, Versions).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a grain version is an int >= 1, not {n!r}")
+    return _set("__rg_version__", n)
 
 
 def reentrant(cls: T) -> T:
@@ -164,6 +178,7 @@ def grain_options(cls: type) -> GrainOptions:
         interleave=frozenset(n for n, f in methods.items() if getattr(f, "__rg_interleave__", False)),
         read_only=frozenset(n for n, f in methods.items() if getattr(f, "__rg_read_only__", False)),
         one_way=frozenset(n for n, f in methods.items() if getattr(f, "__rg_one_way__", False)),
+        version=int(getattr(cls, "__rg_version__", 1)),
     )
     type.__setattr__(cls, "__rg_options__", opts)
     return opts

@@ -20,7 +20,7 @@ from silo.storage.store import StateStore
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
     from silo.cluster.reminders import ReminderService
-    from silo.messaging.router import Manifests
+    from silo.messaging.manifests import Manifests
     from silo.storage.checkpoint import Checkpoints
 
 R = TypeVar("R")
@@ -34,23 +34,33 @@ class RefFactory:
         self._manifests = manifests
         self._codec = codec
         self._by_name: dict[str, type[GrainRef]] = {}
+        self._classes: dict[str, type[Grain]] = {}
+        """Type name -> the grain class first used for it here (what a ref by that name falls back to)."""
+        self._registered: set[type[Grain]] = set()
 
     def get_grain(self, grain: type[Grain] | str, key: Any) -> Any:
         if isinstance(grain, str):
-            ref_cls = self._by_name.get(grain)
-            if ref_cls is None:
-                info = self._manifests.get_nowait(grain)
-                if info is None:
+            info = self._manifests.get_nowait(grain)
+            if info is None:
+                known = self._classes.get(grain)  # a class of that name was used here already
+                if known is None:
                     raise errors.UnknownGrainError(grain, "no silo has published it yet")
+                return ref_class_for(known)(self._caller, GrainId.of(grain, key))
+            ref_cls = self._by_name.get(grain)
+            # Rebuilt when the manifests changed: a version that joined since may add methods.
+            if ref_cls is None or ref_cls._methods != info.methods:
                 ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")
         name = grain_options(grain).type_name
-        if name not in self._by_name:
+        # Per class, not per type name: two versions of one type (a rolling upgrade) have
+        # different methods, and each class's ref has exactly its own.
+        if grain not in self._registered:
             self._codec.registry.register_annotations(grain)
-            self._by_name[name] = ref_class_for(grain)
-        return self._by_name[name](self._caller, GrainId.of(name, key))
+            self._registered.add(grain)
+            self._classes.setdefault(name, grain)
+        return ref_class_for(grain)(self._caller, GrainId.of(name, key))
 
 
 class SiloRuntime:
