@@ -13,6 +13,7 @@ from grains.ids import GrainId
 from grains.placement import grain_options
 from grains.ref import GrainRef, build_ref_class, ref_class_for
 from silo import errors
+from silo.catalog.evolution import StateLoader
 from silo.catalog.state import StateHandle
 from silo.codec import Codec
 from silo.storage.store import StateStore
@@ -90,6 +91,7 @@ class SiloRuntime:
         self._refs = refs
         self._store = store
         self._codec = codec
+        self._state_loader = StateLoader(codec)
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
         self._checkpoints = checkpoints
         self._reminders = reminders
@@ -126,7 +128,7 @@ class SiloRuntime:
         return self._checkpoints
 
     def state_handle(self, activation: Activation) -> StateHandle:
-        return StateHandle(activation, self._store, self._codec)
+        return StateHandle(activation, self._store, self._codec, self._state_loader)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
