@@ -20,8 +20,9 @@ in order, with the reason for the order:
    call them yet: no membership row names the address.
 6. ``join``: the row, as Joining. We listen already, so a peer that probes
    the new row finds us.
-7. ``publish``: our grain type manifests, before we are Active: a caller
-   that routes to us must find the types we host.
+7. ``publish``: our grain type manifests (one per type and ``@version``),
+   before we are Active: a caller that routes to us must find the methods of
+   the versions we host.
 8. ``active``: the row Active, the membership view started, manifests read.
    From here calls arrive, and everything that serves them exists.
 9. ``cluster``: heartbeat thread, failure detector, control inbox and drain

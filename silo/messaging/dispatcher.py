@@ -4,7 +4,11 @@ Requests arrive from the transport (remote callers) or straight from the
 router (calls between grains of this silo). A call that reaches a silo that
 does not own the grain is forwarded to the owner (at most two hops); a call
 that was queued on an activation that then went away is re-routed, never
-dropped.
+dropped. A call this silo's ``@version`` of the grain type must not serve (its
+version lacks the method, or a newer version is active elsewhere and the grain
+has no activation here) is turned away unrun with ``VersionMismatchError``,
+after deactivating the activation here if it lacks the method, and the caller
+places it again (silo/cluster/versions.py).
 
 Each request becomes one :class:`~grains.call.Call` (rebuilt from the frame
 header, or handed over by the router) and a deadline on this silo's clock,
