@@ -314,6 +314,8 @@ class Dispatcher:
         try:
             result = await self.dispatch(call, deadline, (id(conn), req_id), trace)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
+            if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
+                return
             self._errors += 1
             conn.send_error(req_id, exc)
         else:
@@ -556,7 +558,29 @@ class Dispatcher:
         try:
             await self.dispatch(call, deadline, track, trace)
         except Exception as exc:  # noqa: BLE001 - nobody waits for the answer: log and count it
-            self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), exc)
+            if not self._send_one_way_again(call, deadline, exc):
+                self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), exc)
+
+    def _send_one_way_again(self, call: Call, deadline: float, exc: Exception) -> bool:
+        """A one-way call turned away here unrun (a drain, a version mismatch): its caller has
+        moved on and cannot retry it, so this silo places it again, as the caller's router would
+        have, one hop further. False when it may not (hops used up, deadline passed)."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if not isinstance(exc, errors.SiloNotServingError) or call.hops >= MAX_HOPS or remaining <= 0:
+            return False
+        self._router.forget(call.grain)
+        again = call.forwarded(remaining)
+
+        async def send() -> None:
+            try:
+                await self._router.invoke(again, True)
+            except Exception as err:  # noqa: BLE001 - nobody waits for the answer: log and count it
+                self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), err)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
 
     def one_way_failed(self, label: str, peer: str, exc: BaseException) -> None:
         self._one_way_failed += 1

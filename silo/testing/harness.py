@@ -123,6 +123,9 @@ class _LocalRouter:
     async def refresh_membership(self) -> None:
         pass
 
+    def forget(self, grain: GrainId) -> None:
+        pass  # nothing cached: every call goes to this silo
+
     async def forward(self, target: SiloAddress, call: Call, deadline: float) -> Any:
         assert self.dispatcher is not None
         if target != self._address:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from grains import Grain, grain_type, version
+from grains import Grain, grain_type, one_way, version
 
 
 @version(2)
@@ -29,3 +29,9 @@ class LedgerV2(Grain):
     async def summary(self) -> dict[str, Any]:
         """New in v2."""
         return {**self.state.model_dump(), "version": 2}
+
+    @one_way
+    async def relabel(self, label: str) -> None:
+        """New in v2, and one-way: its caller is gone by the time a silo turns it away."""
+        self.state.label = label
+        await self.write_state()

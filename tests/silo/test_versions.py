@@ -80,6 +80,22 @@ async def test_a_client_connected_before_v2_calls_its_new_method_and_the_grain_m
         assert (await client.get_grain("Ledger", "k").summary())["total"] == 6
 
 
+async def test_a_one_way_call_of_a_new_method_turned_away_by_a_v1_silo_is_sent_on_by_that_silo(
+    cluster, client: ClusterClient
+) -> None:
+    (a,) = await cluster(1, grains=V1)
+    assert await client.get_grain(LedgerV1, "o").add(2) == (2, 1)
+    await cluster(1, grains=V2)
+    # Sent to the v1 silo, where the grain lives; the caller has moved on when it is turned away.
+    assert await client.get_grain(LedgerV2, "o").relabel("gold") is None
+    async with asyncio.timeout(5):
+        while (await client.get_grain(LedgerV2, "o").summary())["label"] != "gold":
+            await asyncio.sleep(0.01)
+    # Turned away there (then the summary calls too, until the client's cache forgot the v1 silo).
+    assert a.dispatcher.statistics().version_mismatches >= 1
+    assert a.dispatcher.statistics().one_way_failed == 0
+
+
 async def test_new_activations_go_to_the_newest_version_and_the_old_silo_makes_none(cluster, client: ClusterClient) -> None:
     (a,) = await cluster(1, grains=V1)
     assert await client.get_grain(LedgerV1, "old").add(1) == (1, 1)
