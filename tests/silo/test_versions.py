@@ -19,6 +19,7 @@ from silo.client import ClusterClient
 from silo.cluster.versions import compatible
 from silo.keys import manifest_field
 from silo.records import MemberRow
+from silo.testing.harness import InProcessCluster
 from tests.silo.ledger_v1 import LedgerV1
 from tests.silo.ledger_v2 import LedgerV2
 
@@ -143,3 +144,14 @@ async def test_after_a_rollback_a_method_only_the_gone_version_had_fails_clearly
         await client.get_grain(LedgerV2, "r").with_timeout(5).summary()
     assert await client.get_grain(LedgerV1, "r").add(1) == (1, 1)  # the rest of the type still works
 
+
+
+async def test_the_in_process_cluster_serves_versions_the_same_way() -> None:
+    async with InProcessCluster([LedgerV1], silos=1) as world:
+        (old,) = world.silos
+        assert await old.get_grain(LedgerV1, "h").add(3) == (3, 1)
+        new = await world.add_silo([LedgerV2])
+        # From the old silo, which knew only v1 when it started: the grain moves to v2.
+        assert (await old.get_grain(LedgerV2, "h").summary())["total"] == 3
+        assert new.activation(new.get_grain(LedgerV2, "h")) is not None
+        assert old.activation(old.get_grain(LedgerV1, "h")) is None
