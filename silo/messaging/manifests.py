@@ -12,7 +12,7 @@ method may belong to a version that joined after the cache was read (a
 rolling upgrade). It re-reads the manifests, at most once per
 ``refresh_period_s`` for each (type, method) it misses (so a caller that
 keeps asking for a method nobody has costs one Redis read a period, not one
-a call); concurrent misses share one read. Still missing after that:
+a call); concurrent misses of one method share one read. Still missing after that:
 ``UnknownMethodError`` naming the type, the method and the versions known.
 """
 
@@ -134,6 +134,8 @@ class Manifests:
         self._missed: dict[tuple[str, str], float] = {}
         """(type, method or '@version') -> when a refresh was last made for it."""
         self._reading: asyncio.Task[None] | None = None
+        self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """Reads under way for a miss, shared by whoever misses the same meanwhile."""
         self.refreshes = 0
 
     def add_local(self, info: TypeInfo) -> None:
@@ -156,8 +158,7 @@ class Manifests:
         """The type's info once some version of it has ``method`` (see the module docstring)."""
         info = self._types.get(name)
         if info is None or method not in info.methods:
-            if self._due((name, method)):
-                await self.refresh()
+            await self._read_for((name, method))
             info = await self.get(name)
         if method not in info.methods:
             raise errors.UnknownMethodError(name, method, sorted(info.versions))
@@ -166,20 +167,32 @@ class Manifests:
     async def with_version(self, name: str, version: int) -> TypeInfo | None:
         """The type's info once it knows ``version`` (re-read at most once a period), else None."""
         info = self._types.get(name)
-        if (info is None or version not in info.versions) and self._due((name, f"@{version}")):
-            await self.refresh()
+        if info is None or version not in info.versions:
+            await self._read_for((name, f"@{version}"))
             info = self._types.get(name)
         return info if info is not None and version in info.versions else None
 
-    def _due(self, miss: tuple[str, str]) -> bool:
-        now = self._clock()
-        last = self._missed.get(miss)
-        if last is not None and now - last < self._period_s:
-            return False
-        if len(self._missed) >= MAX_REMEMBERED_MISSES:
-            self._missed.clear()
-        self._missed[miss] = now
-        return True
+    async def _read_for(self, miss: tuple[str, str]) -> None:
+        """Re-read for one miss: a read of its own (one begun before the miss may predate what it
+        looks for), shared by whoever misses the same meanwhile; none if one ran this period."""
+        pending = self._pending.get(miss)
+        if pending is None:
+            now = self._clock()
+            last = self._missed.get(miss)
+            if last is not None and now - last < self._period_s:
+                return
+            if len(self._missed) >= MAX_REMEMBERED_MISSES:
+                self._missed.clear()
+            self._missed[miss] = now
+            pending = self._pending[miss] = asyncio.get_running_loop().create_task(self._read())
+
+            def done(task: asyncio.Task[None]) -> None:
+                self._pending.pop(miss, None)
+                if not task.cancelled():
+                    task.exception()  # retrieved: every awaiter may have been cancelled
+
+            pending.add_done_callback(done)
+        await asyncio.shield(pending)
 
     async def refresh(self) -> None:
         """Re-read every manifest now; concurrent callers share one read."""
@@ -193,7 +206,10 @@ class Manifests:
     async def _read(self) -> None:
         published = await self._fetch()
         self.refreshes += 1
-        self._published = published
+        # Merged, not replaced: manifests are never deleted, and of two reads that overlap the
+        # older may finish last.
+        for name, versions in published.items():
+            self._published.setdefault(name, {}).update(versions)
         for name in {*published, *self._local}:
             self._combine(name)
 

@@ -7,17 +7,19 @@ whole upgrade on silo processes under load."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any, cast
 
 import pytest
 
 from grains import version
 from grains.call import Call
 from grains.ids import GrainId
-from grains.placement import grain_options
+from grains.placement import Placement, grain_options
 from silo import errors
 from silo.client import ClusterClient
 from silo.cluster.versions import compatible
-from silo.keys import manifest_field
+from silo.keys import Keys, manifest_field
+from silo.messaging.manifests import Manifests, TypeInfo
 from silo.records import MemberRow
 from silo.testing.harness import InProcessCluster
 from tests.silo.ledger_v1 import LedgerV1
@@ -155,3 +157,44 @@ async def test_the_in_process_cluster_serves_versions_the_same_way() -> None:
         assert (await old.get_grain(LedgerV2, "h").summary())["total"] == 3
         assert new.activation(new.get_grain(LedgerV2, "h")) is not None
         assert old.activation(old.get_grain(LedgerV1, "h")) is None
+
+
+class _GatedManifests(Manifests):
+    """Manifests whose Redis read waits for the test, with a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        super().__init__(cast(Any, None), Keys("t"), refresh_period_s=1.0, clock=lambda: self.now)
+        self.published: dict[str, dict[int, TypeInfo]] = {"T": {1: _info(1, "a")}}
+        self.gate = asyncio.Event()
+
+    async def _fetch(self) -> dict[str, dict[int, TypeInfo]]:
+        await self.gate.wait()
+        return {n: dict(v) for n, v in self.published.items()}
+
+
+def _info(v: int, *methods: str) -> TypeInfo:
+    return TypeInfo("T", frozenset(methods), Placement(), version=v)
+
+
+async def test_misses_of_one_method_share_one_read_and_another_read_waits_a_period() -> None:
+    m = _GatedManifests()
+    m.gate.set()
+    await m.refresh()
+    m.gate.clear()
+    m.published["T"][2] = _info(2, "a", "b")  # version 2 is published after our first read
+    both = asyncio.gather(m.with_method("T", "b"), m.with_method("T", "b"))
+    await asyncio.sleep(0)
+    m.gate.set()
+    first, second = await both
+    assert first.versions_with("b") == second.versions_with("b") == [2]
+    assert m.refreshes == 2  # the startup read and one shared by both misses
+    m.gate.set()
+    for _ in range(3):  # a method nobody has: one read, then refused at once for the period
+        with pytest.raises(errors.UnknownMethodError, match=r"versions known: 1, 2"):
+            await m.with_method("T", "zzz")
+    assert m.refreshes == 3
+    m.now += 1.0
+    with pytest.raises(errors.UnknownMethodError):
+        await m.with_method("T", "zzz")
+    assert m.refreshes == 4  # a period later: read again
