@@ -609,6 +609,7 @@ class Silo:
             "directory": self.directory.statistics(),
             "membership": self.view.statistics(),
             "router": self.router.statistics(),
+            "manifests": self.manifests.statistics(),
             "dispatcher": self.dispatcher.statistics(),
             "storage": self.store.statistics(),
             "reminders": self.reminders.statistics(),

@@ -112,6 +112,14 @@ def parse_manifests(raw: Mapping[Any, Any]) -> dict[str, dict[int, TypeInfo]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ManifestsStatistics:
+    reads: int
+    """Times every manifest was read from Redis (start, refreshes, misses)."""
+    versions: dict[str, list[int]]
+    """Grain type -> the versions whose method lists are known here."""
+
+
 class Manifests:
     """Every version's manifest of every grain type, cached; this silo's own types always known."""
 
@@ -228,3 +236,8 @@ class Manifests:
 
     def names(self) -> list[str]:
         return sorted(self._types)
+
+    def statistics(self) -> ManifestsStatistics:
+        return ManifestsStatistics(
+            reads=self.refreshes, versions={n: sorted(i.versions) for n, i in sorted(self._types.items())}
+        )
