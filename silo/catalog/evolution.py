@@ -16,8 +16,9 @@ whole tree, so at every nesting level:
   the field's path (``address.zip``), never a silent default.
 
 Nothing is dropped silently: a stored field the model no longer has (no
-field, no alias) is logged once per grain type and field path, at WARNING,
-as its value goes with the next write. A model with ``extra="allow"`` keeps
+field, no alias) is logged once per grain type and field path (items of a
+list or map share one path, ``places[].fax``), at WARNING, as its value goes
+with the next write. A model with ``extra="allow"`` keeps
 such fields and logs nothing.
 
 A value in a field typed ``Any`` (or any annotation that takes a dict as it
@@ -61,7 +62,7 @@ class StateLoader:
             raise misfit(grain, model, exc) from exc
         dropped: list[str] = []
         value = self._settle(value, tree, "", dropped)
-        for path in dropped:
+        for path in dict.fromkeys(dropped):
             if (type_name, path) not in self._logged:
                 self._logged.add((type_name, path))
                 log.warning(
@@ -112,17 +113,17 @@ class StateLoader:
         if isinstance(value, list) and isinstance(stored, (list, tuple)) and len(value) == len(stored):
             if any(not isinstance(s, _LEAVES) for s in stored):
                 for i, (child, s) in enumerate(zip(value, stored, strict=True)):
-                    settled = self._settle(child, s, f"{path}[{i}]", dropped)
+                    settled = self._settle(child, s, f"{path}[]", dropped)
                     if settled is not child:
                         value[i] = settled
             return value
         if isinstance(value, tuple) and isinstance(stored, (list, tuple)) and len(value) == len(stored):
-            items = [self._settle(c, s, f"{path}[{i}]", dropped) for i, (c, s) in enumerate(zip(value, stored, strict=True))]
+            items = [self._settle(c, s, f"{path}[]", dropped) for c, s in zip(value, stored, strict=True)]
             return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
         if isinstance(value, dict) and isinstance(stored, dict):
             for k in value.keys() & stored.keys():
                 child = value[k]
-                settled = self._settle(child, stored[k], f"{path}[{k!r}]", dropped)
+                settled = self._settle(child, stored[k], f"{path}[]", dropped)
                 if settled is not child:
                     value[k] = settled
         return value
