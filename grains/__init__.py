@@ -34,6 +34,7 @@ from grains.placement import (
     silo_role,
     stateless_worker,
     storage,
+    version,
     write_behind,
 )
 from grains.ref import GrainRef, Ref
@@ -77,5 +78,6 @@ __all__ = [
     "stateless_worker",
     "storage",
     "subscribes",
+    "version",
     "write_behind",
 ]

@@ -36,6 +36,9 @@ class DeactivationReason(str, enum.Enum):
     MIGRATION = "migration"
     DIRECTORY_LOST = "directory_lost"
     ACTIVATION_FAILED = "activation_failed"
+    INCOMPATIBLE_VERSION = "incompatible_version"
+    """A call needed a method this activation's ``@version`` lacks: it is re-placed on a silo
+    hosting a version that has it (a rolling upgrade)."""
 
 
 class TimerHandle(Protocol):

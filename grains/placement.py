@@ -50,6 +50,8 @@ class GrainOptions:
     """Call filters around calls to this class only, inside the silo's (``@incoming_filter``)."""
     outgoing_filters: tuple[Callable[..., Any], ...] = ()
     """Call filters on calls this class's grains make, before the silo's (``@outgoing_filter``)."""
+    version: int = 1
+    """The class's ``@version(n)``: its method list is published per (type, version)."""
 
 
 def _set(attr: str, value: object) -> Callable[[T], T]:
@@ -65,6 +67,18 @@ def grain_type(name: str) -> Callable[[T], T]:
     if not name or "/" in name:
         raise ValueError(f"grain type name must be non-empty and contain no '/': {name!r}")
     return _set("__rg_type_name__", name)
+
+
+def version(n: int) -> Callable[[T], T]:
+    """This class is version ``n`` of its grain type (undecorated: 1).
+
+    Bump it whenever the public methods change, so silos of two versions can run side
+    by side in a rolling upgrade: each publishes its own method list, and a call goes to
+    an activation whose version has the method (docs/concepts.md, Versions).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a grain version is an int >= 1, not {n!r}")
+    return _set("__rg_version__", n)
 
 
 def reentrant(cls: T) -> T:
@@ -206,6 +220,7 @@ def grain_options(cls: type) -> GrainOptions:
         storage=getattr(cls, "__rg_storage__", None),
         incoming_filters=tuple(getattr(cls, "__rg_incoming_filters__", ())),
         outgoing_filters=tuple(getattr(cls, "__rg_outgoing_filters__", ())),
+        version=int(getattr(cls, "__rg_version__", 1)),
     )
     type.__setattr__(cls, "__rg_options__", opts)
     return opts

@@ -39,8 +39,9 @@ from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
+from silo.messaging.manifests import Manifests
 from silo.messaging.observer_hub import ObserverHub
-from silo.messaging.router import Manifests, Router
+from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
 from silo.redis_util import connect_redis, verify_redis

@@ -64,7 +64,7 @@ from grains.immutable import is_immutable
 from grains.observer import ObserverId, ObserverRef
 from silo.errors import CodecError, ConfigError
 
-__all__ = ["Codec", "Encoded", "ObserverBinding", "TypeRegistry"]
+__all__ = ["Codec", "Encoded", "ObserverBinding", "StoredObject", "TypeRegistry"]
 
 T = TypeVar("T")
 
@@ -285,6 +285,24 @@ class _BufferHook:
 
     def __call__(self, code: int, data: bytes) -> Any:
         return self.codec._decode_ext(code, data, self.buffers, self)
+
+
+class _FieldsHook(_BufferHook):
+    """The hook of :meth:`Codec.decode_fields`: registered models and dataclasses come back as
+    their field maps (:class:`StoredObject`), not built."""
+
+    __slots__ = ()
+
+
+class StoredObject(dict):  # type: ignore[type-arg]
+    """A registered model or dataclass as :meth:`Codec.decode_fields` gives it: its stored field
+    map, plus the name it was written under (the class may have been renamed since)."""
+
+    __slots__ = ("wire_name",)
+
+    def __init__(self, wire_name: str, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.wire_name = wire_name
 
 
 _BYTES_TYPES = (bytes, bytearray, memoryview)
@@ -523,6 +541,26 @@ class Codec:
         except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, ...
             raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from exc
 
+    def decode_fields(
+        self,
+        meta: bytes | bytearray | memoryview,
+        buffers: Sequence[bytearray | memoryview | bytes] = (),
+    ) -> Any:
+        """As :meth:`decode`, but every registered model or dataclass stays its field map
+        (:class:`StoredObject`), and an Enum whose name is not registered stays its value: for
+        stored state, which the current schema then validates field by field, whatever the
+        classes are called now (silo/catalog/evolution.py)."""
+        try:
+            return _unpackb(meta, ext_hook=_FieldsHook(self, buffers), raw=False, strict_map_key=False)
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+    def build(self, stored: StoredObject) -> Any:
+        """The registered class a :class:`StoredObject` was written as, built from its fields."""
+        return self._build(stored.wire_name, dict(stored))
+
     def _no_buffers_hook(self, code: int, data: bytes) -> Any:
         return self._decode_ext(code, data, (), self._hook0)
 
@@ -558,6 +596,17 @@ class Codec:
             items = self._unpack(data, hook)
             if len(items) != 2 or type(items[0]) is not str:
                 raise CodecError("registered value should be [name: str, fields]")
+            if type(hook) is _FieldsHook:
+                name, fields = items
+                if code == _ENUM:
+                    # Unknown (renamed) or no longer a member: the value, for the schema to judge.
+                    try:
+                        return self._build(name, fields)
+                    except CodecError:
+                        return fields
+                if type(fields) is not dict:
+                    raise CodecError(f"fields of {name!r} should be a map")
+                return StoredObject(name, fields)
             return self._build(*items)
         if code == _TENSOR or code == _NDARRAY:
             return self._decode_array(data, bufs, tensor=code == _TENSOR)

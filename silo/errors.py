@@ -16,6 +16,7 @@
     ├── SiloError
     │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
     │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
+    │   │       └── VersionMismatchError  its version of the grain type must not serve the call: retry re-places it
     │   ├── SiloClosedError          we closed it: the local silo or client is stopping
     │   ├── MembershipError          the membership table refused or lost us
     │   ├── AuthenticationError      the cluster secret did not match
@@ -94,10 +95,18 @@ class UnknownGrainError(GrainCallError):
 
 
 class UnknownMethodError(GrainCallError):
-    def __init__(self, type_name: str = "", method: str = "", kind: str = "grain type") -> None:
+    def __init__(
+        self, type_name: str = "", method: str = "", versions: list[int] | None = None, kind: str = "grain type"
+    ) -> None:
         self.type_name = type_name
         self.method = method
-        super().__init__(f"{kind} {type_name!r} has no public async method {method!r}")
+        self.versions = list(versions or [])
+        """The versions of the type the caller knew (after reading the manifests again)."""
+        msg = f"{kind} {type_name!r} has no public async method {method!r}"
+        if self.versions:
+            known = ", ".join(map(str, self.versions))
+            msg += f" in any version the cluster publishes (versions known: {known})"
+        super().__init__(msg)
 
 
 class ObserverGoneError(GrainCallError):
@@ -150,6 +159,28 @@ class SiloNotServingError(SiloUnavailableError):
     Never delivered, so routers retry it elsewhere even though it is a
     SiloUnavailableError (which, in general, may have run).
     """
+
+
+class VersionMismatchError(SiloNotServingError):
+    """The silo's version of the grain type must not serve this call (docs/internals.md, Versions).
+
+    Either its version lacks the method (another version has it: the activation
+    here, if any, was deactivated first) or a newer version that has it is hosted
+    elsewhere and this silo creates no new activation of an older one. Nothing
+    ran, so routers place the call again by the version rule.
+    """
+
+    def __init__(
+        self, address: str = "", type_name: str = "", method: str = "", version: int = 1, wanted: int | None = None
+    ) -> None:
+        self.type_name = type_name
+        self.method = method
+        self.version = version
+        self.wanted = wanted if wanted is not None else 0
+        where = f"version {wanted}" if wanted else "another version"
+        super().__init__(
+            address, f"it hosts {type_name} version {version}; a call of {method!r} goes to {where}"
+        )
 
 
 class SiloClosedError(SiloError):
@@ -217,6 +248,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "shed": LoadShedError,
     "unavailable": SiloUnavailableError,
     "not_serving": SiloNotServingError,
+    "version_mismatch": VersionMismatchError,
     "closed": SiloClosedError,
     "storage": StorageError,
     "state_conflict": StateConflictError,
@@ -251,4 +283,5 @@ __all__ = [
     "StorageError",
     "UnknownGrainError",
     "UnknownMethodError",
+    "VersionMismatchError",
 ]

@@ -66,9 +66,13 @@ class Keys:
 
     # --- grain types -------------------------------------------------------
     @property
-    def grain_types(self) -> str:
-        """Hash: grain type name -> msgpack manifest (methods and markers)."""
-        return self.prefix + "types"
+    def grain_manifests(self) -> str:
+        """Hash: :func:`manifest_field` (type and version) -> JSON manifest (methods and markers).
+
+        One entry per (type, ``@version``), written by every silo hosting that version, so
+        silos of two versions side by side (a rolling upgrade) do not overwrite each other.
+        """
+        return self.prefix + "manifests"
 
     # --- state -------------------------------------------------------------
     def state_head(self, grain: str) -> str:
@@ -249,3 +253,17 @@ def chunk_key(base: str, version: str, index: int) -> str:
     The storage Lua scripts build the same name as ``base .. version .. ':' .. index``.
     """
     return f"{base}{version}:{index}"
+
+
+def manifest_field(type_name: str, version: int) -> str:
+    """The field of one version of a grain type in ``Keys.grain_manifests``."""
+    return f"{type_name}@{version}"
+
+
+def parse_manifest_field(field: str | bytes) -> tuple[str, int]:
+    """``(type name, version)`` of a ``grain_manifests`` field; ValueError if it is not one."""
+    text = field.decode() if isinstance(field, bytes) else field
+    name, sep, version = text.rpartition("@")
+    if not sep or not name:
+        raise ValueError(f"not a grain manifest field: {text!r}")
+    return name, int(version)

@@ -70,6 +70,8 @@ class MemberRow(BaseModel):
     status: SiloStatus = SiloStatus.JOINING
     roles: list[str] = Field(default_factory=list)
     grain_types: list[str] = Field(default_factory=list)
+    grain_versions: dict[str, int] = Field(default_factory=dict)
+    """Grain type -> the ``@version`` this silo hosts (a type missing here: version 1)."""
     started: float = 0.0
     heartbeat: float = 0.0
     pid: int = 0
@@ -82,9 +84,18 @@ class MemberRow(BaseModel):
         # Lua's cjson cannot tell an empty array from an empty object: {} means [].
         return [] if v == {} else v
 
+    @field_validator("grain_versions", mode="before")
+    @classmethod
+    def _empty_lua_object(cls, v: Any) -> Any:
+        return {} if v == [] else v  # the other way round: cjson may write {} as []
+
     @property
     def silo(self) -> SiloAddress:
         return SiloAddress(self.host, self.port, self.generation)
+
+    def version_of(self, type_name: str) -> int:
+        """The version of ``type_name`` this silo hosts (1 for a class without ``@version``)."""
+        return self.grain_versions.get(type_name, 1)
 
 
 # --- silo stats -----------------------------------------------------------------

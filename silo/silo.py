@@ -20,8 +20,9 @@ in order, with the reason for the order:
    call them yet: no membership row names the address.
 6. ``join``: the row, as Joining. We listen already, so a peer that probes
    the new row finds us.
-7. ``publish``: our grain type manifests, before we are Active: a caller
-   that routes to us must find the types we host.
+7. ``publish``: our grain type manifests (one per type and ``@version``),
+   before we are Active: a caller that routes to us must find the methods of
+   the versions we host.
 8. ``active``: the row Active, the membership view started, manifests read.
    From here calls arrive, and everything that serves them exists.
 9. ``cluster``: heartbeat thread, failure detector, control inbox and drain
@@ -99,11 +100,12 @@ from silo.cluster.rebalancer import Rebalancer
 from silo.cluster.reminders import ReminderService, ReminderTable, RouterDelivery
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
-from silo.keys import Keys
+from silo.keys import Keys, manifest_field
 from silo.logstream import LogStream
 from silo.messaging.dispatcher import Dispatcher
+from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
-from silo.messaging.router import Manifests, Router, TypeInfo
+from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
 from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
@@ -325,7 +327,9 @@ class Silo:
         self.manifests = Manifests(self.redis, self.keys)
         for name in self.types.names():
             opts = self.types.options(name)
-            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way))
+            self.manifests.add_local(
+                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+            )
         if self._tracing is None and s.tracing.enabled:
             self._tracing = Tracing.from_settings(s.tracing)
             assert self._tracing is not None
@@ -479,6 +483,7 @@ class Silo:
             status=SiloStatus.JOINING,
             roles=[*s.roles, *gpu],
             grain_types=self.types.names(),
+            grain_versions=self.types.versions(),
             started=self._started_at,
             heartbeat=self._started_at,
             pid=os.getpid(),
@@ -490,9 +495,22 @@ class Silo:
         self.events.emit("join", roles=row.roles, grain_types=row.grain_types, pid=row.pid, host=row.hostname)
 
     async def _stage_publish(self) -> None:
-        mapping: dict[Any, Any] = {name: json.dumps(self.types.manifest(name)) for name in self.types.names()}
+        # One field per (type, version): silos of another version keep theirs (a rolling upgrade).
+        mapping: dict[Any, Any] = {
+            manifest_field(name, self.types.options(name).version): json.dumps(self.types.manifest(name))
+            for name in self.types.names()
+        }
+        fields = list(mapping)
         with redis_errors("publish grain types"):
-            await self.redis.hset(self.keys.grain_types, mapping=mapping)
+            before = await self.redis.hmget(self.keys.grain_manifests, fields)
+            await self.redis.hset(self.keys.grain_manifests, mapping=mapping)
+        for field, old in zip(fields, before, strict=True):
+            if old is not None and json.loads(old).get("methods") != json.loads(mapping[field])["methods"]:
+                # Same version, other methods: the last writer wins again, as without versions.
+                log.warning(
+                    "grain type %s: this silo's methods differ from those another silo published for the "
+                    "same version; give the changed class a new @version(n)", field,
+                )
 
     async def _stage_active(self) -> None:
         await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
@@ -694,6 +712,7 @@ class Silo:
             "directory": self.directory.statistics(),
             "membership": self.view.statistics(),
             "router": self.router.statistics(),
+            "manifests": self.manifests.statistics(),
             "dispatcher": self.dispatcher.statistics(),
             "observers": self.observers.statistics(),
             "storage": self.store.statistics(),

@@ -251,7 +251,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
             f"{row.load.cpu_percent:.0f}",
             f"{row.load.memory_percent:.1f}",
             str(row.load.activations),
-            ",".join(row.grain_types),
+            ",".join(t if row.version_of(t) == 1 else f"{t}@{row.version_of(t)}" for t in row.grain_types),
         )
     Console().print(table)
     return 0

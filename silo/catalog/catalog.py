@@ -18,6 +18,7 @@ unused for their idle timeout, by the injectable ``clock``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -271,6 +272,21 @@ class Catalog:
         act.deactivated.set()
         if queued:
             self.on_reroute(act, queued)
+
+    async def evict(self, grain_id: GrainId, reason: DeactivationReason) -> None:
+        """Deactivate this grain's activation here, if it has one, and wait until it is gone
+        (directory entry included), whoever started the deactivation."""
+        pending = self._activating.get(grain_id)
+        if pending is not None:
+            # Let the activation finish first: a deactivation must not race its on_activate.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+        act = self._activations.get(grain_id)
+        if act is None:
+            return
+        if act.status not in _GONE:
+            await self.deactivate(act, reason)
+        await act.deactivated.wait()
 
     async def deactivate_all(self, reason: DeactivationReason) -> None:
         acts = self.activations()

@@ -82,6 +82,10 @@ class GrainTypes:
     def names(self) -> list[str]:
         return sorted(self._classes)
 
+    def versions(self) -> dict[str, int]:
+        """Type name -> the ``@version`` hosted here (published in the membership row)."""
+        return {name: grain_options(cls).version for name, cls in sorted(self._classes.items())}
+
     def classes(self) -> list[type[Grain]]:
         return list(self._classes.values())
 
@@ -94,6 +98,7 @@ class GrainTypes:
         opts = grain_options(cls)
         return {
             "type": type_name,
+            "version": opts.version,
             "class": f"{cls.__module__}:{cls.__qualname__}",
             "methods": sorted(public_methods(cls)),
             "one_way": sorted(opts.one_way),

@@ -14,6 +14,7 @@ from grains.observer import ObserverRef
 from grains.placement import grain_options
 from grains.ref import GrainRef, Ref, build_ref_class, ref_class_for
 from silo import errors
+from silo.catalog.evolution import StateLoader
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.state import StateHandle
 from silo.codec import Codec
@@ -23,8 +24,8 @@ from silo.storage.store import StateStore
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
     from silo.cluster.reminders import ReminderService
+    from silo.messaging.manifests import Manifests
     from silo.messaging.observer_hub import ObserverHub
-    from silo.messaging.router import Manifests
     from silo.storage.checkpoint import Checkpoints
     from silo.streams.stream import RedisStream, Streams
 
@@ -39,7 +40,10 @@ class RefFactory:
         self._caller = caller
         self._manifests = manifests
         self._codec = codec
-        self._by_name: dict[str, type[Ref[Any]]] = {}
+        self._by_name: dict[str, type[GrainRef]] = {}
+        self._classes: dict[str, type[Grain]] = {}
+        """Type name -> the grain class first used for it here (what a ref by that name falls back to)."""
+        self._registered: set[type[Grain]] = set()
 
     @property
     def caller(self) -> Any:
@@ -58,20 +62,27 @@ class RefFactory:
         """``Ref[G]`` for a grain class; a plain ``GrainRef`` for a type name, whose methods
         are those the silos published for it (the static type cannot know them)."""
         if isinstance(grain, str):
-            ref_cls = self._by_name.get(grain)
-            if ref_cls is None:
-                info = self._manifests.get_nowait(grain)
-                if info is None:
+            info = self._manifests.get_nowait(grain)
+            if info is None:
+                known = self._classes.get(grain)  # a class of that name was used here already
+                if known is None:
                     raise errors.UnknownGrainError(grain, "no silo has published it yet")
+                return ref_class_for(known)(self._caller, GrainId.of(grain, key))
+            ref_cls = self._by_name.get(grain)
+            # Rebuilt when the manifests changed: a version that joined since may add methods.
+            if ref_cls is None or ref_cls._methods != info.methods:
                 ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")
         name = grain_options(grain).type_name
-        if name not in self._by_name:
+        # Per class, not per type name: two versions of one type (a rolling upgrade) have
+        # different methods, and each class's ref has exactly its own.
+        if grain not in self._registered:
             self._codec.registry.register_annotations(grain)
-            self._by_name[name] = ref_class_for(grain)
-        return self._by_name[name](self._caller, GrainId.of(name, key))
+            self._registered.add(grain)
+            self._classes.setdefault(name, grain)
+        return ref_class_for(grain)(self._caller, GrainId.of(name, key))
 
 
 class SiloRuntime:
@@ -107,6 +118,7 @@ class SiloRuntime:
         self._codec = codec
         self._outgoing = list(outgoing_filters or [])
         self._refs_by_type: dict[str, RefFactory] = {}
+        self._state_loader = StateLoader(codec)
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="redgrain-grain")
         self._checkpoints = checkpoints
         self._reminders = reminders
@@ -171,13 +183,13 @@ class SiloRuntime:
         return self.observers.create(handler, alive=lambda: activation.status in live)
 
     def state_handle(self, activation: Activation) -> StateHandle:
-        return StateHandle(activation, self.stores.get(activation.options.storage), self._codec)
+        return StateHandle(activation, self.stores.get(activation.options.storage), self._codec, loader=self._state_loader)
 
     def named_state_handle(
         self, activation: Activation, name: str, model: type[Any], storage: str | None
     ) -> StateHandle:
         store = self.stores.get(storage if storage is not None else activation.options.storage)
-        return StateHandle(activation, store, self._codec, model, name)
+        return StateHandle(activation, store, self._codec, model, name, loader=self._state_loader)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

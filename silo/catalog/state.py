@@ -9,9 +9,10 @@ the write landed is unknown, so the next call must reload rather than trust
 memory.
 
 The state is stored as a map of the model's fields (not as the registered
-model), so a renamed class still loads, added fields take their defaults,
-removed fields are ignored, and a field whose type changed fails with a
-StorageError naming the grain and the field.
+model) and loaded by :mod:`silo.catalog.evolution`: at every nesting level
+added fields take their defaults, renamed fields keep their values through
+declared aliases, renamed nested classes load, a dropped field is logged, and
+a field whose value no longer fits fails with a StorageError naming it.
 
 With ``@write_behind(ms)`` ``write_state`` only marks the state dirty and
 returns; a flush runs as a turn of the activation at most ``ms`` later and
@@ -27,11 +28,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from grains.base import DeactivationReason
 from silo import errors
 from silo.catalog.activation import ActivationState
+from silo.catalog.evolution import StateLoader
 from silo.codec import Codec, Encoded
 from silo.storage.store import DEFAULT_STATE, StateStore, StoredState
 
@@ -51,6 +53,8 @@ class StateHandle:
         codec: Codec,
         model: type[BaseModel] | None = None,
         name: str = DEFAULT_STATE,
+        *,
+        loader: StateLoader | None = None,
     ) -> None:
         model = model if model is not None or name != DEFAULT_STATE else activation.cls.State
         if model is None:
@@ -64,6 +68,8 @@ class StateHandle:
         self._codec = codec
         self.name = name
         self._what = activation.grain_key if name == DEFAULT_STATE else f"{activation.grain_key} (state {name!r})"
+        self._loader = loader if loader is not None else StateLoader(codec)
+        """Shared by the silo's handles: it logs each dropped field once per grain type."""
         self.value: Any = model()
         self.etag: str | None = None
         self.loaded = False
@@ -88,38 +94,17 @@ class StateHandle:
         return self._codec.encode(fields)
 
     def decode(self, stored: StoredState) -> Any:
-        """Build the State model from a stored value (current, older or newer schema)."""
+        """Build the State model from a stored value (current, older or newer schema: evolution.py)."""
         try:
-            value = self._codec.decode(stored.meta, stored.buffers)
+            tree = self._codec.decode_fields(stored.meta, stored.buffers)
         except errors.CodecError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ValidationError):
-                raise self._misfit(cause) from exc
             raise errors.StorageError(
                 f"stored state of {self._what} cannot be decoded as {self._model.__qualname__}: {exc}"
             ) from exc
-        if isinstance(value, self._model):  # written as the registered model (older format)
-            return value
-        if isinstance(value, dict):
-            try:
-                return self._model.model_validate(value)
-            except ValidationError as exc:
-                raise self._misfit(exc) from exc
-        raise errors.StorageError(
-            f"stored state of {self._what} is a {type(value).__name__}, "
-            f"not a {self._model.__qualname__}"
-        )
-
-    def _misfit(self, exc: ValidationError) -> errors.StorageError:
-        problems = []
-        for e in exc.errors():
-            field = ".".join(str(p) for p in e.get("loc", ())) or "(root)"
-            problems.append(
-                f"field {field!r}: {e.get('msg')} (stored value {e.get('input')!r:.80})"
-            )
-        return errors.StorageError(
-            f"stored state of grain {self._what} does not fit "
-            f"{self._model.__qualname__}: " + "; ".join(problems)
+        type_name = self._act.grain_id.type_name
+        return self._loader.load(
+            self._model, tree, grain=self._what,
+            type_name=type_name if self.name == DEFAULT_STATE else f"{type_name} (state {self.name!r})",
         )
 
     # --- read / write ---------------------------------------------------------

@@ -25,6 +25,7 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.catalog.activation import ActivationState
 from silo.cluster.events import ClusterEvents
+from silo.cluster.versions import compatible
 from silo.cluster.view import MembershipView
 
 if TYPE_CHECKING:
@@ -127,17 +128,25 @@ class Migrator:
         for i, act in enumerate(acts):
             if act.status is not ActivationState.ACTIVE:
                 continue
-            moved += await self.move(act, silos[i % len(silos)])
+            # Never to an older version of the type (silo/cluster/versions.py): it would refuse it.
+            fit = [s for s in silos if self._hosts_version(s, act.grain_id.type_name, act.options.version)]
+            if fit:
+                moved += await self.move(act, fit[i % len(fit)])
         self._events.emit(
             "rebalance", {"from": str(self._me), "moved": moved, "to": [str(s) for s in silos]}
         )
         return moved
 
+    def _hosts_version(self, silo: SiloAddress, type_name: str, version: int) -> bool:
+        row = self._view.row(silo)
+        return row is not None and row.version_of(type_name) >= version
+
     def _target_for(self, grain: GrainId) -> SiloAddress | None:
         info = self._manifests.get_nowait(grain.type_name)
         if info is None:
             return None
-        candidates = [r for r in self._view.hosting(grain.type_name) if r.silo != self._me]
+        others = [r for r in self._view.hosting(grain.type_name) if r.silo != self._me]
+        candidates = compatible(others, grain.type_name, info.versions, None)  # the newest version
         try:
             return self._placer.place(grain, info.placement, candidates, None)
         except errors.SiloUnavailableError:

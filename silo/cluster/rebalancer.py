@@ -40,7 +40,7 @@ from silo import errors
 from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import wait_event
 from silo.cluster.view import MembershipView
-from silo.keys import Keys
+from silo.keys import Keys, parse_manifest_field
 from silo.records import SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RebalancerSettings
@@ -229,12 +229,12 @@ class Rebalancer:
 
     async def _keep_alive_types(self) -> set[str]:
         with redis_errors("grain type manifests"):
-            raw = await self._redis.hgetall(self._keys.grain_types)
+            raw = await self._redis.hgetall(self._keys.grain_manifests)
         out = set()
-        for name, text in raw.items():
+        for field, text in raw.items():
             try:
                 if json.loads(text).get("keep_alive"):
-                    out.add(name.decode() if isinstance(name, bytes) else name)
+                    out.add(parse_manifest_field(field)[0])
             except ValueError:
                 continue
         return out

@@ -4,7 +4,11 @@ Requests arrive from the transport (remote callers) or straight from the
 router (calls between grains of this silo). A call that reaches a silo that
 does not own the grain is forwarded to the owner (at most two hops); a call
 that was queued on an activation that then went away is re-routed, never
-dropped.
+dropped. A call this silo's ``@version`` of the grain type must not serve (its
+version lacks the method, or a newer version is active elsewhere and the grain
+has no activation here) is turned away unrun with ``VersionMismatchError``,
+after deactivating the activation here if it lacks the method, and the caller
+places it again (silo/cluster/versions.py).
 
 Each request becomes one :class:`~grains.call.Call` (rebuilt from the frame
 header, or handed over by the router) and a deadline on this silo's clock,
@@ -22,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from grains.base import DeactivationReason
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
@@ -80,6 +85,9 @@ class DispatcherStatistics:
     """``@one_way`` calls received (over the network or from this silo)."""
     one_way_failed: int = 0
     """Of those, the ones that failed (logged here: their callers never hear of it)."""
+    version_mismatches: int = 0
+    """Calls turned away because this silo's version of the type must not serve them
+    (VersionMismatchError: the caller placed them again)."""
 
 
 class _NoAnswer:
@@ -126,6 +134,7 @@ class Dispatcher:
         self._in_flight: dict[tuple[int, int], Invocation] = {}
         self._requests = self._forwarded = self._rerouted = self._errors = 0
         self._one_way = self._one_way_failed = 0
+        self._version_mismatches = 0
         self._posts = 0
         self._waiting: set[Invocation] = set()
         """Calls from this silo waiting for an answer (their deadlines: see _watch)."""
@@ -311,6 +320,8 @@ class Dispatcher:
         try:
             result = await self.dispatch(call, deadline, (id(conn), req_id), trace)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
+            if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
+                return
             self._errors += 1
             conn.send_error(req_id, exc)
         else:
@@ -341,7 +352,7 @@ class Dispatcher:
             return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
         if method not in self._types.methods(grain.type_name) and method not in (REMINDER_METHOD, STREAM_METHOD):
-            raise errors.UnknownMethodError(grain.type_name, method)
+            raise await self._not_in_this_version(grain, method, options)
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
             move = self.moving.get(grain)
@@ -355,6 +366,8 @@ class Dispatcher:
             if options.stateless_worker:
                 act = self._catalog.stateless_worker(grain, options) or await self._catalog.activate_worker(grain)
             else:
+                if self._catalog.get(grain) is None:
+                    await self._refuse_if_outdated(grain, method, options)
                 found = await self._catalog.get_or_activate(grain)
                 if isinstance(found, SiloAddress):
                     if hops >= MAX_HOPS:
@@ -454,6 +467,38 @@ class Dispatcher:
             if not inv.future.done():
                 inv.future.set_exception(Reroute())
 
+    # --- versions (silo/cluster/versions.py has the rule) --------------------------
+    async def _not_in_this_version(self, grain: GrainId, method: str, options: GrainOptions) -> errors.RedgrainError:
+        """The error for a call of a method this silo's version of the type lacks.
+
+        No version has it: UnknownMethodError. Another version has it: this silo's
+        activation of the grain (if any) is deactivated and waited for, so its
+        directory entry is gone, and the caller is told to place the call again
+        (VersionMismatchError), where the rule sends it to a version that has it.
+        """
+        await self._router.versions_with(grain.type_name, method)  # UnknownMethodError if none
+        wanted = await self._router.newest_version(grain.type_name, method)
+        if wanted is None:
+            # The silo of that version may have joined a moment ago: look once more.
+            await self._router.refresh_membership()
+            wanted = await self._router.newest_version(grain.type_name, method)
+        if wanted is None:
+            # No active silo hosts a version with the method: keep the activation, say so.
+            return errors.SiloUnavailableError(
+                "", f"no active silo hosts a version of {grain.type_name} with method {method!r}"
+            )
+        if not options.stateless_worker:
+            await self._catalog.evict(grain, DeactivationReason.INCOMPATIBLE_VERSION)
+        self._version_mismatches += 1
+        return errors.VersionMismatchError(str(self.address), grain.type_name, method, options.version, wanted)
+
+    async def _refuse_if_outdated(self, grain: GrainId, method: str, options: GrainOptions) -> None:
+        """Create no activation of an older version than the rule places new ones on."""
+        wanted = await self._router.newest_version(grain.type_name, None if method == REMINDER_METHOD else method)
+        if wanted is not None and wanted > options.version:
+            self._version_mismatches += 1
+            raise errors.VersionMismatchError(str(self.address), grain.type_name, method, options.version, wanted)
+
     def _has_activation(self, grain: GrainId, options: GrainOptions) -> bool:
         if options.stateless_worker:
             return self._catalog.stateless_worker(grain, options) is not None
@@ -495,6 +540,7 @@ class Dispatcher:
             in_flight=len(self._tasks) + self._queued_nowait,
             one_way=self._one_way,
             one_way_failed=self._one_way_failed,
+            version_mismatches=self._version_mismatches,
         )
 
     # --- one-way calls -------------------------------------------------------
@@ -522,7 +568,29 @@ class Dispatcher:
         try:
             await self.dispatch(call, deadline, track, trace)
         except Exception as exc:  # noqa: BLE001 - nobody waits for the answer: log and count it
-            self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), exc)
+            if not self._send_one_way_again(call, deadline, exc):
+                self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), exc)
+
+    def _send_one_way_again(self, call: Call, deadline: float, exc: Exception) -> bool:
+        """A one-way call turned away here unrun (a drain, a version mismatch): its caller has
+        moved on and cannot retry it, so this silo places it again, as the caller's router would
+        have, one hop further. False when it may not (hops used up, deadline passed)."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if not isinstance(exc, errors.SiloNotServingError) or call.hops >= MAX_HOPS or remaining <= 0:
+            return False
+        self._router.forget(call.grain)
+        again = call.forwarded(remaining)
+
+        async def send() -> None:
+            try:
+                await self._router.invoke(again, True)
+            except Exception as err:  # noqa: BLE001 - nobody waits for the answer: log and count it
+                self.one_way_failed(f"{call.grain}.{call.method}", str(self.address), err)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
 
     def one_way_failed(self, label: str, peer: str, exc: BaseException) -> None:
         self._one_way_failed += 1

@@ -17,46 +17,34 @@ With ``tracing`` set, each call also carries the current span's trace context
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import redis.asyncio as aioredis
-
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
-from grains.placement import Placement
 from silo import errors
 from silo.cluster.directory import GrainDirectory
 from silo.cluster.placement import Placer
+from silo.cluster.versions import compatible, unknown_versions
 from silo.cluster.view import MembershipView
-from silo.keys import Keys
 from silo.messaging.frame import ONEWAY, REQUEST
+from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.transport import Transport
-from silo.redis_util import redis_errors
+from silo.records import MemberRow
 from silo.shutdown import raise_if_cancelled
 from silo.tracing import Carrier, Tracing
 
 log = logging.getLogger("redgrain.router")
 
+__all__ = ["LocalDispatch", "Manifests", "Router", "RouterStatistics", "TypeInfo"]
+
 RETRY_BACKOFF_S = 0.025
 MAX_RETRY_BACKOFF_S = 0.2
 SYSTEM_TYPE = "$silo"
 """Reserved grain type of a silo's control surface (activate, activations, move, drain)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TypeInfo:
-    """What a caller needs to route calls to a grain type."""
-
-    name: str
-    methods: frozenset[str]
-    placement: Placement
-    stateless_worker: int = 0
-    one_way: frozenset[str] = frozenset()
 
 
 class LocalDispatch(Protocol):
@@ -69,48 +57,6 @@ class LocalDispatch(Protocol):
     ) -> Any: ...
 
     def post(self, call: Call, deadline: float, trace: Carrier | None = None) -> None: ...
-
-
-class Manifests:
-    """Grain type manifests published by silos in Redis, cached."""
-
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._types: dict[str, TypeInfo] = {}
-        self._local: dict[str, TypeInfo] = {}
-
-    def add_local(self, info: TypeInfo) -> None:
-        self._local[info.name] = info
-
-    def get_nowait(self, name: str) -> TypeInfo | None:
-        return self._local.get(name) or self._types.get(name)
-
-    async def get(self, name: str) -> TypeInfo:
-        info = self.get_nowait(name)
-        if info is None:
-            await self.refresh()
-            info = self._types.get(name)
-        if info is None:
-            raise errors.UnknownGrainError(name, "no silo in the cluster hosts it")
-        return info
-
-    async def refresh(self) -> None:
-        with redis_errors("grain type manifests"):
-            raw = await self._redis.hgetall(self._keys.grain_types)
-        for name, text in raw.items():
-            m = json.loads(text)
-            n = name.decode() if isinstance(name, bytes) else name
-            self._types[n] = TypeInfo(
-                name=n,
-                methods=frozenset(m["methods"]),
-                placement=Placement(m["placement"], m.get("role")),
-                stateless_worker=int(m.get("stateless_worker", 0)),
-                one_way=frozenset(m.get("one_way", ())),
-            )
-
-    def names(self) -> list[str]:
-        return sorted({*self._types, *self._local})
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +137,10 @@ class Router:
         if len(self._where) > self._cache_size:
             self._where.popitem(last=False)
 
-    async def locate(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+    async def locate(self, grain: GrainId, info: TypeInfo, method: str | None = None) -> SiloAddress:
+        """Where ``grain`` lives, or where a new activation for a call of ``method`` goes."""
         if info.stateless_worker:
-            return await self._place(grain, info)
+            return await self._place(grain, info, method)
         silo = self._where.get(grain)
         if silo is not None and not self._view.is_dead(silo):
             return silo
@@ -205,7 +152,7 @@ class Router:
         fut: asyncio.Future[SiloAddress] = asyncio.get_running_loop().create_future()
         self._locating[grain] = fut
         try:
-            silo = await self._lookup_or_place(grain, info)
+            silo = await self._lookup_or_place(grain, info, method)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()
@@ -215,26 +162,62 @@ class Router:
         fut.set_result(silo)
         return silo
 
-    async def _lookup_or_place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+    async def _lookup_or_place(self, grain: GrainId, info: TypeInfo, method: str | None) -> SiloAddress:
         entry = await self._directory.lookup(grain)
         if entry is not None and not self._view.is_dead(entry.silo):
             self._remember(grain, entry.silo)
             return entry.silo
-        silo = await self._place(grain, info)
+        silo = await self._place(grain, info, method)
         self._remember(grain, silo)
         return silo
 
-    async def _place(self, grain: GrainId, info: TypeInfo) -> SiloAddress:
+    async def _place(self, grain: GrainId, info: TypeInfo, method: str | None = None) -> SiloAddress:
         self._placements += 1
         local = self._local.address if self._local is not None else None
-        candidates = [c for c in self._view.hosting(info.name) if c.silo not in self._refused]
+        candidates = await self._candidates(info, method)
         if not candidates:
             # Our view may predate the silos that host this type: read it again once.
             await self._view.refresh()
-            candidates = [c for c in self._view.hosting(info.name) if c.silo not in self._refused]
+            candidates = await self._candidates(info, method)
         if not candidates and self._refused:
             raise next(iter(self._refused.values()))
+        if not candidates and method is not None and self._view.hosting(info.name):
+            hosted = sorted({r.version_of(info.name) for r in self._view.hosting(info.name)})
+            raise errors.SiloUnavailableError(
+                "", f"no active silo hosts a version of {info.name} with method {method!r} (versions with it: "
+                f"{info.versions_with(method)}; versions hosted now: {hosted})"
+            )
         return self._placer.place(grain, info.placement, candidates, local)
+
+    async def _candidates(self, info: TypeInfo, method: str | None) -> list[MemberRow]:
+        """The silos a new activation for ``method`` may go to: the version rule (silo/cluster/versions.py)."""
+        rows = [c for c in self._view.hosting(info.name) if c.silo not in self._refused]
+        versions = info.versions
+        if len(versions) == 1 and all(r.version_of(info.name) in versions for r in rows):
+            return rows  # one version everywhere (no upgrade under way): every silo hosting the type
+        for version in unknown_versions(rows, info.name, versions):
+            # A silo of a version we have not read yet (it joined after our last read).
+            known = await self._manifests.with_version(info.name, version)
+            if known is not None:
+                versions = known.versions
+        return compatible(rows, info.name, versions, method)
+
+    async def newest_version(self, type_name: str, method: str | None) -> int | None:
+        """The version a new activation of ``type_name`` for ``method`` gets now (None: no silo has one)."""
+        info = self._manifests.get_nowait(type_name)
+        if info is None:
+            return None
+        rows = await self._candidates(info, method)
+        return rows[0].version_of(type_name) if rows else None
+
+    async def refresh_membership(self) -> None:
+        """Read the membership table now (a silo that just joined may not be in the view yet)."""
+        await self._view.refresh()
+
+    async def versions_with(self, type_name: str, method: str) -> list[int]:
+        """The versions of ``type_name`` that have ``method`` (manifests re-read, bounded, when
+        none does); UnknownMethodError naming the versions known when still none does."""
+        return (await self._manifests.with_method(type_name, method)).versions_with(method)
 
     # --- the Caller protocol used by GrainRef ------------------------------
     async def invoke(self, call: Call, one_way: bool = False) -> Any:
@@ -242,7 +225,8 @@ class Router:
             grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
             info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
             if method not in info.methods:
-                raise errors.UnknownMethodError(grain_id.type_name, method)
+                # Maybe a version that joined after we read the manifests (a rolling upgrade).
+                info = await self._manifests.with_method(grain_id.type_name, method)
             timeout = timeout_s if timeout_s is not None else self._timeout_s
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
@@ -269,7 +253,7 @@ class Router:
                 # Cache hit inline: locate() is a coroutine, a cost on every call.
                 target = self._where.get(grain_id) if not info.stateless_worker else None
                 if target is None or self._view.is_dead(target):
-                    target = await self.locate(grain_id, info)
+                    target = await self.locate(grain_id, info, method)
                 try:
                     if self._local is not None and target == self._local.address:
                         self._local_calls += 1
@@ -324,7 +308,8 @@ class Router:
                     except errors.GrainTimeoutError as exc:
                         raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
                 except errors.SiloNotServingError as exc:
-                    # Turned away before any grain code ran (draining or fenced): retry.
+                    # Turned away before any grain code ran (draining, fenced, or its version of
+                    # the type cannot serve the method: VersionMismatchError): retry.
                     last = exc
                     self.forget(grain_id)
                     continue

@@ -75,8 +75,9 @@ from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
+from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
-from silo.messaging.router import Manifests, Router, TypeInfo
+from silo.messaging.router import Router
 from silo.records import MemberRow, SiloStatus
 from silo.settings import CatalogSettings, TransportSettings
 from silo.storage.provider import REDIS, StorageProviders
@@ -121,6 +122,18 @@ class _LocalRouter:
             return None
         return await self.dispatcher.dispatch(call, deadline)
 
+    async def versions_with(self, type_name: str, method: str) -> list[int]:
+        raise errors.UnknownMethodError(type_name, method)  # one silo, one version: it has none
+
+    async def newest_version(self, type_name: str, method: str | None) -> int | None:
+        return None  # no other silo, so no newer version elsewhere
+
+    async def refresh_membership(self) -> None:
+        pass
+
+    def forget(self, grain: GrainId) -> None:
+        pass  # nothing cached: every call goes to this silo
+
     async def forward(self, target: SiloAddress, call: Call, deadline: float) -> Any:
         assert self.dispatcher is not None
         if target != self._address:
@@ -135,14 +148,15 @@ class _LocalRouter:
 
 
 class PublishedManifests(Manifests):
-    """Manifests read from ``published`` (what every silo of the world published) instead of Redis."""
+    """Manifests read from ``published`` (type -> version -> manifest: what every silo of the
+    world published) instead of Redis."""
 
-    def __init__(self, published: dict[str, TypeInfo]) -> None:
+    def __init__(self, published: dict[str, dict[int, TypeInfo]]) -> None:
         super().__init__(cast(Any, None), Keys("in-process"))
         self.published = published
 
-    async def refresh(self) -> None:
-        self._types.update(self.published)
+    async def _fetch(self) -> dict[str, dict[int, TypeInfo]]:
+        return {name: dict(versions) for name, versions in self.published.items()}
 
 
 class InProcessSilo:
@@ -171,7 +185,7 @@ class InProcessSilo:
         call_timeout_s: float = 30.0,
         network: InMemoryNetwork | None = None,
         membership: InMemoryMembershipTable | None = None,
-        published: dict[str, TypeInfo] | None = None,
+        published: dict[str, dict[int, TypeInfo]] | None = None,
         transport_settings: TransportSettings | None = None,
         placer: Placer | None = None,
         roles: Sequence[str] = (),
@@ -199,7 +213,9 @@ class InProcessSilo:
         self.manifests = PublishedManifests({} if published is None else published)
         for name in self.types.names():
             opts = self.types.options(name)
-            self.manifests.add_local(TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way))
+            self.manifests.add_local(
+                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+            )
         self.transport: InMemoryTransport | None = None
         self.view: MembershipView | None = None
         router: Router | _LocalRouter
@@ -270,13 +286,13 @@ class InProcessSilo:
             now = self.clock()
             row = MemberRow(
                 address=str(me), host=me.host, port=me.port, generation=me.generation, roles=self.roles,
-                grain_types=self.types.names(), started=now, heartbeat=now, pid=os.getpid(), hostname="in-process",
+                grain_types=self.types.names(), grain_versions=self.types.versions(), started=now, heartbeat=now, pid=os.getpid(), hostname="in-process",
             )  # fmt: skip
             await self.membership.join(row)
             for name in self.types.names():
-                info = self.manifests.get_nowait(name)
-                assert info is not None
-                self.manifests.published[name] = info
+                opts = self.types.options(name)
+                own = TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+                self.manifests.published.setdefault(name, {})[opts.version] = own
             await self.membership.set_status(str(me), SiloStatus.ACTIVE)
             await self.view.start()
             await self.manifests.refresh()
@@ -410,7 +426,7 @@ class InProcessCluster:
         self.membership = InMemoryMembershipTable(clock)
         self.directory = InMemoryGrainDirectory(self.membership.is_alive)
         self.store = InMemoryStateStore(owner=self.directory.token_of)
-        self.published: dict[str, TypeInfo] = {}
+        self.published: dict[str, dict[int, TypeInfo]] = {}
         """The grain types every silo published (the Redis hash of manifests)."""
         self.silos: list[InProcessSilo] = []
         self._initial = silos
