@@ -157,6 +157,12 @@ def report(rg: dict[str, Any], calls: dict[str, Any], plain: dict[str, Any], ray
     return rows
 
 
+def _cpu(f: dict[str, Any], n: dict[str, Any] | None) -> str:
+    """The server processes' CPU per request, front / no-op (``-`` where /proc could not say)."""
+    fu, nu = f.get("server_cpu_us"), (n or {}).get("server_cpu_us")
+    return f"{fu:.0f} / {nu:.0f}" if fu is not None and nu is not None else "-"
+
+
 def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
     rows = []
     for kind in wire["kinds"]:
@@ -169,15 +175,17 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
             rows.append([
                 f"{kind} x{c}", common.fmt_rate(f["per_s"]), f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}",
                 common.fmt_rate(n["per_s"]) if n else "-", f"{n['p50_ms']:.2f} / {n['p99_ms']:.2f}" if n else "-",
-                common.ratio(f["per_s"], n["per_s"]) if n else "-",
+                common.ratio(f["per_s"], n["per_s"]) if n else "-", _cpu(f, n),
                 common.fmt_rate(y["per_s"]) if y else "-", f"{y['p50_ms']:.2f} / {y['p99_ms']:.2f}" if y else "-",
                 common.ratio(f["per_s"], y["per_s"]) if y else "-",
             ])  # fmt: skip
     print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es), 1 silo), a no-op"
           f" Starlette+uvicorn endpoint (a no-op grpc.aio servicer for gRPC) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
-          f" the clients: 1 process, a thread and a client each, on the same cores")  # fmt: skip
+          f" the clients: 1 process, a thread and a client each, on the same cores; server CPU µs/req: the front's"
+          f" (or the no-op's) processes' user+system CPU over the measurement per request, steadier than the rates"
+          f" when other work shares the machine")  # fmt: skip
     common.print_table(["client x in flight", "front /s", "p50 / p99 ms", "no-op /s", "p50 / p99 ms", "front / no-op",
-                        "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
+                        "server CPU µs/req front / no-op", "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
     if wire["grpc_note"]:
         print(f"# tritonclient gRPC row absent: {wire['grpc_note']}")
     f16, n16 = wire["front"]["triton-http"]["16"]["per_s"], wire["noop"]["triton-http"]["16"]["per_s"]

@@ -8,8 +8,11 @@ answer) on a third. The clients (benchmarks/wire_clients.py: a thread and a
 client each, sequential requests) run in one more process, measuring the
 front and the no-op endpoint alternately with the same clients, so their
 ratio is what the front keeps of what the HTTP stack allows on this machine
-at that moment. Ray Serve's HTTP proxy, when ray is installed, is measured
-by the same clients afterwards (benchmarks/ray_serving.py ``--http``).
+at that moment. Each measurement also reports the server side's CPU per
+request (``server_cpu_us``: the front's process tree, or the no-op's, read
+from /proc over the same window), which other work on a shared machine moves
+far less than the rates. Ray Serve's HTTP proxy, when ray is installed, is
+measured by the same clients afterwards (benchmarks/ray_serving.py ``--http``).
 """
 
 from __future__ import annotations
@@ -116,10 +119,10 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
                     n = requests_for(c, quick)
                     url = f"127.0.0.1:{grpc_port if kind == 'triton-grpc' else port}"
                     plan.append({"kind": kind, "url": url, "concurrency": c, "requests": n, "features": features,
-                                 "target": "front"})  # fmt: skip
+                                 "target": "front", "pids": [front.pid]})  # fmt: skip
                     noop_url = f"127.0.0.1:{noop_grpc_port if kind == 'triton-grpc' else noop_port}"
                     plan.append({"kind": kind, "url": noop_url, "concurrency": c, "requests": n,
-                                 "features": features, "target": "noop"})  # fmt: skip
+                                 "features": features, "target": "noop", "pids": [noop.pid]})  # fmt: skip
             results = run_clients(plan)
         finally:
             _stop(front)

@@ -72,7 +72,36 @@ def _caller(kind: str, url: str, model: str, row: np.ndarray) -> tuple[Callable[
     raise SystemExit(f"unknown kind {kind!r}; have {KINDS}")
 
 
-def measure(kind: str, url: str, model: str, features: int, concurrency: int, total: int, warmup: int) -> dict[str, Any]:
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a front's ``--workers`` processes)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:  # gone, or no /proc (not Linux)
+            pass
+    return out
+
+
+def cpu_s(pids: list[int]) -> float | None:
+    """User + system CPU seconds of the server processes ``pids`` and their children so far; None without /proc."""
+    total = 0.0
+    try:
+        for p in (q for pid in pids for q in _tree(pid)):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def measure(kind: str, url: str, model: str, features: int, concurrency: int, total: int, warmup: int,
+            pids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
     row = np.random.default_rng(0).random((1, features), dtype=np.float32)
     taken = itertools.count()  # next() on a count is atomic under the GIL
     lat: list[list[float]] = [[] for _ in range(concurrency)]
@@ -108,10 +137,12 @@ def measure(kind: str, url: str, model: str, features: int, concurrency: int, to
         start.wait()
     except threading.BrokenBarrierError:
         raise SystemExit(f"a client could not start: {failures}") from None
+    cpu0 = cpu_s(pids) if pids else None
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
+    cpu1 = cpu_s(pids) if pids else None
     if failures:
         raise SystemExit(f"{len(failures)} client(s) failed: {failures[0]}")
     flat = sorted(x for part in lat for x in part)
@@ -119,18 +150,23 @@ def measure(kind: str, url: str, model: str, features: int, concurrency: int, to
     def pct(q: float) -> float:
         return flat[min(len(flat) - 1, round(q * (len(flat) - 1)))] * 1e3 if flat else 0.0
 
+    # The server's CPU per request: unlike the rate, it barely moves with what else runs on the
+    # machine, so it compares two servers (or two versions of one) where the rates are noisy.
+    server_us = (cpu1 - cpu0) / len(flat) * 1e6 if cpu0 is not None and cpu1 is not None and flat else None
     return {"per_s": len(flat) / elapsed, "p50_ms": pct(0.5), "p99_ms": pct(0.99), "requests": len(flat),
-            "client_cores": len(os.sched_getaffinity(0))}  # fmt: skip
+            "client_cores": len(os.sched_getaffinity(0)), "server_cpu_us": server_us}  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help="JSON list of {kind, url, concurrency, requests[, model, features, warmup]}")
+    p.add_argument("--plan", required=True,
+                   help="JSON list of {kind, url, concurrency, requests[, model, features, warmup, pids]}; pids: the"
+                        " server's processes, whose CPU per request is reported (server_cpu_us)")  # fmt: skip
     plan = json.loads(p.parse_args().plan)
     out = []
     for m in plan:
         out.append(measure(m["kind"], m["url"], m.get("model", "digits"), m.get("features", 64), m["concurrency"],
-                           m["requests"], m.get("warmup", 64)))  # fmt: skip
+                           m["requests"], m.get("warmup", 64), m.get("pids")))  # fmt: skip
     print(json.dumps(out), flush=True)
     return 0
 
