@@ -158,9 +158,11 @@ def report(rg: dict[str, Any], calls: dict[str, Any], plain: dict[str, Any], ray
 
 
 def _cpu(f: dict[str, Any], n: dict[str, Any] | None) -> str:
-    """The server processes' CPU per request, front / no-op (``-`` where /proc could not say)."""
+    """The server processes' CPU per request, front / no-op (``-`` where /proc could not say), and the clients'."""
     fu, nu = f.get("server_cpu_us"), (n or {}).get("server_cpu_us")
-    return f"{fu:.0f} / {nu:.0f}" if fu is not None and nu is not None else "-"
+    served = f"{fu:.0f} / {nu:.0f}" if fu is not None and nu is not None else "-"
+    fc, nc = f.get("client_cpu_us"), (n or {}).get("client_cpu_us")
+    return served + (f" (clients {fc:.0f} / {nc:.0f})" if fc is not None and nc is not None else "")
 
 
 def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
@@ -183,9 +185,9 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
           f" Starlette+uvicorn endpoint (a no-op grpc.aio servicer for gRPC) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
           f" the clients: 1 process, a thread and a client each, on the same cores; server CPU µs/req: the front's"
           f" (or the no-op's) processes' user+system CPU over the measurement per request, steadier than the rates"
-          f" when other work shares the machine")  # fmt: skip
+          f" when other work shares the machine; (clients ...): the client process's CPU per request")  # fmt: skip
     common.print_table(["client x in flight", "front /s", "p50 / p99 ms", "no-op /s", "p50 / p99 ms", "front / no-op",
-                        "server CPU µs/req front / no-op", "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
+                        "CPU µs/req front / no-op", "Ray HTTP /s", "p50 / p99 ms", "front / Ray"], rows)  # fmt: skip
     if wire["grpc_note"]:
         print(f"# tritonclient gRPC row absent: {wire['grpc_note']}")
     f16, n16 = wire["front"]["triton-http"]["16"]["per_s"], wire["noop"]["triton-http"]["16"]["per_s"]

@@ -138,11 +138,13 @@ def measure(kind: str, url: str, model: str, features: int, concurrency: int, to
     except threading.BrokenBarrierError:
         raise SystemExit(f"a client could not start: {failures}") from None
     cpu0 = cpu_s(pids) if pids else None
+    mine0 = time.process_time()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
     cpu1 = cpu_s(pids) if pids else None
+    client_us = (time.process_time() - mine0) / max(1, sum(len(x) for x in lat)) * 1e6
     if failures:
         raise SystemExit(f"{len(failures)} client(s) failed: {failures[0]}")
     flat = sorted(x for part in lat for x in part)
@@ -154,7 +156,7 @@ def measure(kind: str, url: str, model: str, features: int, concurrency: int, to
     # machine, so it compares two servers (or two versions of one) where the rates are noisy.
     server_us = (cpu1 - cpu0) / len(flat) * 1e6 if cpu0 is not None and cpu1 is not None and flat else None
     return {"per_s": len(flat) / elapsed, "p50_ms": pct(0.5), "p99_ms": pct(0.99), "requests": len(flat),
-            "client_cores": len(os.sched_getaffinity(0)), "server_cpu_us": server_us}  # fmt: skip
+            "client_cores": len(os.sched_getaffinity(0)), "server_cpu_us": server_us, "client_cpu_us": client_us}  # fmt: skip
 
 
 def main() -> int:
