@@ -1,4 +1,4 @@
-"""Serving benchmark: ``python -m benchmarks serving [--quick] [--no-ray] [--no-wire] [--front-workers N]``.
+"""Serving benchmark: ``python -m benchmarks serving [--quick] [--no-ray] [--no-wire] [--front-workers N] [--front-in-flight N]``.
 
 Single-row requests from 1, 8 and 64 concurrent callers, on the digits MLP
 (64 → 128 → 10) and the medium MLP (784 → 1024 → 1024 → 10), in one run:
@@ -181,7 +181,8 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
                 common.fmt_rate(y["per_s"]) if y else "-", f"{y['p50_ms']:.2f} / {y['p99_ms']:.2f}" if y else "-",
                 common.ratio(f["per_s"], y["per_s"]) if y else "-",
             ])  # fmt: skip
-    print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es), 1 silo), a no-op"
+    in_flight = f", --in-flight {wire['in_flight']}" if wire.get("in_flight") is not None else ""
+    print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es){in_flight}, 1 silo), a no-op"
           f" Starlette+uvicorn endpoint (a no-op grpc.aio servicer for gRPC) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
           f" the clients: 1 process, a thread and a client each, on the same cores; server CPU µs/req: the front's"
           f" (or the no-op's) processes' user+system CPU over the measurement per request, steadier than the rates"
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--no-wire", action="store_true", help="skip the over-the-wire rows")
     parser.add_argument("--front-workers", type=int, default=1, help="redgrain serve --workers for the wire rows")
+    parser.add_argument("--front-in-flight", type=int, default=None,
+                        help="redgrain serve --in-flight for the wire rows (default: serve's own default)")  # fmt: skip
     args = parser.parse_args(argv)
     facts = common.machine_facts()
     common.print_header("serving: single-row requests, dynamic batching vs batch-1 and Ray Serve", facts, args.quick)
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         rg, calls = common.run(redgrain(weights, args.quick))
         plain = asyncio.run(in_process(weights, args.quick))
         ray_result = "skipped (--no-ray)" if args.no_ray else ray_serve(weights, args.quick)
-        wire = None if args.no_wire else serving_wire.measure(weights["digits"], args.quick, workers=args.front_workers)
+        wire = None if args.no_wire else serving_wire.measure(weights["digits"], args.quick, workers=args.front_workers,
+                                                             in_flight=args.front_in_flight)  # fmt: skip
         ray_http: dict[str, Any] | str = "skipped (--no-ray or --no-wire)"
         if not args.no_ray and not args.no_wire:
             ray_http = serving_wire.ray_http(weights["digits"], args.quick)

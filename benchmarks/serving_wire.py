@@ -92,7 +92,7 @@ def kinds_available() -> tuple[list[str], str | None]:
     return ["triton-http", "triton-grpc", "httpx-json"], None
 
 
-def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
+def measure(weights: str, quick: bool, *, workers: int = 1, in_flight: int | None = None) -> dict[str, Any]:
     """Requests/s and latency of each client kind at each concurrency, against the front and the no-op."""
     factory, features = MODELS[MODEL]
     kinds, grpc_note = kinds_available()
@@ -103,6 +103,8 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
                  "--max-batch-size", str(MAX_BATCH), "--port", str(port)]  # fmt: skip
         if workers > 1:
             serve += ["--workers", str(workers)]
+        if in_flight is not None:
+            serve += ["--in-flight", str(in_flight)]
         if "triton-grpc" in kinds:
             serve += ["--grpc-port", str(grpc_port)]
         front = common.start_subprocess(serve)
@@ -127,7 +129,8 @@ def measure(weights: str, quick: bool, *, workers: int = 1) -> dict[str, Any]:
         finally:
             _stop(front)
             _stop(noop)
-    out: dict[str, Any] = {"kinds": kinds, "grpc_note": grpc_note, "workers": workers, "server_cores": os.cpu_count()}
+    out: dict[str, Any] = {"kinds": kinds, "grpc_note": grpc_note, "workers": workers, "in_flight": in_flight,
+                           "server_cores": os.cpu_count()}  # fmt: skip
     for m, r in zip(plan, results):
         out.setdefault(m["target"], {}).setdefault(m["kind"], {})[str(m["concurrency"])] = r
     return out

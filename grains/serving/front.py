@@ -74,19 +74,29 @@ class Answer:
 
 
 class Front:
-    """The models a front serves, through ``client`` (set it before the first request)."""
+    """The models a front serves, through ``client`` (set it before the first request).
 
-    def __init__(self, client: Any = None, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0) -> None:
+    ``in_flight``: each model's merged grain calls out at once (the ``Predictor``'s); the
+    requests that arrive meanwhile wait and leave together as the next call.
+    """
+
+    def __init__(
+        self, client: Any = None, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0, in_flight: int = 2
+    ) -> None:  # fmt: skip
+        if in_flight < 1:
+            raise ValueError(f"in_flight is {in_flight}; a front needs at least one call in flight")
         self.client = client
         self.grain = grain
         self.timeout_s = timeout_s
+        self.in_flight = in_flight
         self._predictors: dict[str, Predictor] = {}
         self._infos: dict[str, tuple[float, ModelInfo]] = {}
 
     def predictor(self, name: str) -> Predictor:
         p = self._predictors.get(name)
         if p is None:
-            p = self._predictors[name] = Predictor(self.client, name, grain=self.grain, timeout_s=self.timeout_s)
+            p = self._predictors[name] = Predictor(self.client, name, grain=self.grain, timeout_s=self.timeout_s,
+                                                   in_flight=self.in_flight)  # fmt: skip
         return p
 
     def serving(self) -> bool:
