@@ -77,6 +77,16 @@ class Predictor:
         self._limit_until = 0.0
 
     @property
+    def in_flight(self) -> int | None:
+        """Merged calls out at once (None without coalescing); settable, from the next call on."""
+        return self._coalescer.in_flight if self._coalescer is not None else None
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        if self._coalescer is not None:
+            self._coalescer.in_flight = value
+
+    @property
     def calls(self) -> int | None:
         """Grain calls the coalescer sent (None without coalescing)."""
         return self._coalescer.calls if self._coalescer is not None else None

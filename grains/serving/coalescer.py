@@ -67,6 +67,17 @@ class Coalescer:
     def max_rows(self, value: int) -> None:
         self._batcher.max_rows = max(1, value)
 
+    @property
+    def in_flight(self) -> int:
+        return self._batcher.slots
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        """From the next call on; calls out now finish as they are."""
+        if value != self._batcher.slots:
+            b = self._batcher
+            b.configure(max_rows=b.max_rows, max_delay_s=b.max_delay_s, slots=max(1, value))
+
     async def submit(self, inputs: Inputs, rows: int, key: Hashable, deadline: float) -> Any:
         """``inputs``' answer; raises what its call raised. ``key``: its :func:`signature`'s second part."""
         out = await self._batcher.submit(_Pending(inputs, rows, deadline), rows, key)

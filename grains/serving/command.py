@@ -42,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port, beside HTTP (default 0: no gRPC front)")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline of one inference request, seconds")
-    p.add_argument("--in-flight", type=int, default=2,
-                   help="merged grain calls per model out at once from a front process (default 2; 1 gives fewer,"
-                        " fuller calls where one replica serves: docs/serving.md)")  # fmt: skip
+    p.add_argument("--in-flight", type=int, default=None,
+                   help="merged grain calls per model out at once from a front process (default: one per silo"
+                        " hosting replicas)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1,
                    help="front processes sharing the port (SO_REUSEPORT; each parses HTTP on a core of its own)")  # fmt: skip
 
@@ -81,7 +81,7 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
     from silo.client import ClusterClient
 
     spec = spec_from(args)
-    if args.in_flight < 1:
+    if args.in_flight is not None and args.in_flight < 1:
         raise errors.ConfigError(f"--in-flight {args.in_flight}: at least 1")
     name = args.name or args.job
     if spec is not None and not name:

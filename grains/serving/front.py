@@ -77,18 +77,24 @@ class Front:
     """The models a front serves, through ``client`` (set it before the first request).
 
     ``in_flight``: each model's merged grain calls out at once (the ``Predictor``'s); the
-    requests that arrive meanwhile wait and leave together as the next call.
+    requests that arrive meanwhile wait and leave together as the next call. None (the
+    default): one per silo that hosts the replica type, as the cluster view says, read again
+    every second. A second call to one replica only queues behind the first there, yet costs a
+    frame each way and a turn on both sides; fewer, fuller calls cost less a request
+    (docs/serving.md, "Where the gRPC time goes").
     """
 
     def __init__(
-        self, client: Any = None, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0, in_flight: int = 2
+        self, client: Any = None, *, grain: type[ModelGrain] = ModelGrain, timeout_s: float = 10.0,
+        in_flight: int | None = None,
     ) -> None:  # fmt: skip
-        if in_flight < 1:
+        if in_flight is not None and in_flight < 1:
             raise ValueError(f"in_flight is {in_flight}; a front needs at least one call in flight")
         self.client = client
         self.grain = grain
         self.timeout_s = timeout_s
         self.in_flight = in_flight
+        self._fitted_until = 0.0
         self._predictors: dict[str, Predictor] = {}
         self._infos: dict[str, tuple[float, ModelInfo]] = {}
 
@@ -96,8 +102,15 @@ class Front:
         p = self._predictors.get(name)
         if p is None:
             p = self._predictors[name] = Predictor(self.client, name, grain=self.grain, timeout_s=self.timeout_s,
-                                                   in_flight=self.in_flight)  # fmt: skip
+                                                   in_flight=self.in_flight or self._replicas())  # fmt: skip
+        elif self.in_flight is None and time.monotonic() >= self._fitted_until:
+            p.in_flight = self._replicas()
         return p
+
+    def _replicas(self) -> int:
+        """Silos that can run a replica now (at least 1), remembered for a second."""
+        self._fitted_until = time.monotonic() + INFO_TTL_S
+        return max(1, len(self.client.view.hosting(self.grain.__name__)))
 
     def serving(self) -> bool:
         """Server readiness: some silo hosts the replica grain type."""

@@ -33,7 +33,7 @@ async def serve_workers(args: argparse.Namespace, redis_url: str | None, cluster
     secret = getattr(settings, "cluster_secret", None)
     config = {"redis_url": redis_url, "cluster": cluster, "secret": secret.get_secret_value() if secret else None,
               "host": args.host, "port": args.port, "timeout": args.timeout, "role": args.role,
-              "grpc_port": getattr(args, "grpc_port", 0), "in_flight": getattr(args, "in_flight", 2)}  # fmt: skip
+              "grpc_port": getattr(args, "grpc_port", 0), "in_flight": getattr(args, "in_flight", None)}  # fmt: skip
     children = []
     for _ in range(args.workers):
         p = await asyncio.create_subprocess_exec(
@@ -74,7 +74,7 @@ async def _child(config: dict[str, Any]) -> None:
 
     settings = ClientSettings(cluster_secret=config["secret"]) if config["secret"] else None
     # One front for both wires; its client is connected by the HTTP app's lifespan.
-    front = Front(grain=grain_for(config["role"]), timeout_s=config["timeout"], in_flight=config.get("in_flight", 2))
+    front = Front(grain=grain_for(config["role"]), timeout_s=config["timeout"], in_flight=config.get("in_flight"))
     server = make_server(create_app(redis_url=config["redis_url"], cluster=config["cluster"], client_settings=settings,
                                     front=front),
                          host=config["host"], port=config["port"], reuse_port=True)  # fmt: skip

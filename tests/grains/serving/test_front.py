@@ -42,16 +42,17 @@ class _Replica:
 
 
 class _Client:
-    def __init__(self, replica: _Replica) -> None:
+    def __init__(self, replica: _Replica, silos: int = 1) -> None:
         self.replica = replica
+        self.view = SimpleNamespace(hosting=lambda type_name: [object()] * silos)
 
     def get_grain(self, grain: Any, name: str) -> _Replica:
         return self.replica
 
 
-async def _six_requests(in_flight: int) -> tuple[_Replica, list[torch.Tensor]]:
+async def _six_requests(in_flight: int | None, silos: int = 1) -> tuple[_Replica, list[torch.Tensor]]:
     replica = _Replica()
-    front = Front(_Client(replica), in_flight=in_flight)
+    front = Front(_Client(replica, silos), in_flight=in_flight)
     rows = [torch.full((1, 4), float(k)) for k in range(6)]
     tasks = [asyncio.ensure_future(front.infer("m", {"input": r})) for r in rows]
     await replica.first.wait()  # the first request left alone; the other five queue behind it
@@ -65,6 +66,14 @@ async def test_a_front_keeps_at_most_in_flight_merged_calls_out_and_each_caller_
     replica, outs = await _six_requests(in_flight)
     assert replica.most == in_flight
     assert sum(replica.calls) == 6 and len(replica.calls) < 6  # merged: fewer calls than requests
+    for k, out in enumerate(outs):
+        assert torch.equal(out, torch.full((1, 4), 2.0 * k))
+
+
+@pytest.mark.parametrize("silos", [1, 2, 3])
+async def test_by_default_a_front_keeps_one_call_out_per_silo_that_hosts_replicas(silos):
+    replica, outs = await _six_requests(None, silos)
+    assert replica.most == silos
     for k, out in enumerate(outs):
         assert torch.equal(out, torch.full((1, 4), 2.0 * k))
 
