@@ -81,3 +81,15 @@ async def test_by_default_a_front_keeps_one_call_out_per_silo_that_hosts_replica
 def test_a_front_refuses_no_call_in_flight():
     with pytest.raises(ValueError, match="in_flight"):
         Front(None, in_flight=0)
+
+
+async def test_serve_refuses_in_flight_below_one_before_connecting():
+    import argparse
+
+    from grains.serving import command
+    from silo import errors
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    with pytest.raises(errors.ConfigError, match="--in-flight 0"):
+        await command.run(p.parse_args(["--in-flight", "0"]), None, None, None)
