@@ -127,7 +127,7 @@ async def test_vote_is_void_once_the_heartbeat_moves() -> None:
     await w.beat(flaky)
     await w.detectors[b].check_once()
     await w.detectors[b].wait_probes()
-    outcome = await w.table.vote_dead(str(flaky), str(b), w.table.rows[str(flaky)].heartbeat, 2)
+    outcome = await w.table.vote_dead(str(flaky), str(b), w.table.heartbeats[str(flaky)], 2)
     assert outcome.result == "voted" and outcome.votes == 1  # a's old vote no longer counts
     assert w.status(flaky) is SiloStatus.ACTIVE
 
