@@ -10,24 +10,27 @@ Two signals, so a busy silo is never mistaken for a dead one:
   so :meth:`HeartbeatThread.fenced` is true and the dispatcher refuses calls.
   That closes the window in which a resumed SIGSTOPped silo could answer a
   call before learning it is dead.
-* :class:`FailureDetector` runs on the event loop. It reads the table every
-  ``probe_interval_s`` and pings every peer over TCP. A peer whose heartbeat
+* :class:`FailureDetector` runs on the event loop. It watches its
+  ``monitors`` successors on a ring of the live silos (:class:`Ring`, ordered
+  by a hash of the address; all peers when fewer): every ``probe_interval_s``
+  it follows the table's change feed and reads their heartbeat fields in one
+  round trip, and pings each over TCP. A peer whose heartbeat
   has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
   values, never clocks) is suspected; it gets a vote when its heartbeat has
   been stale ``dead_after_s`` and a probe timed out, or at once when the probe
   finds its port refusing connections (the process is gone: the fast path).
   A probe that answers while the heartbeat stays stale means the heartbeat
   thread lost Redis; that silo fences itself, and we vote after twice
-  ``dead_after_s`` (the longer bound). Death is declared by one Lua script
-  when ``min(2, fresh peers)`` valid votes are in (see
-  ``RedisMembershipTable.vote_dead``).
+  ``dead_after_s`` (the longer bound). Only a silo's monitors vote on it;
+  death is declared by one Lua script when ``min(2, fresh monitors)`` valid
+  votes are in (see ``RedisMembershipTable.vote_dead`` and ``_needed``).
 * The reverse partition: a heartbeat that moves while the peer cannot be
   reached at all. A probe that gets no answer tries a bare TCP handshake; a
   busy or stopped process still completes one (its kernel answers), a host
   cut off from us does not (``UNREACHABLE``). A peer unreachable for twice
   ``dead_after_s`` without a break gets an *unreachable* vote
   (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh
-  peers)`` votes like the others: so a silo cut from all its peers is voted
+  monitors)`` votes like the others: so a silo cut from all its peers is voted
   out (it hears so on its next heartbeat and stops), while a link cut between
   two silos of three removes neither.
 """

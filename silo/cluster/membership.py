@@ -1,14 +1,19 @@
 """The membership table: the contract every table keeps, and its Redis implementation.
 
 Rows are JSON (so Lua scripts can read a status with cjson) in one hash,
-keyed by the silo's address ``host:port@generation``. Every status change is
-one Lua script that bumps a version counter and publishes it, so peers and
-clients re-read the table as soon as anything changes (each through its
-:class:`~silo.cluster.view.MembershipView`). A vote against a suspected silo
-is one script too: counting the valid votes and declaring the suspect Dead
-happen in one step, so no heartbeat or second declaration slips in between.
-The in-memory twin with the same rules is
-:class:`silo.testing.membership.InMemoryMembershipTable`.
+keyed by the silo's address ``host:port@generation``; the live heartbeat and
+load are fields of two hashes of their own, so a heartbeat never rewrites a
+row and a monitor reads just the heartbeats it watches. Every status change
+is one Lua script that bumps a version counter, appends the change to a
+capped stream (the change feed, entry id ``<version>-0``) and publishes the
+version: readers follow the feed (:meth:`MembershipTable.watch`) and read the
+whole table only at start or when the feed no longer reaches back to their
+version (each through its :class:`~silo.cluster.view.MembershipView`). A vote
+against a suspected silo is one script too: counting the valid votes and
+declaring the suspect Dead happen in one step, so no heartbeat or second
+declaration slips in between. The in-memory twin with the same rules is
+:class:`silo.testing.membership.InMemoryMembershipTable`. The layout and its
+costs: docs/internals.md, "Membership at O(1) per silo".
 """
 
 from __future__ import annotations
