@@ -224,6 +224,10 @@ class MembershipView:
                     msg = await pubsub.get_message(timeout=0)
                     raise_if_cancelled()  # get_message(timeout=0) can swallow a cancel
                     if msg is not None:
+                        # Many changes at once (a fleet starting) need one read, not one each.
+                        while msg is not None:
+                            msg = await pubsub.get_message(timeout=0)
+                            raise_if_cancelled()
                         await self.catch_up()
                     else:
                         await asyncio.sleep(0.05)
