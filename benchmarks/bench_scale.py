@@ -42,7 +42,14 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import FIXED_THREADS, REPO, machine_facts, print_header, print_table, write_result
+from benchmarks.common import (
+    FIXED_THREADS,
+    REPO,
+    machine_facts,
+    print_header,
+    print_table,
+    write_result,
+)
 
 ROW_BYTES_TODAY = 339
 """A membership row as issue 27 measured it (with load)."""
@@ -217,7 +224,7 @@ class Workers:
                 [sys.executable, "-m", "benchmarks.bench_scale", "worker", url, cluster, str(c), str(grains),
                  settings.model_dump_json()],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO,
-            )  # fmt: skip
+            )
             for c in counts
             if c
         ]
