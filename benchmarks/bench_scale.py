@@ -184,10 +184,11 @@ async def _worker(url: str, cluster: str, count: int, grains: int, settings_json
     from silo.settings import MembershipSettings
 
     settings = MembershipSettings.model_validate_json(settings_json)
-    redis = connect_redis(url)
     keys = Keys(cluster)
     pool = _Pool()
-    silos = [SimSilo(redis, keys, settings, pool, grains) for _ in range(count)]
+    # A Redis client (connection pool) each, as each silo process has: a view's subscription
+    # holds a connection of its own, so one shared pool would run dry.
+    silos = [SimSilo(connect_redis(url), keys, settings, pool, grains) for _ in range(count)]
     for s in silos:
         await s.start()
     _say({"ready": [str(s.address) for s in silos]})

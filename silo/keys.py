@@ -49,6 +49,11 @@ class Keys:
         """Capped stream of membership changes, entry id ``<version>-0``: address and new row."""
         return self.prefix + "members:feed"
 
+    def members_seen(self, silo: str) -> str:
+        """Hash (expiring): watched silo -> the heartbeat ``silo``'s failure detector last saw, so
+        a detector reads one "moved?" flag a silo and votes on the value kept here."""
+        return self.prefix + f"members:seen:{silo}"
+
     def heartbeat(self, silo: str) -> str:
         """String with a TTL: the silo's last heartbeat time."""
         return self.prefix + f"hb:{silo}"

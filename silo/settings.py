@@ -90,7 +90,7 @@ class MembershipSettings(_Section):
         "is watched by about this many others whatever the cluster's size.",
     )
     load_sample: int = Field(
-        8,
+        2,
         ge=0,
         description="Silos' published loads (for placement) each silo or client re-reads every refresh_s, "
         "in turn; all of them when there are no more silos than this.",

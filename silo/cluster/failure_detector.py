@@ -281,9 +281,9 @@ class FailureDetectorStatistics:
 
 @dataclass(slots=True)
 class _Peer:
-    heartbeat: float
     since: float
-    """Our clock when we first saw this heartbeat value."""
+    """Our clock when we first saw its current heartbeat value (the value itself stays in Redis,
+    in our seen-hash, which our votes name: ``MembershipTable.moved``)."""
     suspected: bool = False
     probing: bool = False
     last_probe: float = float("-inf")
@@ -421,14 +421,13 @@ class FailureDetector:
         out.discard(self._addr)
         return sorted(out)
 
-    async def _read(self) -> dict[str, float]:
-        """Follow the table's changes and read the watched heartbeats: one round trip, or a whole
-        read when we have nothing (start) or fell behind the feed."""
-        watch = await self._table.watch(self._version, heartbeats=self._watched())
+    async def _read(self) -> dict[str, bool]:
+        """Follow the table's changes and learn which watched heartbeats moved: one round trip of
+        a few bytes (a flag a silo), or a whole read when we have nothing (start) or fell behind."""
+        watch = await self._table.moved(self._addr, self._version, self._watched())
         if watch.changes is None:
             self._version, self._rows = await self._table.read_all()
             self.full_reads += 1
-            beats = {a: r.heartbeat for a, r in self._rows.items()}
         else:
             for addr, row in watch.changes:
                 if row is None:
@@ -436,15 +435,16 @@ class FailureDetector:
                 else:
                     self._rows[addr] = row
             self._version = watch.version
-            beats = watch.heartbeats
         live = [a for a, r in self._rows.items() if r.status is not SiloStatus.DEAD]
         self._ring = Ring([*live, self._addr], self._s.monitors)
         self._monitored = self._ring.successors(self._addr)
-        return beats
+        if watch.changes is None:  # we did not know whom to watch: ask again, for those
+            watch = await self._table.moved(self._addr, self._version, self._watched())
+        return watch.moved
 
     async def check_once(self) -> None:
         """One round: follow membership, track heartbeats, probe, vote. Tests call this directly."""
-        beats = await self._read()
+        moved = await self._read()
         self.rounds += 1
         rows = self._rows
         now = self._clock()
@@ -458,15 +458,13 @@ class FailureDetector:
         monitored = set(self._monitored)
         for addr in sorted(watched):
             row = rows.get(addr)
-            hb = beats.get(addr)
-            if row is None or hb is None:
-                continue  # newly watched: its heartbeat comes with the next read
+            if row is None or addr not in moved:
+                continue  # newly watched: its heartbeat is read from the next round on
             peer = self._peers.get(addr)
-            if peer is None or peer.heartbeat != hb:
+            if peer is None or moved[addr]:
                 if peer is not None and peer.suspected:
                     log.info("%s is alive again (heartbeat moved)", addr)
                 peer = self._peers[addr] = _Peer(
-                    hb,
                     now,
                     last_probe=peer.last_probe if peer else float("-inf"),
                     unreachable_since=peer.unreachable_since if peer else None,
@@ -537,7 +535,7 @@ class FailureDetector:
         return min(2, fresh)
 
     async def _vote(self, addr: str, peer: _Peer, why: str) -> None:
-        outcome = await self._cast(addr, why, self._table.vote_dead(addr, self._addr, peer.heartbeat, self._needed(addr)))
+        outcome = await self._cast(addr, why, self._table.vote_dead(addr, self._addr, None, self._needed(addr)))
         if outcome is None:
             return
         if outcome.result == "alive":

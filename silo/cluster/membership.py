@@ -49,7 +49,11 @@ class MembershipTable(Protocol):
         self, version: int, heartbeats: Sequence[str] = (), loads: Sequence[str] = ()
     ) -> MembershipWatch: ...
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome: ...
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves: ...
+
+    async def vote_dead(
+        self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int
+    ) -> VoteOutcome: ...
 
     async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome: ...
 
@@ -136,6 +140,30 @@ return m['status']
 """
 
 
+# A detector's read each round: the version, and one flag a watched silo ('1': its heartbeat
+# moved since this detector last looked, '0': not), the values kept in the detector's own
+# seen-hash for its votes, so the reply is a few bytes whatever the silos watched.
+# KEYS: rows, heartbeats, version, seen.  ARGV: ttl ms, then the watched addresses.
+_MOVED = """
+local flags = {}
+for i = 2, #ARGV do
+  local a = ARGV[i]
+  local cur = redis.call('HGET', KEYS[2], a)
+  if not cur then
+    local raw = redis.call('HGET', KEYS[1], a)
+    cur = raw and tostring(cjson.decode(raw)['heartbeat']) or ''
+  end
+  if (redis.call('HGET', KEYS[4], a) or '') ~= cur then
+    redis.call('HSET', KEYS[4], a, cur)
+    flags[#flags + 1] = '1'
+  else
+    flags[#flags + 1] = '0'
+  end
+end
+if #ARGV > 1 then redis.call('PEXPIRE', KEYS[4], ARGV[1]) end
+return {redis.call('GET', KEYS[3]) or '0', table.concat(flags)}
+"""
+
 # The end of both vote scripts once enough votes are in: mark the row Dead (with
 # its last heartbeat), drop the votes (KEYS[7]) and announce the change.
 # ARGV[1]: the suspect; m: its decoded row; n: the votes.
@@ -158,11 +186,14 @@ if not row then return {'gone', 0} end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return {'dead', 0} end
 local hb = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or m['heartbeat']) or 0
-if math.abs(hb - tonumber(ARGV[3])) > 1e-4 then
+-- The value the voter saw: given, or the one its detector's seen-hash (KEYS[8]) keeps.
+local seen = tonumber(ARGV[3]) or tonumber(redis.call('HGET', KEYS[8], ARGV[1]) or '')
+if not seen then return {'alive', 0} end
+if math.abs(hb - seen) > 1e-4 then
   redis.call('DEL', KEYS[7])
   return {'alive', 0}
 end
-redis.call('HSET', KEYS[7], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[7], ARGV[2], tostring(seen))
 redis.call('PEXPIRE', KEYS[7], 60000)
 local votes = redis.call('HGETALL', KEYS[7])
 local n = 0
@@ -228,6 +259,23 @@ class MembershipWatch:
     """The last published load of each silo asked for that has one."""
 
 
+@dataclass(frozen=True, slots=True)
+class MembershipMoves:
+    """What a failure detector's read found (:meth:`MembershipTable.moved`)."""
+
+    version: int
+    """The table's version, the changes applied."""
+    changes: list[Change] | None
+    """As :attr:`MembershipWatch.changes`: since the version the detector had; None: read the table."""
+    moved: dict[str, bool]
+    """Each address asked for: True when its heartbeat changed since this watcher's last read
+    (or it is new to the watcher)."""
+
+
+SEEN_TTL_MS = 60_000
+"""A detector's seen-hash outlives its last read by this long (a stopped silo's goes by itself)."""
+
+
 def parse_feed(since: int, current: int, entries: list[Any]) -> tuple[int, list[Change]] | None:
     """Changes from XRANGE entries (id ``<version>-0``) after version ``since``; None when the
     run from ``since + 1`` to ``current`` is not all there (trimmed, or a gap)."""
@@ -264,6 +312,7 @@ class RedisMembershipTable:
         self._remove = redis.register_script(_REMOVE)
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._vote = redis.register_script(_VOTE_DEAD)
+        self._moved = redis.register_script(_MOVED)
         self._vote_unreachable = redis.register_script(_VOTE_UNREACHABLE)
 
     @property
@@ -359,12 +408,34 @@ class RedisMembershipTable:
                         found[addr] = SiloLoad.model_validate_json(raw)
         return MembershipWatch(current, changes, beats, found)
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves:
+        """One round trip of a few bytes: the version and whether each watched silo's heartbeat
+        moved since ``watcher`` last asked; the feed is read (a second trip) only when the version
+        moved, and never beyond the changes."""
+        k = self._keys
+        addrs = list(addresses)
+        with redis_errors("membership read"):
+            raw = await self._moved(
+                keys=[k.members, k.members_heartbeats, k.members_version, k.members_seen(watcher)],
+                args=[SEEN_TTL_MS, *addrs],
+            )
+        current = int(raw[0])
+        flags = raw[1].decode() if isinstance(raw[1], bytes) else str(raw[1])
+        moved = {a: f == "1" for a, f in zip(addrs, flags, strict=True)}
+        changes: list[Change] | None = [] if current == version else None
+        if current != version and 0 <= version < current:
+            watch = await self.watch(version)
+            current, changes = watch.version, watch.changes
+        return MembershipMoves(current, changes, moved)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
+        """A vote that ``suspect`` is dead, valid while its heartbeat is ``seen_heartbeat`` (None:
+        the value ``voter``'s detector last read, :meth:`moved`)."""
         k = self._keys
         with redis_errors("membership vote"):
             raw = await self._vote(
-                keys=[*self.status_keys, k.suspicions(suspect)],
-                args=[suspect, voter, repr(seen_heartbeat), max(1, needed)],
+                keys=[*self.status_keys, k.suspicions(suspect), k.members_seen(voter)],
+                args=[suspect, voter, "" if seen_heartbeat is None else repr(seen_heartbeat), max(1, needed)],
             )
         result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
         return VoteOutcome(result, int(raw[1]))

@@ -30,6 +30,7 @@ from silo import errors
 from silo.cluster.membership import (
     FEED_LENGTH,
     Change,
+    MembershipMoves,
     MembershipTable,
     MembershipWatch,
     VoteOutcome,
@@ -69,6 +70,8 @@ class InMemoryMembershipTable:
         self.loads: dict[str, SiloLoad] = {}
         self.feed: deque[tuple[int, Change]] = deque(maxlen=FEED_LENGTH)
         """(version, change) for the last FEED_LENGTH changes, as the Redis stream keeps them."""
+        self.seen: dict[str, dict[str, float]] = {}
+        """Watcher -> watched -> the heartbeat the watcher's last :meth:`moved` read returned."""
         self.watches = 0
         """Calls of :meth:`watch` (tests count reads)."""
         self.full_reads = 0
@@ -126,12 +129,29 @@ class InMemoryMembershipTable:
         found = {a: self.loads[a] for a in loads if a in self.loads}
         return MembershipWatch(self.version, changes, beats, found)
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves:
+        watch = await self.watch(version)
+        seen = self.seen.setdefault(watcher, {})
+        moved: dict[str, bool] = {}
+        for a in addresses:
+            cur = self._heartbeat_of(a) if a in self.rows else None
+            moved[a] = seen.get(a) != cur
+            if cur is None:
+                seen.pop(a, None)
+            else:
+                seen[a] = cur
+        return MembershipMoves(watch.version, watch.changes, moved)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
         row = self.rows.get(suspect)
         if row is None:
             return VoteOutcome("gone", 0)
         if row.status is SiloStatus.DEAD:
             return VoteOutcome("dead", 0)
+        if seen_heartbeat is None:  # the value the voter's detector last read
+            seen_heartbeat = self.seen.get(voter, {}).get(suspect)
+            if seen_heartbeat is None:
+                return VoteOutcome("alive", 0)
         now = self.clock()
         votes = self.votes.setdefault(suspect, {})
         if now - self._voted_at.get(suspect, now) > SUSPICION_TTL_S:

@@ -183,3 +183,33 @@ async def test_a_declared_death_is_in_the_feed_with_the_last_heartbeat(table: Ta
 
 def _outcome(result: str, votes: int) -> VoteOutcome:
     return VoteOutcome(result, votes)
+
+
+async def test_moved_flags_each_watched_heartbeat_once_per_change_per_watcher(table: Table) -> None:
+    await _active(table, A, B, S, heartbeat=5.0)
+    version, _ = await table.read_all()
+    first = await table.moved(str(A), version, [str(B), str(S), str(C)])
+    assert first.version == version and first.changes == []
+    assert first.moved == {str(B): True, str(S): True, str(C): False}  # new to A; C has no row
+    assert (await table.moved(str(A), version, [str(B), str(S)])).moved == {str(B): False, str(S): False}
+    await table.heartbeat(str(S), 6.0, SiloLoad())
+    assert (await table.moved(str(A), version, [str(B), str(S)])).moved == {str(B): False, str(S): True}
+    assert (await table.moved(str(B), version, [str(S)])).moved == {str(S): True}, "each watcher its own"
+    await table.set_status(str(B), SiloStatus.SHUTTING_DOWN)
+    later = await table.moved(str(A), version, [str(S)])
+    assert later.version == version + 1 and later.changes is not None and [a for a, _ in later.changes] == [str(B)]
+
+
+async def test_a_vote_without_a_value_names_what_the_voters_last_read_saw(table: Table) -> None:
+    await _active(table, A, B, S, heartbeat=5.0)
+    version, _ = await table.read_all()
+    assert (await table.vote_dead(str(S), str(A), None, 2)).result == "alive", "A never read S"
+    await table.moved(str(A), version, [str(S)])
+    await table.moved(str(B), version, [str(S)])
+    assert await table.vote_dead(str(S), str(A), None, 2) == VoteOutcome("voted", 1)
+    await table.heartbeat(str(S), 9.0, SiloLoad())  # S beats before B votes: B's read is stale
+    assert (await table.vote_dead(str(S), str(B), None, 2)).result == "alive"
+    await table.moved(str(A), version, [str(S)])
+    await table.moved(str(B), version, [str(S)])
+    assert await table.vote_dead(str(S), str(A), None, 2) == VoteOutcome("voted", 1)
+    assert await table.vote_dead(str(S), str(B), None, 2) == VoteOutcome("declared", 2)
