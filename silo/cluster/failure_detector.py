@@ -13,8 +13,9 @@ Two signals, so a busy silo is never mistaken for a dead one:
 * :class:`FailureDetector` runs on the event loop. It watches its
   ``monitors`` successors on a ring of the live silos (:class:`Ring`, ordered
   by a hash of the address; all peers when fewer): every ``probe_interval_s``
-  it follows the table's change feed and reads their heartbeat fields in one
-  round trip, and pings each over TCP. A peer whose heartbeat
+  one script tells it the table's version and which of their heartbeats
+  moved since it last asked (``MembershipTable.moved``: a flag a silo, the
+  values kept in Redis for its votes), and it pings each over TCP. A peer whose heartbeat
   has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
   values, never clocks) is suspected; it gets a vote when its heartbeat has
   been stale ``dead_after_s`` and a probe timed out, or at once when the probe
