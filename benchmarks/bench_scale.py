@@ -140,6 +140,10 @@ class SimSilo:
                 heartbeat=now, pid=os.getpid(), hostname="sim", grain_types=["sim.Counter", "sim.Echo"],
             )
         )  # fmt: skip
+        # Beating from the join on, as a silo's thread does from start: a slow start (hundreds of
+        # silos starting on two cores) must not look like a dead one to its monitors.
+        self.load = SiloLoad(activations=self.grains)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
         self.view = MembershipView(
             self.table, redis=self.redis, keys=self.keys, refresh_s=s.refresh_s, load_sample=s.load_sample
         )
@@ -151,13 +155,11 @@ class SimSilo:
             table=self.table, me=self.address, settings=s, probe=self.pool.probe, events=ClusterEvents()
         )
         await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
-        self.load = SiloLoad(activations=self.grains)
         self.stats = StatsPublisher(
             self.redis, self.keys, str(self.address),
             lambda: {"membership": self.view.statistics(), "failure_detector": self.detector.statistics()},
             status=lambda: "Active", started=now, gpus=list,
         )  # fmt: skip
-        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
         self.detector.start()
         self.stats.start()
 
@@ -189,8 +191,8 @@ async def _worker(url: str, cluster: str, count: int, grains: int, settings_json
     # A Redis client (connection pool) each, as each silo process has: a view's subscription
     # holds a connection of its own, so one shared pool would run dry.
     silos = [SimSilo(connect_redis(url), keys, settings, pool, grains) for _ in range(count)]
-    for s in silos:
-        await s.start()
+    for i in range(0, len(silos), 25):  # in batches: each join wakes every view, so fewer waves
+        await asyncio.gather(*(s.start() for s in silos[i : i + 25]))
     _say({"ready": [str(s.address) for s in silos]})
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -229,7 +231,11 @@ class Workers:
             for c in counts
             if c
         ]
-        self.addresses: list[list[str]] = [json.loads(self._read(p))["ready"] for p in self.procs]
+        try:
+            self.addresses: list[list[str]] = [json.loads(self._read(p))["ready"] for p in self.procs]
+        except BaseException:
+            self.stop()
+            raise
         self.ps = [psutil.Process(p.pid) for p in self.procs]
 
     @staticmethod
@@ -254,7 +260,7 @@ class Workers:
         return sum(self.ask(i, {"op": "rounds"})["rounds"] for i in range(len(self.procs)))
 
     def stop(self) -> None:
-        for i, p in enumerate(self.procs):
+        for p in self.procs:
             try:
                 assert p.stdin is not None
                 p.stdin.write(json.dumps({"op": "stop"}) + "\n")

@@ -145,22 +145,30 @@ return m['status']
 # seen-hash for its votes, so the reply is a few bytes whatever the silos watched.
 # KEYS: rows, heartbeats, version, seen.  ARGV: ttl ms, then the watched addresses.
 _MOVED = """
+local n = #ARGV - 1
 local flags = {}
-for i = 2, #ARGV do
-  local a = ARGV[i]
-  local cur = redis.call('HGET', KEYS[2], a)
-  if not cur then
-    local raw = redis.call('HGET', KEYS[1], a)
-    cur = raw and tostring(cjson.decode(raw)['heartbeat']) or ''
+if n > 0 then
+  local addrs = {unpack(ARGV, 2)}
+  local cur = redis.call('HMGET', KEYS[2], unpack(addrs))
+  local prev = redis.call('HMGET', KEYS[4], unpack(addrs))
+  local set = {}
+  for i = 1, n do
+    local c = cur[i]
+    if not c then
+      local raw = redis.call('HGET', KEYS[1], addrs[i])
+      c = raw and tostring(cjson.decode(raw)['heartbeat']) or ''
+    end
+    if (prev[i] or '') ~= c then
+      set[#set + 1] = addrs[i]
+      set[#set + 1] = c
+      flags[i] = '1'
+    else
+      flags[i] = '0'
+    end
   end
-  if (redis.call('HGET', KEYS[4], a) or '') ~= cur then
-    redis.call('HSET', KEYS[4], a, cur)
-    flags[#flags + 1] = '1'
-  else
-    flags[#flags + 1] = '0'
-  end
+  if #set > 0 then redis.call('HSET', KEYS[4], unpack(set)) end
+  redis.call('PEXPIRE', KEYS[4], ARGV[1])
 end
-if #ARGV > 1 then redis.call('PEXPIRE', KEYS[4], ARGV[1]) end
 return {redis.call('GET', KEYS[3]) or '0', table.concat(flags)}
 """
 
