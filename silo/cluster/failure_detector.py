@@ -274,8 +274,9 @@ class FailureDetectorStatistics:
     """Peers suspected right now."""
     unreachable: tuple[str, ...] = ()
     """Peers the last probe could not reach over the network (not even a TCP handshake)."""
-    monitored: tuple[str, ...] = ()
-    """The ring successors this silo probes and votes on."""
+    monitored: int = 0
+    """How many ring successors this silo probes and votes on (a count: stats records name no
+    other silo; ``FailureDetector.monitored()`` lists them)."""
     full_reads: int = 0
     """Times the whole table was read (at start, or behind the change feed's reach)."""
 
@@ -580,6 +581,6 @@ class FailureDetector:
             declared=self.declared,
             suspected=tuple(sorted(a for a, p in self._peers.items() if p.suspected)),
             unreachable=tuple(sorted(self.unreachable())),
-            monitored=tuple(self._monitored),
+            monitored=len(self._monitored),
             full_reads=self.full_reads,
         )
