@@ -136,7 +136,7 @@ class Housekeeper:
             k, a = self._keys, row.address
             own = [
                 k.suspicions(a), k.unreachable_votes(a), k.control(a), k.silo_stats(a),
-                k.silo_stats_history(a), k.directory_index(a),
+                k.silo_stats_history(a), k.directory_index(a), k.members_seen(a),
             ]  # fmt: skip
             with redis_errors("housekeeping: remove a dead silo"):
                 status_keys = [
