@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {stopped}")
     smallest = min(rows, key=lambda r: r["n"]) if rows else None
     checks: dict[str, Any] = {}
-    for big in (300, max((r["n"] for r in rows), default=0)):
+    for big in sorted({300, max((r["n"] for r in rows), default=0)}):
         row = next((r for r in rows if r["n"] == big), None)
         if smallest and row and row is not smallest:
             k = row["egress_per_silo_b_s"] / smallest["egress_per_silo_b_s"]
