@@ -110,8 +110,9 @@ async def _main(n: int) -> dict[str, Any]:
             while done is None:
                 await asyncio.sleep(0.02)
                 rows = {a.decode(): MemberRow.model_validate_json(r) for a, r in sync.hgetall(keys.members).items()}
-                if not beats or rows[me].heartbeat != beats[-1]:
-                    beats.append(rows[me].heartbeat)
+                beat = float(sync.hget(keys.members_heartbeats, me) or rows[me].heartbeat)
+                if not beats or beat != beats[-1]:
+                    beats.append(beat)
                 if declared is None and rows[dead].status is SiloStatus.DEAD:
                     declared = time.monotonic() - t0
                 if declared is not None and sync.scard(keys.directory_index(dead)) == 0:

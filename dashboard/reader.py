@@ -18,7 +18,16 @@ from dashboard import models as m
 from grains.training.api.records import JobPoint, JobProgress
 from silo import errors
 from silo.keys import Keys
-from silo.records import LIVE, LoadPoint, MemberRow, SiloStatsRecord, SiloStatus, dense, percentile
+from silo.records import (
+    LIVE,
+    LoadPoint,
+    MemberRow,
+    SiloStatsRecord,
+    SiloStatus,
+    dense,
+    merge_row,
+    percentile,
+)
 from silo.redis_util import redis_errors
 
 
@@ -63,16 +72,18 @@ class ClusterReader:
         with redis_errors("read cluster state"):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hgetall(k.members)
+                pipe.hgetall(k.members_heartbeats)
+                pipe.hgetall(k.members_loads)
                 pipe.zrange(k.silo_stats_index, 0, -1)
                 pipe.scard(k.jobs)
-                rows, indexed, jobs = await pipe.execute()
+                rows, beats, loads, indexed, jobs = await pipe.execute()
             members: dict[str, MemberRow] = {}
-            for raw in rows.values():
+            for addr, raw in rows.items():
                 try:
                     row = MemberRow.model_validate_json(raw)
                 except ValidationError:
                     continue
-                members[row.address] = row
+                members[row.address] = merge_row(row, beats.get(addr), loads.get(addr))
             names = sorted(
                 {*members, *(a.decode() if isinstance(a, bytes) else a for a in indexed)}
             )

@@ -143,7 +143,9 @@ class ClusterClient:
         )
         self.transport.set_handler(self.observers.on_frame)
         table = RedisMembershipTable(self.redis, self.keys)
-        self.view = MembershipView(table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
+        self.view = MembershipView(
+            table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s, load_sample=s.membership.load_sample
+        )
         # The router's location cache is the one calls read (directory.cache_size); the
         # directory's own entry cache would hold the same grains again at ~530 B each.
         self.directory = RedisGrainDirectory(self.redis, self.keys, cache_size=0)

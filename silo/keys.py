@@ -34,6 +34,26 @@ class Keys:
         """Pub/sub channel told the new version on every status change."""
         return self.prefix + "members:changed"
 
+    @property
+    def members_heartbeats(self) -> str:
+        """Hash: silo address -> its last heartbeat (a number), read by field by its monitors."""
+        return self.prefix + "members:hb"
+
+    @property
+    def members_loads(self) -> str:
+        """Hash: silo address -> the load JSON its last heartbeat published."""
+        return self.prefix + "members:load"
+
+    @property
+    def members_feed(self) -> str:
+        """Capped stream of membership changes, entry id ``<version>-0``: address and new row."""
+        return self.prefix + "members:feed"
+
+    def members_seen(self, silo: str) -> str:
+        """Hash (expiring): watched silo -> the heartbeat ``silo``'s failure detector last saw, so
+        a detector reads one "moved?" flag a silo and votes on the value kept here."""
+        return self.prefix + f"members:seen:{silo}"
+
     def heartbeat(self, silo: str) -> str:
         """String with a TTL: the silo's last heartbeat time."""
         return self.prefix + f"hb:{silo}"

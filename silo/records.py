@@ -98,6 +98,20 @@ class MemberRow(BaseModel):
         return self.grain_versions.get(type_name, 1)
 
 
+def merge_row(row: MemberRow, heartbeat: Any, load: Any) -> MemberRow:
+    """A row with its heartbeat and load (kept in hashes of their own, ``Keys.members_heartbeats``
+    and ``Keys.members_loads``, so a heartbeat never rewrites the row) filled in."""
+    update: dict[str, Any] = {}
+    if heartbeat is not None:
+        update["heartbeat"] = float(heartbeat)
+    if load is not None:
+        try:
+            update["load"] = SiloLoad.model_validate_json(load)
+        except ValueError:
+            pass
+    return row.model_copy(update=update) if update else row
+
+
 # --- silo stats -----------------------------------------------------------------
 #
 # Silos write one small JSON record a second; the dashboard reads only these,

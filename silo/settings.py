@@ -78,12 +78,28 @@ class MembershipSettings(_Section):
         4.0, gt=0, description="A suspected silo whose heartbeat stays stale this long is declared dead."
     )
     refresh_s: float = Field(
-        2.0, gt=0, description="Periodic membership re-read (pub/sub tells most changes sooner)."
+        2.0,
+        gt=0,
+        description="How often a silo or client polls the membership version and a sample of loads "
+        "(pub/sub tells most changes sooner); changes are read from the change feed, not the table.",
+    )
+    monitors: int = Field(
+        10,
+        ge=1,
+        description="Ring successors each silo probes and votes on (all peers when fewer), so each silo "
+        "is watched by about this many others whatever the cluster's size.",
+    )
+    load_sample: int = Field(
+        2,
+        ge=0,
+        description="Silos' published loads (for placement) each silo or client re-reads every refresh_s, "
+        "in turn; all of them when there are no more silos than this.",
     )
     probe_interval_s: float = Field(
         0.25,
         gt=0,
-        description="How often each peer is pinged over TCP; a refused connection votes it dead at once.",
+        description="How often each monitored peer is pinged over TCP (and monitored heartbeats read); a "
+        "refused connection votes it dead at once.",
     )
 
 

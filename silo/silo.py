@@ -323,7 +323,13 @@ class Silo:
         # The router's location cache is the one calls read (directory.cache_size); the
         # directory's own entry cache would hold the same grains again at ~530 B each.
         self.directory = RedisGrainDirectory(self.redis, self.keys, cache_size=0)
-        self.view = MembershipView(self.table, redis=self.redis, keys=self.keys, refresh_s=s.membership.refresh_s)
+        self.view = MembershipView(
+            self.table,
+            redis=self.redis,
+            keys=self.keys,
+            refresh_s=s.membership.refresh_s,
+            load_sample=s.membership.load_sample,
+        )
         self.manifests = Manifests(self.redis, self.keys)
         for name in self.types.names():
             opts = self.types.options(name)
@@ -457,7 +463,9 @@ class Silo:
             settings=s.rebalancer,
             events=self.cluster_events,
         )
-        self.housekeeper = Housekeeper(self.redis, self.keys, self.table, self.directory, s.retention, me=me)
+        self.housekeeper = Housekeeper(
+            self.redis, self.keys, self.table, self.directory, s.retention, me=me, rows=lambda: self.view.rows
+        )
         self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
         self.stats_publisher = StatsPublisher(
             self.redis,

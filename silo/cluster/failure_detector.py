@@ -10,24 +10,28 @@ Two signals, so a busy silo is never mistaken for a dead one:
   so :meth:`HeartbeatThread.fenced` is true and the dispatcher refuses calls.
   That closes the window in which a resumed SIGSTOPped silo could answer a
   call before learning it is dead.
-* :class:`FailureDetector` runs on the event loop. It reads the table every
-  ``probe_interval_s`` and pings every peer over TCP. A peer whose heartbeat
+* :class:`FailureDetector` runs on the event loop. It watches its
+  ``monitors`` successors on a ring of the live silos (:class:`Ring`, ordered
+  by a hash of the address; all peers when fewer): every ``probe_interval_s``
+  one script tells it the table's version and which of their heartbeats
+  moved since it last asked (``MembershipTable.moved``: a flag a silo, the
+  values kept in Redis for its votes), and it pings each over TCP. A peer whose heartbeat
   has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
   values, never clocks) is suspected; it gets a vote when its heartbeat has
   been stale ``dead_after_s`` and a probe timed out, or at once when the probe
   finds its port refusing connections (the process is gone: the fast path).
   A probe that answers while the heartbeat stays stale means the heartbeat
   thread lost Redis; that silo fences itself, and we vote after twice
-  ``dead_after_s`` (the longer bound). Death is declared by one Lua script
-  when ``min(2, fresh peers)`` valid votes are in (see
-  ``RedisMembershipTable.vote_dead``).
+  ``dead_after_s`` (the longer bound). Only a silo's monitors vote on it;
+  death is declared by one Lua script when ``min(2, fresh monitors)`` valid
+  votes are in (see ``RedisMembershipTable.vote_dead`` and ``_needed``).
 * The reverse partition: a heartbeat that moves while the peer cannot be
   reached at all. A probe that gets no answer tries a bare TCP handshake; a
   busy or stopped process still completes one (its kernel answers), a host
   cut off from us does not (``UNREACHABLE``). A peer unreachable for twice
   ``dead_after_s`` without a break gets an *unreachable* vote
   (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh
-  peers)`` votes like the others: so a silo cut from all its peers is voted
+  monitors)`` votes like the others: so a silo cut from all its peers is voted
   out (it hears so on its next heartbeat and stops), while a link cut between
   two silos of three removes neither.
 """
@@ -37,10 +41,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +167,7 @@ class HeartbeatThread:
                     load = SiloLoad()
                 try:
                     raw = script(
-                        keys=[self._keys.members],
+                        keys=[self._keys.members, self._keys.members_heartbeats, self._keys.members_loads],
                         args=[self._address, repr(self._clock()), load.model_dump_json()],
                     )
                 except (redis.RedisError, OSError) as exc:
@@ -269,13 +274,18 @@ class FailureDetectorStatistics:
     """Peers suspected right now."""
     unreachable: tuple[str, ...] = ()
     """Peers the last probe could not reach over the network (not even a TCP handshake)."""
+    monitored: int = 0
+    """How many ring successors this silo probes and votes on (a count: stats records name no
+    other silo; ``FailureDetector.monitored()`` lists them)."""
+    full_reads: int = 0
+    """Times the whole table was read (at start, or behind the change feed's reach)."""
 
 
 @dataclass(slots=True)
 class _Peer:
-    heartbeat: float
     since: float
-    """Our clock when we first saw this heartbeat value."""
+    """Our clock when we first saw its current heartbeat value (the value itself stays in Redis,
+    in our seen-hash, which our votes name: ``MembershipTable.moved``)."""
     suspected: bool = False
     probing: bool = False
     last_probe: float = float("-inf")
@@ -284,8 +294,44 @@ class _Peer:
     """Our clock at the first of an unbroken run of UNREACHABLE probes."""
 
 
+def ring_position(address: str) -> int:
+    """Where a silo sits on the monitoring ring: a hash of its address, so neighbours are random
+    (not the silos of one host) and every silo computes the same ring from the same rows."""
+    return int.from_bytes(hashlib.blake2b(address.encode(), digest_size=8).digest(), "big")
+
+
+class Ring:
+    """The monitoring ring: live silos ordered by :func:`ring_position`; each monitors the
+    ``k`` silos after it, so each is monitored by the ``k`` before it."""
+
+    def __init__(self, addresses: Iterable[str], k: int) -> None:
+        self._order = sorted(set(addresses), key=lambda a: (ring_position(a), a))
+        self._index = {a: i for i, a in enumerate(self._order)}
+        self._k = k
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def successors(self, address: str) -> list[str]:
+        """The silos ``address`` monitors: its next ``k`` (all others when there are fewer)."""
+        return self._walk(address, 1)
+
+    def monitors(self, address: str) -> list[str]:
+        """The silos that monitor ``address``: its ``k`` predecessors (all others when fewer)."""
+        return self._walk(address, -1)
+
+    def _walk(self, address: str, step: int) -> list[str]:
+        i = self._index.get(address)
+        if i is None:
+            return []
+        n = len(self._order)
+        return [self._order[(i + step * j) % n] for j in range(1, min(self._k, n - 1) + 1)]
+
+
 class FailureDetector:
-    """Watches every peer; votes when one is dead or hung; notices when we are declared dead."""
+    """Watches this silo's ring successors; votes when one is dead or hung; notices when we are
+    declared dead. Reads the changes of the table and its successors' heartbeats, never the
+    table: O(``monitors``) a round whatever the cluster's size."""
 
     def __init__(
         self,
@@ -307,7 +353,11 @@ class FailureDetector:
         self._events = events or ClusterEvents()
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
+        """Peers whose heartbeats we track: our successors, and the other monitors of a suspect."""
         self._rows: dict[str, MemberRow] = {}
+        self._version = -1
+        self._ring = Ring([self._addr], settings.monitors)
+        self._monitored: list[str] = []
         self._probes: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -315,6 +365,7 @@ class FailureDetector:
         self._unreachable_logged: set[str] = set()
         """Peers whose unreachable votes were logged (a lasting partition re-votes every round)."""
         self.rounds = self.probes = self.probe_failures = self.votes = self.declared = 0
+        self.full_reads = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -334,11 +385,15 @@ class FailureDetector:
             await asyncio.gather(*list(self._probes), return_exceptions=True)
 
     def hint_unreachable(self, silo: SiloAddress) -> None:
-        """A caller could not connect to ``silo``: probe it now instead of next round."""
+        """A caller could not connect to ``silo``: probe it now instead of next round (if we monitor it)."""
         peer = self._peers.get(str(silo))
-        if peer is not None and not peer.probing:
+        if peer is not None and not peer.probing and str(silo) in self._monitored:
             peer.last_probe = float("-inf")
             self._wake.set()
+
+    def monitored(self) -> list[str]:
+        """The ring successors this silo probes and votes on."""
+        return list(self._monitored)
 
     async def _run(self) -> None:
         last = self._clock()
@@ -357,31 +412,67 @@ class FailureDetector:
             await wait_event(self._wake, self._s.probe_interval_s)
             self._wake.clear()
 
+    def _watched(self) -> list[str]:
+        """Heartbeats to read: our successors', and those of the other monitors of any successor we
+        suspect (how many of them are alive sets the votes needed)."""
+        out = set(self._monitored)
+        for addr in self._monitored:
+            p = self._peers.get(addr)
+            if p is not None and (p.suspected or p.refused_at is not None or p.unreachable_since is not None):
+                out.update(self._ring.monitors(addr))
+        out.discard(self._addr)
+        return sorted(out)
+
+    async def _read(self) -> dict[str, bool]:
+        """Follow the table's changes and learn which watched heartbeats moved: one round trip of
+        a few bytes (a flag a silo), or a whole read when we have nothing (start) or fell behind."""
+        watch = await self._table.moved(self._addr, self._version, self._watched())
+        if watch.changes is None:
+            self._version, self._rows = await self._table.read_all()
+            self.full_reads += 1
+        else:
+            for addr, row in watch.changes:
+                if row is None:
+                    self._rows.pop(addr, None)
+                else:
+                    self._rows[addr] = row
+            self._version = watch.version
+        live = [a for a, r in self._rows.items() if r.status is not SiloStatus.DEAD]
+        self._ring = Ring([*live, self._addr], self._s.monitors)
+        self._monitored = self._ring.successors(self._addr)
+        if watch.changes is None:  # we did not know whom to watch: ask again, for those
+            watch = await self._table.moved(self._addr, self._version, self._watched())
+        return watch.moved
+
     async def check_once(self) -> None:
-        """One round: read the table, track heartbeats, probe, vote. Tests call this directly."""
-        _, rows = await self._table.read_all()
+        """One round: follow membership, track heartbeats, probe, vote. Tests call this directly."""
+        moved = await self._read()
         self.rounds += 1
-        self._rows = rows
+        rows = self._rows
         now = self._clock()
         own = rows.get(self._addr)
         if own is not None and own.status is SiloStatus.DEAD:
             self._on_self_dead()
             return
-        for addr in [a for a in self._peers if a not in rows or rows[a].status is SiloStatus.DEAD]:
+        watched = set(self._watched())
+        for addr in [a for a in self._peers if a not in watched]:
             del self._peers[addr]
-        for addr, row in rows.items():
-            if addr == self._addr or row.status is SiloStatus.DEAD:
-                continue
+        monitored = set(self._monitored)
+        for addr in sorted(watched):
+            row = rows.get(addr)
+            if row is None or addr not in moved:
+                continue  # newly watched: its heartbeat is read from the next round on
             peer = self._peers.get(addr)
-            if peer is None or peer.heartbeat != row.heartbeat:
+            if peer is None or moved[addr]:
                 if peer is not None and peer.suspected:
                     log.info("%s is alive again (heartbeat moved)", addr)
                 peer = self._peers[addr] = _Peer(
-                    row.heartbeat,
                     now,
                     last_probe=peer.last_probe if peer else float("-inf"),
                     unreachable_since=peer.unreachable_since if peer else None,
                 )
+            if addr not in monitored:
+                continue  # a suspect's other monitor: tracked for _needed, not probed or voted on
             stale = now - peer.since
             if stale >= self._s.suspect_after_s and not peer.suspected:
                 peer.suspected = True
@@ -430,19 +521,23 @@ class FailureDetector:
             await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
 
     def _needed(self, suspect: str) -> int:
-        """min(2, peers that look alive to us, ourselves included, the suspect excluded)."""
+        """min(2, the suspect's monitors that look alive to us, ourselves included).
+
+        A monitor we track counts while its heartbeat moved within ``suspect_after_s`` and it
+        does not refuse connections; one we do not track yet counts (we learn otherwise within
+        a round or two), so a vote never goes through alone on a guess."""
         now = self._clock()
         fresh = 1  # ourselves
-        for addr, row in self._rows.items():
-            if addr in (suspect, self._addr) or row.status is SiloStatus.DEAD:
+        for addr in self._ring.monitors(suspect):
+            if addr == self._addr:
                 continue
             p = self._peers.get(addr)
-            if p is not None and now - p.since < self._s.suspect_after_s and p.refused_at is None:
+            if p is None or (now - p.since < self._s.suspect_after_s and p.refused_at is None):
                 fresh += 1
         return min(2, fresh)
 
     async def _vote(self, addr: str, peer: _Peer, why: str) -> None:
-        outcome = await self._cast(addr, why, self._table.vote_dead(addr, self._addr, peer.heartbeat, self._needed(addr)))
+        outcome = await self._cast(addr, why, self._table.vote_dead(addr, self._addr, None, self._needed(addr)))
         if outcome is None:
             return
         if outcome.result == "alive":
@@ -486,4 +581,6 @@ class FailureDetector:
             declared=self.declared,
             suspected=tuple(sorted(a for a, p in self._peers.items() if p.suspected)),
             unreachable=tuple(sorted(self.unreachable())),
+            monitored=len(self._monitored),
+            full_reads=self.full_reads,
         )

@@ -1,27 +1,34 @@
 """The membership table: the contract every table keeps, and its Redis implementation.
 
 Rows are JSON (so Lua scripts can read a status with cjson) in one hash,
-keyed by the silo's address ``host:port@generation``. Every status change is
-one Lua script that bumps a version counter and publishes it, so peers and
-clients re-read the table as soon as anything changes (each through its
-:class:`~silo.cluster.view.MembershipView`). A vote against a suspected silo
-is one script too: counting the valid votes and declaring the suspect Dead
-happen in one step, so no heartbeat or second declaration slips in between.
-The in-memory twin with the same rules is
-:class:`silo.testing.membership.InMemoryMembershipTable`.
+keyed by the silo's address ``host:port@generation``; the live heartbeat and
+load are fields of two hashes of their own, so a heartbeat never rewrites a
+row and a monitor reads just the heartbeats it watches. Every status change
+is one Lua script that bumps a version counter, appends the change to a
+capped stream (the change feed, entry id ``<version>-0``) and publishes the
+version: readers follow the feed (:meth:`MembershipTable.watch`) and read the
+whole table only at start or when the feed no longer reaches back to their
+version (each through its :class:`~silo.cluster.view.MembershipView`). A vote
+against a suspected silo is one script too: counting the valid votes and
+declaring the suspect Dead happen in one step, so no heartbeat or second
+declaration slips in between. The in-memory twin with the same rules is
+:class:`silo.testing.membership.InMemoryMembershipTable`. The layout and its
+costs: docs/internals.md, "Membership at O(1) per silo".
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
 from silo import errors
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records import MemberRow, SiloLoad, SiloStatus, merge_row
 from silo.redis_util import redis_errors
 
 log = logging.getLogger("redgrain.membership")
@@ -38,7 +45,15 @@ class MembershipTable(Protocol):
 
     async def read_all(self) -> tuple[int, dict[str, MemberRow]]: ...
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome: ...
+    async def watch(
+        self, version: int, heartbeats: Sequence[str] = (), loads: Sequence[str] = ()
+    ) -> MembershipWatch: ...
+
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves: ...
+
+    async def vote_dead(
+        self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int
+    ) -> VoteOutcome: ...
 
     async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome: ...
 
@@ -55,71 +70,146 @@ class VoteOutcome:
     """Valid votes counted, this one included."""
 
 
-_SET_STATUS = """
+FEED_LENGTH = 1000
+"""Changes the feed keeps (about: trimmed with ``MAXLEN ~``); a reader further behind reads the table."""
+
+# Every script that changes a status ends in announce(): bump the version, append
+# (address, new row) to the feed under the id <version>-0 and publish the version,
+# all in the script that made the change, so a reader that follows the feed
+# never misses one. KEYS[1..6] of every such script: rows, heartbeats, loads,
+# version, feed, channel. An empty row in the feed means the row was removed.
+_ANNOUNCE = """
+local function announce(addr, raw)
+  local v = redis.call('INCR', KEYS[4])
+  redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', FEED_LENGTH, v .. '-0', 'a', addr, 'r', raw)
+  redis.call('PUBLISH', KEYS[6], v)
+  return v
+end
+-- The last heartbeat into the row at a status change, so a Dead row keeps it.
+local function with_heartbeat(addr, m)
+  local hb = redis.call('HGET', KEYS[2], addr)
+  if hb then m['heartbeat'] = tonumber(hb) end
+end
+""".replace("FEED_LENGTH", str(FEED_LENGTH))
+
+
+def announcing(body: str) -> str:
+    """A status-changing script: ``body`` may call ``announce(addr, raw_row)`` (KEYS[1..6] as
+    :attr:`RedisMembershipTable.status_keys`)."""
+    return _ANNOUNCE + body
+
+
+_SET_STATUS = announcing("""
 local row = redis.call('HGET', KEYS[1], ARGV[1])
 if not row then return -1 end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return -2 end
 m['status'] = ARGV[2]
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
-local v = redis.call('INCR', KEYS[2])
-redis.call('PUBLISH', KEYS[3], v)
-return v
-"""
+with_heartbeat(ARGV[1], m)
+local raw = cjson.encode(m)
+redis.call('HSET', KEYS[1], ARGV[1], raw)
+return announce(ARGV[1], raw)
+""")
 
-_JOIN = """
+_JOIN = announcing("""
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local v = redis.call('INCR', KEYS[2])
-redis.call('PUBLISH', KEYS[3], v)
-return v
-"""
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return announce(ARGV[1], ARGV[2])
+""")
 
+_REMOVE = announcing("""
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+announce(ARGV[1], '')
+return 1
+""")
+
+# The heartbeat touches two small fields, never the row: monitors read the
+# heartbeat field of the silos they watch (HMGET), views sample the loads.
+# KEYS: rows, heartbeats, loads.  ARGV: address, heartbeat, load JSON.
 _HEARTBEAT = """
 local row = redis.call('HGET', KEYS[1], ARGV[1])
 if not row then return 'Gone' end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return 'Dead' end
-m['heartbeat'] = tonumber(ARGV[2])
-m['load'] = cjson.decode(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 return m['status']
 """
 
 
-# The end of both vote scripts once enough votes are in: mark the row Dead, drop the
-# votes, bump the membership version and tell every view (KEYS: table, votes,
-# version, channel; ARGV[1]: the suspect; m: its decoded row; n: the votes).
+# A detector's read each round: the version, and one flag a watched silo ('1': its heartbeat
+# moved since this detector last looked, '0': not), the values kept in the detector's own
+# seen-hash for its votes, so the reply is a few bytes whatever the silos watched.
+# KEYS: rows, heartbeats, version, seen.  ARGV: ttl ms, then the watched addresses.
+_MOVED = """
+local n = #ARGV - 1
+local flags = {}
+if n > 0 then
+  local addrs = {unpack(ARGV, 2)}
+  local cur = redis.call('HMGET', KEYS[2], unpack(addrs))
+  local prev = redis.call('HMGET', KEYS[4], unpack(addrs))
+  local set = {}
+  for i = 1, n do
+    local c = cur[i]
+    if not c then
+      local raw = redis.call('HGET', KEYS[1], addrs[i])
+      c = raw and tostring(cjson.decode(raw)['heartbeat']) or ''
+    end
+    if (prev[i] or '') ~= c then
+      set[#set + 1] = addrs[i]
+      set[#set + 1] = c
+      flags[i] = '1'
+    else
+      flags[i] = '0'
+    end
+  end
+  if #set > 0 then redis.call('HSET', KEYS[4], unpack(set)) end
+  redis.call('PEXPIRE', KEYS[4], ARGV[1])
+end
+return {redis.call('GET', KEYS[3]) or '0', table.concat(flags)}
+"""
+
+# The end of both vote scripts once enough votes are in: mark the row Dead (with
+# its last heartbeat), drop the votes (KEYS[7]) and announce the change.
+# ARGV[1]: the suspect; m: its decoded row; n: the votes.
 _DECLARE_DEAD = """
 m['status'] = 'Dead'
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(m))
-redis.call('DEL', KEYS[2])
-local v = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', KEYS[4], v)
+with_heartbeat(ARGV[1], m)
+local raw = cjson.encode(m)
+redis.call('HSET', KEYS[1], ARGV[1], raw)
+redis.call('DEL', KEYS[7])
+announce(ARGV[1], raw)
 return {'declared', n}
 """
 
 # A vote counts only while the suspect's heartbeat is the one the voter saw
 # unchanged: comparing heartbeat values instead of clocks keeps the rule
 # immune to clock skew between silos. Enough valid votes -> Dead, in one step.
-_VOTE_DEAD = """
+_VOTE_DEAD = announcing("""
 local row = redis.call('HGET', KEYS[1], ARGV[1])
 if not row then return {'gone', 0} end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return {'dead', 0} end
-local hb = tonumber(m['heartbeat']) or 0
-if math.abs(hb - tonumber(ARGV[3])) > 1e-4 then
-  redis.call('DEL', KEYS[2])
+local hb = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or m['heartbeat']) or 0
+-- The value the voter saw: given, or the one its detector's seen-hash (KEYS[8]) keeps.
+local seen = tonumber(ARGV[3]) or tonumber(redis.call('HGET', KEYS[8], ARGV[1]) or '')
+if not seen then return {'alive', 0} end
+if math.abs(hb - seen) > 1e-4 then
+  redis.call('DEL', KEYS[7])
   return {'alive', 0}
 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], 60000)
-local votes = redis.call('HGETALL', KEYS[2])
+redis.call('HSET', KEYS[7], ARGV[2], tostring(seen))
+redis.call('PEXPIRE', KEYS[7], 60000)
+local votes = redis.call('HGETALL', KEYS[7])
 local n = 0
 for i = 2, #votes, 2 do
   if math.abs((tonumber(votes[i]) or -1) - hb) <= 1e-4 then n = n + 1 end
 end
 if n < tonumber(ARGV[4]) then return {'voted', n} end
-""" + _DECLARE_DEAD
+""" + _DECLARE_DEAD)
 
 # A silo whose heartbeat moves but that no peer can reach over the network (a
 # partition between silos, Redis still reachable) serves nobody but the
@@ -128,7 +218,7 @@ if n < tonumber(ARGV[4]) then return {'voted', n} end
 # count for ``window`` ms, and only while their voter is not Dead itself, so
 # silos cut from each other cannot vote each other out in turn: the first to
 # gather enough votes goes, and its own votes stop counting.
-_VOTE_UNREACHABLE = """
+_VOTE_UNREACHABLE = announcing("""
 local function live(addr)
   local raw = redis.call('HGET', KEYS[1], addr)
   if not raw then return false end
@@ -143,18 +233,82 @@ if not live(ARGV[2]) then return {'refused', 0} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[4])
-redis.call('HSET', KEYS[2], ARGV[2], now)
-redis.call('PEXPIRE', KEYS[2], 2 * window)
-local votes = redis.call('HGETALL', KEYS[2])
+redis.call('HSET', KEYS[7], ARGV[2], now)
+redis.call('PEXPIRE', KEYS[7], 2 * window)
+local votes = redis.call('HGETALL', KEYS[7])
 local n = 0
 for i = 1, #votes, 2 do
   if now - (tonumber(votes[i + 1]) or 0) <= window and live(votes[i]) then n = n + 1 end
 end
 if n < tonumber(ARGV[3]) then return {'voted', n} end
-""" + _DECLARE_DEAD
+""" + _DECLARE_DEAD)
 
 HEARTBEAT_LUA = _HEARTBEAT
-"""The heartbeat script, for the heartbeat thread's own synchronous connection."""
+"""The heartbeat script, for the heartbeat thread's own synchronous connection
+(KEYS: :attr:`Keys.members`, :attr:`Keys.members_heartbeats`, :attr:`Keys.members_loads`)."""
+
+
+Change = tuple[str, MemberRow | None]
+"""One entry of the change feed: an address and its new row (None: the row was removed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipWatch:
+    """What one :meth:`MembershipTable.watch` read found."""
+
+    version: int
+    """The table's version, the changes applied."""
+    changes: list[Change] | None
+    """Rows changed since the version the reader had, oldest first; None when the feed no
+    longer reaches back that far (or the reader had none): read the whole table."""
+    heartbeats: dict[str, float]
+    """The last heartbeat of each silo asked for that has a row."""
+    loads: dict[str, SiloLoad]
+    """The last published load of each silo asked for that has one."""
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipMoves:
+    """What a failure detector's read found (:meth:`MembershipTable.moved`)."""
+
+    version: int
+    """The table's version, the changes applied."""
+    changes: list[Change] | None
+    """As :attr:`MembershipWatch.changes`: since the version the detector had; None: read the table."""
+    moved: dict[str, bool]
+    """Each address asked for: True when its heartbeat changed since this watcher's last read
+    (or it is new to the watcher)."""
+
+
+SEEN_TTL_MS = 60_000
+"""A detector's seen-hash outlives its last read by this long (a stopped silo's goes by itself)."""
+
+
+def parse_feed(since: int, current: int, entries: list[Any]) -> tuple[int, list[Change]] | None:
+    """Changes from XRANGE entries (id ``<version>-0``) after version ``since``; None when the
+    run from ``since + 1`` to ``current`` is not all there (trimmed, or a gap)."""
+    changes: list[Change] = []
+    expect = since + 1
+    for entry_id, fields in entries:
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        v = int(eid.split("-", 1)[0])
+        if v != expect:
+            return None
+        expect += 1
+        f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        addr = f.get("a", b"")
+        addr = addr.decode() if isinstance(addr, bytes) else str(addr)
+        raw = f.get("r", b"")
+        if not raw:
+            changes.append((addr, None))
+            continue
+        try:
+            changes.append((addr, MemberRow.model_validate_json(raw)))
+        except ValueError:
+            return None
+    if expect - 1 < current:
+        return None
+    return expect - 1, changes
 
 
 class RedisMembershipTable:
@@ -163,14 +317,17 @@ class RedisMembershipTable:
         self._keys = keys
         self._set_status = redis.register_script(_SET_STATUS)
         self._join = redis.register_script(_JOIN)
+        self._remove = redis.register_script(_REMOVE)
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._vote = redis.register_script(_VOTE_DEAD)
+        self._moved = redis.register_script(_MOVED)
         self._vote_unreachable = redis.register_script(_VOTE_UNREACHABLE)
 
     @property
-    def _status_keys(self) -> list[str]:
+    def status_keys(self) -> list[str]:
+        """KEYS[1..6] of every script built with :func:`announcing`."""
         k = self._keys
-        return [k.members, k.members_version, k.members_channel]
+        return [k.members, k.members_heartbeats, k.members_loads, k.members_version, k.members_feed, k.members_channel]
 
     async def new_generation(self) -> int:
         with redis_errors("membership generation"):
@@ -178,11 +335,13 @@ class RedisMembershipTable:
 
     async def join(self, row: MemberRow) -> int:
         with redis_errors("membership join"):
-            return int(await self._join(keys=self._status_keys, args=[row.address, row.model_dump_json()]))
+            return int(
+                await self._join(keys=self.status_keys, args=[row.address, row.model_dump_json(), repr(row.heartbeat)])
+            )
 
     async def set_status(self, address: str, status: SiloStatus) -> int:
         with redis_errors("membership status"):
-            v = int(await self._set_status(keys=self._status_keys, args=[address, status.value]))
+            v = int(await self._set_status(keys=self.status_keys, args=[address, status.value]))
         if v == -1:
             raise errors.MembershipError(f"silo {address} is not in the membership table")
         if v == -2:
@@ -190,19 +349,25 @@ class RedisMembershipTable:
         return v
 
     async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None:
+        k = self._keys
         with redis_errors("membership heartbeat"):
             raw = await self._heartbeat(
-                keys=[self._keys.members], args=[address, repr(at), load.model_dump_json()]
+                keys=[k.members, k.members_heartbeats, k.members_loads],
+                args=[address, repr(at), load.model_dump_json()],
             )
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         return None if text == "Gone" else SiloStatus(text)
 
     async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
+        """The whole table (rows, heartbeats, loads): O(n), for a reader with nothing to go on."""
+        k = self._keys
         with redis_errors("membership read"):
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.get(self._keys.members_version)
-                pipe.hgetall(self._keys.members)
-                version, rows = await pipe.execute()
+                pipe.get(k.members_version)
+                pipe.hgetall(k.members)
+                pipe.hgetall(k.members_heartbeats)
+                pipe.hgetall(k.members_loads)
+                version, rows, beats, loads = await pipe.execute()
         out: dict[str, MemberRow] = {}
         for addr, raw in rows.items():
             try:
@@ -210,15 +375,75 @@ class RedisMembershipTable:
             except ValueError:
                 log.warning("skipping unreadable membership row %r", addr)
                 continue
-            out[row.address] = row
+            out[row.address] = merge_row(row, beats.get(addr), loads.get(addr))
         return int(version or 0), out
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+    async def watch(self, version: int, heartbeats: Sequence[str] = (), loads: Sequence[str] = ()) -> MembershipWatch:
+        """One round trip: the changes since ``version`` (from the feed), and the heartbeats and
+        loads of the silos named. O(changes + silos named), never O(table)."""
+        k = self._keys
+        hb_addrs, load_addrs = list(heartbeats), list(loads)
+        with redis_errors("membership watch"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.get(k.members_version)
+                if version >= 0:
+                    pipe.xrange(k.members_feed, min=f"{version + 1}-0", count=FEED_LENGTH + 200)
+                if hb_addrs:
+                    pipe.hmget(k.members_heartbeats, hb_addrs)
+                if load_addrs:
+                    pipe.hmget(k.members_loads, load_addrs)
+                replies = list(await pipe.execute())
+        current = int(replies.pop(0) or 0)
+        changes: list[Change] | None = None
+        if version >= 0:
+            entries = replies.pop(0)
+            if current == version and not entries:
+                changes = []
+            elif current >= version:
+                parsed = parse_feed(version, current, entries)
+                if parsed is not None:
+                    current, changes = parsed
+        beats: dict[str, float] = {}
+        if hb_addrs:
+            for addr, raw in zip(hb_addrs, replies.pop(0), strict=True):
+                if raw is not None:
+                    beats[addr] = float(raw)
+        found: dict[str, SiloLoad] = {}
+        if load_addrs:
+            for addr, raw in zip(load_addrs, replies.pop(0), strict=True):
+                if raw is not None:
+                    with contextlib.suppress(ValueError):
+                        found[addr] = SiloLoad.model_validate_json(raw)
+        return MembershipWatch(current, changes, beats, found)
+
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves:
+        """One round trip of a few bytes: the version and whether each watched silo's heartbeat
+        moved since ``watcher`` last asked; the feed is read (a second trip) only when the version
+        moved, and never beyond the changes."""
+        k = self._keys
+        addrs = list(addresses)
+        with redis_errors("membership read"):
+            raw = await self._moved(
+                keys=[k.members, k.members_heartbeats, k.members_version, k.members_seen(watcher)],
+                args=[SEEN_TTL_MS, *addrs],
+            )
+        current = int(raw[0])
+        flags = raw[1].decode() if isinstance(raw[1], bytes) else str(raw[1])
+        moved = {a: f == "1" for a, f in zip(addrs, flags, strict=True)}
+        changes: list[Change] | None = [] if current == version else None
+        if current != version and 0 <= version < current:
+            watch = await self.watch(version)
+            current, changes = watch.version, watch.changes
+        return MembershipMoves(current, changes, moved)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
+        """A vote that ``suspect`` is dead, valid while its heartbeat is ``seen_heartbeat`` (None:
+        the value ``voter``'s detector last read, :meth:`moved`)."""
         k = self._keys
         with redis_errors("membership vote"):
             raw = await self._vote(
-                keys=[k.members, k.suspicions(suspect), k.members_version, k.members_channel],
-                args=[suspect, voter, repr(seen_heartbeat), max(1, needed)],
+                keys=[*self.status_keys, k.suspicions(suspect), k.members_seen(voter)],
+                args=[suspect, voter, "" if seen_heartbeat is None else repr(seen_heartbeat), max(1, needed)],
             )
         result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
         return VoteOutcome(result, int(raw[1]))
@@ -227,13 +452,13 @@ class RedisMembershipTable:
         k = self._keys
         with redis_errors("membership vote"):
             raw = await self._vote_unreachable(
-                keys=[k.members, k.unreachable_votes(suspect), k.members_version, k.members_channel],
+                keys=[*self.status_keys, k.unreachable_votes(suspect)],
                 args=[suspect, voter, max(1, needed), max(1, int(window_s * 1000))],
             )
         result = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
         return VoteOutcome(result, int(raw[1]))
 
     async def remove(self, address: str) -> None:
-        """Forget a dead row (housekeeping; dead rows are kept a while for the dashboard)."""
+        """Forget a row (housekeeping; dead rows are kept a while for the dashboard); the feed says so."""
         with redis_errors("membership remove"):
-            await self._redis.hdel(self._keys.members, address)
+            await self._remove(keys=self.status_keys, args=[address])

@@ -170,6 +170,8 @@ class Rebalancer:
                     await self.fail_over_dead()
                     if self._clock() - self._last_balance >= self._s.period_s:
                         self._last_balance = self._clock()
+                        # Views sample loads slowly (O(1) a silo); the leader reads them all.
+                        await self._view.refresh_loads()
                         await self.balance()
             except errors.RedgrainError as exc:
                 log.warning("rebalancer round failed: %s", exc)

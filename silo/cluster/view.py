@@ -2,18 +2,24 @@
 
 Whoever asks "is that silo alive, which silos host this grain type" (the
 router, placement, the failure detector, the rebalancer) reads this view,
-never the table, so the answer is in memory. The view re-reads the whole table
-(version and rows in one transaction) when:
+never the table, so the answer is in memory. The view reads the whole table
+once, at start (and when asked: ``refresh``); after that it follows the
+table's change feed (``MembershipTable.watch``: the rows changed since the
+version it has, oldest first), so a status change costs each reader the
+changed rows, never the table:
 
 - the table's channel announces a new version (every status change publishes
   one), so a join or a death is seen within about 50 ms: the subscription is
   polled rather than blocked on, since cancelling a blocked redis-py read can
   hang a stopping silo;
-- ``refresh_s`` has passed: the fallback for a lost message or a dropped
-  subscription (which is re-made after ``refresh_s``).
+- every ``refresh_s`` it polls the version (the fallback for a lost message or
+  a dropped subscription, which is re-made after ``refresh_s``), and re-reads
+  the published loads of ``load_sample`` silos in turn, for placement;
+- a reader so far behind that the capped feed no longer reaches back to its
+  version (or with a gap) reads the whole table once instead.
 
-A refresh that changed a status calls the ``on_change`` listeners with the
-old and the new rows. ``hint_unreachable`` is the callers' fast path to the
+A read that changed a status calls the ``on_change`` listeners with the old
+and the new rows. ``hint_unreachable`` is the callers' fast path to the
 failure detector: a call that could not reach a silo says so at once, rather
 than waiting for its heartbeats to go stale.
 """
@@ -47,7 +53,9 @@ class MembershipStatistics:
     dead: int
     """Silos Dead in the view."""
     refreshes: int
-    """Times the table was re-read."""
+    """Times the whole table was read (at start, or behind the feed's reach)."""
+    catch_ups: int = 0
+    """Reads of the change feed (and of the sampled loads)."""
     # No member list: every silo publishes these figures each second, and a list
     # would make each record O(n) and the dashboard's read of all of them O(n²).
     # The dashboard reads the membership table itself.
@@ -63,6 +71,7 @@ class MembershipView:
         redis: aioredis.Redis | None = None,
         keys: Keys | None = None,
         refresh_s: float = 2.0,
+        load_sample: int = 8,
     ) -> None:
         self._table = table
         self._redis = redis
@@ -77,6 +86,9 @@ class MembershipView:
         self._closing: set[asyncio.Future[None]] = set()
         """Subscriptions being closed in the background (stop() waits a moment for them)."""
         self._refreshes = 0
+        self._catch_ups = 0
+        self._load_sample = load_sample
+        self._load_turn = 0
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
         self._stopping = False
@@ -118,30 +130,84 @@ class MembershipView:
             await asyncio.wait(list(self._closing), timeout=1.0)
 
     async def refresh(self) -> None:
+        """Read the whole table now (O(n): at start, or when asked)."""
         async with self._lock:
             version, rows = await self._table.read_all()
             self._refreshes += 1
-            old = self.rows
-            changed = version != self.version or {a: r.status for a, r in rows.items()} != {
-                a: r.status for a, r in old.items()
-            }
-            self.version = version
-            self.rows = rows
-            self._silos = {r.silo: r for r in rows.values()}
-        if changed:
-            for fn in self._listeners:
-                try:
-                    res = fn(old, rows)
-                    if asyncio.iscoroutine(res):
-                        await res
-                except Exception:
-                    log.exception("membership listener failed")
+            old = self._install(version, rows)
+        await self._notify(old, rows)
+
+    async def catch_up(self, *, loads: bool = False) -> None:
+        """Apply the changes since our version from the feed (a whole read when it no longer
+        reaches back); with ``loads``, re-read the next ``load_sample`` silos' loads too."""
+        async with self._lock:
+            sample = self._next_sample() if loads else []
+            watch = await self._table.watch(self.version, loads=sample)
+            self._catch_ups += 1
+            if watch.changes is None:
+                version, rows = await self._table.read_all()
+                self._refreshes += 1
+            else:
+                rows = dict(self.rows)
+                for addr, row in watch.changes:
+                    if row is None:
+                        rows.pop(addr, None)
+                        continue
+                    known = rows.get(addr)
+                    # The feed carries the row as changed, not its load: keep the load we know.
+                    rows[addr] = row if known is None else row.model_copy(update={"load": known.load})
+                version = watch.version
+            for addr, load in watch.loads.items():
+                if addr in rows:
+                    rows[addr] = rows[addr].model_copy(update={"load": load})
+            old = self._install(version, rows)
+        await self._notify(old, rows)
+
+    async def refresh_loads(self) -> None:
+        """Re-read every live silo's published load (the rebalancer's leader: O(n), one silo)."""
+        async with self._lock:
+            live = [a for a, r in self.rows.items() if r.status is not SiloStatus.DEAD]
+            watch = await self._table.watch(-1, loads=live)
+            for addr, load in watch.loads.items():
+                if addr in self.rows:
+                    self.rows[addr] = self.rows[addr].model_copy(update={"load": load})
+            self._silos = {r.silo: r for r in self.rows.values()}
+
+    def _next_sample(self) -> list[str]:
+        live = sorted(a for a, r in self.rows.items() if r.status is not SiloStatus.DEAD)
+        if len(live) <= self._load_sample:
+            return live
+        start = self._load_turn % len(live)
+        self._load_turn = start + self._load_sample
+        return [live[(start + i) % len(live)] for i in range(self._load_sample)]
+
+    def _install(self, version: int, rows: dict[str, MemberRow]) -> dict[str, MemberRow] | None:
+        """Make ``rows`` the view; the old rows when a status changed (listeners are due), else None."""
+        old = self.rows
+        changed = version != self.version or {a: r.status for a, r in rows.items()} != {
+            a: r.status for a, r in old.items()
+        }
+        self.version = version
+        self.rows = rows
+        self._silos = {r.silo: r for r in rows.values()}
+        return old if changed else None
+
+    async def _notify(self, old: dict[str, MemberRow] | None, rows: dict[str, MemberRow]) -> None:
+        if old is None:
+            return
+        for fn in self._listeners:
+            try:
+                res = fn(old, rows)
+                if asyncio.iscoroutine(res):
+                    await res
+            except Exception:
+                log.exception("membership listener failed")
 
     async def _poll_forever(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self._refresh_s)
             try:
-                await self.refresh()
+                await self.catch_up(loads=True)
             except errors.StorageError as exc:
                 log.warning("membership refresh failed: %s", exc)
             raise_if_cancelled()
@@ -158,7 +224,11 @@ class MembershipView:
                     msg = await pubsub.get_message(timeout=0)
                     raise_if_cancelled()  # get_message(timeout=0) can swallow a cancel
                     if msg is not None:
-                        await self.refresh()
+                        # Many changes at once (a fleet starting) need one read, not one each.
+                        while msg is not None:
+                            msg = await pubsub.get_message(timeout=0)
+                            raise_if_cancelled()
+                        await self.catch_up()
                     else:
                         await asyncio.sleep(0.05)
             except asyncio.CancelledError:
@@ -211,4 +281,5 @@ class MembershipView:
             active=statuses.count(SiloStatus.ACTIVE),
             dead=statuses.count(SiloStatus.DEAD),
             refreshes=self._refreshes,
+            catch_ups=self._catch_ups,
         )

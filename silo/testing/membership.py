@@ -21,12 +21,20 @@ set a world up directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.cluster.membership import MembershipTable, VoteOutcome
+from silo.cluster.membership import (
+    FEED_LENGTH,
+    Change,
+    MembershipMoves,
+    MembershipTable,
+    MembershipWatch,
+    VoteOutcome,
+)
 from silo.records import LIVE, MemberRow, SiloLoad, SiloStatus
 
 SUSPICION_TTL_S = 60.0
@@ -57,6 +65,17 @@ class InMemoryMembershipTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.rows: dict[str, MemberRow] = {}
         self.version = 0
+        self.heartbeats: dict[str, float] = {}
+        """Address -> last heartbeat (the row's own field counts where none is here, as in Redis)."""
+        self.loads: dict[str, SiloLoad] = {}
+        self.feed: deque[tuple[int, Change]] = deque(maxlen=FEED_LENGTH)
+        """(version, change) for the last FEED_LENGTH changes, as the Redis stream keeps them."""
+        self.seen: dict[str, dict[str, float]] = {}
+        """Watcher -> watched -> the heartbeat the watcher's last :meth:`moved` read returned."""
+        self.watches = 0
+        """Calls of :meth:`watch` (tests count reads)."""
+        self.full_reads = 0
+        """Calls of :meth:`read_all` (tests count reads)."""
         self.votes: dict[str, dict[str, float]] = {}
         """Suspect -> voter -> the heartbeat the voter saw (``vote_dead``)."""
         self.unreachable: dict[str, dict[str, float]] = {}
@@ -71,7 +90,9 @@ class InMemoryMembershipTable:
 
     async def join(self, row: MemberRow) -> int:
         self.rows[row.address] = row
-        return self._bump()
+        self.heartbeats[row.address] = row.heartbeat
+        self.loads.pop(row.address, None)
+        return self._bump(row.address)
 
     async def set_status(self, address: str, status: SiloStatus) -> int:
         row = self.rows.get(address)
@@ -79,37 +100,70 @@ class InMemoryMembershipTable:
             raise errors.MembershipError(f"silo {address} is not in the membership table")
         if row.status is SiloStatus.DEAD:
             raise errors.MembershipError(f"silo {address} was declared dead")
-        self.rows[address] = _rewritten(row, status=status.value)
-        return self._bump()
+        self._change_status(address, status)
+        return self.version
 
     async def heartbeat(self, address: str, at: float, load: SiloLoad) -> SiloStatus | None:
         row = self.rows.get(address)
         if row is None:
             return None
         if row.status is not SiloStatus.DEAD:
-            self.rows[address] = _rewritten(row, heartbeat=at, load=load.model_dump(mode="json"))
+            self.heartbeats[address] = at
+            self.loads[address] = load
         return row.status
 
     async def read_all(self) -> tuple[int, dict[str, MemberRow]]:
-        return self.version, dict(self.rows)
+        self.full_reads += 1
+        return self.version, {a: self._merged(a, r) for a, r in self.rows.items()}
 
-    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float, needed: int) -> VoteOutcome:
+    async def watch(self, version: int, heartbeats: Sequence[str] = (), loads: Sequence[str] = ()) -> MembershipWatch:
+        self.watches += 1
+        changes: list[Change] | None = None
+        if version == self.version:
+            changes = []
+        elif 0 <= version < self.version:
+            run = [(v, c) for v, c in self.feed if v > version]
+            if run and run[0][0] == version + 1:
+                changes = [c for _, c in run]
+        beats = {a: self._heartbeat_of(a) for a in heartbeats if a in self.rows}
+        found = {a: self.loads[a] for a in loads if a in self.loads}
+        return MembershipWatch(self.version, changes, beats, found)
+
+    async def moved(self, watcher: str, version: int, addresses: Sequence[str]) -> MembershipMoves:
+        watch = await self.watch(version)
+        seen = self.seen.setdefault(watcher, {})
+        moved: dict[str, bool] = {}
+        for a in addresses:
+            cur = self._heartbeat_of(a) if a in self.rows else None
+            moved[a] = seen.get(a) != cur
+            if cur is None:
+                seen.pop(a, None)
+            else:
+                seen[a] = cur
+        return MembershipMoves(watch.version, watch.changes, moved)
+
+    async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
         row = self.rows.get(suspect)
         if row is None:
             return VoteOutcome("gone", 0)
         if row.status is SiloStatus.DEAD:
             return VoteOutcome("dead", 0)
+        if seen_heartbeat is None:  # the value the voter's detector last read
+            seen_heartbeat = self.seen.get(voter, {}).get(suspect)
+            if seen_heartbeat is None:
+                return VoteOutcome("alive", 0)
         now = self.clock()
         votes = self.votes.setdefault(suspect, {})
         if now - self._voted_at.get(suspect, now) > SUSPICION_TTL_S:
             votes.clear()
-        if abs(row.heartbeat - seen_heartbeat) > 1e-4:
+        hb = self._heartbeat_of(suspect)
+        if abs(hb - seen_heartbeat) > 1e-4:
             votes.clear()
             self._voted_at.pop(suspect, None)
             return VoteOutcome("alive", 0)
         votes[voter] = seen_heartbeat
         self._voted_at[suspect] = now
-        n = sum(1 for v in votes.values() if abs(v - row.heartbeat) <= 1e-4)
+        n = sum(1 for v in votes.values() if abs(v - hb) <= 1e-4)
         return self._count(suspect, votes, n, needed)
 
     async def vote_unreachable(self, suspect: str, voter: str, needed: int, window_s: float) -> VoteOutcome:
@@ -127,8 +181,11 @@ class InMemoryMembershipTable:
         return self._count(suspect, votes, n, needed)
 
     async def remove(self, address: str) -> None:
-        """Forget a row (housekeeping of dead rows); the version stays, as in Redis."""
-        self.rows.pop(address, None)
+        """Forget a row (housekeeping of dead rows); the feed says so."""
+        if self.rows.pop(address, None) is not None:
+            self.heartbeats.pop(address, None)
+            self.loads.pop(address, None)
+            self._bump(address)
 
     # --- for tests and the directory twin ---------------------------------------
     def is_alive(self, silo: SiloAddress) -> bool:
@@ -148,14 +205,28 @@ class InMemoryMembershipTable:
         Lua scripts' shared ending does)."""
         if n < max(1, needed):
             return VoteOutcome("voted", n)
-        self.rows[suspect] = _rewritten(self.rows[suspect], status=SiloStatus.DEAD.value)
+        self._change_status(suspect, SiloStatus.DEAD)
         votes.clear()
         self._voted_at.pop(suspect, None)
-        self._bump()
         return VoteOutcome("declared", n)
 
-    def _bump(self) -> int:
+    def _heartbeat_of(self, address: str) -> float:
+        return self.heartbeats.get(address, self.rows[address].heartbeat)
+
+    def _merged(self, address: str, row: MemberRow) -> MemberRow:
+        update: dict[str, Any] = {"heartbeat": self._heartbeat_of(address)}
+        if address in self.loads:
+            update["load"] = self.loads[address]
+        return row.model_copy(update=update)
+
+    def _change_status(self, address: str, status: SiloStatus) -> None:
+        """A status change as the scripts make it: the last heartbeat copied into the row."""
+        self.rows[address] = _rewritten(self.rows[address], status=status.value, heartbeat=self._heartbeat_of(address))
+        self._bump(address)
+
+    def _bump(self, address: str) -> int:
         self.version += 1
+        self.feed.append((self.version, (address, self.rows.get(address))))
         return self.version
 
 

@@ -18,7 +18,8 @@ SETTINGS = MembershipSettings(
 class World:
     """n silos in one in-memory table; each has a detector; probes answer from a dict."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, settings: MembershipSettings = SETTINGS) -> None:
+        self.settings = settings
         self.clock = VirtualClock(start=1000.0)
         self.table = InMemoryMembershipTable(clock=self.clock)
         self.silos = [SiloAddress("127.0.0.1", 7000 + i, 1) for i in range(n)]
@@ -35,13 +36,17 @@ class World:
             self.detectors[s] = FailureDetector(
                 table=self.table,
                 me=s,
-                settings=SETTINGS,
+                settings=settings,
                 probe=lambda silo, timeout_s, me=s: self._probe(me, silo),
                 on_self_dead=lambda s=s: self.self_dead.append(s),
                 clock=self.clock,
             )
 
+        self.probed: dict[SiloAddress, set[SiloAddress]] = {s: set() for s in self.silos}
+        """Prober -> the silos it probed (cleared by tests)."""
+
     async def _probe(self, prober: SiloAddress, silo: SiloAddress) -> ProbeResult:
+        self.probed[prober].add(silo)
         if frozenset((prober, silo)) in self.cuts:
             return ProbeResult.UNREACHABLE
         return self.answers[silo]
@@ -127,7 +132,7 @@ async def test_vote_is_void_once_the_heartbeat_moves() -> None:
     await w.beat(flaky)
     await w.detectors[b].check_once()
     await w.detectors[b].wait_probes()
-    outcome = await w.table.vote_dead(str(flaky), str(b), w.table.rows[str(flaky)].heartbeat, 2)
+    outcome = await w.table.vote_dead(str(flaky), str(b), w.table.heartbeats[str(flaky)], 2)
     assert outcome.result == "voted" and outcome.votes == 1  # a's old vote no longer counts
     assert w.status(flaky) is SiloStatus.ACTIVE
 
@@ -198,3 +203,96 @@ async def test_unreachable_probes_reset_by_one_that_gets_through() -> None:
         w.cuts = set() if i % 6 == 5 else cut
         await w.round(beating=tuple(w.silos))
     assert w.status(flaky) is SiloStatus.ACTIVE
+
+
+# --- the ring: each silo probes and votes on its `monitors` successors ------------------
+
+RING = SETTINGS.model_copy(update={"monitors": 3})
+
+
+def _monitors_of(w: World, target: SiloAddress) -> list[SiloAddress]:
+    return [s for s, d in w.detectors.items() if str(target) in d.monitored() and w.status(s) is not SiloStatus.DEAD]
+
+
+async def test_fewer_silos_than_monitors_watch_every_peer() -> None:
+    w = World(3)  # monitors=10 by default
+    await w.round(advance=0.0)
+    for s, d in w.detectors.items():
+        assert sorted(d.monitored()) == sorted(str(p) for p in w.silos if p != s)
+        assert w.probed[s] == set(w.silos) - {s}
+
+
+async def test_each_silo_probes_only_its_successors_and_is_watched_by_monitors_others() -> None:
+    w = World(12, RING)
+    for _ in range(4):
+        await w.round(beating=tuple(w.silos))
+    for s, d in w.detectors.items():
+        assert len(d.monitored()) == 3 and str(s) not in d.monitored()
+        assert {str(p) for p in w.probed[s]} == set(d.monitored()), "probes go to the successors only"
+        assert len(_monitors_of(w, s)) == 3, "every silo is watched by `monitors` others"
+    # The table was read whole once per detector (its first round), then only followed.
+    assert w.table.full_reads == 12
+    assert all(d.statistics().full_reads == 1 for d in w.detectors.values())
+
+
+async def test_a_killed_silo_in_a_ring_is_declared_by_its_monitors_within_a_second() -> None:
+    w = World(12, RING)
+    await w.round(advance=0.0)
+    killed = w.silos[5]
+    watchers = _monitors_of(w, killed)
+    w.answers[killed] = ProbeResult.REFUSED
+    await w.round(advance=0.25, beating=tuple(s for s in w.silos if s != killed))
+    assert w.status(killed) is SiloStatus.DEAD
+    assert w.clock() - 1000.0 < 1.0
+    voters = {s for s, d in w.detectors.items() if d.votes}
+    assert voters and voters <= set(watchers), "only the killed silo's monitors voted"
+
+
+async def test_a_partitioned_monitor_does_not_stop_the_others_declaring() -> None:
+    w = World(12, RING)
+    await w.round(advance=0.0)
+    target = w.silos[7]
+    cut_off = _monitors_of(w, target)[0]
+    w.cuts |= {frozenset((cut_off, s)) for s in w.silos if s != cut_off}  # it reaches no peer
+    w.answers[target] = ProbeResult.REFUSED
+    live = tuple(s for s in w.silos if s != target)
+    await w.round(advance=0.25, beating=live)
+    await w.round(advance=0.25, beating=live)
+    assert w.status(target) is SiloStatus.DEAD, "the other monitors declare the target"
+    assert w.status(cut_off) is SiloStatus.ACTIVE, "a monitor cut off for half a second is not voted out"
+
+
+async def test_when_a_target_dies_with_all_its_monitors_the_next_ones_on_the_ring_take_over() -> None:
+    w = World(10, SETTINGS.model_copy(update={"monitors": 2}))
+    await w.round(advance=0.0)
+    target = w.silos[4]
+    killed = {target, *_monitors_of(w, target)}
+    assert len(killed) == 3
+    for k in killed:
+        w.answers[k] = ProbeResult.REFUSED
+    live = tuple(s for s in w.silos if s not in killed)
+    elapsed = 0.0
+    while any(w.status(k) is not SiloStatus.DEAD for k in killed):
+        await w.round(advance=0.25, beating=live)
+        elapsed += 0.25
+        assert elapsed <= 3.0, "nobody took over watching the target"
+    assert all(w.status(s) is SiloStatus.ACTIVE for s in live)
+    await w.round(advance=0.25, beating=live)
+    for s in live:  # the ring closed over the dead: every survivor watched by two survivors again
+        assert len(_monitors_of(w, s)) == 2
+        assert not set(w.detectors[s].monitored()) & {str(k) for k in killed}
+
+
+async def test_a_silent_host_in_a_ring_is_declared_after_dead_after_s() -> None:
+    w = World(12, RING)
+    hung = w.silos[3]
+    w.answers[hung] = ProbeResult.TIMEOUT
+    await w.round(advance=0.0)
+    elapsed = 0.0
+    live = tuple(s for s in w.silos if s != hung)
+    while w.status(hung) is SiloStatus.ACTIVE:
+        await w.round(beating=live)
+        elapsed += 0.5
+        assert elapsed <= SETTINGS.suspect_after_s + SETTINGS.dead_after_s, "silent host not declared in time"
+    assert elapsed >= SETTINGS.dead_after_s
+    assert all(w.status(s) is SiloStatus.ACTIVE for s in live)

@@ -9,7 +9,7 @@ import pytest
 
 from grains.ids import SiloAddress
 from silo import errors
-from silo.cluster.membership import RedisMembershipTable, VoteOutcome
+from silo.cluster.membership import FEED_LENGTH, RedisMembershipTable, VoteOutcome
 from silo.keys import Keys
 from silo.records import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import connect_redis
@@ -79,9 +79,11 @@ async def test_heartbeat_updates_the_row_without_a_new_version(table: Table) -> 
     assert await table.heartbeat(str(A), at, load) is SiloStatus.ACTIVE
     new_version, rows = await table.read_all()
     assert new_version == version
-    # Lua's cjson keeps 14 significant digits of a number: the twin stores what Redis stores.
-    assert rows[str(A)].heartbeat == float(f"{at:.14g}") == 1_700_000_000.1235
+    # The heartbeat is a field of its own (not the row through Lua's cjson): full precision.
+    assert rows[str(A)].heartbeat == at
     assert rows[str(A)].load == load
+    watch = await table.watch(version, heartbeats=[str(A), str(B)], loads=[str(A)])
+    assert watch.changes == [] and watch.heartbeats == {str(A): at} and watch.loads == {str(A): load}
 
 
 async def test_a_dead_row_takes_no_heartbeat(table: Table) -> None:
@@ -131,12 +133,83 @@ async def test_needed_votes_are_at_least_one(table: Table) -> None:
     assert await table.vote_dead(str(S), str(A), 100.0, 0) == _outcome("declared", 1)
 
 
-async def test_remove_forgets_a_row_and_keeps_the_version(table: Table) -> None:
+async def test_remove_forgets_a_row_and_tells_the_feed(table: Table) -> None:
     await _active(table, A, B)
     version, _ = await table.read_all()
     await table.remove(str(A))
-    assert await table.read_all() == (version, {str(B): (await table.read_all())[1][str(B)]})
+    assert await table.read_all() == (version + 1, {str(B): (await table.read_all())[1][str(B)]})
+    watch = await table.watch(version)
+    assert watch.version == version + 1 and watch.changes == [(str(A), None)]
+
+
+async def test_the_feed_gives_each_change_once_in_order(table: Table) -> None:
+    await _active(table, A, heartbeat=5.0)
+    version, _ = await table.read_all()
+    await table.join(_row(B, heartbeat=6.0))
+    await table.set_status(str(B), SiloStatus.ACTIVE)
+    await table.set_status(str(A), SiloStatus.SHUTTING_DOWN)
+    watch = await table.watch(version)
+    assert watch.version == version + 3
+    assert watch.changes is not None
+    assert [(a, r.status if r else None) for a, r in watch.changes] == [
+        (str(B), SiloStatus.JOINING), (str(B), SiloStatus.ACTIVE), (str(A), SiloStatus.SHUTTING_DOWN),
+    ]  # fmt: skip
+    assert (await table.watch(watch.version)).changes == []
+    assert (await table.watch(-1)).changes is None, "a reader with nothing reads the table"
+
+
+async def test_a_reader_behind_the_feed_is_told_to_read_the_table(table: Table) -> None:
+    await _active(table, A)
+    version, _ = await table.read_all()
+    for _ in range(FEED_LENGTH + 250):  # more changes than the capped feed keeps
+        await table.set_status(str(A), SiloStatus.ACTIVE)
+    assert (await table.watch(version)).changes is None
+    latest, _ = await table.read_all()
+    recent = await table.watch(latest - 5)
+    assert recent.changes is not None and len(recent.changes) == 5
+
+
+async def test_a_declared_death_is_in_the_feed_with_the_last_heartbeat(table: Table) -> None:
+    await _active(table, A, B, S, heartbeat=5.0)
+    await table.heartbeat(str(S), 7.5, SiloLoad())
+    version, _ = await table.read_all()
+    await table.vote_dead(str(S), str(A), 7.5, 2)
+    await table.vote_dead(str(S), str(B), 7.5, 2)
+    watch = await table.watch(version)
+    assert watch.changes is not None and len(watch.changes) == 1
+    addr, row = watch.changes[0]
+    assert addr == str(S) and row is not None and row.status is SiloStatus.DEAD and row.heartbeat == 7.5
 
 
 def _outcome(result: str, votes: int) -> VoteOutcome:
     return VoteOutcome(result, votes)
+
+
+async def test_moved_flags_each_watched_heartbeat_once_per_change_per_watcher(table: Table) -> None:
+    await _active(table, A, B, S, heartbeat=5.0)
+    version, _ = await table.read_all()
+    first = await table.moved(str(A), version, [str(B), str(S), str(C)])
+    assert first.version == version and first.changes == []
+    assert first.moved == {str(B): True, str(S): True, str(C): False}  # new to A; C has no row
+    assert (await table.moved(str(A), version, [str(B), str(S)])).moved == {str(B): False, str(S): False}
+    await table.heartbeat(str(S), 6.0, SiloLoad())
+    assert (await table.moved(str(A), version, [str(B), str(S)])).moved == {str(B): False, str(S): True}
+    assert (await table.moved(str(B), version, [str(S)])).moved == {str(S): True}, "each watcher its own"
+    await table.set_status(str(B), SiloStatus.SHUTTING_DOWN)
+    later = await table.moved(str(A), version, [str(S)])
+    assert later.version == version + 1 and later.changes is not None and [a for a, _ in later.changes] == [str(B)]
+
+
+async def test_a_vote_without_a_value_names_what_the_voters_last_read_saw(table: Table) -> None:
+    await _active(table, A, B, S, heartbeat=5.0)
+    version, _ = await table.read_all()
+    assert (await table.vote_dead(str(S), str(A), None, 2)).result == "alive", "A never read S"
+    await table.moved(str(A), version, [str(S)])
+    await table.moved(str(B), version, [str(S)])
+    assert await table.vote_dead(str(S), str(A), None, 2) == VoteOutcome("voted", 1)
+    await table.heartbeat(str(S), 9.0, SiloLoad())  # S beats before B votes: B's read is stale
+    assert (await table.vote_dead(str(S), str(B), None, 2)).result == "alive"
+    await table.moved(str(A), version, [str(S)])
+    await table.moved(str(B), version, [str(S)])
+    assert await table.vote_dead(str(S), str(A), None, 2) == VoteOutcome("voted", 1)
+    assert await table.vote_dead(str(S), str(B), None, 2) == VoteOutcome("declared", 2)
