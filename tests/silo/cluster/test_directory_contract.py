@@ -18,7 +18,7 @@ from silo.cluster.directory import PurgedBatch, RedisGrainDirectory
 from silo.cluster.membership import MembershipTable, RedisMembershipTable
 from silo.keys import Keys
 from silo.records import MemberRow, SiloStatus
-from silo.redis_util import connect_redis
+from silo.redis_util import close_redis, connect_redis
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable
 
@@ -42,7 +42,7 @@ class World:
         await self.table.set_status(str(silo), SiloStatus.DEAD)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
     if request.param == "memory":
         table = InMemoryMembershipTable()
@@ -50,14 +50,14 @@ async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
         await w.live(A, B)
         yield w
         return
-    redis = connect_redis(request.getfixturevalue("redis_url"))
+    redis = connect_redis(request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url"))
     keys = Keys("contract")
     w = World(RedisGrainDirectory(redis, keys, purge_batch=BATCH), RedisMembershipTable(redis, keys))
     await w.live(A, B)
     try:
         yield w
     finally:
-        await redis.aclose()
+        await close_redis(redis)
 
 
 async def test_first_register_wins_with_a_token_and_lookup_finds_it(world: World) -> None:
