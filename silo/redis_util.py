@@ -60,6 +60,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from silo import errors
+from silo.keys import warm_slot_tags
 from silo.redis_url import (
     ClusterTarget,
     RedisTarget,
@@ -284,6 +285,9 @@ async def open_redis(url: str, what: str, *, timeout_s: float = 5.0) -> aioredis
     except BaseException:
         await close_redis(client)
         raise
+    if is_cluster(client):
+        # The per-slot fencing keys need the slot -> tag table: built here, off the loop.
+        await asyncio.to_thread(warm_slot_tags)
     return client
 
 
