@@ -40,6 +40,7 @@ promoted master sort above every token of the masters before it (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -131,22 +132,24 @@ class _Replication:
     def __init__(self, replicas: int, timeout_ms: int) -> None:
         self.replicas = replicas
         self.timeout_ms = timeout_ms
-        self.paused_until = 0.0
+        # Per master ("" for the one master of a single server or Sentinel): on a Redis
+        # Cluster one shard that lost its replica must not stop the others' waits.
+        self.paused_until: dict[str, float] = {}
         self.waits = self.short_waits = self.skipped = self.lost_replies = 0
 
-    def active(self) -> bool:
+    def active(self, node: str = "") -> bool:
         if self.replicas <= 0:
             return False
-        if time.monotonic() < self.paused_until:
+        if time.monotonic() < self.paused_until.get(node, 0.0):
             self.skipped += 1
             return False
         return True
 
-    def record(self, acked: int) -> None:
+    def record(self, acked: int, node: str = "") -> None:
         self.waits += 1
         if acked < self.replicas:
             self.short_waits += 1
-            self.paused_until = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
+            self.paused_until[node] = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
             log.warning(
                 "only %d of %d replicas acknowledged a write within %d ms; not waiting for %.0f s",
                 acked, self.replicas, self.timeout_ms, _PAUSE_AFTER_SHORT_WAIT_S,
@@ -424,10 +427,12 @@ async def run_replicated(
     with ``wait_replicas=0``, run the script alone.
     """
     policy = client.replication if isinstance(client, (RedgrainRedis, RedgrainCluster)) else None
-    if policy is None or not policy.active():
+    if policy is None or policy.replicas <= 0:
         return await script(keys=keys, args=args)
     if isinstance(client, RedgrainCluster):
         return await _run_replicated_on_node(client, policy, script, keys, args)
+    if not policy.active():
+        return await script(keys=keys, args=args)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -456,11 +461,11 @@ async def _run_replicated_on_node(
     """The script and its WAIT on one connection to the master of the script's slot.
 
     A moved slot (MOVED, a failover under way) or a node without the script falls back
-    to the cluster client's own routing, unwaited (counted as a short wait).
+    to the cluster client's own routing, unwaited (counted as skipped).
     """
     await client.initialize()
     node = client.get_node_from_key(keys[0])
-    if node is None:  # no master known for the slot right now: let the client route it
+    if node is None or not policy.active(node.name):  # no master known, or its waits paused
         return await script(keys=keys, args=args)
     conn = node.acquire_connection()
     try:
@@ -477,6 +482,10 @@ async def _run_replicated_on_node(
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
         policy.lost_replies += 1
         await conn.disconnect()
+        # This path bypasses the client's routing, so it must ask for the new slot map itself
+        # (a dead master's replica may be serving the slot by now).
+        with contextlib.suppress(Exception):
+            await client.nodes_manager.initialize()
         raise
     finally:
         node.release(conn)
@@ -484,9 +493,9 @@ async def _run_replicated_on_node(
         redirected = isinstance(failed, (redis.exceptions.NoScriptError, redis.exceptions.MovedError, redis.exceptions.AskError))
         if not redirected and not str(failed).startswith(("MOVED", "ASK", "NOSCRIPT", "TRYAGAIN", "CLUSTERDOWN")):
             raise failed
-        policy.record(0)
+        policy.skipped += 1  # not run there: the client routes it, unwaited
         return await script(keys=keys, args=args)
-    policy.record(int(acked))
+    policy.record(int(acked), node.name)
     return first
 
 
