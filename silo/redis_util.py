@@ -482,10 +482,14 @@ async def _run_replicated_on_node(
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
         policy.lost_replies += 1
         await conn.disconnect()
-        # This path bypasses the client's routing, so it must ask for the new slot map itself
-        # (a dead master's replica may be serving the slot by now).
+        # This path bypasses the client's routing, so it flags the node as the client's own
+        # command path does: the next call (``initialize()`` above) reads the slot map again,
+        # where a dead master's replica may be serving the slot by now.
+        node.update_active_connections_for_reconnect()
         with contextlib.suppress(Exception):
-            await client.nodes_manager.initialize()
+            await node.disconnect_free_connections()
+        client.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
+        client._initialize = True
         raise
     finally:
         node.release(conn)
