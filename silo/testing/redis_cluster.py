@@ -155,6 +155,14 @@ class RedisClusterGroup:
         """SIGKILL one node (a crash)."""
         self.nodes[port].kill()
 
+    def master_of(self, slot: int) -> int:
+        """Port of the master serving hash ``slot`` (``CLUSTER SLOTS``)."""
+        with self.client(self.masters()[0]) as c:
+            for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                if int(start) <= slot <= int(end):
+                    return int(master[1])
+        raise LookupError(f"no master serves slot {slot}")
+
     def keys_per_master(self) -> dict[int, int]:
         """DBSIZE of each running master."""
         out = {}

@@ -14,8 +14,10 @@ import pytest
 
 from silo.client import ClusterClient
 from silo.keys import Keys, slot_of
+from silo.settings import SiloSettings
 from silo.silo import Silo
 from silo.testing.redis_cluster import RedisClusterGroup
+from tests.conftest import FAST_MEMBERSHIP
 from tests.sample_grains import Counter
 
 GRAINS = 1_000
@@ -64,7 +66,18 @@ async def test_a_thousand_grains_with_state_spread_over_all_three_masters(
 async def test_a_redis_url_of_one_node_is_taken_as_its_cluster(
     redis_cluster_url: str, redis_cluster_group: RedisClusterGroup, cluster_name: str
 ) -> None:
-    port = redis_cluster_group.masters()[0]
-    async with await ClusterClient.connect(f"redis://127.0.0.1:{port}/0", cluster=cluster_name) as c:
-        assert type(c.redis).__name__ == "RedgrainCluster"
-        await c.redis.set(Keys(cluster_name).directory_entry("x/1") + ":probe", "1")  # any slot, any master
+    # A node that does not serve the membership slot: a plain client there would meet MOVED.
+    control = redis_cluster_group.master_of(slot_of(Keys(cluster_name).members))
+    node = f"redis://127.0.0.1:{next(p for p in redis_cluster_group.masters() if p != control)}/0"
+    settings = SiloSettings(redis_url=node, cluster=cluster_name, grains=("tests.sample_grains",), membership=FAST_MEMBERSHIP)
+    silo = await Silo(settings).start()
+    try:
+        async with await ClusterClient.connect(node, cluster=cluster_name) as c:
+            assert type(c.redis).__name__ == "RedgrainCluster"
+            # Grains on every master answer, and the heartbeat thread's sync client follows the cluster too.
+            refs = [c.get_grain(Counter, f"n{i}") for i in range(60)]
+            assert await asyncio.gather(*(r.add(1) for r in refs)) == [1] * 60
+            assert len({p for p, n in _count(redis_cluster_group, "*:state").items() if n}) == 3
+            assert await silo.heartbeat.confirm(5.0) and silo.heartbeat.failures == 0
+    finally:
+        await silo.stop(graceful=False)

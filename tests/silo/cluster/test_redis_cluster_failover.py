@@ -47,12 +47,7 @@ MEMBERSHIP = MembershipSettings(heartbeat_s=0.2, suspect_after_s=0.8, probe_time
 
 
 def _master_of(group: RedisClusterGroup, key: str) -> int:
-    slot = slot_of(key)
-    with group.client(group.masters()[0]) as c:
-        for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
-            if start <= slot <= end:
-                return int(master[1])
-    raise LookupError(slot)
+    return group.master_of(slot_of(key))
 
 
 async def test_a_killed_master_is_replaced_by_its_replica_and_no_acknowledged_write_is_lost(
