@@ -57,6 +57,9 @@ async def test_a_thousand_grains_with_state_spread_over_all_three_masters(
     assert len(heads) == 3
     for port, n in heads.items():
         assert n >= 0.15 * GRAINS, (port, heads)
+    # All keys, cluster-wide records included (DBSIZE per master): no master is left out either.
+    sizes = redis_cluster_group.keys_per_master()
+    assert all(n >= 0.15 * sum(sizes.values()) for n in sizes.values()), sizes
     # Each grain's entry and state sit in one slot (the fenced write is one script there).
     assert slot_of(keys.directory_entry("Counter/c7")) == slot_of(keys.state_head("Counter/c7"))
     # And the state reads back through the cluster, from any silo's client.
