@@ -40,7 +40,6 @@ promoted master sort above every token of the masters before it (see
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -74,6 +73,7 @@ from silo.redis_url import (
 __all__ = [
     "ReplicationStatistics",
     "close_redis",
+    "closed_under_us",
     "connect_redis",
     "connect_redis_sync",
     "fence_epoch_hint",
@@ -98,6 +98,16 @@ _PAUSE_AFTER_SHORT_WAIT_S = 1.0
 _SENTINEL_TIMEOUT_S = 1.0
 
 
+def closed_under_us(exc: BaseException) -> bool:
+    """A call on a connection redis-py closed as it was handed out: a lost connection.
+
+    redis-py's asyncio cluster client, handling a failed node, disconnects that node's free
+    connections while other calls may be taking one (seen during a master's failover); the
+    call then fails with an AttributeError on the closed stream, before anything was sent.
+    """
+    return isinstance(exc, AttributeError) and "'NoneType' object has no attribute" in str(exc)
+
+
 @contextmanager
 def redis_errors(what: str) -> Iterator[None]:
     """Turn redis-py's errors into StorageError naming the operation."""
@@ -105,6 +115,10 @@ def redis_errors(what: str) -> Iterator[None]:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise errors.StorageError(f"{what}: Redis unreachable ({exc})") from exc
+    except AttributeError as exc:
+        if not closed_under_us(exc):
+            raise
+        raise errors.StorageError(f"{what}: Redis connection closed during the call ({exc})") from exc
     except redis.exceptions.RedisError as exc:
         raise errors.StorageError(f"{what}: Redis error ({exc})") from exc
     except redis.exceptions.RedisClusterException as exc:
@@ -479,17 +493,19 @@ async def _run_replicated_on_node(
         except redis.exceptions.ResponseError as exc:  # both replies are read, whatever the first was
             failed = exc
         acked = await conn.read_response()
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, AttributeError) as exc:
         policy.lost_replies += 1
         await conn.disconnect()
         # This path bypasses the client's routing, so it flags the node as the client's own
         # command path does: the next call (``initialize()`` above) reads the slot map again,
         # where a dead master's replica may be serving the slot by now.
         node.update_active_connections_for_reconnect()
-        with contextlib.suppress(Exception):
-            await node.disconnect_free_connections()
         client.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
         client._initialize = True
+        if isinstance(exc, AttributeError):
+            if not closed_under_us(exc):
+                raise
+            raise redis.exceptions.ConnectionError(f"connection to {node.name} closed under us") from exc
         raise
     finally:
         node.release(conn)

@@ -42,7 +42,7 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import run_replicated
+from silo.redis_util import closed_under_us, run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -362,7 +362,10 @@ class Blobs:
                 redis.exceptions.ConnectionError,
                 redis.exceptions.TimeoutError,
                 OSError,
+                AttributeError,
             ) as exc:
+                if isinstance(exc, AttributeError) and not closed_under_us(exc):
+                    raise
                 if attempt == self.settings.retries:
                     self.errors += 1
                     raise errors.StorageError(

@@ -73,15 +73,7 @@ class RedisClusterGroup:
         cli = find_redis_cli()
         try:
             for _ in range(self.n_masters * (1 + self.n_replicas)):
-                port = _port()
-                node = RedisServer(
-                    port=port,
-                    data_dir=self.data_dir / f"node-{port}",
-                    appendonly=self.appendonly,
-                    extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *_NODE_ARGS),
-                )
-                self.nodes[port] = node
-                node.start()
+                self._start_node()
             create = [cli, "--cluster", "create", *(f"{_HOST}:{p}" for p in self.nodes)]
             create += ["--cluster-replicas", str(self.n_replicas), "--cluster-yes"]
             done = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -92,6 +84,26 @@ class RedisClusterGroup:
             self.stop()
             raise
         return self
+
+    def _start_node(self, attempts: int = 5) -> None:
+        # A free port (and its bus port) may be taken by another process before the node
+        # binds it: try another.
+        for attempt in range(attempts):
+            port = _port()
+            node = RedisServer(
+                port=port,
+                data_dir=self.data_dir / f"node-{port}",
+                appendonly=self.appendonly,
+                extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *_NODE_ARGS),
+            )
+            try:
+                node.start()
+            except ConfigError:
+                if attempt == attempts - 1:
+                    raise
+                continue
+            self.nodes[port] = node
+            return
 
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(host=_HOST, port=port, socket_timeout=5.0, socket_connect_timeout=5.0)
