@@ -16,6 +16,9 @@ PROMTOOL := /usr/bin/promtool
 # tests/netns partitions silos with `ip netns` and `tc netem` (Debian's iproute2): installed
 # the same way. They need root anyway, so without root make test goes on and they say why.
 IPROUTE := /usr/sbin/tc
+# The Redis Cluster tests create their 3-master cluster with `redis-cli --cluster create`
+# (silo/testing/redis_cluster.py): Debian's redis-tools, installed the same way.
+REDIS_CLI := /usr/bin/redis-cli
 
 .PHONY: install test demo bench soak lint typecheck clean partition-test proto
 
@@ -38,6 +41,11 @@ $(PROMTOOL):
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 
+$(REDIS_CLI):
+	@if [ "$$(id -u)" != 0 ]; then echo "the Redis Cluster tests need redis-cli: run 'sudo apt-get install -y redis-tools'" >&2; exit 1; fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-tools >/dev/null
+
 $(IPROUTE):
 	@if [ "$$(id -u)" != 0 ]; then echo "note: the network-partition tests need root and Debian's iproute2; they will not run" >&2; \
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
@@ -46,7 +54,7 @@ $(IPROUTE):
 # The tests start a few hundred Python processes (silos, samples, CLIs). Each would compile the
 # project's modules again where PYTHONDONTWRITEBYTECODE is set (it is on this workplace's
 # machines): compiled once here, every process reads the bytecode (0.2-0.3 s a process).
-test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(IPROUTE)
+test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(REDIS_CLI) $(IPROUTE)
 	$(PY) -m compileall -q -j 0 grains silo dashboard benchmarks samples tests >/dev/null
 	$(PY) -m pytest -q -m "not soak" $(ARGS)
 

@@ -44,7 +44,7 @@ from silo.records import (
     request_cancel,
     request_drain,
 )
-from silo.redis_util import connect_redis, redis_errors
+from silo.redis_util import connect_redis, open_redis, redis_errors
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore
 
@@ -78,7 +78,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The client is made on the server's own loop, and short timeouts
         # make a dead Redis show within a poll instead of hanging the page.
-        redis = connect_redis(redis_url, timeout_s=redis_timeout_s)
+        try:  # a redis:// URL of a Redis Cluster node gives the cluster client
+            redis = await open_redis(redis_url, "dashboard connect", timeout_s=redis_timeout_s)
+        except errors.StorageError:  # Redis down: the pages say so (503) until it is back
+            redis = connect_redis(redis_url, timeout_s=redis_timeout_s)
         app.state.reader = rd.ClusterReader(redis, keys, cache_s=cache_s)
         app.state.events = EventLog(redis, keys, "dashboard")
         try:

@@ -44,7 +44,7 @@ from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
-from silo.redis_util import connect_redis, verify_redis
+from silo.redis_util import open_redis
 from silo.settings import ClientSettings
 from silo.shutdown import ShutdownHook
 from silo.streams.stream import RedisStream, Streams
@@ -124,12 +124,7 @@ class ClusterClient:
             await self._embedded.__aenter__()
             url = self._embedded.url
         self.redis_url = url
-        self.redis = connect_redis(url)
-        try:
-            await verify_redis(self.redis, f"connect to {url}")
-        except (errors.StorageError, errors.ConfigError):
-            await self.redis.aclose()
-            raise
+        self.redis = await open_redis(url, f"connect to {url}")
         registry = TypeRegistry()
         for t in self._types:
             registry.register_annotations(t)

@@ -1,13 +1,61 @@
 """Every Redis key redgrain uses, built in one place.
 
-All keys of a cluster live under ``rg:{cluster}:``. The braces make the
-cluster name a Redis Cluster hash tag, so every multi-key Lua script of one
-cluster touches one slot.
+Keys are grouped by Redis Cluster hash tag (the text between the first ``{``
+and the next ``}``), so that every Lua script touches one slot and the data
+spreads over the masters of a Redis Cluster (docs/cluster.md, "Redis
+Cluster"; on one Redis the tags change nothing):
+
+- ``rg:{cluster}:…`` -- the *control slot*: membership, heartbeats, votes,
+  the generation counter, per-silo directory indexes, stats, events, logs,
+  jobs, streams, checkpoint manifests and indexes, the grain-type manifests
+  and the state indexes (the dashboard's lists).
+- ``rg:{cluster:g:<grain>}:…`` -- one grain's own slot: its directory entry,
+  its state heads and chunks (default and named), its checkpoint member
+  blobs. The fenced check-and-set (entry token vs writer token, etag, head
+  swap) is one script over these keys.
+- ``rg:{rgfence-<n>}:<cluster>:fence…`` -- on a Redis Cluster, the fencing
+  counter and epoch of one hash slot (``<n>`` is chosen so the tag hashes to
+  that slot): a grain's register script increments the counter of the
+  grain's own slot. On one Redis (or Sentinel) the whole cluster shares
+  ``rg:{cluster}:fence`` as before (one server holds every slot).
+- ``rg:{cluster:reminders}:…`` and ``rg:{cluster:leader:<role>}`` --
+  reminders and leader leases, each in a slot of their own.
+
+Every key a script touches is passed in ``KEYS``; no script builds a name.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+
+def warm_slot_tags() -> None:
+    """Build the slot -> tag table now (call it off the event loop: ~0.1 s of CPU)."""
+    _slot_tags()
+
+
+@functools.cache
+def _slot_tags() -> tuple[str, ...]:
+    """For each hash slot, a short hash tag that maps to it (~0.1 s, once per process)."""
+    tags: list[str | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+    left = REDIS_CLUSTER_HASH_SLOTS
+    i = 0
+    while left:
+        tag = f"rgfence-{i:x}"
+        slot = key_slot(tag.encode())
+        if tags[slot] is None:
+            tags[slot] = tag
+            left -= 1
+        i += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def slot_of(key: str) -> int:
+    """The Redis Cluster hash slot of ``key`` (its hash tag's, when it has one)."""
+    return int(key_slot(key.encode()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +64,16 @@ class Keys:
 
     @property
     def prefix(self) -> str:
+        """The control slot's prefix (cluster-wide records)."""
         return f"rg:{{{self.cluster}}}:"
+
+    def patterns(self) -> tuple[str, ...]:
+        """SCAN ``MATCH`` patterns that together match every key of this cluster."""
+        return (self.prefix + "*", f"rg:{{{self.cluster}:*", f"rg:{{rgfence-*}}:{self.cluster}:fence*")
+
+    def grain_prefix(self, grain: str) -> str:
+        """The prefix of every key of one grain: the grain's own hash tag, so one slot."""
+        return f"rg:{{{self.cluster}:g:{grain}}}:"
 
     # --- membership --------------------------------------------------------
     @property
@@ -73,16 +130,27 @@ class Keys:
 
     # --- directory ---------------------------------------------------------
     def directory_entry(self, grain: str) -> str:
-        """Hash: silo, activation, token for one grain id."""
-        return self.prefix + f"dir:{grain}"
+        """Hash: silo, activation, token for one grain id (in the grain's slot)."""
+        return self.grain_prefix(grain) + "dir"
 
     def directory_index(self, silo: str) -> str:
-        """Set of grain ids whose directory entry names this silo."""
+        """Set of grain ids whose directory entry may name this silo (a superset; control slot)."""
         return self.prefix + f"dirindex:{silo}"
 
-    @property
-    def fencing_counter(self) -> str:
-        return self.prefix + "fence"
+    def fencing_counter(self, grain: str | None = None) -> str:
+        """Counter of fencing tokens: of the grain's hash slot (Redis Cluster), or of the whole
+        cluster (``grain=None``: one Redis, where every key is on one server)."""
+        return self._fence_base(grain)
+
+    def fencing_term(self, grain: str | None = None) -> str:
+        """Hash: replid (the master's replication id when the epoch was set), epoch; per slot or whole."""
+        return self._fence_base(grain) + ":term"
+
+    def _fence_base(self, grain: str | None) -> str:
+        if grain is None:
+            return self.prefix + "fence"
+        tag = _slot_tags()[slot_of(self.directory_entry(grain))]
+        return f"rg:{{{tag}}}:{self.cluster}:fence"
 
     # --- grain types -------------------------------------------------------
     @property
@@ -96,19 +164,19 @@ class Keys:
 
     # --- state -------------------------------------------------------------
     def state_head(self, grain: str) -> str:
-        """Hash: etag, version, chunk count, size of the visible state."""
-        return self.prefix + f"state:{grain}"
+        """Hash: etag, version, chunk count, size of the visible state (in the grain's slot)."""
+        return self.grain_prefix(grain) + "state"
 
     def state_chunk(self, grain: str, version: str, index: int) -> str:
         """String: chunk ``index`` of one version of a big state (the version is its etag)."""
         return chunk_key(self.state_chunk_base(grain), version, index)
 
     def state_chunk_base(self, grain: str) -> str:
-        """Prefix of a state's chunk keys; see :func:`chunk_key` (Lua scripts append the rest)."""
-        return self.prefix + f"state:{grain}:v"
+        """Prefix of a state's chunk keys; see :func:`chunk_key`."""
+        return self.state_head(grain) + ":v"
 
     def state_types(self) -> str:
-        """Set of grain types that have persisted state (for the dashboard)."""
+        """Set of grain types that have persisted state (for the dashboard; written after the state)."""
         return self.prefix + "state:types"
 
     def state_index(self, type_name: str) -> str:
@@ -117,11 +185,10 @@ class Keys:
 
     # Named states (``Grain.named_state``): one head+chunks value per (grain, state name),
     # apart from the default state's keys (the dashboard's index lists only default state).
-    # The name comes first and the grain after a ``g:`` marker, so no grain key can make one
-    # name's key look like another's or like an index.
+    # The name is length-prefixed, so no name can make its key look like another's chunk.
     def named_state_head(self, grain: str, name: str) -> str:
-        """Hash like ``state_head``: the visible value of the grain's state ``name``."""
-        return self.prefix + f"nstate:{name}:g:{grain}"
+        """Hash like ``state_head``: the visible value of the grain's state ``name`` (grain's slot)."""
+        return self.grain_prefix(grain) + f"nstate:{len(name)}:{name}"
 
     def named_state_chunk_base(self, grain: str, name: str) -> str:
         """Prefix of a named state's chunk keys; see :func:`chunk_key`."""
@@ -150,40 +217,37 @@ class Keys:
 
     def checkpoint_manifest(self, group: str, snapshot: str) -> str:
         """Hash: members (JSON list), order, keep, status, created, completed, w:{member} flags."""
-        return self.checkpoint_base(group) + snapshot
-
-    def checkpoint_base(self, group: str) -> str:
-        """Prefix of a group's manifests; Lua appends ``{snapshot}`` and ``:m:{member}``."""
-        return self.prefix + f"ckpt:{group}:"
+        return self.prefix + f"ckpt:{group}:{snapshot}"
 
     def checkpoint_member(self, group: str, snapshot: str, member: str) -> str:
-        """Hash like ``state_head``: one member's saved state in one snapshot."""
-        return self.checkpoint_manifest(group, snapshot) + f":m:{member}"
+        """Hash like ``state_head``: one member's saved state in one snapshot (the member grain's slot)."""
+        return self.grain_prefix(member) + f"ckpt:{group}:{snapshot}"
 
     def checkpoint_chunk_base(self, group: str, snapshot: str, member: str) -> str:
         """Prefix of a member's chunk keys; see :func:`chunk_key`."""
         return self.checkpoint_member(group, snapshot, member) + ":v"
 
     # --- reminders ---------------------------------------------------------
+    # A slot of their own: the reminder scripts touch only these three keys.
     @property
     def reminders(self) -> str:
         """Sorted set: reminder id scored by its next due time."""
-        return self.prefix + "reminders"
+        return f"rg:{{{self.cluster}:reminders}}:due"
 
     @property
     def reminder_rows(self) -> str:
         """Hash: reminder id (JSON [type, key, name]) -> JSON row (type, key, name, period_ms)."""
-        return self.prefix + "reminders:rows"
+        return f"rg:{{{self.cluster}:reminders}}:rows"
 
     @property
     def reminder_fired(self) -> str:
         """Hash: reminder id -> JSON {at (unix s), silo} of its last delivered tick."""
-        return self.prefix + "reminders:fired"
+        return f"rg:{{{self.cluster}:reminders}}:fired"
 
     # --- cluster services --------------------------------------------------
     def leader(self, role: str) -> str:
-        """String with a TTL: which silo holds a cluster-wide role (rebalancer)."""
-        return self.prefix + f"leader:{role}"
+        """String with a TTL: which silo holds a cluster-wide role (rebalancer); a slot of its own."""
+        return f"rg:{{{self.cluster}:leader:{role}}}"
 
     def silo_stats(self, silo: str) -> str:
         """String with a TTL: the silo's latest published stats record."""
@@ -260,18 +324,10 @@ class Keys:
         """Set of the stream keys of one namespace (how silos find keys to deliver)."""
         return self.prefix + f"streams:{namespace}"
 
-    # --- fencing across Redis failovers -------------------------------------
-    @property
-    def fencing_term(self) -> str:
-        """Hash: replid (the master's replication id when the epoch was set), epoch (fencing epoch)."""
-        return self.prefix + "fence:term"
 
 
 def chunk_key(base: str, version: str, index: int) -> str:
-    """A chunk of a head+chunks value (state, checkpoint member).
-
-    The storage Lua scripts build the same name as ``base .. version .. ':' .. index``.
-    """
+    """A chunk of a head+chunks value (state, checkpoint member); scripts get these in KEYS."""
     return f"{base}{version}:{index}"
 
 

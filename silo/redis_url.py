@@ -14,9 +14,13 @@ and nowhere else (``silo/redis_util.py`` turns the result into clients):
   deployments use one ``requirepass`` for masters and replicas);
   ``?sentinel_username=&sentinel_password=`` authenticate to the sentinels
   when they need it.
-- ``redis+cluster://`` (and ``rediss+cluster``, ``redis-cluster``): refused
-  with :class:`~silo.errors.ConfigError`. Redis Cluster is not supported; see
-  docs/reliability.md, "Redis failover".
+- ``redis+cluster://[user:pass@]h1:p1[,h2:p2...][?options]`` (and
+  ``rediss+cluster://`` for TLS; ``redis-cluster://`` is accepted too): a
+  Redis Cluster, reached through any of the listed nodes (the port defaults
+  to 6379; the client learns the rest from ``CLUSTER SLOTS``). Options:
+  ``ssl_*`` and ``client_name``. A plain ``redis://`` URL of a node whose
+  ``INFO cluster`` says ``cluster_enabled:1`` is taken as that cluster too
+  (``silo/redis_util.py``). What lives in which slot: docs/cluster.md.
 
 Two query options apply to every form and are removed before redis-py sees
 the URL: ``wait_replicas`` (how many replicas a directory registration or a
@@ -31,14 +35,15 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from silo.errors import ConfigError
 
-__all__ = ["RedisTarget", "SentinelTarget", "parse_redis_url", "redact"]
+__all__ = ["ClusterTarget", "RedisTarget", "SentinelTarget", "cluster_of", "parse_redis_url", "redact"]
 
 SENTINEL_PORT = 26379
+REDIS_PORT = 6379
 DEFAULT_WAIT_TIMEOUT_MS = 100
 
 _DIRECT_SCHEMES = ("redis", "rediss", "unix")
 _SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
-_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "redis-cluster", "rediss-cluster")
+_CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True, "redis-cluster": False, "rediss-cluster": True}
 _OURS = ("wait_replicas", "wait_timeout_ms")
 # Options a Sentinel URL may carry for the connections to the data nodes (and, for TLS, the
 # sentinels); anything else is a typo we would rather report than ignore.
@@ -67,6 +72,18 @@ class SentinelTarget:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterTarget:
+    """A Redis Cluster, reached through any of its startup nodes."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    connection_options: dict[str, str] = field(default_factory=dict)
+    """``ssl_*`` and ``client_name`` options for every node connection."""
+
+
+@dataclass(frozen=True, slots=True)
 class RedisTarget:
     """Where redgrain's state lives, and how long a write waits for replicas."""
 
@@ -79,6 +96,8 @@ class RedisTarget:
     """Replicas a registration or state write waits for (``WAIT``); 0: none."""
     wait_timeout_ms: int
     """The longest such a wait takes; a write is not failed when it runs out (see redis_util.replicate)."""
+    cluster: ClusterTarget | None = None
+    """Set for a Redis Cluster URL (``direct_url`` and ``sentinel`` are None then)."""
 
 
 def redact(url: str) -> str:
@@ -100,16 +119,13 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not sep:
         raise ConfigError(f"not a Redis URL (no scheme): {redact(url)!r}")
     if scheme in _CLUSTER_SCHEMES:
-        raise ConfigError(
-            f"Redis Cluster is not supported ({redact(url)!r}): use one Redis server, or a Sentinel-managed "
-            "master with redis+sentinel://host:port[,host:port...]/service (docs/reliability.md)"
-        )
+        return _parse_cluster(url, tls=_CLUSTER_SCHEMES[scheme])
     if scheme in _SENTINEL_SCHEMES:
         return _parse_sentinel(url, tls=_SENTINEL_SCHEMES[scheme])
     if scheme not in _DIRECT_SCHEMES:
         raise ConfigError(
             f"unknown Redis URL scheme {scheme!r} in {redact(url)!r}: expected redis://, rediss://, unix://, "
-            "redis+sentinel:// or rediss+sentinel://"
+            "redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster://"
         )
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
@@ -183,7 +199,69 @@ def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
     )
 
 
-def _host_port(text: str, url: str) -> tuple[str, int]:
+def _parse_cluster(url: str, *, tls: bool) -> RedisTarget:
+    _, _, rest = url.partition("://")
+    rest, _, query_text = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ConfigError(f"a Redis Cluster has only database 0: drop the path of {redact(url)!r}")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    nodes = tuple(_host_port(h, url, REDIS_PORT) for h in hosts.split(",") if h.strip())
+    if not nodes:
+        raise ConfigError(f"a Redis Cluster URL lists at least one node host:port (got {redact(url)!r})")
+    query = dict(parse_qsl(query_text, keep_blank_values=True))
+    unknown = sorted(set(query) - set(_OURS) - set(_SENTINEL_CONNECTION_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {', '.join(unknown)} in Redis Cluster URL {redact(url)!r}; known: "
+            f"{', '.join((*_OURS, *_SENTINEL_CONNECTION_OPTIONS))}"
+        )
+    return RedisTarget(
+        url=url,
+        direct_url=None,
+        sentinel=None,
+        wait_replicas=_int(query, "wait_replicas", 0, url),
+        wait_timeout_ms=_int(query, "wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS, url),
+        cluster=ClusterTarget(
+            nodes=nodes,
+            tls=tls,
+            username=username,
+            password=password,
+            connection_options={k: v for k, v in query.items() if k in _SENTINEL_CONNECTION_OPTIONS},
+        ),
+    )
+
+
+def cluster_of(target: RedisTarget) -> RedisTarget:
+    """A single-server target whose node turned out to be a Redis Cluster node, as a cluster target."""
+    if target.direct_url is None or target.cluster is not None:
+        return target
+    parts = urlsplit(target.direct_url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ConfigError(f"{redact(target.url)} is a Redis Cluster node: reach it over TCP (host:port)")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    return RedisTarget(
+        url=target.url,
+        direct_url=None,
+        sentinel=None,
+        wait_replicas=target.wait_replicas,
+        wait_timeout_ms=target.wait_timeout_ms,
+        cluster=ClusterTarget(
+            nodes=((parts.hostname, parts.port or REDIS_PORT),),
+            tls=parts.scheme == "rediss",
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+            connection_options={k: v for k, v in query.items() if k in _SENTINEL_CONNECTION_OPTIONS},
+        ),
+    )
+
+
+def _host_port(text: str, url: str, default_port: int = SENTINEL_PORT) -> tuple[str, int]:
     text = text.strip()
     if text.startswith("["):  # [::1]:26379
         host, _, after = text[1:].partition("]")
@@ -193,11 +271,11 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     else:
         host, port_text = text, ""
     if not host:
-        raise ConfigError(f"empty sentinel host in {redact(url)!r}")
+        raise ConfigError(f"empty host in {redact(url)!r}")
     if not port_text:
-        return host, SENTINEL_PORT
+        return host, default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"bad sentinel port {port_text!r} in {redact(url)!r}")
+        raise ConfigError(f"bad port {port_text!r} in {redact(url)!r}")
     return host, int(port_text)
 
 

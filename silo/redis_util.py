@@ -22,6 +22,15 @@ before the ``WAIT`` answered fails the write: its fate is unknown, as for
 any write whose reply was lost. What this does and does not guarantee is in
 docs/reliability.md, "Redis failover".
 
+:func:`connect_redis` also takes a Redis Cluster (``redis+cluster://``): it
+gives redis-py's asyncio ``RedisCluster`` (typed as ``aioredis.Redis``: the
+commands redgrain uses have the same signatures; every multi-key command and
+script names keys of one slot, ``silo/keys.py``). :func:`open_redis` is what
+a silo and a client call: it connects, PINGs, and when a ``redis://`` URL
+names a node with ``cluster_enabled:1`` it reconnects as a cluster client.
+With ``wait_replicas`` on a cluster, the script and its ``WAIT`` go on one
+connection to the master of the script's slot.
+
 :func:`fence_epoch_hint` gives the directory's register script the highest
 Sentinel configuration epoch this client has seen, so the fencing tokens of a
 promoted master sort above every token of the masters before it (see
@@ -30,6 +39,7 @@ promoted master sort above every token of the masters before it (see
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +49,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
 import redis.exceptions
+import redis.retry
 import redis.sentinel
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -47,16 +60,29 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from silo import errors
-from silo.redis_url import RedisTarget, SentinelTarget, parse_redis_url, redact
+from silo.keys import warm_slot_tags
+from silo.redis_url import (
+    ClusterTarget,
+    RedisTarget,
+    SentinelTarget,
+    cluster_of,
+    parse_redis_url,
+    redact,
+)
 
 __all__ = [
     "ReplicationStatistics",
+    "close_redis",
+    "closed_under_us",
     "connect_redis",
     "connect_redis_sync",
     "fence_epoch_hint",
+    "is_cluster",
+    "open_redis",
     "redis_errors",
     "replication_statistics",
     "run_replicated",
+    "run_script_batch",
     "sync_twin",
     "verify_redis",
 ]
@@ -64,8 +90,22 @@ __all__ = [
 log = logging.getLogger("redgrain.redis")
 
 _MAX_CONNECTIONS = 64
+_CLUSTER_BATCH = 32
+"""Scripts :func:`run_script_batch` has in flight at once on a cluster client."""
+_CLUSTER_MAX_CONNECTIONS = 256
+"""Per node. The cluster client fails a call past it (no blocking pool), so it is generous."""
 _PAUSE_AFTER_SHORT_WAIT_S = 1.0
 _SENTINEL_TIMEOUT_S = 1.0
+
+
+def closed_under_us(exc: BaseException) -> bool:
+    """A call on a connection redis-py closed as it was handed out: a lost connection.
+
+    redis-py's asyncio cluster client, handling a failed node, disconnects that node's free
+    connections while other calls may be taking one (seen during a master's failover); the
+    call then fails with an AttributeError on the closed stream, before anything was sent.
+    """
+    return isinstance(exc, AttributeError) and "'NoneType' object has no attribute" in str(exc)
 
 
 @contextmanager
@@ -75,8 +115,14 @@ def redis_errors(what: str) -> Iterator[None]:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise errors.StorageError(f"{what}: Redis unreachable ({exc})") from exc
+    except AttributeError as exc:
+        if not closed_under_us(exc):
+            raise
+        raise errors.StorageError(f"{what}: Redis connection closed during the call ({exc})") from exc
     except redis.exceptions.RedisError as exc:
         raise errors.StorageError(f"{what}: Redis error ({exc})") from exc
+    except redis.exceptions.RedisClusterException as exc:
+        raise errors.StorageError(f"{what}: Redis Cluster not usable ({exc})") from exc
 
 
 # --- replication waits ----------------------------------------------------------
@@ -100,22 +146,24 @@ class _Replication:
     def __init__(self, replicas: int, timeout_ms: int) -> None:
         self.replicas = replicas
         self.timeout_ms = timeout_ms
-        self.paused_until = 0.0
+        # Per master ("" for the one master of a single server or Sentinel): on a Redis
+        # Cluster one shard that lost its replica must not stop the others' waits.
+        self.paused_until: dict[str, float] = {}
         self.waits = self.short_waits = self.skipped = self.lost_replies = 0
 
-    def active(self) -> bool:
+    def active(self, node: str = "") -> bool:
         if self.replicas <= 0:
             return False
-        if time.monotonic() < self.paused_until:
+        if time.monotonic() < self.paused_until.get(node, 0.0):
             self.skipped += 1
             return False
         return True
 
-    def record(self, acked: int) -> None:
+    def record(self, acked: int, node: str = "") -> None:
         self.waits += 1
         if acked < self.replicas:
             self.short_waits += 1
-            self.paused_until = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
+            self.paused_until[node] = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
             log.warning(
                 "only %d of %d replicas acknowledged a write within %d ms; not waiting for %.0f s",
                 acked, self.replicas, self.timeout_ms, _PAUSE_AFTER_SHORT_WAIT_S,
@@ -149,18 +197,36 @@ class RedgrainRedis(aioredis.Redis):
     sentinel_manager: _EpochSentinel | None
 
 
+class RedgrainCluster(aiocluster.RedisCluster):
+    """An asyncio Redis Cluster client made by :func:`connect_redis`."""
+
+    target: RedisTarget
+    replication: _Replication
+
+
+def is_cluster(client: Any) -> bool:
+    """Is ``client`` a Redis Cluster client (asyncio or sync)?"""
+    return isinstance(client, (aiocluster.RedisCluster, redis.cluster.RedisCluster))
+
+
 def connect_redis(url: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
     """An asyncio Redis client with bounded timeouts (a hung Redis must not hang a silo).
 
     ``url`` is any URL :func:`silo.redis_url.parse_redis_url` accepts; a bad one
     raises ConfigError here, before anything connects.
     """
-    target = parse_redis_url(url)
+    return _connect(parse_redis_url(url), timeout_s)
+
+
+def _connect(target: RedisTarget, timeout_s: float) -> aioredis.Redis:
+    url = target.url
     if target.wait_replicas and target.wait_timeout_ms >= timeout_s * 1000:
         raise errors.ConfigError(
             f"wait_timeout_ms={target.wait_timeout_ms} in {redact(url)} must be below the socket timeout "
             f"({timeout_s * 1000:.0f} ms), or every WAIT that runs out would look like a dead Redis"
         )
+    if target.cluster is not None:
+        return _connect_cluster(target, target.cluster, timeout_s)
     sentinel: _EpochSentinel | None = None
     pool: aioredis.ConnectionPool
     if target.sentinel is not None:
@@ -187,6 +253,67 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
     client.replication = _Replication(target.wait_replicas, target.wait_timeout_ms)
     client.sentinel_manager = sentinel
     return client
+
+
+def _connect_cluster(target: RedisTarget, cluster: ClusterTarget, timeout_s: float) -> aioredis.Redis:
+    client = RedgrainCluster(
+        startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in cluster.nodes],
+        # The same bound as a single server: one retry, then the caller's own bounded retries.
+        retry=Retry(NoBackoff(), 1),
+        max_connections=_CLUSTER_MAX_CONNECTIONS,
+        **_cluster_kwargs(cluster, timeout_s),
+    )
+    client.target = target
+    client.replication = _Replication(target.wait_replicas, target.wait_timeout_ms)
+    # Duck-typed: the commands redgrain uses have the same signatures on both clients.
+    return client  # type: ignore[return-value]
+
+
+def _cluster_kwargs(cluster: ClusterTarget, timeout_s: float) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "username": cluster.username,
+        "password": cluster.password,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    opts: dict[str, Any] = dict(cluster.connection_options)
+    if "ssl_check_hostname" in opts:
+        opts["ssl_check_hostname"] = str(opts["ssl_check_hostname"]).lower() in ("1", "true", "yes")
+    if cluster.tls:
+        opts["ssl"] = True
+    else:
+        opts = {k: v for k, v in opts.items() if not k.startswith("ssl_")}
+    kw.update(opts)
+    return kw
+
+
+async def open_redis(url: str, what: str, *, timeout_s: float = 5.0) -> aioredis.Redis:
+    """Connect and check (:func:`verify_redis`); a ``redis://`` URL of a Redis Cluster node gives a cluster client.
+
+    On failure the client is closed and the error (StorageError, ConfigError) raised.
+    """
+    target = parse_redis_url(url)
+    client = _connect(target, timeout_s)
+    try:
+        if await verify_redis(client, what) and target.cluster is None:
+            await close_redis(client)
+            client = _connect(cluster_of(target), timeout_s)
+            await verify_redis(client, what)
+    except BaseException:
+        await close_redis(client)
+        raise
+    if is_cluster(client):
+        # The per-slot fencing keys need the slot -> tag table: built here, off the loop.
+        await asyncio.to_thread(warm_slot_tags)
+    return client
+
+
+async def close_redis(client: aioredis.Redis) -> None:
+    """Close a client from :func:`connect_redis` and its connections (either kind)."""
+    if is_cluster(client):
+        await client.aclose()
+    else:
+        await client.aclose(close_connection_pool=True)
 
 
 def _sentinel_pool(target: SentinelTarget, timeout_s: float) -> tuple[_EpochSentinel, _BlockingSentinelPool]:
@@ -243,16 +370,32 @@ def _tls_kwargs(target: SentinelTarget) -> dict[str, Any]:
 
 
 def connect_redis_sync(url: str, *, timeout_s: float = 5.0, max_connections: int = 8) -> redis.Redis:
-    """A synchronous client to the same Redis (or Sentinel master), for threads without a loop."""
+    """A synchronous client to the same Redis (Sentinel master, Redis Cluster), for threads without a loop.
+
+    A ``redis://`` URL is probed with ``INFO cluster`` (best effort: an unreachable or
+    ACL-limited server gives the plain client) so a cluster node gets a cluster client.
+    """
     target = parse_redis_url(url)
+    if target.cluster is not None:
+        return _connect_cluster_sync(target.cluster, timeout_s, max_connections)
     if target.sentinel is None:
         assert target.direct_url is not None
-        return redis.Redis.from_url(
+        plain = redis.Redis.from_url(
             target.direct_url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
         )
+        try:
+            clustered = int(plain.info("cluster").get("cluster_enabled", 0) or 0)
+        except (redis.exceptions.RedisError, OSError):
+            clustered = 0
+        if not clustered:
+            return plain
+        plain.close()
+        cluster = cluster_of(target).cluster
+        assert cluster is not None
+        return _connect_cluster_sync(cluster, timeout_s, max_connections)
     s = target.sentinel
     manager = redis.sentinel.Sentinel(
         list(s.sentinels),
@@ -263,6 +406,16 @@ def connect_redis_sync(url: str, *, timeout_s: float = 5.0, max_connections: int
     return client
 
 
+def _connect_cluster_sync(cluster: ClusterTarget, timeout_s: float, max_connections: int) -> redis.Redis:
+    client = redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster.nodes],
+        retry=redis.retry.Retry(NoBackoff(), 1),
+        max_connections=max_connections,
+        **_cluster_kwargs(cluster, timeout_s),
+    )
+    return client  # type: ignore[return-value]
+
+
 def sync_twin(client: aioredis.Redis, *, timeout_s: float = 5.0) -> redis.Redis | None:
     """A synchronous client to the Sentinel master ``client`` follows; None for any other client.
 
@@ -270,6 +423,8 @@ def sync_twin(client: aioredis.Redis, *, timeout_s: float = 5.0) -> redis.Redis 
     Sentinel pool's options name no host, so it is built again from the URL.)
     """
     if isinstance(client, RedgrainRedis) and client.target.sentinel is not None:
+        return connect_redis_sync(client.target.url, timeout_s=timeout_s)
+    if isinstance(client, RedgrainCluster):
         return connect_redis_sync(client.target.url, timeout_s=timeout_s)
     return None
 
@@ -285,8 +440,12 @@ async def run_replicated(
     Returns the script's result. Clients not made by :func:`connect_redis`, and URLs
     with ``wait_replicas=0``, run the script alone.
     """
-    policy = client.replication if isinstance(client, RedgrainRedis) else None
-    if policy is None or not policy.active():
+    policy = client.replication if isinstance(client, (RedgrainRedis, RedgrainCluster)) else None
+    if policy is None or policy.replicas <= 0:
+        return await script(keys=keys, args=args)
+    if isinstance(client, RedgrainCluster):
+        return await _run_replicated_on_node(client, policy, script, keys, args)
+    if not policy.active():
         return await script(keys=keys, args=args)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
@@ -310,9 +469,88 @@ async def run_replicated(
     raise AssertionError("unreachable")
 
 
+async def _run_replicated_on_node(
+    client: RedgrainCluster, policy: _Replication, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
+) -> Any:
+    """The script and its WAIT on one connection to the master of the script's slot.
+
+    A moved slot (MOVED, a failover under way) or a node without the script falls back
+    to the cluster client's own routing, unwaited (counted as skipped).
+    """
+    await client.initialize()
+    node = client.get_node_from_key(keys[0])
+    if node is None or not policy.active(node.name):  # no master known, or its waits paused
+        return await script(keys=keys, args=args)
+    conn = node.acquire_connection()
+    try:
+        await conn.send_packed_command(
+            conn.pack_commands([("EVALSHA", script.sha, len(keys), *keys, *args), ("WAIT", policy.replicas, policy.timeout_ms)])
+        )
+        first: Any = None
+        failed: redis.exceptions.ResponseError | None = None
+        try:
+            first = await conn.read_response()
+        except redis.exceptions.ResponseError as exc:  # both replies are read, whatever the first was
+            failed = exc
+        acked = await conn.read_response()
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, AttributeError) as exc:
+        policy.lost_replies += 1
+        await conn.disconnect()
+        # This path bypasses the client's routing, so it flags the node as the client's own
+        # command path does: the next call (``initialize()`` above) reads the slot map again,
+        # where a dead master's replica may be serving the slot by now.
+        node.update_active_connections_for_reconnect()
+        client.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
+        client._initialize = True
+        if isinstance(exc, AttributeError):
+            if not closed_under_us(exc):
+                raise
+            raise redis.exceptions.ConnectionError(f"connection to {node.name} closed under us") from exc
+        raise
+    finally:
+        node.release(conn)
+    if failed is not None:
+        redirected = isinstance(failed, (redis.exceptions.NoScriptError, redis.exceptions.MovedError, redis.exceptions.AskError))
+        if not redirected and not str(failed).startswith(("MOVED", "ASK", "NOSCRIPT", "TRYAGAIN", "CLUSTERDOWN")):
+            raise failed
+        policy.skipped += 1  # not run there: the client routes it, unwaited
+        return await script(keys=keys, args=args)
+    policy.record(int(acked), node.name)
+    return first
+
+
+async def run_script_batch(client: aioredis.Redis, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
+    """Run one script many times, pipelined (not atomic together: each call is its own script).
+
+    redis-py's cluster pipeline refuses scripts, so on a cluster the calls go out
+    concurrently instead, ``_CLUSTER_BATCH`` at a time. Returns each call's result, in order.
+    """
+    if not calls:
+        return []
+    if is_cluster(client):
+        out: list[Any] = []
+        for start in range(0, len(calls), _CLUSTER_BATCH):
+            part = calls[start : start + _CLUSTER_BATCH]
+            out += await asyncio.gather(*(script(keys=keys, args=args) for keys, args in part))
+        return out
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        try:
+            return list(await pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+            script.sha = await client.script_load(script.script)
+        finally:
+            await pipe.reset()
+    raise AssertionError("unreachable")
+
+
 def replication_statistics(client: aioredis.Redis) -> ReplicationStatistics | None:
     """The wait counters of a client from :func:`connect_redis` (None for any other client)."""
-    return client.replication.statistics() if isinstance(client, RedgrainRedis) else None
+    return client.replication.statistics() if isinstance(client, (RedgrainRedis, RedgrainCluster)) else None
 
 
 def fence_epoch_hint(client: aioredis.Redis) -> int:
@@ -322,20 +560,21 @@ def fence_epoch_hint(client: aioredis.Redis) -> int:
     return 0
 
 
-async def verify_redis(client: aioredis.Redis, what: str) -> None:
-    """PING, and refuse a server in Redis Cluster mode with ConfigError (it is not supported).
+async def verify_redis(client: aioredis.Redis, what: str) -> bool:
+    """PING; True if the server is a Redis Cluster node (``INFO cluster``: ``cluster_enabled:1``).
 
-    The check reads ``INFO cluster``; an ACL user denied INFO skips it.
+    A cluster client learns the slot map first (StorageError when no node answers). An
+    ACL user denied INFO is taken as not clustered (a Cluster node then fails on its
+    first MOVED).
     """
     with redis_errors(what):
+        if is_cluster(client):
+            await client.initialize()  # type: ignore[attr-defined]
+            await client.ping()
+            return True
         await client.ping()
         try:
             info = await client.info("cluster")
         except redis.exceptions.NoPermissionError:
-            return  # an ACL user without @dangerous (INFO): a Cluster node fails on its first MOVED instead
-    if int(info.get("cluster_enabled", 0) or 0):
-        url = client.target.url if isinstance(client, RedgrainRedis) else "this Redis"
-        raise errors.ConfigError(
-            f"{redact(url)} is a Redis Cluster node (cluster_enabled:1): Redis Cluster is not supported; "
-            "use one Redis server or a Sentinel-managed master (docs/reliability.md, 'Redis failover')"
-        )
+            return False
+    return bool(int(info.get("cluster_enabled", 0) or 0))

@@ -327,7 +327,11 @@ class SiloSettings(_SecretAlias):
         env_prefix="REDGRAIN_", env_nested_delimiter="__", frozen=True, extra="ignore"
     )
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the cluster state.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding the cluster state: `redis://` (one server; a Redis Cluster node is taken as its "
+        "cluster), `redis+sentinel://h:p[,h:p]/service`, or `redis+cluster://h:p[,h:p]` (docs/cluster.md).",
+    )
     cluster: str = Field("default", description="Cluster name; all keys live under rg:{cluster}:.")
     host: str = Field("127.0.0.1", description="Address the silo binds and advertises.")
     advertise_host: str | None = Field(None, description="Address peers use, when it differs from host.")

@@ -109,7 +109,7 @@ from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
 from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
-from silo.redis_util import connect_redis, redis_errors, verify_redis
+from silo.redis_util import close_redis, open_redis, redis_errors
 from silo.settings import SiloSettings
 from silo.shutdown import ShutdownHook
 from silo.startup import StartupTask, find_startup_tasks, run_startup_tasks
@@ -266,10 +266,8 @@ class Silo:
 
     async def _stage_redis(self) -> None:
         s = self.settings
-        self.redis = connect_redis(s.redis_url)
-        # The pool was made by connect_redis, not by the client: a plain aclose() leaves it open.
-        self._on_stop("redis client", functools.partial(self.redis.aclose, close_connection_pool=True))
-        await verify_redis(self.redis, f"connect to {s.redis_url}")
+        self.redis = await open_redis(s.redis_url, f"connect to {s.redis_url}")
+        self._on_stop("redis client", functools.partial(close_redis, self.redis))
 
     async def _stage_logs(self) -> None:
         if self.settings.logs.enabled:

@@ -14,6 +14,7 @@ from silo.client import ClusterClient
 from silo.settings import MembershipSettings, SiloSettings
 from silo.silo import Silo
 from silo.testing.embedded import RedisServer
+from silo.testing.redis_cluster import RedisClusterGroup
 from tests.helpers import SiloProcess
 
 _cluster_names = itertools.count()
@@ -47,6 +48,28 @@ def redis_url(redis_server: RedisServer) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterGroup]:
+    """A real 3-master Redis Cluster (redis-server --cluster-enabled yes x 3) for the whole session."""
+    with RedisClusterGroup(tmp_path_factory.mktemp("redis-cluster"), masters=3) as group:
+        yield group
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster_group: RedisClusterGroup) -> str:
+    """``redis+cluster://`` URL of the session's Redis Cluster, every master emptied before the test."""
+    for port in redis_cluster_group.masters():
+        with redis_cluster_group.client(port) as c:
+            c.flushall()
+    return redis_cluster_group.url
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def backend_url(request: pytest.FixtureRequest) -> str:
+    """The test runs twice: on one Redis, and on the 3-master Redis Cluster."""
+    return str(request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url"))
 
 
 @pytest.fixture

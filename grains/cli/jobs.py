@@ -36,11 +36,13 @@ async def _list(args: argparse.Namespace) -> int:
 
     from grains.training.api.records import read_jobs
     from silo.keys import Keys
-    from silo.redis_util import connect_redis
+    from silo.redis_url import redact
+    from silo.redis_util import open_redis
 
     kw = settings_kwargs(args)
     keys = Keys(kw.get("cluster", "default"))
-    redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
+    url = kw.get("redis_url", "redis://127.0.0.1:6379/0")
+    redis = await open_redis(url, f"connect to {redact(url)}")
     try:
         jobs = await read_jobs(redis, keys)
     finally:

@@ -220,10 +220,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
     from silo.cluster.membership import RedisMembershipTable
     from silo.keys import Keys
-    from silo.redis_util import connect_redis
+    from silo.redis_url import redact
+    from silo.redis_util import open_redis
 
     kw = settings_kwargs(args)
-    redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
+    url = kw.get("redis_url", "redis://127.0.0.1:6379/0")
+    redis = await open_redis(url, f"connect to {redact(url)}")
     keys = Keys(kw.get("cluster", "default"))
     try:
         version, rows = await RedisMembershipTable(redis, keys).read_all()
@@ -304,7 +306,8 @@ async def cmd_drain(args: argparse.Namespace) -> int:
     from silo.cluster.membership import RedisMembershipTable
     from silo.keys import Keys
     from silo.records import SiloStatus, request_drain
-    from silo.redis_util import connect_redis
+    from silo.redis_url import redact
+    from silo.redis_util import open_redis
 
     kw = settings_kwargs(args)
     keys = Keys(kw.get("cluster", "default"))
@@ -312,7 +315,8 @@ async def cmd_drain(args: argparse.Namespace) -> int:
         address = str(SiloAddress.parse(args.address))
     except ValueError as exc:
         raise errors.ConfigError(str(exc)) from exc
-    redis = connect_redis(kw.get("redis_url", "redis://127.0.0.1:6379/0"))
+    url = kw.get("redis_url", "redis://127.0.0.1:6379/0")
+    redis = await open_redis(url, f"connect to {redact(url)}")
     try:
         table = RedisMembershipTable(redis, keys)
         _, rows = await table.read_all()

@@ -1,46 +1,77 @@
 """The grain directory: which activation on which silo owns each grain.
 
-Register is one Lua script: if the entry is absent, or names a silo that is
-not alive in the membership table, write ours with a fresh fencing token
-and return it; otherwise return the winner, and the caller forwards
-there. A registrant that is itself not alive (declared dead) is refused. Unregister is compare-and-delete. A per-silo index set lets survivors
-purge a dead silo's entries (Orleans' Redis directory keeps such stale
-entries; see dotnet/orleans #7054).
+A grain's directory entry lives in the grain's own hash slot (``silo/keys.py``),
+beside its state, so the state store's fenced check-and-set is one script in
+one slot, also on Redis Cluster. Membership lives in another slot, so no
+script reads both; register is a compare-and-set driven by the caller:
+
+1. The caller reads its own membership row: a registrant that is not live
+   (declared dead: a zombie) is refused. In the same round trip it adds the
+   grain to its per-silo index (a superset of the entries naming it).
+2. The register script (grain slot) writes our entry with a fresh fencing
+   token if the entry is absent, or if it still names exactly the owner
+   (silo and token) the caller was told it may replace; otherwise it returns
+   the entry it found.
+3. If it found another silo's entry, the caller reads that silo's row: a
+   live owner wins (the caller forwards there); a silo that is not live
+   (Dead, or its row removed by housekeeping) never becomes live again --
+   a restart is a new address generation -- so the caller runs the script
+   again naming that owner and token as replaceable.
+
+Why single activation and fencing hold without one atomic read of both
+(docs/decisions.md): the script only ever replaces an entry whose owner was
+seen not live, and "not live" is terminal for an address+generation, so no
+live owner's entry is replaced. The one race left is the registrant being
+declared dead between step 1 and the script: its entry then names a dead
+silo, which the next registrant takes over with a new token, and the state
+store's fence (entry token == writer token, checked in the grain's slot)
+refuses the zombie's writes from then on; the zombie also stops serving when
+its own heartbeat reads Dead. Unregister is compare-and-delete on the entry.
+
+The per-silo index lets survivors purge a dead silo's entries (Orleans'
+Redis directory keeps such stale entries; see dotnet/orleans #7054). It
+lives in the control slot, outside every script: written before the register
+script, it lists every grain whose entry may name the silo; the purge
+deletes only entries that still name the dead silo, so an extra member is
+harmless.
 
 The purge runs in bounded steps, never as one script: Redis runs a script
-to its end while every other client waits, and at ~2.7 µs an entry one script
-over a silo's whole index blocked Redis 0.3 s for 100k entries and past
-``dead_after_s`` (every silo fences itself) for ~1.4M. Each step SPOPs at
-most ``PURGE_BATCH`` grains from the dead silo's index and deletes those of
-their entries that still name it (~0.7 ms; other clients' commands, the
-heartbeats first among them, run between steps). SPOP hands each grain to
+to its end while every other client waits. Each step SPOPs at most
+``PURGE_BATCH`` grains from the dead silo's index and runs, pipelined, one
+compare-and-delete per grain in the grain's slot; other clients' commands,
+the heartbeats first among them, run between them. SPOP hands each grain to
 one step only, so several survivors purging at once split the work; an
 entry a live silo took over meanwhile names that silo and stays. A silo
-that is live in the membership table is never purged: that would free its
-grains for a second activation. Nothing is lost while a purge is under
-way: register already takes over an entry whose silo is not live, so a
-grain of the dead silo re-activates on its first call either way.
+that is live in the membership table is never purged (read before each
+step; a dead silo never comes back). Nothing is lost while a purge is under
+way: register already takes over an entry whose silo is not live.
 
-Fencing tokens must never repeat, also across a Redis failover. A counter
-alone (INCR) does: a replica promoted before it received the last
+Fencing tokens must never repeat for a grain, also across a Redis failover.
+A counter alone (INCR) does: a replica promoted before it received the last
 increments hands the same numbers out again, and a zombie activation
 holding one of them would pass the state store's fence (Kleppmann's point
 against Redlock). So a token is the pair (epoch, counter), written as the
 decimal digits of the epoch followed by the counter in 12 digits: one int
-that sorts like the pair. The epoch belongs to a *master term*, recognised
-by the master's replication id (``INFO replication`` ``master_replid``,
-which Redis draws anew when a replica is promoted): the register script
-keeps ``{replid, epoch}`` in one hash, and when it runs on a master whose
-replid is not the stored one, it starts a new epoch,
+that sorts like the pair. On a Redis Cluster, counter and epoch are kept
+per hash slot (the grain's: ``Keys.fencing_counter``), on the master that
+serves the grain (tokens then rise per slot, which is all the per-grain fence
+needs); on one Redis there is one pair for the whole cluster.
+The epoch belongs to a *master term*, recognised by the master's
+replication id (``INFO replication`` ``master_replid``, which Redis draws
+anew when a replica is promoted, by Sentinel or by Redis Cluster): the
+register script keeps ``{replid, epoch}`` in one hash, and when it runs on a
+master whose replid is not the stored one, it starts a new epoch,
 ``max(stored + 1, 1000 * (sentinel config epoch + 1))`` -- the
-configuration epoch the registrant's client last read from the sentinels
-(0 without Sentinel), which Sentinel's election raises on every failover.
-So a promoted master's tokens sort above every token of the masters
-before it even when the stored epoch did not reach it, as long as the
-registrant has asked the sentinels since the failover (every new
-connection does). An ACL user denied INFO has no replid to compare; its
-epoch moves only when a registrant's config epoch is newer than the stored
-one. docs/reliability.md says what remains.
+configuration epoch the registrant's client last read from the sentinels (0
+without Sentinel), which Sentinel's election raises on every failover, or on
+Redis Cluster the master's own config epoch (``cluster_my_epoch``), which a
+promotion raises above every other master's. So a
+promoted master's tokens sort above every token of the masters before it
+even when the stored epoch did not reach it, as long as the registrant has
+asked the sentinels since the failover (every new connection does). An ACL
+user denied INFO has no replid to compare; its epoch moves only when a
+registrant's config epoch is newer than the stored one.
+docs/reliability.md says what remains.
 
 A registration that won is followed by ``WAIT`` (see
 :func:`silo.redis_util.run_replicated`) so it reaches a replica before the
@@ -49,19 +80,30 @@ activation serves, when the URL asks for replicas.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.keys import Keys
-from silo.redis_util import fence_epoch_hint, redis_errors, run_replicated
+from silo.redis_util import (
+    fence_epoch_hint,
+    is_cluster,
+    redis_errors,
+    run_replicated,
+    run_script_batch,
+)
 
 LIVE_STATUSES = ("Joining", "Active", "ShuttingDown")
+
+log = logging.getLogger("redgrain.directory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,20 +169,30 @@ FENCING_TOKEN_LUA = """
 local function fencing_token(term_key, counter_key, hint)
   local term = redis.call('HMGET', term_key, 'replid', 'epoch')
   local epoch = tonumber(term[2] or '') or 0
-  local floor = 1000 * (hint + 1)
-  -- INFO is in @dangerous: an ACL user without it falls back to the sentinels' epoch alone.
+  -- The floor of a new term: the sentinels' epoch the registrant saw, or on Redis Cluster this
+  -- master's config epoch (a promoted replica's is above every master's before it).
+  local function floor()
+    local h = hint
+    local okc, ci = pcall(redis.call, 'CLUSTER', 'INFO')
+    if okc then h = math.max(h, tonumber(string.match(ci, 'cluster_my_epoch:(%d+)') or '0') or 0) end
+    return 1000 * (h + 1)
+  end
+  -- INFO is in @dangerous: an ACL user without it falls back to the floor alone.
   local ok, info = pcall(redis.call, 'INFO', 'replication')
   local replid = ok and string.match(info, 'master_replid:(%x+)') or nil
   if replid then
     if term[1] ~= replid then
       -- A new master term (a promoted replica, or a restart with a new replication id).
-      epoch = math.max(epoch + 1, floor)
+      epoch = math.max(epoch + 1, floor())
       redis.call('HSET', term_key, 'replid', replid, 'epoch', epoch)
     end
-  elseif epoch < floor then
-    -- The registrant has seen a failover this node's epoch does not reflect yet.
-    epoch = floor
-    redis.call('HSET', term_key, 'replid', '', 'epoch', epoch)
+  else
+    local f = floor()
+    if epoch < f then
+      -- The registrant has seen a failover this node's epoch does not reflect yet.
+      epoch = f
+      redis.call('HSET', term_key, 'replid', '', 'epoch', epoch)
+    end
   end
   local n = redis.call('INCR', counter_key)
   if n >= 1e12 then  -- the counter would spill into the epoch's digits: next epoch
@@ -153,69 +205,53 @@ local function fencing_token(term_key, counter_key, hint)
 end
 """
 
+# KEYS: entry, fencing counter, fencing term (all three in the grain's slot)
+# ARGV: silo, activation, replaceable owner ('' none), its token, sentinel epoch hint.
+# Returns the entry that stands: ours if we won.
 _REGISTER = FENCING_TOKEN_LUA + """
 local cur = redis.call('HMGET', KEYS[1], 'silo', 'act', 'token')
 if cur[1] == ARGV[1] then return cur end
--- A registrant that is not live (declared dead: a zombie) claims nothing.
-local mine = redis.call('HGET', KEYS[2], ARGV[1])
-if not mine then return {'!dead', '', '0'} end
-local okm, me = pcall(cjson.decode, mine)
-if not okm or not (me['status'] == 'Joining' or me['status'] == 'Active' or me['status'] == 'ShuttingDown') then
-  return {'!dead', '', '0'}
-end
-if cur[1] then
-  local row = redis.call('HGET', KEYS[2], cur[1])
-  if row then
-    local ok, m = pcall(cjson.decode, row)
-    if ok and (m['status'] == 'Joining' or m['status'] == 'Active' or m['status'] == 'ShuttingDown') then
-      return cur
-    end
-  end
-  redis.call('SREM', ARGV[4] .. cur[1], ARGV[3])
-end
-local token = fencing_token(KEYS[5], KEYS[3], tonumber(ARGV[5]) or 0)
+if cur[1] and not (cur[1] == ARGV[3] and cur[3] == ARGV[4]) then return cur end
+local token = fencing_token(KEYS[3], KEYS[2], tonumber(ARGV[5]) or 0)
 redis.call('HSET', KEYS[1], 'silo', ARGV[1], 'act', ARGV[2], 'token', token)
-redis.call('SADD', KEYS[4], ARGV[3])
 return {ARGV[1], ARGV[2], token}
 """
 
+# KEYS: entry.  ARGV: activation
 _UNREGISTER = """
-local act = redis.call('HGET', KEYS[1], 'act')
-if act == ARGV[1] then
+if redis.call('HGET', KEYS[1], 'act') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('SREM', KEYS[2], ARGV[2])
   return 1
 end
 return 0
 """
 
 PURGE_BATCH = 250
-"""Grains one purge step takes from a dead silo's index at most: ~0.7 ms of Redis at 2.7 µs an
-entry (measured here). The first steps after the index grew can take ~3x that: SPOP's random
-picks finish the set's incremental rehash, up to 15 bucket moves a pick. Both stay inside the
-5 ms a script may hold Redis."""
+"""Grains one purge step takes from a dead silo's index at most. The SPOP is one command; the
+compare-and-deletes are one tiny script each, so no single command holds Redis for long."""
 
-# KEYS: the dead silo's index, members.  ARGV: silo, entry key prefix, batch.
-# Returns {grains left in the index, removed grain ids...}, or {-1} if the silo is live.
-_PURGE_BATCH = """
-local row = redis.call('HGET', KEYS[2], ARGV[1])
-if row then
-  local ok, m = pcall(cjson.decode, row)
-  if ok and (m['status'] == 'Joining' or m['status'] == 'Active' or m['status'] == 'ShuttingDown') then
-    return {-1}
-  end
+# KEYS: entry.  ARGV: the dead silo.  Deletes the entry only if it still names that silo.
+_PURGE_ENTRY = """
+if redis.call('HGET', KEYS[1], 'silo') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
 end
-local out = {0}
-for _, g in ipairs(redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))) do
-  local key = ARGV[2] .. g
-  if redis.call('HGET', key, 'silo') == ARGV[1] then
-    redis.call('DEL', key)
-    out[#out + 1] = g
-  end
-end
-out[1] = redis.call('SCARD', KEYS[1])
-return out
+return 0
 """
+
+_MAX_TAKEOVERS = 8
+"""Register rounds at most: each round meets a dead owner another registrant had just replaced."""
+
+
+def _live(row: bytes | str | None) -> bool:
+    """Is this membership row one of a live silo? (Not live is for good: see the module doc.)"""
+    if not row:
+        return False
+    try:
+        status = json.loads(row).get("status")
+    except (ValueError, AttributeError):
+        return False
+    return status in LIVE_STATUSES
 
 
 class _Cache:
@@ -311,41 +347,62 @@ class RedisGrainDirectory:
         self._purge_count = purge_batch
         self._register = redis.register_script(_REGISTER)
         self._unregister = redis.register_script(_UNREGISTER)
-        self._purge = redis.register_script(_PURGE_BATCH)
+        self._purge = redis.register_script(_PURGE_ENTRY)
+        # One Redis holds every slot: one counter for all, as tokens always were there.
+        self._per_slot = is_cluster(redis)
 
     async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
         k = self._keys
-        g = str(grain)
+        g, me = str(grain), str(silo)
         with redis_errors("directory register"):
-            raw = await run_replicated(
-                self._redis,
-                self._register,
-                [k.directory_entry(g), k.members, k.fencing_counter, k.directory_index(str(silo)), k.fencing_term],
-                [str(silo), activation_id, g, k.directory_index(""), fence_epoch_hint(self._redis)],
-            )
-        first = raw[0].decode() if isinstance(raw[0], bytes) else raw[0]
-        if first == "!dead":
-            raise errors.MembershipError(f"silo {silo} is not live in the membership table: it may not register {g}")
-        entry = _entry(raw, self._silos)
-        if entry is None:  # pragma: no cover - the script always returns a full entry
-            raise errors.StorageError(f"directory register for {g} returned {raw!r}")
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(k.members, me)
+                pipe.sadd(k.directory_index(me), g)
+                mine, _ = await pipe.execute()
+            if not _live(mine):
+                raise errors.MembershipError(f"silo {silo} is not live in the membership table: it may not register {g}")
+            fence = g if self._per_slot else None
+            keys = [k.directory_entry(g), k.fencing_counter(fence), k.fencing_term(fence)]
+            replaceable = ("", "")
+            for _ in range(_MAX_TAKEOVERS):
+                raw = await run_replicated(
+                    self._redis, self._register, keys, [me, activation_id, *replaceable, fence_epoch_hint(self._redis)]
+                )
+                entry = _entry(raw, self._silos)
+                if entry is None:  # pragma: no cover - the script always returns a full entry
+                    raise errors.StorageError(f"directory register for {g} returned {raw!r}")
+                owner = str(entry.silo)
+                if owner == me or _live(await self._redis.hget(k.members, owner)):
+                    break
+                replaceable = (owner, str(entry.token))  # not live, for good: that entry may go
+            else:
+                raise errors.StorageError(f"directory register for {g}: the entry kept changing hands")
         if entry.activation_id == activation_id:
             self._n.registrations += 1
+            if replaceable[0]:
+                await self._forget_in_index(replaceable[0], g)
         else:
             self._n.conflicts += 1
+            if str(entry.silo) != me:
+                await self._forget_in_index(me, g)
         self._cache.put(grain, entry)
         return entry
+
+    async def _forget_in_index(self, silo: str, grain: str) -> None:
+        """Best effort: the index may list more than the silo owns (the purge checks each entry)."""
+        try:
+            await self._redis.srem(self._keys.directory_index(silo), grain)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.debug("directory index of %s keeps %s: %s", silo, grain, exc)
 
     async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool:
         g = str(grain)
         self._cache.drop(grain)
         with redis_errors("directory unregister"):
-            done = await self._unregister(
-                keys=[self._keys.directory_entry(g), self._keys.directory_index(str(silo))],
-                args=[activation_id, g],
-            )
+            done = await self._unregister(keys=[self._keys.directory_entry(g)], args=[activation_id])
         if done:
             self._n.unregistrations += 1
+            await self._forget_in_index(str(silo), g)
         return bool(done)
 
     async def lookup(self, grain: GrainId) -> DirectoryEntry | None:
@@ -361,15 +418,15 @@ class RedisGrainDirectory:
     async def purge_batch(self, silo: SiloAddress) -> PurgedBatch:
         """One bounded step: delete up to ``purge_batch`` of a dead silo's entries."""
         k = self._keys
+        dead = str(silo)
         with redis_errors("directory purge"):
-            raw = await self._purge(
-                keys=[k.directory_index(str(silo)), k.members],
-                args=[str(silo), k.directory_entry(""), self._purge_count],
-            )
-        remaining = int(raw[0])
-        if remaining < 0:
-            raise errors.MembershipError(f"silo {silo} is live: its directory entries are not purged")
-        grains = tuple(GrainId.parse(g.decode() if isinstance(g, bytes) else g) for g in raw[1:])
+            if _live(await self._redis.hget(k.members, dead)):
+                raise errors.MembershipError(f"silo {silo} is live: its directory entries are not purged")
+            popped = await self._redis.spop(k.directory_index(dead), self._purge_count)
+            names = [g.decode() if isinstance(g, bytes) else str(g) for g in popped or []]
+            done = await run_script_batch(self._redis, self._purge, [([k.directory_entry(g)], [dead]) for g in names])
+            remaining = int(await self._redis.scard(k.directory_index(dead)))
+        grains = tuple(GrainId.parse(g) for g, d in zip(names, done, strict=True) if int(d))
         self._n.purged += len(grains)
         return PurgedBatch(grains, remaining)
 

@@ -1,21 +1,35 @@
 """Consistent snapshots of groups of grains (training checkpoints all shards at one step).
 
 A *snapshot* is ``(group, snapshot_id)`` with a fixed list of *members* (grain
-ids). Each member saves its own state into it; the first save writes the
-manifest (members, order, retention), and the save that makes every member
-present marks the snapshot complete and moves it into the group's index, all
-in one Lua script, so a snapshot is listed only once every member has written.
-That same script applies retention: only the newest ``keep`` complete
-snapshots survive, and unfinished snapshots older than the oldest survivor are
-deleted with their data.
+ids). Each member saves its own state into it in three steps, **blob first,
+then manifest**:
+
+1. open (control slot): the first save writes the manifest (members, order,
+   retention); a save into a complete snapshot or with other members is refused;
+2. blob (the member grain's own slot): the fenced commit of the member's
+   stream, checked against the grain's directory entry in the same script;
+3. mark (control slot): the member is recorded as written, and the save that
+   makes every member present marks the snapshot complete and moves it into
+   the group's index, so a snapshot is listed only once every member's blob is
+   committed. The same script applies retention: only the newest ``keep``
+   complete snapshots stay listed, and unfinished snapshots older than the
+   oldest survivor are unlisted; the caller then deletes their blobs and
+   manifests (each blob in its own slot).
+
+The steps are separate because a member's blob and the group's manifest live
+in different hash slots on a Redis Cluster. A save that dies between 2 and 3
+leaves a blob no complete snapshot lists (the member saves again, or
+retention deletes it with its snapshot); one that dies during retention
+leaves unlisted data of a dropped snapshot behind (a leak, never a wrong
+restore: restores read only listed, complete snapshots).
 
 Keys (``silo/keys.py``)::
 
-    ckpt:{group}                      zset: complete snapshot ids, scored by order
-    ckptpending:{group}               zset: started, incomplete snapshot ids
-    ckpt:{group}:{snap}               hash: the manifest
-    ckpt:{group}:{snap}:m:{member}    hash like a state head (inline or chunked)
-    ckpt:{group}:{snap}:m:{member}:v{etag}:{i}   chunks of a big member state
+    rg:{cluster}:ckpt:{group}                      zset: complete snapshot ids, scored by order
+    rg:{cluster}:ckptpending:{group}               zset: started, incomplete snapshot ids
+    rg:{cluster}:ckpt:{group}:{snap}               hash: the manifest
+    rg:{cluster:g:<member>}:ckpt:{group}:{snap}    hash like a state head (inline or chunked)
+    rg:{cluster:g:<member>}:ckpt:{group}:{snap}:v{etag}:{i}   chunks of a big member state
 
 Integer snapshot ids (training steps) are ordered by value; other ids by the
 time their first member saved. Ids and group names may not contain ``:``.
@@ -26,6 +40,7 @@ a 200 MB shard is never held twice in memory and appears only when whole.
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +51,7 @@ import redis.asyncio as aioredis
 from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
-from silo.keys import Keys
+from silo.keys import Keys, chunk_key
 from silo.settings import StorageSettings
 from silo.storage.store import (
     LUA_BLOBS,
@@ -47,91 +62,114 @@ from silo.storage.store import (
     stream_parts,
 )
 
-_LUA_DELETE = """
-local function delete_snapshot(gbase, snap)
-  local manifest = gbase .. snap
-  local m = redis.call('HGET', manifest, 'members')
-  if m then
-    for _, member in ipairs(cjson.decode(m)) do
-      local head = manifest .. ':m:' .. member
-      local cur = redis.call('HMGET', head, 'etag', 'nchunks')
-      drop(head .. ':v', cur[1], cur[2])
-      redis.call('DEL', head)
-    end
-  end
-  redis.call('DEL', manifest)
-end
+_NOW = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
 
-# KEYS: member head, directory entry of the member grain, manifest, index, pending, groups
-# ARGV: token, version, nchunks, size, inline, chunk base, member, members json, order ('' = time),
-#       keep, snapshot id, group base, group name
-_SAVE = (
-    LUA_BLOBS
-    + _LUA_DELETE
+# KEYS: manifest, pending, groups.  ARGV: members json, order ('' = time), keep, snapshot id, group
+_OPEN = (
+    _NOW
     + """
-if not fenced(KEYS[2], ARGV[1]) then return {0, 'fence'} end
-local members = redis.call('HGET', KEYS[3], 'members')
+local members = redis.call('HGET', KEYS[1], 'members')
 if not members then
-  local order = ARGV[9]
+  local order = ARGV[2]
   if order == '' then order = tostring(now_ms()) end
-  redis.call('HSET', KEYS[3], 'members', ARGV[8], 'order', order, 'keep', ARGV[10],
+  redis.call('HSET', KEYS[1], 'members', ARGV[1], 'order', order, 'keep', ARGV[3],
              'status', 'pending', 'written', 0, 'created', now_ms())
-  redis.call('ZADD', KEYS[5], order, ARGV[11])
-  redis.call('SADD', KEYS[6], ARGV[13])
-  members = ARGV[8]
-elseif members ~= ARGV[8] then
-  return {0, 'members', members}
+  redis.call('ZADD', KEYS[2], order, ARGV[4])
+  redis.call('SADD', KEYS[3], ARGV[5])
+  return {1, 'opened'}
 end
-if redis.call('HGET', KEYS[3], 'status') == 'complete' then return {0, 'complete'} end
-if not swap(KEYS[1], ARGV[6], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return {0, 'missing'} end
-redis.call('HSET', KEYS[3], 'b:' .. ARGV[7], ARGV[4])
-if redis.call('HSETNX', KEYS[3], 'w:' .. ARGV[7], 1) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'written', 1)
-end
-local written = tonumber(redis.call('HGET', KEYS[3], 'written'))
-if written < #cjson.decode(members) then return {1, 'partial'} end
-local order = redis.call('HGET', KEYS[3], 'order')
-redis.call('HSET', KEYS[3], 'status', 'complete', 'completed', now_ms())
-redis.call('ZREM', KEYS[5], ARGV[11])
-redis.call('ZADD', KEYS[4], order, ARGV[11])
-local keep = tonumber(redis.call('HGET', KEYS[3], 'keep'))
-local count = redis.call('ZCARD', KEYS[4])
-if count > keep then
-  for _, old in ipairs(redis.call('ZRANGE', KEYS[4], 0, count - keep - 1)) do
-    delete_snapshot(ARGV[12], old)
-    redis.call('ZREM', KEYS[4], old)
-  end
-end
-local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
-if oldest[2] then
-  for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. oldest[2])) do
-    delete_snapshot(ARGV[12], old)
-    redis.call('ZREM', KEYS[5], old)
-  end
-end
-return {1, 'complete'}
+if members ~= ARGV[1] then return {0, 'members', members} end
+if redis.call('HGET', KEYS[1], 'status') == 'complete' then return {0, 'complete'} end
+return {1, 'open'}
 """
 )
 
-# KEYS: index, pending, groups.  ARGV: snapshot id, group base, group name
-# A group whose last snapshot goes leaves the groups set too: nothing of it stays in Redis.
-_DELETE = (
+# KEYS: member head, directory entry of the member grain, the n new chunks, the m old chunks
+# ARGV: token, version, n, size, inline, declared old etag, m
+_BLOB = (
     LUA_BLOBS
-    + _LUA_DELETE
     + """
-delete_snapshot(ARGV[2], ARGV[1])
-local n = redis.call('ZREM', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('SREM', KEYS[3], ARGV[3])
+if not fenced(KEYS[2], ARGV[1]) then return {0, 'fence'} end
+local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
+if cur[1] == ARGV[2] then return {1, 'again'} end
+local m = tonumber(ARGV[7])
+if not declared(cur, ARGV[6], m) then return {0, 'old', cur[1] or '', cur[2] or '0'} end
+if not swap(KEYS[1], 3, tonumber(ARGV[3]), ARGV[2], ARGV[4], ARGV[5], m) then return {0, 'missing'} end
+return {1, 'ok'}
+"""
+)
+
+# KEYS: manifest, index, pending.  ARGV: member, size, snapshot id
+# Returns {1, 'partial'} or {1, 'complete', snapshot ids retention unlisted...}.
+_MARK = (
+    _NOW
+    + """
+local members = redis.call('HGET', KEYS[1], 'members')
+if not members then return {0, 'gone'} end
+if redis.call('HGET', KEYS[1], 'status') == 'complete' then return {1, 'partial'} end
+redis.call('HSET', KEYS[1], 'b:' .. ARGV[1], ARGV[2])
+if redis.call('HSETNX', KEYS[1], 'w:' .. ARGV[1], 1) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'written', 1)
+end
+local written = tonumber(redis.call('HGET', KEYS[1], 'written'))
+if written < #cjson.decode(members) then return {1, 'partial'} end
+local order = redis.call('HGET', KEYS[1], 'order')
+redis.call('HSET', KEYS[1], 'status', 'complete', 'completed', now_ms())
+redis.call('ZREM', KEYS[3], ARGV[3])
+redis.call('ZADD', KEYS[2], order, ARGV[3])
+local out = {1, 'complete'}
+local keep = tonumber(redis.call('HGET', KEYS[1], 'keep'))
+local count = redis.call('ZCARD', KEYS[2])
+if count > keep then
+  for _, old in ipairs(redis.call('ZRANGE', KEYS[2], 0, count - keep - 1)) do
+    redis.call('ZREM', KEYS[2], old)
+    out[#out + 1] = old
+  end
+end
+local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if oldest[2] then
+  for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. oldest[2])) do
+    redis.call('ZREM', KEYS[3], old)
+    out[#out + 1] = old
+  end
+end
+return out
+"""
+)
+
+# KEYS: manifest, index, pending, groups.  ARGV: snapshot id, group name
+# The manifest goes after its members' blobs. A group whose last snapshot goes leaves the
+# groups set too: nothing of it stays in Redis.
+_FORGET = """
+redis.call('DEL', KEYS[1])
+local n = redis.call('ZREM', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('SREM', KEYS[4], ARGV[2])
 end
 return n
 """
-)
+
+
+# KEYS: manifest, pending, index, groups.  ARGV: snapshot id, group name
+# A save refused after it opened the snapshot takes the snapshot back, while no member wrote.
+_ABANDON = """
+if tonumber(redis.call('HGET', KEYS[1], 'written') or '-1') ~= 0 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('SREM', KEYS[4], ARGV[2])
+end
+return 1
+"""
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +239,11 @@ class Checkpoints:
         self._keys = keys
         self._settings = settings or StorageSettings()
         self._blobs = Blobs(redis, self._settings)
-        self._save = redis.register_script(_SAVE)
-        self._delete = redis.register_script(_DELETE)
+        self._open = redis.register_script(_OPEN)
+        self._blob = redis.register_script(_BLOB)
+        self._mark = redis.register_script(_MARK)
+        self._forget = redis.register_script(_FORGET)
+        self._abandon = redis.register_script(_ABANDON)
         self._saves = self._completed = self._loads = self._bytes = 0
 
     # --- writing ----------------------------------------------------------
@@ -233,56 +274,87 @@ class Checkpoints:
         k = self._keys
         base = k.checkpoint_chunk_base(group, snap, me)
         what = f"save {me} into snapshot {group}/{snap}"
-        staged = await self._blobs.stage(what, base, stream_parts(value))
         order = str(snapshot_id) if isinstance(snapshot_id, int) else ""
         keep_n = keep if keep is not None else self._settings.keep_snapshots
         if keep_n < 1:
             raise errors.ConfigError(f"keep must be at least 1, got {keep_n}")
-        keys = [
-            k.checkpoint_member(group, snap, me), k.directory_entry(me), k.checkpoint_manifest(group, snap),
-            k.checkpoint_index(group), k.checkpoint_pending(group), k.checkpoint_groups,
-        ]  # fmt: skip
-        args: list[Any] = [str(token), staged.version, staged.nchunks, staged.size, staged.inline, base, me,
-                json.dumps(names), order, keep_n, snap, k.checkpoint_base(group), group]  # fmt: skip
+        manifest = k.checkpoint_manifest(group, snap)
+        opened = await self._blobs.retry(what, lambda: self._open(
+            keys=[manifest, k.checkpoint_pending(group), k.checkpoint_groups],
+            args=[json.dumps(names), order, keep_n, snap, group],
+        ))  # fmt: skip
+        if int(opened[0]) != 1:
+            self._refused(what, me, names, opened)
+        staged = await self._blobs.stage(what, base, stream_parts(value))
+        tok = str(token)
+
+        def argv(old: str, m: int) -> list[Any]:
+            return [tok, staged.version, staged.nchunks, staged.size, staged.inline, old, m]
+
+        head = k.checkpoint_member(group, snap, me)
         try:
-            res = await self._blobs.retry(what, lambda: self._save(keys=keys, args=args))
+            res = await self._blobs.commit(what, self._blob, [head, k.directory_entry(me)], base, staged, argv, None)
         except errors.StorageError:
             await self._blobs.discard(base, staged)
             raise
         if int(res[0]) != 1:
             await self._blobs.discard(base, staged)
-            why = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
-            if why == "fence":
-                raise errors.StateConflictError(
-                    me, "another activation owns the grain now (fencing token mismatch)"
-                )
-            if why == "members":
-                raise errors.StorageError(
-                    f"{what}: the snapshot was started with members {res[2].decode()}, not {json.dumps(names)}"
-                )
-            if why == "complete":
-                raise errors.StorageError(
-                    f"{what}: the snapshot is complete and can no longer change"
-                )
-            raise errors.StorageError(f"{what}: refused ({why})")
+            if _text(opened[1]) == "opened":
+                await self._blobs.retry(what, lambda: self._abandon(
+                    keys=[manifest, k.checkpoint_pending(group), k.checkpoint_index(group), k.checkpoint_groups],
+                    args=[snap, group],
+                ))  # fmt: skip
+            self._refused(what, me, names, res)
+        marked = await self._blobs.retry(what, lambda: self._mark(
+            keys=[manifest, k.checkpoint_index(group), k.checkpoint_pending(group)], args=[me, staged.size, snap],
+        ))  # fmt: skip
+        if int(marked[0]) != 1:
+            raise errors.StorageError(f"{what}: the snapshot was deleted during the save")
+        for old in marked[2:]:
+            await self._drop(group, _text(old))
         self._saves += 1
         self._bytes += staged.size
-        done = res[1] in (b"complete", "complete")
+        done = _text(marked[1]) == "complete"
         self._completed += done
         return done
+
+    @staticmethod
+    def _refused(what: str, me: str, names: builtins.list[str], res: Any) -> None:
+        why = _text(res[1])
+        if why == "fence":
+            raise errors.StateConflictError(me, "another activation owns the grain now (fencing token mismatch)")
+        if why == "members":
+            raise errors.StorageError(
+                f"{what}: the snapshot was started with members {_text(res[2])}, not {json.dumps(names)}"
+            )
+        if why == "complete":
+            raise errors.StorageError(f"{what}: the snapshot is complete and can no longer change")
+        if why == "missing":
+            raise errors.StorageError(f"{what}: staged chunks expired before the commit (orphan_ttl_s too short?)")
+        raise errors.StorageError(f"{what}: refused ({why})")
+
+    async def _drop(self, group: str, snap: str) -> int:
+        """Delete one snapshot: its members' blobs (each in its grain's slot), then its manifest."""
+        k = self._keys
+        manifest = k.checkpoint_manifest(group, snap)
+        what = f"delete snapshot {group}/{snap}"
+        raw = await self._blobs.retry(what, lambda: self._redis.hget(manifest, "members"))
+        for member in json.loads(raw) if raw else []:
+            head = k.checkpoint_member(group, snap, member)
+            base = k.checkpoint_chunk_base(group, snap, member)
+            etag, n = await self._blobs.retry(what, functools.partial(self._redis.hmget, head, ["etag", "nchunks"]))
+            doomed = [head, *(chunk_key(base, _text(etag), i) for i in range(int(n or 0)))] if etag else [head]
+            await self._blobs.retry(what, functools.partial(self._redis.unlink, *doomed))
+        n = await self._blobs.retry(what, lambda: self._forget(
+            keys=[manifest, k.checkpoint_index(group), k.checkpoint_pending(group), k.checkpoint_groups],
+            args=[snap, group],
+        ))  # fmt: skip
+        return int(n)
 
     async def delete(self, group: str, snapshot_id: int | str) -> bool:
         """Delete a snapshot (complete or not) and its data; False if there was none."""
         snap = _name(str(snapshot_id), "snapshot id")
-        k = self._keys
-        n = await self._blobs.retry(
-            f"delete snapshot {group}/{snap}",
-            lambda: self._delete(
-                keys=[k.checkpoint_index(group), k.checkpoint_pending(group), k.checkpoint_groups],
-                args=[snap, k.checkpoint_base(group), group],
-            ),
-        )
-        return bool(int(n))
+        return bool(await self._drop(group, snap))
 
     # --- reading ----------------------------------------------------------
     async def groups(self) -> list[str]:

@@ -2,8 +2,11 @@
 
 Layout per grain (keys from ``silo/keys.py``)::
 
-    state:{grain}              hash: etag, nchunks, size, [d: inline stream]
-    state:{grain}:v{etag}:{i}  chunk i of the version whose etag is {etag} (big states only)
+    rg:{cluster:g:<grain>}:state              hash: etag, nchunks, size, [d: inline stream]
+    rg:{cluster:g:<grain>}:state:v{etag}:{i}  chunk i of the version whose etag is {etag}
+
+All in the grain's own hash slot, with its directory entry: the commit script
+below touches only those keys and declares every one (Redis Cluster).
 
 A value is stored as one *stream* (``<u32 meta_len> <u32 nbuf> <u64 len>*nbuf
 meta buffers...``, the codec's ``Encoded`` laid end to end). A stream up to
@@ -26,18 +29,20 @@ import functools
 import logging
 import struct
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.commands.core import AsyncScript
 
 from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import run_replicated
+from silo.redis_util import closed_under_us, run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -45,6 +50,7 @@ log = logging.getLogger("redgrain.storage")
 _HEAD = struct.Struct("<II")
 _LEN = struct.Struct("<Q")
 _READ_BATCH = 4  # chunks per MGET: bounds memory beyond the result to a few chunks
+_INDEXED_LIMIT = 100_000  # (index, grain) pairs a store remembers having listed
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,30 +175,36 @@ def parse_stream(stream: memoryview, etag: str) -> StoredState:
 
 # --- Lua shared by state and checkpoint scripts -------------------------------
 
+# Every key a script touches comes in KEYS (Redis Cluster routes a script by its keys, and a
+# name built in Lua could sit in another slot). A head+chunks script gets, after its fixed keys,
+# the new version's n chunk keys and then the m chunk keys of the version the head names now;
+# the caller learns that version from the head (or remembers it) and the script refuses with
+# {0, 'old', etag, nchunks} when the head names another, so the caller declares those instead.
 LUA_BLOBS = """
--- drop(base, ver, n): delete the n chunks of version ver (names as keys.chunk_key builds them)
-local function drop(base, ver, n)
-  n = tonumber(n or '0') or 0
-  if not ver or n <= 0 then return end
-  for i = 0, n - 1 do redis.call('UNLINK', base .. ver .. ':' .. i) end
+-- unlink(first, m): delete the m declared chunk keys from KEYS[first] on
+local function unlink(first, m)
+  for i = first, first + m - 1 do redis.call('UNLINK', KEYS[i]) end
 end
--- swap(head, base, ver, n, size, data): make version ver visible in head. With n == 0 the
--- stream is data, stored inline; otherwise its n staged chunks must all exist: they are made
--- permanent. The version the head named before is deleted. False if a chunk is missing.
-local function swap(head, base, ver, n, size, data)
-  n = tonumber(n)
-  for i = 0, n - 1 do
-    if redis.call('EXISTS', base .. ver .. ':' .. i) == 0 then return false end
+-- declared(head, old, m): does the head still name the version whose m chunks were declared?
+local function declared(cur, old, m)
+  return (cur[1] or '') == old and (tonumber(cur[2] or '0') or 0) == m
+end
+-- swap(head, first, n, ver, size, data, m): make version ver visible in head. With n == 0 the
+-- stream is data, stored inline; otherwise its n staged chunks (KEYS[first..]) must all exist:
+-- they are made permanent. The m chunks of the version the head named before (the KEYS after
+-- the new ones) are deleted. False if a chunk is missing.
+local function swap(head, first, n, ver, size, data, m)
+  for i = first, first + n - 1 do
+    if redis.call('EXISTS', KEYS[i]) == 0 then return false end
   end
-  local old = redis.call('HMGET', head, 'etag', 'nchunks')
-  for i = 0, n - 1 do redis.call('PERSIST', base .. ver .. ':' .. i) end
+  for i = first, first + n - 1 do redis.call('PERSIST', KEYS[i]) end
   redis.call('DEL', head)
   if n == 0 then
     redis.call('HSET', head, 'etag', ver, 'nchunks', 0, 'size', size, 'd', data)
   else
     redis.call('HSET', head, 'etag', ver, 'nchunks', n, 'size', size)
   end
-  if old[1] ~= ver then drop(base, old[1], old[2]) end
+  unlink(first + n, m)
   return true
 end
 -- fenced(entry, token): may this caller save a snapshot member of the grain? The directory's
@@ -217,25 +229,25 @@ local function owned(entry, token, expected)
 end
 """
 
-# KEYS: head, directory entry, state index, state types
-# ARGV: expected etag ('' none, '*' any), new etag, token, nchunks, size, inline data, chunk base,
-#       grain key, type name
+# KEYS: head, directory entry, the n new chunks, the m chunks of the version the head names
+# ARGV: expected etag ('' none, '*' any), new etag, token, n, size, inline data, declared old etag, m
 _WRITE = (
     LUA_BLOBS
     + _OWNED
     + """
-local cur = redis.call('HGET', KEYS[1], 'etag') or ''
-if cur == ARGV[2] then return {1, 'again'} end  -- our own earlier try committed; its reply was lost
-if ARGV[1] ~= '*' and cur ~= ARGV[1] then return {0, 'etag'} end
+local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
+if cur[1] == ARGV[2] then return {1, 'again'} end  -- our own earlier try committed; its reply was lost
+if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
 if not owned(KEYS[2], ARGV[3], ARGV[1]) then return {0, 'fence'} end
-if not swap(KEYS[1], ARGV[7], ARGV[2], ARGV[4], ARGV[5], ARGV[6]) then return {0, 'missing'} end
-redis.call('SADD', KEYS[3], ARGV[8])
-redis.call('SADD', KEYS[4], ARGV[9])
+local m = tonumber(ARGV[8])
+if not declared(cur, ARGV[7], m) then return {0, 'old', cur[1] or '', cur[2] or '0'} end
+if not swap(KEYS[1], 3, tonumber(ARGV[4]), ARGV[2], ARGV[5], ARGV[6], m) then return {0, 'missing'} end
 return {1, 'ok'}
 """
 )
 
-# KEYS: head, directory entry, state index.  ARGV: expected etag ('*' any), token, chunk base, grain key
+# KEYS: head, directory entry, the m chunks of the version the head names.
+# ARGV: expected etag ('*' any), token, declared old etag, m
 _CLEAR = (
     LUA_BLOBS
     + _OWNED
@@ -243,12 +255,16 @@ _CLEAR = (
 local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
 if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
 if not owned(KEYS[2], ARGV[2], ARGV[1]) then return {0, 'fence'} end
-drop(ARGV[3], cur[1], cur[2])
+local m = tonumber(ARGV[4])
+if not declared(cur, ARGV[3], m) then return {0, 'old', cur[1] or '', cur[2] or '0'} end
+unlink(3, m)
 redis.call('DEL', KEYS[1])
-redis.call('SREM', KEYS[3], ARGV[4])
 return {1, 'ok'}
 """
 )
+
+_DECLARE_TRIES = 5
+"""Commit tries at most when the head keeps naming a version other than the declared one."""
 
 _CONFLICTS = {
     "etag": "the stored state changed since this activation read it (etag mismatch)",
@@ -266,6 +282,32 @@ class Staged:
     inline: bytes
 
 
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class _Versions:
+    """Chunk counts of versions (etags) this process read or wrote, so a commit declares the
+    old version's chunk keys right the first time (a wrong guess costs one more try)."""
+
+    LIMIT = 100_000
+
+    def __init__(self) -> None:
+        self._n: OrderedDict[str, int] = OrderedDict()
+
+    def get(self, etag: str) -> int:
+        return self._n.get(etag, 0)
+
+    def put(self, etag: str, n: int) -> None:
+        if n <= 0:
+            self._n.pop(etag, None)
+            return
+        self._n[etag] = n
+        self._n.move_to_end(etag)
+        if len(self._n) > self.LIMIT:
+            self._n.popitem(last=False)
+
+
 class Blobs:
     """Head+chunks values in Redis: bounded retries, chunk streaming, consistent reads.
 
@@ -277,6 +319,38 @@ class Blobs:
         self.settings = settings
         self.errors = 0
         self.chunks_written = 0
+        self.versions = _Versions()
+
+    async def commit(
+        self,
+        what: str,
+        script: AsyncScript,
+        fixed_keys: list[str],
+        base: str,
+        staged: Staged | None,
+        args: Callable[[str, int], list[Any]],
+        guess: str | None,
+    ) -> Any:
+        """Run a head+chunks script with every chunk key declared (see :data:`LUA_BLOBS`).
+
+        ``args(old_etag, m)`` builds ARGV for a declared old version; ``guess`` is the etag
+        the head is expected to name (None or '*': unknown). Returns the script's reply.
+        """
+        old = guess if guess and guess != "*" else ""
+        m = self.versions.get(old) if old else 0
+        new = [chunk_key(base, staged.version, i) for i in range(staged.nchunks)] if staged else []
+        for _ in range(_DECLARE_TRIES):
+            keys = [*fixed_keys, *new, *(chunk_key(base, old, i) for i in range(m))]
+            argv = args(old, m)
+            res = await self.retry(what, functools.partial(run_replicated, self.redis, script, keys, argv))
+            if int(res[0]) == 0 and _text(res[1]) == "old":
+                old, m = _text(res[2]), int(res[3])
+                continue
+            if int(res[0]) == 1 and staged is not None:
+                self.versions.put(old, 0)
+                self.versions.put(staged.version, staged.nchunks)
+            return res
+        raise errors.StorageError(f"{what}: the stored value kept changing under the commit")
 
     async def retry(self, what: str, op: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``op``; retry connection errors with doubling backoff, then raise StorageError."""
@@ -288,7 +362,10 @@ class Blobs:
                 redis.exceptions.ConnectionError,
                 redis.exceptions.TimeoutError,
                 OSError,
+                AttributeError,
             ) as exc:
+                if isinstance(exc, AttributeError) and not closed_under_us(exc):
+                    raise
                 if attempt == self.settings.retries:
                     self.errors += 1
                     raise errors.StorageError(
@@ -355,6 +432,7 @@ class Blobs:
                 return None
             etag = head[b"etag"].decode()
             n, size = int(head.get(b"nchunks", 0)), int(head.get(b"size", 0))
+            self.versions.put(etag, n)
             if n == 0:
                 return memoryview(bytearray(head.get(b"d", b""))), etag
             stream = bytearray(size)
@@ -388,6 +466,7 @@ class RedisStateStore:
         self._keys = keys
         self._settings = settings
         self.blobs = Blobs(redis, settings)
+        self._indexed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._write = redis.register_script(_WRITE)
         self._clear = redis.register_script(_CLEAR)
         self._reads = self._writes = self._conflicts = 0
@@ -423,17 +502,21 @@ class RedisStateStore:
         g, head, base, index, types = self._layout(grain, state)
         what = f"write state of {g}"
         staged = await self.blobs.stage(what, base, parts)
-        keys = [head, self._keys.directory_entry(str(grain)), index, types]
-        args: list[Any] = [etag or "", staged.version, str(token), staged.nchunks, staged.size, staged.inline, base,
-                grain.key, grain.type_name]  # fmt: skip
+        expected, tok = etag or "", str(token)
+
+        def argv(old: str, m: int) -> list[Any]:
+            return [expected, staged.version, tok, staged.nchunks, staged.size, staged.inline, old, m]
+
         try:
-            res = await self.blobs.retry(what, lambda: run_replicated(self._redis, self._write, keys, args))
+            res = await self.blobs.commit(
+                what, self._write, [head, self._keys.directory_entry(str(grain))], base, staged, argv, etag
+            )
         except errors.StorageError:
             await self.blobs.discard(base, staged)
             raise
         if int(res[0]) != 1:
             await self.blobs.discard(base, staged)
-            why = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            why = _text(res[1])
             if why == "missing":
                 raise errors.StorageError(
                     f"{what}: staged chunks expired before the commit (orphan_ttl_s too short?)"
@@ -442,19 +525,53 @@ class RedisStateStore:
             raise errors.StateConflictError(g, _CONFLICTS.get(why, why))
         self._writes += 1
         self._bytes_written += staged.size
+        await self._index(grain, index, types)
         return staged.version
+
+    async def _index(self, grain: GrainId, index: str, types: str) -> None:
+        """List the grain in its type's state index (the dashboard's), once per process.
+
+        Outside the commit script: the index sets live in the control slot, the state in the
+        grain's. Written after the commit, so the index may lag a state whose writer died right
+        after committing (until that grain's next write); it never lists a state that was not
+        written, except one cleared since (readers find no head). Best effort.
+        """
+        mark = (index, grain.key)
+        if mark in self._indexed:
+            self._indexed.move_to_end(mark)
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(index, grain.key)
+                pipe.sadd(types, grain.type_name)
+                await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.debug("state index of %s not updated: %s", grain, exc)
+            return
+        self._indexed[mark] = None
+        if len(self._indexed) > _INDEXED_LIMIT:
+            self._indexed.popitem(last=False)
 
     async def clear(self, grain: GrainId, etag: str | None, token: int, *, state: str = DEFAULT_STATE) -> None:
         g, head, base, index, _ = self._layout(grain, state)
-        keys = [head, self._keys.directory_entry(str(grain)), index]
-        args = [etag or "", str(token), base, grain.key]
-        res = await self.blobs.retry(
-            f"clear state of {g}", lambda: run_replicated(self._redis, self._clear, keys, args)
+        what = f"clear state of {g}"
+        expected, tok = etag or "", str(token)
+
+        def argv(old: str, m: int) -> list[Any]:
+            return [expected, tok, old, m]
+
+        res = await self.blobs.commit(
+            what, self._clear, [head, self._keys.directory_entry(str(grain))], base, None, argv, etag
         )
         if int(res[0]) != 1:
             self._conflicts += 1
-            why = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            why = _text(res[1])
             raise errors.StateConflictError(g, _CONFLICTS.get(why, why))
+        self._indexed.pop((index, grain.key), None)
+        try:
+            await self._redis.srem(index, grain.key)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.debug("state index of %s keeps it: %s", grain, exc)
 
     def statistics(self) -> StorageStatistics:
         return StorageStatistics(

@@ -28,7 +28,7 @@ def tiny(**kw: Any) -> TrainingJob:
 
 
 async def cluster_keys(redis: Any, keys: Keys) -> set[str]:
-    return {k.decode() async for k in redis.scan_iter(match=keys.prefix + "*", count=1000)}
+    return {k.decode() for p in keys.patterns() async for k in redis.scan_iter(match=p, count=1000)}
 
 
 def of_job(found: set[str], keys: Keys, job: str) -> set[str]:
@@ -129,10 +129,10 @@ async def test_fifty_jobs_and_twelve_silo_restarts_leave_redis_as_small_as_it_st
         # What remains is the cluster's own keys plus one directory entry per coordinator (and
         # job store) still activated: forget releases them, and each goes as any grain goes.
         extra_keys = found - baseline
-        activated = (keys.directory_entry("CoordinatorGrain/"), keys.directory_entry("CheckpointStoreGrain/"))
-        assert {k for k in extra_keys if not k.startswith(activated)} <= {
-            keys.reminders, keys.reminder_rows, keys.reminder_fired, keys.logs, keys.fencing_counter,
-            keys.fencing_term,
+        activated = (keys.grain_prefix("CoordinatorGrain/")[:-2], keys.grain_prefix("CheckpointStoreGrain/")[:-2])
+        assert {k for k in extra_keys if not (k.startswith(activated) and k.endswith("}:dir"))} <= {
+            keys.reminders, keys.reminder_rows, keys.reminder_fired, keys.logs, keys.fencing_counter(),
+            keys.fencing_term(),
         } | {k for k in extra_keys if ":dirindex:" in k or ":state:types" in k}, sorted(extra_keys)
         assert await redis.zcard(keys.reminders) == 0  # every job's forget reminder went with it
         assert await redis.scard(keys.jobs) == 0 and await redis.scard(keys.checkpoint_groups) == 0

@@ -12,7 +12,7 @@ from silo import errors
 from silo.cluster.membership import FEED_LENGTH, RedisMembershipTable, VoteOutcome
 from silo.keys import Keys
 from silo.records import MemberRow, SiloLoad, SiloStatus
-from silo.redis_util import connect_redis
+from silo.redis_util import close_redis, connect_redis
 from silo.testing.membership import InMemoryMembershipTable
 
 Table = InMemoryMembershipTable | RedisMembershipTable
@@ -23,16 +23,16 @@ def _row(s: SiloAddress, **kw: Any) -> MemberRow:
     return MemberRow(address=str(s), host=s.host, port=s.port, generation=s.generation, **kw)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def table(request: pytest.FixtureRequest) -> AsyncIterator[Table]:
     if request.param == "memory":
         yield InMemoryMembershipTable()
         return
-    redis = connect_redis(request.getfixturevalue("redis_url"))
+    redis = connect_redis(request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url"))
     try:
         yield RedisMembershipTable(redis, Keys("contract"))
     finally:
-        await redis.aclose()
+        await close_redis(redis)
 
 
 async def _active(table: Table, *silos: SiloAddress, heartbeat: float = 100.0) -> None:

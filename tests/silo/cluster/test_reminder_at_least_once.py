@@ -11,17 +11,17 @@ import redis.asyncio as aioredis
 from grains.ids import GrainId
 from silo.cluster.reminders import ReminderService, ReminderTable
 from silo.keys import Keys
-from silo.redis_util import connect_redis
+from silo.redis_util import close_redis, connect_redis
 from silo.settings import RemindersSettings
 
 FAST = RemindersSettings(poll_interval_s=0.05, delivery_timeout_s=0.2)
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = connect_redis(redis_url)
+async def redis(backend_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = connect_redis(backend_url)
     yield client
-    await client.aclose(close_connection_pool=True)
+    await close_redis(client)
 
 
 async def test_a_tick_whose_claiming_silo_died_is_delivered_by_another(

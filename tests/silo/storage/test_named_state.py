@@ -70,7 +70,7 @@ async def test_a_named_state_write_from_a_zombie_is_refused_and_deactivates_it(c
     act = silo.catalog.get(gid)
     assert act is not None
     # Another activation takes the grain over (a fresh fencing token in its directory entry).
-    token = await silo.redis.incr(silo.keys.fencing_counter)
+    token = await silo.redis.incr(silo.keys.fencing_counter())
     await silo.redis.hset(
         silo.keys.directory_entry(str(gid)), mapping={"silo": str(silo.address), "act": "usurper", "token": token}
     )

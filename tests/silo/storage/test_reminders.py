@@ -5,11 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from grains.base import DeactivationReason
 from grains.ids import GrainId
 from silo.client import ClusterClient
 from silo.settings import RemindersSettings
 from tests.sample_grains import Reminded
+
+
+@pytest.fixture
+def redis_url(backend_url: str) -> str:
+    """Every test here runs on one Redis and on the 3-master Redis Cluster (silo processes too)."""
+    return backend_url
 
 
 async def _until(check, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from tests.sample_grains import Buffered, Counter
 async def _take_over(silo: Silo, grain: GrainId, new_owner: Silo) -> None:
     """Make the directory name another activation (on ``new_owner``) with a fresh fencing token."""
     r, k = silo.redis, silo.keys
-    token = await r.incr(k.fencing_counter)
+    token = await r.incr(k.fencing_counter())
     await r.hset(
         k.directory_entry(str(grain)),
         mapping={"silo": str(new_owner.address), "act": "usurper", "token": token},

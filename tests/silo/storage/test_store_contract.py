@@ -25,7 +25,7 @@ from silo.cluster.membership import RedisMembershipTable
 from silo.codec import Codec
 from silo.keys import Keys
 from silo.records import MemberRow, SiloStatus
-from silo.redis_util import connect_redis
+from silo.redis_util import close_redis, connect_redis
 from silo.settings import StorageSettings
 from silo.storage.provider import StorageProviders, directory_owner
 from silo.storage.store import StateStore, stream_parts
@@ -50,13 +50,14 @@ class World:
         return None if stored is None else (codec.decode(stored.meta, stored.buffers), stored.etag)
 
 
-@pytest.fixture(params=["memory", "redis", "memory-provider", "sqlite"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "memory-provider", "sqlite"])
 async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
     if request.param == "memory":
         directory = InMemoryGrainDirectory()
         yield World(InMemoryStateStore(owner=directory.token_of), directory)
         return
-    redis = connect_redis(request.getfixturevalue("redis_url"))
+    on_cluster = request.param == "redis-cluster"
+    redis = connect_redis(request.getfixturevalue("redis_cluster_url" if on_cluster else "redis_url"))
     keys = Keys("contract")
     table = RedisMembershipTable(redis, keys)
     await table.join(MemberRow(address=str(SILO), host=SILO.host, port=SILO.port, generation=1))
@@ -73,10 +74,10 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     )
     providers = StorageProviders.build(settings, redis, keys, directory_owner(directory))
     try:
-        yield World(providers.get(request.param), directory)
+        yield World(providers.get("redis" if on_cluster else request.param), directory)
     finally:
         await providers.close()
-        await redis.aclose()
+        await close_redis(redis)
 
 
 async def test_nothing_stored_reads_as_none(world: World) -> None:
