@@ -42,6 +42,7 @@ from silo.codec import Codec
 from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
+from silo.messaging.request import decode_request
 from silo.streams.turn import STREAM_METHOD, stream_turn
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
@@ -184,36 +185,14 @@ class Dispatcher:
             label = f"{header[2]}/{header[3]}.{header[4]}" if len(header) > 4 else "?"
             conn = _NoAnswer(self, conn.peer, label)  # type: ignore[assignment]
         try:
-            # The header's fields after kind and id: type, key, method, timeout_ms, chain, hops.
-            _, _, type_name, key, method, timeout_ms, chain, hops = header[:8]
-            body = codec.decode(frame.meta, frame.buffers)
-            if isinstance(body, tuple) and len(body) == 2 and isinstance(body[1], dict) and isinstance(body[0], tuple):
-                args, kwargs = body
-            elif isinstance(body, (tuple, list)):
-                args, kwargs = tuple(body), None
-            else:
-                raise errors.CodecError(f"request body must be an argument tuple, got {type(body).__name__}")
-            timeout_s = float(timeout_ms) / 1000.0
-            call = _new_call(
-                Call,
-                (
-                    GrainId(str(type_name), str(key)),
-                    str(method),
-                    args,
-                    kwargs,
-                    timeout_s,
-                    tuple(map(str, chain)) if chain else (),
-                    int(hops),
-                ),
-            )
-        except (errors.CodecError, ValueError, TypeError) as exc:
+            call = decode_request(header, frame, codec)
+        except errors.CodecError as exc:
             self._errors += 1
-            err = exc if isinstance(exc, errors.CodecError) else errors.CodecError(f"malformed request: {exc}")
-            conn.send_error(req_id, err)
+            conn.send_error(req_id, exc)
             return
         # A peer that sends no trace context (or predates it) sends eight items.
         trace = carrier_from_header(header) if len(header) > 8 else None
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + (call.timeout_s or 0.0)
         if not self._serve_nowait(conn, req_id, call, deadline, trace):
             self._spawn_serve(conn, req_id, call, deadline, trace)
 

@@ -44,6 +44,7 @@ from grains.observer import CLIENT_PREFIX, ObserverId, ObserverRef, observer_int
 from silo import errors
 from silo.codec import SCALARS, Codec
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
+from silo.messaging.request import decode_request
 
 if TYPE_CHECKING:
     from silo.messaging.connection import Connection
@@ -316,24 +317,14 @@ class ObserverHub:
             return
         req_id = header[1]
         try:
-            _, _, type_name, key, method, timeout_ms, chain, hops = header[:8]
-            if type_name != OBSERVER_TYPE:
-                raise errors.UnknownGrainError(str(type_name), "a client hosts observers only")
-            body = conn.codec.decode(frame.meta, frame.buffers)
-            if isinstance(body, tuple) and len(body) == 2 and isinstance(body[0], tuple) and isinstance(body[1], dict):
-                args, kwargs = body
-            elif isinstance(body, (tuple, list)):
-                args, kwargs = tuple(body), None
-            else:
-                raise errors.CodecError(f"request body must be an argument tuple, got {type(body).__name__}")
-            timeout_s = float(timeout_ms) / 1000.0
-            call = Call(GrainId(OBSERVER_TYPE, str(key)), str(method), args, kwargs, timeout_s,
-                        tuple(map(str, chain)) if chain else (), int(hops))  # fmt: skip
-        except (errors.RedgrainError, ValueError, TypeError) as exc:
+            call = decode_request(header, frame, conn.codec)
+            if call.grain.type_name != OBSERVER_TYPE:
+                raise errors.UnknownGrainError(call.grain.type_name, "a client hosts observers only")
+        except errors.RedgrainError as exc:
             if kind == REQUEST:
-                conn.send_error(req_id, exc if isinstance(exc, errors.RedgrainError) else errors.CodecError(f"malformed request: {exc}"))
+                conn.send_error(req_id, exc)
             return
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + (call.timeout_s or 0.0)
         if kind == ONEWAY:
             self._spawn_one_way(call, deadline, conn.peer)
             return
