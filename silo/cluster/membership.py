@@ -122,6 +122,7 @@ _REMOVE = announcing("""
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[7])  -- its detector's seen-hash: nothing reads it once the row is gone
 announce(ARGV[1], '')
 return 1
 """)
@@ -461,4 +462,4 @@ class RedisMembershipTable:
     async def remove(self, address: str) -> None:
         """Forget a row (housekeeping; dead rows are kept a while for the dashboard); the feed says so."""
         with redis_errors("membership remove"):
-            await self._remove(keys=self.status_keys, args=[address])
+            await self._remove(keys=[*self.status_keys, self._keys.members_seen(address)], args=[address])

@@ -185,6 +185,7 @@ class InMemoryMembershipTable:
         if self.rows.pop(address, None) is not None:
             self.heartbeats.pop(address, None)
             self.loads.pop(address, None)
+            self.seen.pop(address, None)
             self._bump(address)
 
     # --- for tests and the directory twin ---------------------------------------

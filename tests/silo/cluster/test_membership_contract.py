@@ -136,10 +136,13 @@ async def test_needed_votes_are_at_least_one(table: Table) -> None:
 async def test_remove_forgets_a_row_and_tells_the_feed(table: Table) -> None:
     await _active(table, A, B)
     version, _ = await table.read_all()
+    await table.moved(str(A), version, [str(B)])  # A's detector keeps the heartbeat of B it saw
     await table.remove(str(A))
     assert await table.read_all() == (version + 1, {str(B): (await table.read_all())[1][str(B)]})
     watch = await table.watch(version)
     assert watch.version == version + 1 and watch.changes == [(str(A), None)]
+    # Its detector's seen-hash went with the row: nothing A saw can count as a vote any more.
+    assert await table.vote_dead(str(B), str(A), None, 1) == _outcome("alive", 0)
 
 
 async def test_the_feed_gives_each_change_once_in_order(table: Table) -> None:
