@@ -150,12 +150,7 @@ def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
             f"a Sentinel URL names its service: redis+sentinel://host:port[,host:port...]/service[/db] "
             f"(got {redact(url)!r})"
         )
-    userinfo, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
+    username, password, hosts = _credentials(netloc)
     sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h.strip())
     if not sentinels:
         raise ConfigError(f"a Sentinel URL lists at least one sentinel host:port (got {redact(url)!r})")
@@ -205,12 +200,7 @@ def _parse_cluster(url: str, *, tls: bool) -> RedisTarget:
     netloc, _, path = rest.partition("/")
     if path.strip("/") not in ("", "0"):
         raise ConfigError(f"a Redis Cluster has only database 0: drop the path of {redact(url)!r}")
-    userinfo, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
+    username, password, hosts = _credentials(netloc)
     nodes = tuple(_host_port(h, url, REDIS_PORT) for h in hosts.split(",") if h.strip())
     if not nodes:
         raise ConfigError(f"a Redis Cluster URL lists at least one node host:port (got {redact(url)!r})")
@@ -259,6 +249,15 @@ def cluster_of(target: RedisTarget) -> RedisTarget:
             connection_options={k: v for k, v in query.items() if k in _SENTINEL_CONNECTION_OPTIONS},
         ),
     )
+
+
+def _credentials(netloc: str) -> tuple[str | None, str | None, str]:
+    """``user:password@hosts`` split into (username, password, hosts), each part unquoted."""
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return None, None, hosts
+    user, colon, pw = userinfo.partition(":")
+    return unquote(user) or None, unquote(pw) if colon else None, hosts
 
 
 def _host_port(text: str, url: str, default_port: int = SENTINEL_PORT) -> tuple[str, int]:

@@ -433,12 +433,7 @@ class RedisGrainDirectory:
     async def purge_silo(self, silo: SiloAddress) -> int:
         """Delete every entry a dead silo still owns, one bounded step after another."""
         self._cache.drop_silo(silo)
-        n = 0
-        while True:
-            batch = await self.purge_batch(silo)
-            n += len(batch.grains)
-            if not batch.remaining:
-                return n
+        return await purge_in_steps(self, silo)
 
     async def entries_of(self, silo: SiloAddress) -> list[GrainId]:
         """The grains a silo's index lists (read with SSCAN: no one command reads it whole)."""
@@ -465,3 +460,14 @@ class RedisGrainDirectory:
             cache_hits=self._cache.hits,
             cache_misses=self._cache.misses,
         )
+
+
+async def purge_in_steps(directory: GrainDirectory, silo: SiloAddress) -> int:
+    """``purge_batch`` until the dead silo's index is empty: how every directory purges a silo,
+    so each step stays bounded and other commands run between them. Returns the entries deleted."""
+    n = 0
+    while True:
+        batch = await directory.purge_batch(silo)
+        n += len(batch.grains)
+        if not batch.remaining:
+            return n

@@ -31,15 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from grains.ids import GrainId
 from silo import errors
-from silo.codec import Encoded
 from silo.storage.store import (
     _CONFLICTS,
     DEFAULT_STATE,
+    EncodedWrites,
     StateStore,
     StorageStatistics,
     StoredState,
     parse_stream,
-    stream_parts,
 )
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ _BUSY_TIMEOUT_S = 30.0
 """How long a transaction waits for another process's lock on the file before StorageError."""
 
 
-class SqliteStateStore:
+class SqliteStateStore(EncodedWrites):
     """Grain states in one SQLite file, fenced by ``owner`` (the directory's token of a grain)."""
 
     def __init__(self, path: str | Path, owner: Callable[[GrainId], Awaitable[int]] | None = None) -> None:
@@ -139,11 +138,6 @@ class SqliteStateStore:
         self._reads += 1
         self._bytes_read += len(data)
         return parse_stream(memoryview(bytearray(data)), etag)
-
-    async def write(
-        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
-    ) -> str:
-        return await self.write_stream(grain, stream_parts(value), etag, token, state=state)
 
     async def write_stream(
         self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE

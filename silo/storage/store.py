@@ -101,6 +101,21 @@ class StateStore(Protocol):
     def statistics(self) -> StorageStatistics: ...
 
 
+class EncodedWrites:
+    """``write`` as ``write_stream`` of the value's encoded stream: what every provider stores,
+    so a provider writes only ``write_stream``."""
+
+    async def write(
+        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
+    ) -> str:
+        return await self.write_stream(grain, stream_parts(value), etag, token, state=state)
+
+    async def write_stream(
+        self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE
+    ) -> str:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True, slots=True)
 class StorageStatistics:
     reads: int
@@ -458,7 +473,7 @@ class Blobs:
         raise errors.StorageError(f"{what}: the value kept changing while being read")
 
 
-class RedisStateStore:
+class RedisStateStore(EncodedWrites):
     """Grain state in Redis, fenced by the directory's token."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, settings: StorageSettings) -> None:
@@ -489,11 +504,6 @@ class RedisStateStore:
         self._reads += 1
         self._bytes_read += stream.nbytes
         return parse_stream(stream, etag)
-
-    async def write(
-        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
-    ) -> str:
-        return await self.write_stream(grain, stream_parts(value), etag, token, state=state)
 
     async def write_stream(
         self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE

@@ -27,6 +27,7 @@ from silo.cluster.directory import (
     GrainDirectory,
     PurgedBatch,
     _Cache,
+    purge_in_steps,
 )
 
 
@@ -118,12 +119,7 @@ class InMemoryGrainDirectory:
 
     async def purge_silo(self, silo: SiloAddress) -> int:
         self._cache.drop_silo(silo)
-        n = 0
-        while True:
-            batch = await self.purge_batch(silo)
-            n += len(batch.grains)
-            if not batch.remaining:
-                return n
+        return await purge_in_steps(self, silo)
 
     async def entries_of(self, silo: SiloAddress) -> list[GrainId]:
         return list(self._index.get(silo, ()))

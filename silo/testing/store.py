@@ -26,22 +26,21 @@ from typing import TYPE_CHECKING
 
 from grains.ids import GrainId
 from silo import errors
-from silo.codec import Encoded
 from silo.storage.store import (
     _CONFLICTS,
     DEFAULT_STATE,
+    EncodedWrites,
     StateStore,
     StorageStatistics,
     StoredState,
     parse_stream,
-    stream_parts,
 )
 
 if TYPE_CHECKING:
     from silo.storage.provider import ProviderContext
 
 
-class InMemoryStateStore:
+class InMemoryStateStore(EncodedWrites):
     """A ``StateStore`` in a dict (all silos of a test may share one)."""
 
     def __init__(self, owner: Callable[[GrainId], int | Awaitable[int]] | None = None) -> None:
@@ -59,11 +58,6 @@ class InMemoryStateStore:
         self._bytes_read += len(data)
         # A private, writable copy, as the Redis store assembles one: tensors decode in place.
         return parse_stream(memoryview(bytearray(data)), etag)
-
-    async def write(
-        self, grain: GrainId, value: Encoded, etag: str | None, token: int, *, state: str = DEFAULT_STATE
-    ) -> str:
-        return await self.write_stream(grain, stream_parts(value), etag, token, state=state)
 
     async def write_stream(
         self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, *, state: str = DEFAULT_STATE
