@@ -378,6 +378,14 @@ class RedisGrainDirectory:
             else:
                 raise errors.StorageError(f"directory register for {g}: the entry kept changing hands")
         if entry.activation_id == activation_id:
+            # The script cannot read membership (another slot): a silo declared dead after our
+            # read above, and purged before our write, would leave this entry behind. Read again:
+            # a death after this read is purged later and finds the grain in our index.
+            with redis_errors("directory register"):
+                still = await self._redis.hget(k.members, me)
+            if not _live(still):
+                await self.unregister(grain, silo, activation_id)
+                raise errors.MembershipError(f"silo {silo} was declared dead while it registered {g}")
             self._n.registrations += 1
             if replaceable[0]:
                 await self._forget_in_index(replaceable[0], g)
