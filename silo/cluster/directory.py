@@ -360,6 +360,7 @@ class RedisGrainDirectory:
                 pipe.sadd(k.directory_index(me), g)
                 mine, _ = await pipe.execute()
             if not _live(mine):
+                await self._withdraw(g, me, None)
                 raise errors.MembershipError(f"silo {silo} is not live in the membership table: it may not register {g}")
             fence = g if self._per_slot else None
             keys = [k.directory_entry(g), k.fencing_counter(fence), k.fencing_term(fence)]
@@ -384,7 +385,8 @@ class RedisGrainDirectory:
             with redis_errors("directory register"):
                 still = await self._redis.hget(k.members, me)
             if not _live(still):
-                await self.unregister(grain, silo, activation_id)
+                self._cache.drop(grain)
+                await self._withdraw(g, me, activation_id)
                 raise errors.MembershipError(f"silo {silo} was declared dead while it registered {g}")
             self._n.registrations += 1
             if replaceable[0]:
@@ -395,6 +397,19 @@ class RedisGrainDirectory:
                 await self._forget_in_index(me, g)
         self._cache.put(grain, entry)
         return entry
+
+    async def _withdraw(self, grain: str, me: str, activation_id: str | None) -> None:
+        """A registrant found not live takes back what it wrote: its entry (if the script wrote
+        one) and the index member added for it. Its purge may be over already, and nothing else
+        would ever remove a member added after it; an entry naming us that we did not write now
+        (an earlier registration) keeps its member, for the purge to find."""
+        k = self._keys
+        with redis_errors("directory register"):
+            if activation_id is not None:
+                await self._unregister(keys=[k.directory_entry(grain)], args=[activation_id])
+            owner = await self._redis.hget(k.directory_entry(grain), "silo")
+        if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != me:
+            await self._forget_in_index(me, grain)
 
     async def _forget_in_index(self, silo: str, grain: str) -> None:
         """Best effort: the index may list more than the silo owns (the purge checks each entry)."""
