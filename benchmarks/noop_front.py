@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.noop_front --port 8001 [--grpc-port 8002]`` prints
 ``ready`` once bound. With ``--grpc-port``, a no-op ``GRPCInferenceService``
-too (grpc.aio on the same loop, the front's generated messages): ModelInfer
-returns a fixed raw answer, the gRPC stack's own cost for the gRPC rows.
+too (the front's gRPC server on the same loop, its generated messages):
+ModelInfer returns a fixed raw answer, the gRPC stack's own cost for the gRPC rows.
 A Starlette route that reads the body and returns a fixed answer (binary
 when the request carries the binary header, as tritonclient's does; V2 JSON
 otherwise), served by uvicorn as configured by default (httptools when installed,
@@ -44,24 +44,20 @@ def app(outputs: int = 10) -> Starlette:
     return Starlette(routes=[Route("/v2/models/{name}/infer", infer, methods=["POST"])])
 
 
-def grpc_server(host: str, port: int, outputs: int = 10) -> object:
-    import grpc
-
+def grpc_server(outputs: int = 10) -> object:
+    from grains.serving.grpc_front import MAX_MESSAGE_BYTES, SERVICE
+    from grains.serving.grpc_server import Call, GrpcServer, Method
     from grains.serving.proto import grpc_predict_v2_pb2 as pb
-    from grains.serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
     answer = pb.ModelInferResponse(model_name="digits", model_version="1", raw_output_contents=[bytes(4 * outputs)],
                                    outputs=[pb.ModelInferResponse.InferOutputTensor(name="output", datatype="FP32",
                                                                                     shape=[1, outputs])])  # fmt: skip
 
-    class NoOp(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-        async def ModelInfer(self, request: object, context: object) -> object:
-            return answer
+    async def infer(request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
+        return answer
 
-    server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(NoOp(), server)
-    server.add_insecure_port(f"{host}:{port}")
-    return server
+    methods = {f"/{SERVICE}/ModelInfer": Method(pb.ModelInferRequest, infer)}
+    return GrpcServer(methods, max_receive=MAX_MESSAGE_BYTES, max_send=MAX_MESSAGE_BYTES)
 
 
 async def serve(host: str, port: int, grpc_port: int = 0) -> None:
@@ -72,8 +68,8 @@ async def serve(host: str, port: int, grpc_port: int = 0) -> None:
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if grpc_port:
-        g: Any = grpc_server(host, grpc_port)
-        await g.start()
+        g: Any = grpc_server()
+        await g.start(host, grpc_port)
     print("ready", flush=True)
     await task
 

@@ -1,11 +1,11 @@
-"""The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService`` on ``grpc.aio``.
+"""The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``.
 
 The gRPC twin of :mod:`grains.serving.http`, over the same
 :class:`~grains.serving.front.Front`: both turn their wire's messages into
 tensors and hand them to one predictor per model, so the two answer alike
 (and ``redgrain serve --grpc-port`` runs both on one ``Front``). It runs on
-``grpc.aio`` so that it shares the asyncio loop of the cluster client it
-calls through; a request costs one grain call, no thread hop.
+:mod:`grains.serving.grpc_server`, on the asyncio loop of the cluster client
+it calls through; a request costs one grain call, no thread hop.
 
 The six RPCs every V2 server answers: ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata, ModelInfer (tensors: :mod:`grpc_codec`). A
@@ -13,105 +13,100 @@ failure is the call's status: :func:`~grains.serving.front.failure` gives
 the HTTP front's status and its gRPC code (400 INVALID_ARGUMENT, 404
 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED),
 its message the details. A message over ``max_message_bytes`` (64 MiB, the
-HTTP front's body limit) is refused by gRPC itself, RESOURCE_EXHAUSTED.
+HTTP front's body limit) is refused before it is parsed, RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import NoReturn
-
-import grpc
-from grpc.aio import ServicerContext as _Context
+from typing import Any, NoReturn
 
 from grains.serving.front import EXTENSIONS, SERVER_NAME, Front, failure, server_version
 from grains.serving.grpc_codec import decode_request, encode_response
+from grains.serving.grpc_server import Abort, Call, GrpcServer, Method, Status
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
-from grains.serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from grains.serving.spec import TensorSpec
+
+SERVICE = "inference.GRPCInferenceService"
 
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 5.0
 
 
-async def _abort(context: _Context, exc: Exception) -> NoReturn:
+def _abort(exc: Exception) -> NoReturn:
     f = failure(exc)
-    if f is None:  # a bug, not the request's failure: gRPC answers UNKNOWN and logs it
+    if f is None:  # a bug, not the request's failure: the server answers UNKNOWN and logs it
         raise exc
-    await context.abort(grpc.StatusCode[f.grpc_code], f.message)
-    raise AssertionError("unreachable: abort raises")
+    raise Abort(Status[f.grpc_code], f.message) from exc
 
 
 def _tensors(specs: list[TensorSpec]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
     return [pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape) for s in specs]
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer:
     """The service's RPCs, answered by ``front``."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: _Context) -> pb.ServerLiveResponse:
+    def methods(self) -> dict[str, Method[Any, Any]]:
+        """Each RPC by its path, as :class:`GrpcServer` takes them."""
+        return {f"/{SERVICE}/{name}": Method(getattr(pb, f"{name}Request"), getattr(self, name))
+                for name in ("ServerLive", "ServerReady", "ServerMetadata", "ModelReady", "ModelMetadata", "ModelInfer")}  # fmt: skip
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: _Context) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: pb.ServerReadyRequest, call: Call) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.front.serving())
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: _Context) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, call: Call) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: _Context) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: pb.ModelReadyRequest, call: Call) -> pb.ModelReadyResponse:
         try:
             return pb.ModelReadyResponse(ready=await self.front.ready(request.name))
         except Exception as exc:  # noqa: BLE001 - _abort re-raises what failure() does not map
-            await _abort(context, exc)
+            _abort(exc)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: _Context) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, call: Call) -> pb.ModelMetadataResponse:
         try:
             info = await self.front.model_info(request.name)
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            _abort(exc)
         return pb.ModelMetadataResponse(name=request.name, versions=[info.version], platform=info.platform,
                                         inputs=_tensors(info.inputs), outputs=_tensors(info.outputs))  # fmt: skip
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: _Context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
         try:
             # The client's deadline, where it set one, bounds the grain call (a call past it is
             # cancelled on the replica too, not left to run for nobody).
-            got = await self.front.infer(request.model_name, decode_request(request), context.time_remaining())
+            got = await self.front.infer(request.model_name, decode_request(request), call.time_remaining())
             return encode_response(request, got.version, got.outputs)
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            _abort(exc)
 
 
-def make_grpc_server(
-    front: Front, host: str = "127.0.0.1", port: int = 8001, *, max_message_bytes: int = MAX_MESSAGE_BYTES
-) -> tuple[grpc.aio.Server, int]:
-    """The server (not started) and the port it bound: a free one when ``port`` is 0.
-
-    Call it on the loop that will run the server (``grpc.aio`` takes the running loop).
-    """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.max_send_message_length", max_message_bytes)])  # fmt: skip
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(front), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    return server, bound
+def make_grpc_server(front: Front, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> GrpcServer:
+    """The service as a server, not yet listening (:meth:`GrpcServer.start` binds its port)."""
+    return GrpcServer(InferenceServicer(front).methods(), max_receive=max_message_bytes, max_send=max_message_bytes)
 
 
 @asynccontextmanager
 async def serve_grpc(
     front: Front, host: str = "127.0.0.1", port: int = 8001, *,
-    max_message_bytes: int = MAX_MESSAGE_BYTES, grace_s: float = GRACE_S,
+    max_message_bytes: int = MAX_MESSAGE_BYTES, grace_s: float = GRACE_S, reuse_port: bool = False,
 ) -> AsyncIterator[int]:  # fmt: skip
-    """The gRPC front serving while the block runs; yields its port.
+    """The gRPC front serving while the block runs; yields its port (a free one when ``port`` is 0).
 
-    On exit it stops gracefully: new calls are refused at once, calls under
-    way get ``grace_s`` to finish, then are cancelled.
+    ``reuse_port``: several processes listen on one port (``--workers``). On
+    exit it stops gracefully: new calls are refused at once, calls under way
+    get ``grace_s`` to finish, then are cancelled.
     """
-    server, bound = make_grpc_server(front, host, port, max_message_bytes=max_message_bytes)
-    await server.start()
+    server = make_grpc_server(front, max_message_bytes=max_message_bytes)
+    bound = await server.start(host, port, reuse_port=reuse_port)
     try:
         yield bound
     finally:

@@ -91,10 +91,10 @@ async def _child(config: dict[str, Any]) -> None:
         await asyncio.sleep(0.02)
     async with contextlib.AsyncExitStack() as fronts:
         if config.get("grpc_port"):
-            # gRPC servers bind with SO_REUSEPORT by default: every worker shares the port too.
+            # SO_REUSEPORT: every worker listens on the gRPC port too, as on the HTTP one.
             from grains.serving.grpc_front import serve_grpc
 
-            await fronts.enter_async_context(serve_grpc(front, config["host"], config["grpc_port"]))
+            await fronts.enter_async_context(serve_grpc(front, config["host"], config["grpc_port"], reuse_port=True))
         print("ready", flush=True)
         eof = asyncio.ensure_future(reader.read())
         await asyncio.wait([task, eof], return_when=asyncio.FIRST_COMPLETED)
