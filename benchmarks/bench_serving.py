@@ -183,7 +183,7 @@ def report_wire(wire: dict[str, Any], ray_http: dict[str, Any] | None) -> None:
             ])  # fmt: skip
     in_flight = f", --in-flight {wire['in_flight']}" if wire.get("in_flight") is not None else ""
     print(f"# over the wire, digits MLP: redgrain serve ({wire['workers']} front process(es){in_flight}, 1 silo), a no-op"
-          f" Starlette+uvicorn endpoint (a no-op grpc.aio servicer for gRPC) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
+          f" Starlette+uvicorn endpoint (for gRPC a no-op servicer on the front's gRPC server) and Ray Serve's HTTP proxy, all on this machine's {wire['server_cores']} cores;"
           f" the clients: 1 process, a thread and a client each, on the same cores; server CPU µs/req: the front's"
           f" (or the no-op's) processes' user+system CPU over the measurement per request, steadier than the rates"
           f" when other work shares the machine; (clients ...): the client process's CPU per request")  # fmt: skip
