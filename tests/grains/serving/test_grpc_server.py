@@ -88,20 +88,30 @@ async def test_a_message_over_a_limit_is_refused_each_way_and_the_connection_ser
     assert (fits.id, after.id) == ("fits", "after")
 
 
-async def test_a_call_past_its_deadline_has_its_handler_cancelled_and_saw_the_deadline():
-    seen: list[float | None] = []
-    entered, cancelled = asyncio.Event(), asyncio.Event()
+class Waits:
+    """A handler that never answers a request without an id (echoes one with an id) and records
+    each call's deadline, when it is entered and when it is cancelled."""
 
-    async def waits(request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
-        seen.append(call.time_remaining())
-        entered.set()
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+        self.entered, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
+        if request.id:
+            return await echo(request, call)
+        self.seen.append(call.time_remaining())
+        self.entered.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            cancelled.set()
+            self.cancelled.set()
             raise
         raise AssertionError("unreachable")
 
+
+async def test_a_call_past_its_deadline_has_its_handler_cancelled_and_saw_the_deadline():
+    waits = Waits()
+    seen, entered, cancelled = waits.seen, waits.entered, waits.cancelled
     server, url = await started(waits)
     try:
         async with grpc.aio.insecure_channel(url) as channel:
@@ -123,20 +133,9 @@ async def test_a_call_past_its_deadline_has_its_handler_cancelled_and_saw_the_de
 
 
 async def test_a_client_gone_mid_call_cancels_its_handler_and_others_are_served():
-    entered, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def waits_unless_named(request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
-        if request.id:
-            return await echo(request, call)
-        entered.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        raise AssertionError("unreachable")
-
-    server, url = await started(waits_unless_named)
+    waits = Waits()
+    entered, cancelled = waits.entered, waits.cancelled
+    server, url = await started(waits)
     try:
         channel = grpc.aio.insecure_channel(url)
         pending = asyncio.ensure_future(infer(channel)(pb.ModelInferRequest()))
@@ -164,9 +163,9 @@ async def test_statuses_and_messages_reach_the_client_as_given(caplog):
         async with grpc.aio.insecure_channel(url) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as aborted:
                 await infer(channel)(pb.ModelInferRequest(id="abort"), timeout=10)
-            with caplog.at_level(logging.ERROR, logger="grains.serving.grpc_server"):
-                with pytest.raises(grpc.aio.AioRpcError) as bug:
-                    await infer(channel)(pb.ModelInferRequest(id="bug"), timeout=10)
+            with caplog.at_level(logging.ERROR, logger="grains.serving.grpc_server"), \
+                    pytest.raises(grpc.aio.AioRpcError) as bug:  # fmt: skip
+                await infer(channel)(pb.ModelInferRequest(id="bug"), timeout=10)
             nope = channel.unary_unary("/inference.GRPCInferenceService/Nope")
             with pytest.raises(grpc.aio.AioRpcError) as unknown:
                 await nope(b"", timeout=10)
