@@ -196,11 +196,14 @@ async def test_garbage_on_a_connection_closes_only_that_connection(echo_server):
     await writer.drain()
     rest = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed it
     writer.close()
-    kinds, at = [], 0
-    while at + 9 <= len(rest):  # HTTP/2 frames: 3 bytes of length, then the type
-        kinds.append(rest[at + 3])
-        at += 9 + int.from_bytes(rest[at : at + 3], "big")
-    assert kinds[-1] == 7 and int.from_bytes(rest[-4:], "big") == 1  # GOAWAY, PROTOCOL_ERROR
+    frames, at = [], 0
+    while at + 9 <= len(rest):  # HTTP/2 frames: 3 bytes of length, the type, flags, stream, payload
+        length = int.from_bytes(rest[at : at + 3], "big")
+        frames.append((rest[at + 3], rest[at + 9 : at + 9 + length]))
+        at += 9 + length
+    kind, payload = frames[-1]
+    assert kind == 7 and int.from_bytes(payload[4:8], "big") == 1  # GOAWAY, PROTOCOL_ERROR
+    assert b"preface" in payload[8:]  # its debug data says what was wrong
     async with grpc.aio.insecure_channel(echo_server) as channel:
         assert (await infer(channel)(pb.ModelInferRequest(id="still"), timeout=10)).id == "still"
 
