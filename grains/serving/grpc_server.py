@@ -152,7 +152,9 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
-        self._buffer = b""  # the start of a frame not yet whole
+        self._partial: list[bytes] = []  # the pieces of a frame not yet whole
+        self._partial_size = 0
+        self._wanted = 0  # how many bytes make that frame whole (9 while its header is not)
         self._preface = False
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
         self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # header blocks seen on the table as it is
@@ -197,31 +199,40 @@ class _Connection(asyncio.Protocol):
         self._window.set()
 
     def data_received(self, data: bytes) -> None:
-        if self._buffer:
-            data, self._buffer = self._buffer + data, b""
+        if self._partial:
+            # The rest of a frame: joined once it is whole, not at every piece (a 1 MiB frame
+            # comes in many reads, and joining each would copy it over and over).
+            self._partial.append(data)
+            self._partial_size += len(data)
+            if self._partial_size < self._wanted:
+                return
+            data = b"".join(self._partial)
+            self._partial, self._partial_size = [], 0
         try:
             if not self._preface:
                 if len(data) < len(http2.PREFACE):
                     if not http2.PREFACE.startswith(data):
                         raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-                    self._buffer = data
+                    self._keep(data, len(http2.PREFACE))
                     return
                 if not data.startswith(http2.PREFACE):
                     raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
                 data = data[len(http2.PREFACE) :]
                 self._preface = True
             view, at, end = memoryview(data), 0, len(data)
+            wanted = 9
             while end - at >= 9:
                 length = int.from_bytes(view[at : at + 3], "big")
                 if length > MAX_FRAME:
                     raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {MAX_FRAME})")
                 if end - at - 9 < length:
+                    wanted = 9 + length
                     break
                 stream_id = int.from_bytes(view[at + 5 : at + 9], "big") & 0x7FFFFFFF
                 self._frame(view[at + 3], view[at + 4], stream_id, view[at + 9 : at + 9 + length])
                 at += 9 + length
             if at < end:
-                self._buffer = bytes(view[at:])
+                self._keep(bytes(view[at:]), wanted)
         except ProtocolError as exc:
             # The peer broke HTTP/2: a GOAWAY naming the error, and the connection is dropped.
             log.info("gRPC connection closed on a protocol error: %s", exc)
@@ -231,6 +242,10 @@ class _Connection(asyncio.Protocol):
                 self._transport.close()
             return
         self._flush()
+
+    def _keep(self, start: bytes, wanted: int) -> None:
+        """Hold the start of a frame (or of the preface) until ``wanted`` bytes of it are in."""
+        self._partial, self._partial_size, self._wanted = [start], len(start), wanted
 
     # --- frames in ---------------------------------------------------------------------------
 
