@@ -35,16 +35,16 @@ import asyncio
 import enum
 import logging
 import re
-import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import hpack
 from google.protobuf.message import DecodeError, Message
 
 from grains.serving import http2
+from grains.serving.corked import Corked, corked
 from grains.serving.http2 import END_HEADERS, END_STREAM, ErrorCode, Frame, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: GrpcServer) -> None:
         self._server = server
         self._loop = asyncio.get_running_loop()
-        self._transport: asyncio.Transport | None = None
+        self._transport: Corked | None = None
         self._partial: list[bytes] = []  # the pieces of a frame not yet whole
         self._partial_size = 0
         self._wanted = 0  # how many bytes make that frame whole (9 while its header is not)
@@ -167,21 +167,15 @@ class _Connection(asyncio.Protocol):
         self._initial_window = http2.DEFAULT_WINDOW  # the client's INITIAL_WINDOW_SIZE
         self._max_frame = http2.DEFAULT_MAX_FRAME  # the client's MAX_FRAME_SIZE
         self._received = 0  # DATA bytes not yet given back to the connection's window
-        self._out: list[bytes] = []
-        self._flushing = False
         self._window = asyncio.Event()  # set when a flow-control window or the transport opens
         self._writable = True
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport = corked(transport)  # answers finished in one loop turn leave in one write
         self._server._connections.add(self)
-        self._out += (_SETTINGS, http2.window_update(0, WINDOW - http2.DEFAULT_WINDOW))
-        self._flush()
+        self._send(_SETTINGS + http2.window_update(0, WINDOW - http2.DEFAULT_WINDOW))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._connections.discard(self)
@@ -236,12 +230,9 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as exc:
             # The peer broke HTTP/2: a GOAWAY naming the error, and the connection is dropped.
             log.info("gRPC connection closed on a protocol error: %s", exc)
-            self._out.append(http2.goaway(self._last_stream, exc.code, str(exc).encode()[:256]))
-            self._flush()
+            self._send(http2.goaway(self._last_stream, exc.code, str(exc).encode()[:256]))
             if self._transport is not None:
                 self._transport.close()
-            return
-        self._flush()
 
     def _keep(self, start: bytes, wanted: int) -> None:
         """Hold the start of a frame (or of the preface) until ``wanted`` bytes of it are in."""
@@ -292,7 +283,7 @@ class _Connection(asyncio.Protocol):
             if len(payload) != 8:
                 raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "a PING is 8 bytes")
             if not flags & http2.ACK:
-                self._out.append(http2.frame(Frame.PING, http2.ACK, 0, bytes(payload)))
+                self._send(http2.frame(Frame.PING, http2.ACK, 0, bytes(payload)))
         elif kind == Frame.PUSH_PROMISE:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client cannot push")
         elif kind == Frame.GOAWAY and self._transport is not None and not self._calls:
@@ -325,7 +316,7 @@ class _Connection(asyncio.Protocol):
                 self._max_frame = value
             # HEADER_TABLE_SIZE: the answers' literals never use the client's table. The rest
             # (push, the client's own stream and header limits) bind a client's sending, not ours.
-        self._out.append(_SETTINGS_ACK)
+        self._send(_SETTINGS_ACK)
 
     def _window_update(self, sid: int, increment: int) -> None:
         if sid == 0:
@@ -347,7 +338,7 @@ class _Connection(asyncio.Protocol):
         # The connection's window is given back for every DATA frame, dropped or kept.
         self._received += len(payload)
         if self._received >= WINDOW // 2:
-            self._out.append(http2.window_update(0, self._received))
+            self._send(http2.window_update(0, self._received))
             self._received = 0
         if sid > self._last_stream:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {sid}, never opened")
@@ -365,7 +356,7 @@ class _Connection(asyncio.Protocol):
             return
         call.received += len(payload)
         if call.received >= WINDOW // 2:
-            self._out.append(http2.window_update(sid, call.received))
+            self._send(http2.window_update(sid, call.received))
             call.received = 0
 
     def _headers(self, sid: int, flags: int, block: memoryview) -> None:
@@ -381,12 +372,12 @@ class _Connection(asyncio.Protocol):
                 self._ended(call)
             return
         if sid <= self._last_stream:
-            self._out.append(http2.rst_stream(sid, ErrorCode.STREAM_CLOSED))
+            self._send(http2.rst_stream(sid, ErrorCode.STREAM_CLOSED))
             return
         self._last_stream = sid
         if (self._refusing_above is not None and sid > self._refusing_above) or len(self._calls) >= MAX_STREAMS:
             # After our GOAWAY, or over the advertised limit: refused, which a client retries.
-            self._out.append(http2.rst_stream(sid, ErrorCode.REFUSED_STREAM))
+            self._send(http2.rst_stream(sid, ErrorCode.REFUSED_STREAM))
             return
         call = Call(sid, headers.get(b":path", b"").decode("latin-1"), headers, None, self._loop, self._initial_window)
         self._calls[sid] = call
@@ -394,7 +385,8 @@ class _Connection(asyncio.Protocol):
         method = headers.get(b":method")
         if method != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
             # Not gRPC at all: an HTTP answer, as the protocol asks (415 for the content type).
-            self._answer_early(call, http2.literal_indexed_name(8, b"415" if method == b"POST" else b"405"))
+            status = http2.literal_indexed_name(8, b"415" if method == b"POST" else b"405")
+            self._finish(call, status, trailers_only=False)
             return
         try:
             call.deadline = _deadline(headers.get(b"grpc-timeout"), self._loop.time())
@@ -481,12 +473,12 @@ class _Connection(asyncio.Protocol):
             return
         sid = call.stream_id
         message = b"\x00" + len(body).to_bytes(4, "big") + body
-        self._out.append(http2.frame(Frame.HEADERS, END_HEADERS, sid, http2.RESPONSE))
+        self._send(http2.frame(Frame.HEADERS, END_HEADERS, sid, http2.RESPONSE))
         if len(message) <= min(self._send_window, call.send_window, self._max_frame):
             # The common case: the whole answer fits the windows, and leaves with its trailers.
             self._send_window -= len(message)
             call.send_window -= len(message)
-            self._out.append(http2.frame(Frame.DATA, 0, sid, message))
+            self._send(http2.frame(Frame.DATA, 0, sid, message))
         else:
             await self._send_large(call, memoryview(message))
             if sid not in self._calls or self._closed():
@@ -500,15 +492,13 @@ class _Connection(asyncio.Protocol):
                 return
             n = min(self._send_window, call.send_window, self._max_frame, len(message) - sent)
             if n <= 0 or not self._writable:
-                self._flush()
                 self._window.clear()
                 await self._window.wait()
                 continue
-            self._out.append(http2.frame(Frame.DATA, 0, call.stream_id, bytes(message[sent : sent + n])))
+            self._send(http2.frame(Frame.DATA, 0, call.stream_id, bytes(message[sent : sent + n])))
             self._send_window -= n
             call.send_window -= n
             sent += n
-            self._schedule_flush()
 
     def _finish(self, call: Call, trailers: bytes, *, trailers_only: bool = True) -> None:
         """End the answer with ``trailers`` (after :data:`http2.RESPONSE` when nothing went before)."""
@@ -519,52 +509,38 @@ class _Connection(asyncio.Protocol):
         if not call.remote_closed:
             # Still sending (a message over the limit, say): HTTP/2 lets a server that has answered
             # in full reset the rest with NO_ERROR, and the client keeps the answer.
-            self._out.append(http2.rst_stream(call.stream_id, ErrorCode.NO_ERROR))
-        self._schedule_flush()
+            self._send(http2.rst_stream(call.stream_id, ErrorCode.NO_ERROR))
 
     def _send_block(self, sid: int, block: bytes) -> None:
         """A header block that ends the stream, in HEADERS and as many CONTINUATIONs as it needs."""
         first, rest = block[: self._max_frame], block[self._max_frame :]
-        self._out.append(http2.frame(Frame.HEADERS, END_STREAM | (0 if rest else END_HEADERS), sid, first))
+        self._send(http2.frame(Frame.HEADERS, END_STREAM | (0 if rest else END_HEADERS), sid, first))
         while rest:
             part, rest = rest[: self._max_frame], rest[self._max_frame :]
-            self._out.append(http2.frame(Frame.CONTINUATION, 0 if rest else END_HEADERS, sid, part))
+            self._send(http2.frame(Frame.CONTINUATION, 0 if rest else END_HEADERS, sid, part))
 
     def _refuse(self, call: Call, status: Status, message: str, *, accept_encoding: bool = False) -> None:
         """Answer a call with a status before its handler runs."""
         block = _trailers(status, message)
         if accept_encoding:
             block += http2.literal(b"grpc-accept-encoding", b"identity")
-        self._answer_early(call, http2.RESPONSE + block)
-
-    def _answer_early(self, call: Call, block: bytes) -> None:
-        self._finish(call, block, trailers_only=False)
+        self._finish(call, http2.RESPONSE + block, trailers_only=False)
 
     def _reset(self, call: Call, code: ErrorCode) -> None:
         self._calls.pop(call.stream_id, None)
         if call.task is not None and code != ErrorCode.CANCEL:
             call.task.cancel()
-        self._out.append(http2.rst_stream(call.stream_id, code))
-        self._schedule_flush()
+        self._send(http2.rst_stream(call.stream_id, code))
 
     # --- writes ------------------------------------------------------------------------------
 
     def _closed(self) -> bool:
         return self._transport is None or self._transport.is_closing()
 
-    def _schedule_flush(self) -> None:
-        # Answers finished in one loop turn leave in one write (and one TCP segment) at its end.
-        if not self._flushing:
-            self._flushing = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        if self._out:
-            out, self._out = self._out, []
-            if not self._closed():
-                assert self._transport is not None
-                self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+    def _send(self, data: bytes) -> None:
+        if not self._closed():
+            assert self._transport is not None
+            self._transport.write(data)
 
     # --- stopping ----------------------------------------------------------------------------
 
@@ -573,8 +549,7 @@ class _Connection(asyncio.Protocol):
         if self._closed() or self._refusing_above is not None:
             return
         self._refusing_above = self._last_stream
-        self._out.append(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
-        self._flush()
+        self._send(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
 
     def tasks(self) -> list[asyncio.Task[None]]:
         return [c.task for c in self._calls.values() if c.task is not None]
@@ -582,10 +557,9 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._closed():
             return
-        self._out.append(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
-        self._flush()
+        self._send(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
         assert self._transport is not None
-        self._transport.close()
+        self._transport.close()  # what was written goes out first
 
 
 class GrpcServer:
