@@ -61,6 +61,7 @@ class Peer:
         self.reader, self.writer = reader, writer
         self.decoder = hpack.Decoder()
         self.encoder = hpack.Encoder()
+        self.blocks: dict[int, list[dict[bytes, bytes]]] = {}  # each stream's header blocks, decoded
 
     @classmethod
     async def open(cls, port: int, settings_payload: bytes = b"") -> Peer:
@@ -88,7 +89,7 @@ class Peer:
         while (f := await self.frame()) is not None:
             seen.append(f)
             if f[0] == HEADERS:
-                self.decoder.decode(f[3])
+                self.blocks.setdefault(f[2], []).append(dict(self.decoder.decode(f[3], raw=True)))
             if f[0] == kind and (sid is None or f[2] == sid):
                 return seen
         raise AssertionError(f"the connection ended before a frame of type {kind}: {seen}")
@@ -165,6 +166,14 @@ async def test_an_answer_larger_than_the_clients_window_waits_for_it_to_open(por
     peer.send(raw(PING, 0, 0, b"barrier!"))
     frames += await peer.until(PING)
     assert len(answer(frames, 1)) == 1000
+    # A larger INITIAL_WINDOW_SIZE moves the open stream's window by the difference (RFC 9113,
+    # 6.9.2): 2,000 bytes more, and no more than that.
+    peer.send(raw(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (3000).to_bytes(4, "big")))
+    while len(answer(frames, 1)) < 3000:  # a server that ignored the change sends nothing: timeout
+        frames += await peer.until(DATA, 1)
+    peer.send(raw(PING, 0, 0, b"barrier2"))  # sent once the window's worth is in: nothing more came
+    frames += await peer.until(PING)
+    assert len(answer(frames, 1)) == 3000
     peer.send(raw(WINDOW_UPDATE, 0, 1, (100_000).to_bytes(4, "big")))
     frames += await peer.until(HEADERS, 1)  # the trailers, once the rest is through
     peer.close()
@@ -188,6 +197,54 @@ async def test_streams_over_the_limit_are_refused_and_the_rest_answered(port):
     frames += await peer.until(HEADERS, 1)
     peer.close()
     assert pb.ModelInferResponse.FromString(answer(frames, 1)[5:]).id == "first"
+
+
+async def test_a_header_block_seen_before_is_read_again_once_the_table_changed(port):
+    """The server keeps decoded header blocks; the same bytes mean other headers once the
+    client's HPACK table has changed, and must be read as such."""
+    peer = await Peer.open(port)
+    peer.send(raw(HEADERS, END_HEADERS | END_STREAM, 1, request_headers(peer.encoder)))  # fills the table
+    indexed = request_headers(peer.encoder)  # now indexes only: the same bytes every call
+    peer.send(raw(HEADERS, END_HEADERS | END_STREAM, 3, indexed))
+    # A new :path enters the table first, so the indexes of `indexed` now name other entries,
+    # among them this :path.
+    peer.send(raw(HEADERS, END_HEADERS | END_STREAM, 5, request_headers(peer.encoder, "/x.Y/Nope")))
+    peer.send(raw(HEADERS, END_HEADERS | END_STREAM, 7, indexed))
+    await peer.until(HEADERS, 7)
+    peer.close()
+    status = {sid: (peer.blocks[sid][-1][b"grpc-status"], peer.blocks[sid][-1].get(b"grpc-message", b""))
+              for sid in (1, 3, 5, 7)}  # fmt: skip
+    # ModelInfer with no body: INTERNAL; the unknown method: UNIMPLEMENTED, on 5 and on 7.
+    assert status[1][0] == status[3][0] == b"13"
+    assert status[5][0] == status[7][0] == b"12" and b"Nope" in status[7][1]
+
+
+async def test_after_a_goaway_new_streams_are_refused_and_the_call_under_way_is_answered():
+    release, entered = asyncio.Event(), asyncio.Event()
+
+    async def held(request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
+        entered.set()
+        await release.wait()
+        return await echo(request, call)
+
+    server = GrpcServer({INFER: Method(pb.ModelInferRequest, held)}, max_receive=1 << 20, max_send=1 << 20)
+    peer = await Peer.open(await server.start("127.0.0.1", 0))
+    peer.send(raw(HEADERS, END_HEADERS, 1, request_headers(peer.encoder)))
+    peer.send(raw(DATA, END_STREAM, 1, message(pb.ModelInferRequest(id="under way"))))
+    await asyncio.wait_for(entered.wait(), 10)
+    stopping = asyncio.ensure_future(server.stop(30))
+    frames = await peer.until(GOAWAY)
+    assert int.from_bytes(frames[-1][3][:4], "big") == 1  # the last stream it will answer
+    peer.send(raw(HEADERS, END_HEADERS | END_STREAM, 3, request_headers(peer.encoder)))
+    frames = await peer.until(RST, 3)
+    assert frames[-1][3] == REFUSED_STREAM.to_bytes(4, "big")
+    release.set()
+    frames = await peer.until(HEADERS, 1)
+    frames += await peer.until(HEADERS, 1)
+    await asyncio.wait_for(stopping, 10)
+    peer.close()
+    assert pb.ModelInferResponse.FromString(answer(frames, 1)[5:]).id == "under way"
+    assert peer.blocks[1][-1][b"grpc-status"] == b"0"
 
 
 @pytest.mark.parametrize(
