@@ -296,7 +296,7 @@ class Connection(FrameReceiver):
             fut.set_exception(exc)
             return
         if kind == ERROR:
-            fut.set_exception(error_from_body(value))
+            fut.set_exception(error_from_body(value, self.codec.registry))
         else:
             fut.set_result(value)
 

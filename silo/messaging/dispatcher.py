@@ -43,6 +43,7 @@ from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
+from silo.messaging.wire_errors import as_remote
 from silo.streams.turn import STREAM_METHOD, stream_turn
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
@@ -388,6 +389,14 @@ class Dispatcher:
                 self._watch(inv)
                 try:
                     result = await fut
+                except Reroute:
+                    raise
+                except Exception as exc:
+                    # What a caller on another silo would get (wire_errors.as_remote).
+                    remote = as_remote(exc, None if self._codec is None else self._codec.registry)
+                    if remote is exc:
+                        raise
+                    raise remote from None
                 finally:
                     self._waiting.discard(inv)
                 if local and type(result) not in _SCALARS:

@@ -1,0 +1,110 @@
+"""The edges of a call mean the same at every distance (docs/concepts.md, "The same call at every
+distance"): the callee on the caller's silo, on another silo, called from a client, and in the
+in-process harness (alone, and two silos over the transport twin).
+
+- An error is caught by its own type (and still as RemoteGrainError), with the remote traceback.
+- A caller's cancellation cancels the callee's running turn and drops its queued call.
+- A one-way call, or a call from a background task (``start_task``), carries no waiting chain:
+  the callee calling back is no deadlock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from silo import errors
+from silo.messaging.router import Router
+from silo.testing import InProcessCluster, InProcessSilo
+from tests.edge_grains import (
+    CancelProbe,
+    ErrorProbe,
+    Pinger,
+    Ponger,
+    QuotaError,
+    Raiser,
+    Sleeper,
+    caught,
+)
+
+GRAINS = ("tests.edge_grains",)
+EDGE_CLASSES = [Raiser, ErrorProbe, Sleeper, CancelProbe, Pinger, Ponger]
+
+# What each kind of error looks like to the caller's except clauses, wherever the callee is.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "value": {"value": True, "key": False, "quota": False, "args": ["bad value"], "used": None},
+    "key": {"value": False, "key": True, "quota": False, "args": ["missing"], "used": None},
+    "quota": {"value": False, "key": False, "quota": True, "args": ["quota used up: 7"], "used": 7},
+    # json.JSONDecodeError is named nowhere here: it is caught as the builtin it derives from.
+    "json": {"value": True, "key": False, "quota": False, "used": None},
+}
+
+
+async def _place(two: InProcessCluster, caller: Any, callee: Any) -> None:
+    """``caller`` on the first in-process silo, ``callee`` on the second."""
+    a, b = two.silos
+    assert isinstance(a.router, Router)
+    await a.router.activate(caller.grain_id, a.address)
+    await a.router.activate(callee.grain_id, b.address)
+
+
+def _check_caught(seen: dict[str, Any], kind: str) -> None:
+    want = {**EXPECTED[kind], "remote": True, "traceback": True}
+    assert {k: seen[k] for k in want} == want, (kind, seen)
+
+
+async def _errors_from_a_probe(probe: Any, raiser_key: str) -> None:
+    for kind in EXPECTED:
+        _check_caught(await probe.probe(raiser_key, kind), kind)
+
+
+async def _errors_from_here(raiser: Any) -> None:
+    for kind in EXPECTED:
+        with pytest.raises(Exception) as info:
+            await raiser.fail(kind)
+        _check_caught(caught(info.value), kind)
+    with pytest.raises(ValueError, match="bad value") as value_error:
+        await raiser.fail("value")
+    assert isinstance(value_error.value, errors.RemoteGrainError) and value_error.value.type_name == "ValueError"
+    with pytest.raises(QuotaError):
+        await raiser.fail("quota")
+    # A type no except clause here could name is still a RemoteGrainError naming it.
+    with pytest.raises(errors.RemoteGrainError, match="RuntimeError: other") as other:
+        await raiser.fail("other")
+    assert isinstance(other.value, RuntimeError)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+async def test_a_callees_error_is_caught_by_its_type_on_the_same_silo(cluster, client) -> None:
+    (silo,) = await cluster(1, grains=GRAINS)
+    await _errors_from_a_probe(client.get_grain(ErrorProbe, "p"), "r")
+    assert silo.router.statistics().local_calls >= len(EXPECTED)
+
+
+async def test_a_callees_error_is_caught_by_its_type_from_another_silo(cluster, client) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    probe, raiser = client.get_grain(ErrorProbe, "p"), client.get_grain(Raiser, "r")
+    await client.router.activate(probe.grain_id, a.address)
+    await client.router.activate(raiser.grain_id, b.address)
+    await _errors_from_a_probe(probe, "r")
+    assert a.router.statistics().local_calls == 0
+
+
+async def test_a_callees_error_is_caught_by_its_type_from_a_client(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    await _errors_from_here(client.get_grain(Raiser, "r"))
+
+
+async def test_the_in_process_harness_raises_the_same_errors() -> None:
+    async with InProcessSilo(EDGE_CLASSES) as silo:
+        await _errors_from_here(silo.get_grain(Raiser, "r"))
+        await _errors_from_a_probe(silo.get_grain(ErrorProbe, "p"), "r")
+    async with InProcessCluster(EDGE_CLASSES, silos=2) as two:
+        a = two.silos[0]
+        probe = a.get_grain(ErrorProbe, "p")
+        await _place(two, probe, a.get_grain(Raiser, "r"))
+        await _errors_from_a_probe(probe, "r")
+        await _errors_from_here(a.get_grain(Raiser, "r"))
