@@ -513,6 +513,18 @@ class Connection(FrameReceiver):
         except errors.SiloError:
             pass
 
+    def cancel(self, req_id: int) -> None:
+        """The caller gave up on a request before its answer: forget it and send the peer a CANCEL,
+        as its deadline does (the callee's turn is cancelled, or its queued call dropped)."""
+        if self._pending.pop(req_id, None) is None:
+            return  # answered (or expired) already
+        if self._waiters:
+            self._hand_slots()
+        try:
+            self._send_frame([CANCEL, req_id])
+        except errors.SiloError:
+            pass
+
     def send_response(self, req_id: int, value: Any) -> None:
         """Answer a request (exactly once per request received)."""
         if self._serving:

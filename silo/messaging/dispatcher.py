@@ -389,6 +389,11 @@ class Dispatcher:
                 self._watch(inv)
                 try:
                     result = await fut
+                except asyncio.CancelledError:
+                    # The caller gave up (task cancelled, wait_for, a TaskGroup failing): the
+                    # callee's turn is cancelled, or the queued call dropped, as a CANCEL does.
+                    act.cancel_call(inv)
+                    raise
                 except Reroute:
                     raise
                 except Exception as exc:

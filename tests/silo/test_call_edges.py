@@ -10,6 +10,7 @@ in-process harness (alone, and two silos over the transport twin).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from tests.edge_grains import (
     QuotaError,
     Raiser,
     Sleeper,
+    cancel_nap_and_queued,
     caught,
 )
 
@@ -108,3 +110,52 @@ async def test_the_in_process_harness_raises_the_same_errors() -> None:
         await _place(two, probe, a.get_grain(Raiser, "r"))
         await _errors_from_a_probe(probe, "r")
         await _errors_from_here(a.get_grain(Raiser, "r"))
+
+
+# --- cancellation --------------------------------------------------------------------------------
+
+CANCELLED = {"last": "cancelled", "marks": []}
+
+
+async def test_a_callers_cancellation_reaches_the_callee_on_the_same_silo(cluster, client) -> None:
+    (silo,) = await cluster(1, grains=GRAINS)
+    assert await client.get_grain(CancelProbe, "c").run("s") == CANCELLED
+    assert silo.router.statistics().local_calls >= 2
+
+
+async def test_a_callers_cancellation_reaches_the_callee_on_another_silo(cluster, client) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    probe, sleeper = client.get_grain(CancelProbe, "c"), client.get_grain(Sleeper, "s")
+    await client.router.activate(probe.grain_id, a.address)
+    await client.router.activate(sleeper.grain_id, b.address)
+    assert await probe.run("s") == CANCELLED
+
+
+async def test_a_clients_cancellation_reaches_the_callee(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    assert await cancel_nap_and_queued(client.get_grain(Sleeper, "s")) == CANCELLED
+
+
+async def test_the_in_process_harness_cancels_the_same_way() -> None:
+    async with InProcessSilo(EDGE_CLASSES) as silo:
+        assert await cancel_nap_and_queued(silo.get_grain(Sleeper, "s")) == CANCELLED
+        assert await silo.get_grain(CancelProbe, "c").run("t") == CANCELLED
+    async with InProcessCluster(EDGE_CLASSES, silos=2) as two:
+        a, b = two.silos
+        probe = a.get_grain(CancelProbe, "c")
+        await _place(two, probe, a.get_grain(Sleeper, "s"))
+        assert await probe.run("s") == CANCELLED
+        assert await cancel_nap_and_queued(b.get_grain(Sleeper, "u")) == CANCELLED
+
+
+async def test_a_grain_shields_work_from_its_callers_cancellation() -> None:
+    async with InProcessSilo(EDGE_CLASSES) as silo:
+        sleeper = silo.get_grain(Sleeper, "s")
+        call = asyncio.ensure_future(sleeper.shielded())
+        await sleeper.started()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # The turn was cancelled, the shielded work it started was not.
+        assert await asyncio.wait_for(sleeper.wait_work(), 5) is True
+        assert (await sleeper.report())["last"] == "cancelled"
