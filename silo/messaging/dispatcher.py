@@ -543,7 +543,7 @@ class Dispatcher:
         The arguments are copied before this returns (the caller may change its objects at once);
         the call is tracked as a network request would be, so it runs until done, not until its
         deadline, and a failure is logged and counted here."""
-        grain, method, args, kwargs, timeout_s, chain, hops = call
+        grain, method, args, kwargs, timeout_s, _, hops = call
         if self._codec is not None:
             args = self._codec.copy(args)
             if kwargs:
@@ -552,7 +552,8 @@ class Dispatcher:
         self._posts += 1
         # (0, n) never collides with a connection's (id(conn), req_id): no CANCEL reaches it.
         track = (0, self._posts)
-        copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, chain, hops))
+        # No chain: the caller does not wait for a one-way call (see the router's ONEWAY header).
+        copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, (), hops))
         task = asyncio.get_running_loop().create_task(self._run_posted(copied, deadline, track, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -284,7 +284,9 @@ class Router:
                         continue
                     if one_way:
                         # Sent and done: no answer comes, so it takes no in-flight slot.
-                        header: list[Any] = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
+                        # No chain: the caller does not wait, so the callee's calls back to it cannot
+                        # deadlock on it (a turn started by a one-way call starts a chain of its own).
+                        header: list[Any] = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), [], hops]
                         if trace is not None:
                             header.append(trace)
                         conn.send_one_way(header, (args, kwargs) if kwargs else list(args))

@@ -159,3 +159,39 @@ async def test_a_grain_shields_work_from_its_callers_cancellation() -> None:
         # The turn was cancelled, the shielded work it started was not.
         assert await asyncio.wait_for(sleeper.wait_work(), 5) is True
         assert (await sleeper.report())["last"] == "cancelled"
+
+
+# --- no deadlock where nothing waits ----------------------------------------------------------------
+
+
+async def _called_back(pinger: Any, ponger: Any, how: str) -> str:
+    await (pinger.notify(ponger.key) if how == "one-way" else pinger.spawn(ponger.key))
+    outcome: str = await ponger.wait_outcome()
+    return outcome
+
+
+@pytest.mark.parametrize("how", ["one-way", "start_task"])
+async def test_a_call_back_into_an_idle_grain_is_no_deadlock_on_the_same_silo(cluster, client, how: str) -> None:
+    await cluster(1, grains=GRAINS)
+    assert await _called_back(client.get_grain(Pinger, "a"), client.get_grain(Ponger, "b"), how) == "pong"
+
+
+@pytest.mark.parametrize("how", ["one-way", "start_task"])
+async def test_a_call_back_into_an_idle_grain_is_no_deadlock_across_silos(cluster, client, how: str) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    pinger, ponger = client.get_grain(Pinger, "a"), client.get_grain(Ponger, "b")
+    await client.router.activate(pinger.grain_id, a.address)
+    await client.router.activate(ponger.grain_id, b.address)
+    assert await _called_back(pinger, ponger, how) == "pong"
+
+
+@pytest.mark.parametrize("how", ["one-way", "start_task"])
+async def test_the_in_process_harness_sees_no_deadlock_either(how: str) -> None:
+    async with InProcessSilo(EDGE_CLASSES) as silo:
+        assert await _called_back(silo.get_grain(Pinger, "a"), silo.get_grain(Ponger, "b"), how) == "pong"
+    async with InProcessCluster(EDGE_CLASSES, silos=2) as two:
+        a = two.silos[0]
+        pinger, ponger = a.get_grain(Pinger, "a"), a.get_grain(Ponger, "b")
+        await _place(two, pinger, ponger)
+        assert await _called_back(pinger, ponger, how) == "pong"
+
