@@ -108,18 +108,47 @@ class Sleeper(Grain):
         return True
 
 
-async def cancel_nap_and_queued(sleeper: Any) -> dict[str, Any]:
+async def cancel_nap_and_queued(sleeper: Any, how: str = "cancel") -> dict[str, Any]:
     """Start a long nap and queue a call behind it, cancel both callers, then report.
 
     ``started`` runs beside the nap, so both calls are on the callee when the callers are
-    cancelled; the report is asked on the same path after the cancellations, so it sees
-    whatever they did to the nap and to the queued call."""
-    nap = asyncio.ensure_future(sleeper.nap(10.0))
-    queued = asyncio.ensure_future(sleeper.mark("queued"))
-    await sleeper.started()
-    nap.cancel()
-    queued.cancel()
-    await asyncio.gather(nap, queued, return_exceptions=True)
+    cancelled (``how``: by ``task.cancel()``, by an ``asyncio.timeout`` that expires, or by
+    a TaskGroup whose other task fails); the report is asked on the same path after the
+    cancellations, so it sees whatever they did to the nap and to the queued call."""
+    if how == "cancel":
+        nap = asyncio.ensure_future(sleeper.nap(10.0))
+        queued = asyncio.ensure_future(sleeper.mark("queued"))
+        await sleeper.started()
+        nap.cancel()
+        queued.cancel()
+        await asyncio.gather(nap, queued, return_exceptions=True)
+    elif how == "timeout":
+        try:
+            async with asyncio.timeout(None) as deadline:
+
+                async def expire_once_started() -> None:
+                    await sleeper.started()
+                    deadline.reschedule(asyncio.get_running_loop().time())
+                    await asyncio.Event().wait()
+
+                await asyncio.gather(sleeper.nap(10.0), sleeper.mark("queued"), expire_once_started())
+        except TimeoutError:
+            pass
+    elif how == "taskgroup":
+
+        async def fail_once_started() -> None:
+            await sleeper.started()
+            raise LookupError("a sibling failed")
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(sleeper.nap(10.0))
+                group.create_task(sleeper.mark("queued"))
+                group.create_task(fail_once_started())
+        except* LookupError:
+            pass
+    else:
+        raise ValueError(how)
     report: dict[str, Any] = await sleeper.report()
     return report
 

@@ -131,14 +131,16 @@ async def test_a_callers_cancellation_reaches_the_callee_on_another_silo(cluster
     assert await probe.run("s") == CANCELLED
 
 
-async def test_a_clients_cancellation_reaches_the_callee(cluster, client) -> None:
+@pytest.mark.parametrize("how", ["cancel", "timeout", "taskgroup"])
+async def test_a_clients_cancellation_reaches_the_callee(cluster, client, how: str) -> None:
     await cluster(1, grains=GRAINS)
-    assert await cancel_nap_and_queued(client.get_grain(Sleeper, "s")) == CANCELLED
+    assert await cancel_nap_and_queued(client.get_grain(Sleeper, "s"), how) == CANCELLED
 
 
 async def test_the_in_process_harness_cancels_the_same_way() -> None:
     async with InProcessSilo(EDGE_CLASSES) as silo:
-        assert await cancel_nap_and_queued(silo.get_grain(Sleeper, "s")) == CANCELLED
+        for how in ("cancel", "timeout", "taskgroup"):
+            assert await cancel_nap_and_queued(silo.get_grain(Sleeper, how), how) == CANCELLED, how
         assert await silo.get_grain(CancelProbe, "c").run("t") == CANCELLED
     async with InProcessCluster(EDGE_CLASSES, silos=2) as two:
         a, b = two.silos
