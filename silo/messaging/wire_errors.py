@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from silo.codec import TypeRegistry
 
 _PLAIN = (str, int, float, bool, bytes, type(None))
+_MAX_VALUE = 4096
+"""Longest str or bytes argument or attribute an error carries (longer ones stay behind)."""
 _OWN = frozenset({"type_name", "message", "traceback_text"})
 """RemoteGrainError's own attributes: never taken from a body's fields."""
 _BUILTIN: dict[str, type[Exception]] = {
@@ -63,15 +65,20 @@ def error_body(exc: BaseException) -> dict[str, Any]:
             "message": str(exc),
             "tb": format_remote_traceback(exc),
         }
-    if exc.args and all(isinstance(a, _PLAIN) for a in exc.args):
+    if exc.args and all(_small(a) for a in exc.args):
         body["args"] = list(exc.args)
-    fields = {k: v for k, v in vars(exc).items() if k not in _OWN and isinstance(v, _PLAIN)}
+    fields = {k: v for k, v in vars(exc).items() if k not in _OWN and _small(v)}
     if fields:
         body["fields"] = fields
     base = next((c for c in origin.__mro__ if c in _BUILTIN_CLASSES), None)
     if base is not None and base is not origin:
         body["builtin"] = base.__name__
     return body
+
+
+def _small(value: Any) -> bool:
+    # Plain and short: json.JSONDecodeError keeps the whole document it failed on in ``doc``.
+    return isinstance(value, _PLAIN) and (not isinstance(value, (str, bytes)) or len(value) <= _MAX_VALUE)
 
 
 def error_from_body(body: Any, registry: TypeRegistry | None = None) -> errors.RedgrainError:

@@ -85,3 +85,12 @@ def test_a_remote_error_passed_on_keeps_its_class() -> None:
     twice = error_from_body(error_body(once))
     assert isinstance(twice, ValueError) and isinstance(twice, errors.RemoteGrainError)
     assert twice.args == ("v",) and twice.traceback_text == once.traceback_text
+
+
+def test_long_attributes_stay_behind() -> None:
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads("[" + "1, " * 10_000)
+    body = error_body(info.value)
+    assert "doc" not in body["fields"] and body["fields"]["pos"] == info.value.pos
