@@ -71,8 +71,8 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     if fields:
         body["fields"] = fields
     base = next((c for c in origin.__mro__ if c in _BUILTIN_CLASSES), None)
-    if base is not None and base is not origin:
-        body["builtin"] = base.__name__
+    if base is not None and base.__name__ != body["type"]:
+        body["builtin"] = base.__name__  # also when passed on: a JSONDecodeError is still a ValueError
     return body
 
 

@@ -52,6 +52,10 @@ def test_a_class_unknown_here_is_caught_as_its_nearest_builtin_base() -> None:
     got = _across(info.value, _registry())
     assert isinstance(got, ValueError) and not isinstance(got, json.JSONDecodeError)
     assert isinstance(got, errors.RemoteGrainError) and got.type_name == "json.decoder.JSONDecodeError"
+    # Passed on by a silo that called it (a chain of calls): still a ValueError.
+    again = error_from_body(error_body(got))
+    assert isinstance(again, ValueError) and isinstance(again, errors.RemoteGrainError)
+    assert again.type_name == "json.decoder.JSONDecodeError"
 
 
 @pytest.mark.parametrize(
