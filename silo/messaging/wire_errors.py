@@ -37,10 +37,12 @@ _MAX_VALUE = 4096
 """Longest str or bytes argument or attribute an error carries (longer ones stay behind)."""
 _OWN = frozenset({"type_name", "message", "traceback_text"})
 """RemoteGrainError's own attributes: never taken from a body's fields."""
+_NEVER = (StopIteration, StopAsyncIteration)
+"""Raised out of a coroutine these turn into RuntimeError: a remote one is only RemoteGrainError."""
 _BUILTIN: dict[str, type[Exception]] = {
     name: cls
     for name, cls in vars(builtins).items()
-    if isinstance(cls, type) and issubclass(cls, Exception) and cls is not Exception
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, _NEVER) and cls is not Exception
 }
 _BUILTIN_CLASSES = frozenset(_BUILTIN.values())
 
@@ -180,7 +182,7 @@ def _remote_class(cls: type[Exception]) -> type[errors.RemoteGrainError] | None:
 
 
 def _make_remote_class(cls: type[Exception]) -> type[errors.RemoteGrainError] | None:
-    if issubclass(cls, errors.RemoteGrainError):
+    if issubclass(cls, (errors.RemoteGrainError, *_NEVER)):
         return None
     if type(cls) is not type or any(
         "__new__" in vars(c) or "__init_subclass__" in vars(c) for c in cls.__mro__ if c.__module__ != "builtins"

@@ -66,6 +66,8 @@ def test_a_class_unknown_here_is_caught_as_its_nearest_builtin_base() -> None:
         {"code": "remote", "type": "KeyboardInterrupt", "message": "x"},
         {"code": "remote", "type": "SystemExit", "message": "x", "builtin": "SystemExit"},
         {"code": "remote", "type": "x.Y", "message": "x", "builtin": "print"},
+        # Raised out of a coroutine it would turn into RuntimeError("coroutine raised StopIteration").
+        {"code": "remote", "type": "StopIteration", "message": "x"},
     ],
 )
 def test_a_name_from_the_peer_is_only_looked_up_never_imported_or_run(body: dict[str, object]) -> None:
