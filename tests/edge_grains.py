@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, ClassVar
 
-from grains import Grain, interleave, one_way
+from grains import Grain, interleave, one_way, silo_role
 from silo.errors import DeadlockError, RemoteGrainError
 
 
@@ -153,11 +153,54 @@ async def cancel_nap_and_queued(sleeper: Any, how: str = "cancel") -> dict[str, 
     return report
 
 
+@silo_role("slow")  # on the silo a test starts with that role: another one than its caller's
+class SlowStart(Grain):
+    """A grain whose activation waits for the test (silos of a test share its process and loop)."""
+
+    gate: ClassVar[asyncio.Event | None] = None
+    activating: ClassVar[asyncio.Event | None] = None
+
+    def __init__(self) -> None:
+        self.marks: list[str] = []
+
+    async def on_activate(self) -> None:
+        if SlowStart.activating is not None:
+            SlowStart.activating.set()
+        if SlowStart.gate is not None:
+            await SlowStart.gate.wait()
+
+    async def mark(self, tag: str) -> None:
+        self.marks.append(tag)
+
+    async def report(self) -> list[str]:
+        return list(self.marks)
+
+
+async def cancel_while_activating(slow: Any, barrier: Any) -> list[str]:
+    """Cancel a call while its grain activates, then let the activation finish; what ran.
+
+    The call is the one that activates the grain, so it has reached the grain's silo when
+    ``on_activate`` starts. ``barrier`` is a grain on that silo: its answer comes back on the
+    same connection as the CANCEL, after the CANCEL was read there."""
+    SlowStart.gate, SlowStart.activating = asyncio.Event(), asyncio.Event()
+    call = asyncio.ensure_future(slow.mark("x"))
+    await SlowStart.activating.wait()
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    await barrier.report()
+    SlowStart.gate.set()
+    marks: list[str] = await slow.report()
+    return marks
+
+
 class CancelProbe(Grain):
-    """Runs cancel_nap_and_queued from wherever this grain lives."""
+    """Runs cancel_nap_and_queued (or cancel_while_activating) from wherever this grain lives."""
 
     async def run(self, key: str) -> dict[str, Any]:
         return await cancel_nap_and_queued(self.get_grain(Sleeper, key))
+
+    async def run_activating(self, key: str, barrier: str) -> list[str]:
+        return await cancel_while_activating(self.get_grain(SlowStart, key), self.get_grain(Sleeper, barrier))
 
 
 class Pinger(Grain):

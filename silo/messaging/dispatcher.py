@@ -138,6 +138,10 @@ class Dispatcher:
         self._one_way = self._one_way_failed = 0
         self._version_mismatches = 0
         self._posts = 0
+        self._arriving: set[tuple[int, int]] = set()
+        """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
+        self._recalled: set[tuple[int, int]] = set()
+        """Of those, the ones whose caller gave up before they were queued: never queued."""
         self._waiting: set[Invocation] = set()
         """Calls from this silo waiting for an answer (their deadlines: see _watch)."""
         self._sweep_at = float("inf")
@@ -170,8 +174,12 @@ class Dispatcher:
         if len(header) < 2 or not isinstance(header[1], int):
             raise errors.CodecError(f"frame header without a request id: {header!r:.100}")
         if kind == CANCEL:
-            inv = self._in_flight.get((id(conn), header[1]))
-            if inv is not None and not inv.future.done():
+            track = (id(conn), header[1])
+            inv = self._in_flight.get(track)
+            if inv is None and track in self._arriving:
+                # Not on an activation yet (its grain is activating): dropped when it would be queued.
+                self._recalled.add(track)
+            elif inv is not None and not inv.future.done():
                 inv.cancelled = True
                 if inv.activation is not None:
                     inv.activation.cancel_call(inv)
@@ -200,6 +208,8 @@ class Dispatcher:
     def _spawn_serve(
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
     ) -> None:
+        # Known as arriving now, not when the task starts: a CANCEL read next may reach it first.
+        self._arriving.add((id(conn), req_id))
         task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -297,8 +307,9 @@ class Dispatcher:
     async def _serve(
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
     ) -> None:
+        track = (id(conn), req_id)
         try:
-            result = await self.dispatch(call, deadline, (id(conn), req_id), trace)
+            result = await self.dispatch(call, deadline, track, trace)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
                 return
@@ -309,6 +320,9 @@ class Dispatcher:
                 self._answer_when_alive(conn, req_id, result, deadline)
                 return
             conn.send_response(req_id, result)
+        finally:
+            self._arriving.discard(track)
+            self._recalled.discard(track)
 
     # --- the local entry point (router calls this for grains on this silo) --
     async def dispatch(
@@ -380,6 +394,8 @@ class Dispatcher:
                 self._in_flight[track] = inv
                 inv.activation = act
             try:
+                if track is not None and track in self._recalled:
+                    raise errors.GrainTimeoutError(str(grain), method, 0.0)  # its caller gave up meanwhile
                 act.enqueue(inv)
                 if track is not None:
                     return await fut

@@ -26,12 +26,14 @@ from tests.edge_grains import (
     QuotaError,
     Raiser,
     Sleeper,
+    SlowStart,
     cancel_nap_and_queued,
+    cancel_while_activating,
     caught,
 )
 
 GRAINS = ("tests.edge_grains",)
-EDGE_CLASSES = [Raiser, ErrorProbe, Sleeper, CancelProbe, Pinger, Ponger]
+EDGE_CLASSES = [Raiser, ErrorProbe, Sleeper, CancelProbe, Pinger, Ponger, SlowStart]
 
 # What each kind of error looks like to the caller's except clauses, wherever the callee is.
 EXPECTED: dict[str, dict[str, Any]] = {
@@ -148,6 +150,27 @@ async def test_the_in_process_harness_cancels_the_same_way() -> None:
         await _place(two, probe, a.get_grain(Sleeper, "s"))
         assert await probe.run("s") == CANCELLED
         assert await cancel_nap_and_queued(b.get_grain(Sleeper, "u")) == CANCELLED
+
+
+async def test_a_call_cancelled_while_its_grain_activates_never_runs(cluster, client) -> None:
+    """From a client and from another silo. (On the same silo the caller's own task waits for
+    the activation, so a cancelled call is never queued; that needs no CANCEL.)"""
+    (a,) = await cluster(1, grains=GRAINS)
+    (b,) = await cluster(1, grains=GRAINS, roles=("slow",))  # where SlowStart is placed
+    barrier, probe = client.get_grain(Sleeper, "barrier"), client.get_grain(CancelProbe, "p")
+    await client.router.activate(barrier.grain_id, b.address)
+    await client.router.activate(probe.grain_id, a.address)
+    assert await cancel_while_activating(client.get_grain(SlowStart, "from-client"), barrier) == []
+    assert await probe.run_activating("from-a", "barrier") == []
+
+
+async def test_the_in_process_harness_drops_a_call_cancelled_while_its_grain_activates() -> None:
+    async with InProcessCluster(EDGE_CLASSES, silos=1) as two:
+        a = two.silos[0]
+        await two.add_silo(roles=["slow"])  # where SlowStart is placed
+        probe = a.get_grain(CancelProbe, "p")
+        await _place(two, probe, a.get_grain(Sleeper, "barrier"))
+        assert await probe.run_activating("from-a", "barrier") == []
 
 
 async def test_a_grain_shields_work_from_its_callers_cancellation() -> None:
