@@ -1,8 +1,9 @@
 """Checkpoint storage for parameter shards, on the silo's snapshot API (silo/storage/checkpoint.py).
 
 A part holds its trainable parameters with their optimizer state, and its
-frozen parameters and persistent buffers (``buffers``). Its optimizer's
-parameter groups carry their spec index as ``rg_group``
+frozen parameters and persistent buffers (``buffers``), all by parameter name,
+never by a layout's position (:mod:`grains.training.state.optimizer_state`).
+Its optimizer's parameter groups carry their spec index as ``rg_group``
 (:mod:`grains.training.loop.optim`), so :func:`extract` can cut the state of any
 set of parameters out of parts of any layout and regroup it as the new
 holder's optimizer builds its groups.
@@ -26,6 +27,7 @@ from grains.base import Grain
 from grains.training.api.job import TrainingJob
 from grains.training.loop.optim import DEFAULT_GROUP, group_order, trainable
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.state.optimizer_state import named_state
 from silo import errors
 
 
@@ -76,7 +78,8 @@ class TrainingSnapshot(BaseModel):
     params: dict[str, torch.Tensor]
     """In model order (the optimizer state is indexed by it)."""
     optimizer: dict[str, Any]
-    """``torch.optim.Optimizer.state_dict()`` of the shard's optimizer ({}: none yet, e.g. ``init_from``)."""
+    """The holder's optimizer state by parameter name (:func:`~grains.training.state.optimizer_state.optimizer_state`;
+    {}: none yet, e.g. ``init_from``; checkpoints of before hold ``state_dict()``'s positions)."""
     buffers: dict[str, torch.Tensor] = Field(default_factory=dict)
     """Frozen parameters and persistent buffers (BatchNorm statistics) this part holds."""
     scaler: dict[str, float] = Field(default_factory=dict)
@@ -163,56 +166,52 @@ async def load_model(
     return extract(parts, names, extra or [])
 
 
-def _state_of(optimizer: dict[str, Any], j: int) -> tuple[Any, dict[str, Any] | None]:
-    """Parameter ``j``'s optimizer state and its group's settings in a part's optimizer state_dict."""
-    own = optimizer.get("state", {})
-    st = own.get(j, own.get(str(j)))
-    for g in optimizer.get("param_groups", []):
-        if j in g["params"]:
-            return st, g
-    return st, None
-
-
 def extract(parts: list[TrainingSnapshot], names: list[str], extra: list[str] | None = None) -> TrainingSnapshot:
     """The snapshot an owner of ``names`` (trainable, model order) and ``extra`` (frozen
     parameters, buffers) restores, cut from snapshots of any parts.
 
-    A part's optimizer state is indexed by the order of its own ``params``; the result's by
-    ``names``, in groups ordered as :func:`grains.training.loop.optim.build_optimizer` builds them.
+    The optimizer state is by name (:mod:`grains.training.state.optimizer_state`): each
+    parameter's state, and its group's settings with the group's members among ``names``, in
+    groups ordered as :func:`grains.training.loop.optim.build_optimizer` builds them.
     """
-    where: dict[str, tuple[TrainingSnapshot, int]] = {}
+    where: dict[str, TrainingSnapshot] = {}
     held: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    settings: dict[int, dict[str, Any]] = {}
+    tag_of: dict[str, int] = {}
     for part in parts:
-        for i, name in enumerate(part.params):
-            where[name] = (part, i)
+        for name in part.params:
+            where[name] = part
             held[name] = part.params[name]
         held.update(part.buffers)
+        saved = named_state(part.optimizer, list(part.params))
+        state.update(saved.get("state", {}))
+        for g in saved.get("param_groups", []):
+            tag = int(g.get("rg_group", DEFAULT_GROUP))
+            settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
+            tag_of.update(dict.fromkeys(g["params"], tag))
     missing = [n for n in names if n not in where] + [n for n in extra or [] if n not in held]
     if missing:
         raise errors.StorageError(f"checkpoint lacks tensors {missing[:5]}")
-    state: dict[int, Any] = {}
-    members: dict[int, list[int]] = {}
-    settings: dict[int, dict[str, Any]] = {}
-    for i, name in enumerate(names):
-        part, j = where[name]
-        if not part.optimizer:
-            continue
-        st, g = _state_of(part.optimizer, j)
-        if st is not None:
-            state[i] = st
-        if g is not None:
-            tag = int(g.get("rg_group", DEFAULT_GROUP))
-            members.setdefault(tag, []).append(i)
-            settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
+    members: dict[int, list[str]] = {}
+    for name in names:
+        if name in tag_of:
+            members.setdefault(tag_of[name], []).append(name)
     groups = [{**settings[t], "params": members[t]} for t in sorted(members, key=group_order)]
     return TrainingSnapshot(
         step=parts[0].step,
         version=max(p.version for p in parts),
-        params={n: where[n][0].params[n] for n in names},
-        optimizer={"state": state, "param_groups": groups} if groups else {},
+        params={n: where[n].params[n] for n in names},
+        optimizer={"state": {n: state[n] for n in names if n in state}, "param_groups": groups} if groups else {},
         buffers={n: held[n] for n in extra or []},
         scaler=next((p.scaler for p in parts if p.scaler), {}),
     )
+
+
+def covers(snap: TrainingSnapshot, names: list[str], extra: list[str]) -> bool:
+    """Whether ``snap`` is exactly the part an owner of ``names`` and ``extra`` restores (the
+    same layout saved it), so it needs no cut."""
+    return list(snap.params) == names and set(extra) <= set(snap.buffers)
 
 
 async def load(
@@ -229,6 +228,10 @@ async def load(
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:
         raise errors.StorageError(f"snapshot {group(job, run)}/{step} holds no shard data for {shard.key}")
+    if names is not None and not covers(snap, names, extra or []):
+        # A member of the same key in another layout (shard 0 of two, restored as the one
+        # shard): its part is not this holder's; cut this holder's out of every member.
+        return await load_model(shard, job, run, step, names, extra)
     return snap  # type: ignore[no-any-return]
 
 

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -33,6 +33,7 @@ from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.state.optimizer_state import load_optimizer_state, optimizer_state
 
 
 class Collective(Protocol):
@@ -92,8 +93,7 @@ class TrainerCore:
             # A fresh schedule stepped to the restored step, then the saved groups (their rates agree).
             self.schedule = build_schedule(self.opt, self.spec)
             advance(self.schedule, snap.step)
-            if snap.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snap.optimizer)
+            load_optimizer_state(self.opt, list(zip(self.names, self.params, strict=True)), snap.optimizer)
             # Every rank and every joiner takes the same scale: a mean of gradients scaled by
             # different factors is no gradient at all.
             self.runner.load_state_dict(snap.scaler)
@@ -102,19 +102,11 @@ class TrainerCore:
     def snapshot(self) -> TrainingSnapshot:
         """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""
         with self._lock:
-            optimizer: dict[str, Any] = {}
-            if self.opt is not None:
-                sd = self.opt.state_dict()
-                state = {
-                    k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
-                    for k, s in sd["state"].items()
-                }
-                optimizer = {"state": state, "param_groups": sd["param_groups"]}
             return TrainingSnapshot(
                 step=self.held[1],
                 version=self.held[1],
                 params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
-                optimizer=optimizer,
+                optimizer=optimizer_state(self.opt, list(zip(self.names, self.params, strict=True))),
                 buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()},
                 scaler=self.runner.state_dict(),
             )

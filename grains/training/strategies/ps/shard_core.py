@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from grains.training.loop.optim import (
 from grains.training.models import build_model
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.state.optimizer_state import load_optimizer_state, optimizer_state
 
 
 class ShardCore:
@@ -81,8 +81,7 @@ class ShardCore:
             # there; the optimizer's saved groups (loaded after) agree with it.
             advance(self.schedule, snapshot.step)
             self.schedule_step = snapshot.step
-            if snapshot.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snapshot.optimizer)
+            load_optimizer_state(self.opt, list(self.params.items()), snapshot.optimizer)
             # The step-number rule: a holder restored at step c has applied c global steps,
             # whichever mode saved it (an async shard's own count of pushes stays its own).
             version = snapshot.step
@@ -210,17 +209,11 @@ class ShardCore:
         self.current = (self.current[0] + 1, self.publish())
 
     def snapshot(self, step: int) -> TrainingSnapshot:
-        if self.opt is not None:
-            sd = self.opt.state_dict()
-            state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
-            optimizer: dict[str, Any] = {"state": state, "param_groups": sd["param_groups"]}
-        else:
-            optimizer = {}
         return TrainingSnapshot(
             step=step,
             version=step,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-            optimizer=optimizer,
+            optimizer=optimizer_state(self.opt, list(self.params.items())),
             buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.buffers, **self.frozen}.items()},
         )
 
