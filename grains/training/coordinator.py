@@ -208,6 +208,7 @@ class CoordinatorGrain(Grain):
             s.committed_at = {c: t for c, t in old.committed_at.items() if c in s.committed}
             s.data_segments = _resumed_segments(old)
             s.best_step, s.best_value = old.best_step, old.best_value
+            s.step = s.committed[-1]  # where it starts: its status never reads step 0 of a later epoch
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
         self._callbacks = None

@@ -129,10 +129,10 @@ class PipelineDriver(Driver):
         for r, head in enumerate(heads):
             if head.status == "failed" and head.generation == s.generation:
                 if head.fatal:
-                    raise RuntimeError(f"pipeline stage failed: {head.error}")
+                    raise self.failed_at(head.step, f"pipeline stage failed: {head.error}")
                 self._failures += 1
                 if self._failures > _MAX_FAILURES:
-                    raise RuntimeError(f"the pipeline keeps failing: {head.error}")
+                    raise self.failed_at(head.step, f"the pipeline keeps failing: {head.error}")
                 lost.append(f"trainer {r}'s run ({head.error[:200]})")
         if lost:
             try:

@@ -163,11 +163,13 @@ class ParameterServerDriver(Driver):
                 if r.out_of_memory and len(s.trainer_silos) == s.trainers and self.shed(s.trainer_silos[j], why):
                     await self._drop_trainer(j, why)
                     return
-                raise RuntimeError(f"trainer {j}: {why}")
+                await self._commit(statuses)  # what every shard saved before the failure stays resumable
+                raise self.failed_at(r.step, f"trainer {j}: {why}")
             if r.status == "failed" and r.generation == s.generation:
                 self._failures[j] = self._failures.get(j, 0) + 1
                 if self._failures[j] > _MAX_TRAINER_FAILURES:
-                    raise RuntimeError(f"trainer {j} keeps failing: {why}")
+                    await self._commit(statuses)
+                    raise self.failed_at(r.step, f"trainer {j} keeps failing: {why}")
             start = min(st.next_steps[j] for st in statuses)
             log.warning("%s: trainer %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
             s.restarts += 1
