@@ -195,7 +195,10 @@ class CoordinatorGrain(Grain):
                 )
             # The later checkpoints are abandoned, as a rollback to that step abandons them.
             old = old.model_copy(update={"committed": [c for c in old.committed if c <= job.resume_from_step]})
-            await checkpoint.drop_after(self, self.key, old.run, job.resume_from_step)
+        if job.resuming:
+            # What the last run's holders saved past its last commit is abandoned too: a rollback
+            # that finds its restore point gone takes the store's newest, which must be this run's.
+            await checkpoint.drop_after(self, self.key, old.run, old.committed[-1])
         self.state = self.State(
             spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time(),
             steps_run=old.steps_run, samples_run=old.samples_run,  # counters of the job id: they only grow

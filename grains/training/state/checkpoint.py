@@ -9,7 +9,8 @@ set of parameters out of parts of any layout and regroup it as the new
 holder's optimizer builds its groups.
 
 Every shard of a job saves its part of snapshot ``(training.{job}.r{run}, step)``
-with the same member list, so the snapshot becomes complete (and listed)
+with the same member list, under its generation (the store's ``epoch``: a later
+generation takes over what an abandoned one left at the same step), so the snapshot becomes complete (and listed)
 only when all shards have saved that step; the store keeps the newest
 ``keep_checkpoints`` complete ones. The coordinator tracks the same thing
 from the shards' reports and restores only complete steps.
@@ -122,24 +123,30 @@ def member(key: str, type_name: str = "ParamShardGrain") -> str:
 
 
 async def save(
-    shard: Grain, job: str, run: int, snapshot: TrainingSnapshot, shard_keys: list[str], keep: int
-) -> bool:
-    """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it."""
+    shard: Grain, job: str, run: int, snapshot: TrainingSnapshot, shard_keys: list[str], keep: int,
+    generation: int | None = None,
+) -> bool:  # fmt: skip
+    """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it.
+
+    ``generation`` owns the snapshot (the store's epoch): what a rolled-back generation left at
+    this step, complete or not, is taken over rather than blocking the save or mixing with it."""
     shard.state.snapshot = snapshot
     try:
         # save_snapshot encodes the state before its first await, so saves of
         # two steps may overlap safely.
         members = [member(k, type(shard).__name__) for k in shard_keys]
-        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep)
+        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep, epoch=generation)
     finally:
         shard.state.snapshot = None
 
 
-async def save_whole(grain: Grain, job: str, run: int, snapshot: TrainingSnapshot, keep: int) -> bool:
+async def save_whole(
+    grain: Grain, job: str, run: int, snapshot: TrainingSnapshot, keep: int, generation: int | None = None
+) -> bool:
     """Save the whole model as the only member of the job's snapshot (all-reduce mode's rank 0)."""
     grain.state.snapshot = snapshot
     try:
-        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep)
+        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep, epoch=generation)
     finally:
         grain.state.snapshot = None
 

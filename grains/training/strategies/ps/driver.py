@@ -246,6 +246,10 @@ class ParameterServerDriver(Driver):
         assert s.spec is not None
         s.generation += 1
         s.rollbacks += 1
+        # The abandoned generation stops first, within its current step: left running while the
+        # restore point was found and the shards restored, it trained on for seconds (47 steps
+        # thrown away in one grow) and saved checkpoints past the restore point.
+        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         restore = await self._restore_point()
         # The data position of the restored step goes on with the (maybe new) trainer count; an
         # epochs job's last step follows it, before the shards learn their end step.
@@ -254,7 +258,6 @@ class ParameterServerDriver(Driver):
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
-        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         await self._configure_shards(restore)
         self.progress.clear()
         self.cursor = restore or 0
