@@ -27,6 +27,7 @@ from grains.training.loop.optim import (
     build_optimizer,
     build_schedule,
     step_schedule,
+    sync_rates,
     trainable,
 )
 from grains.training.loop.step_runner import StepRunner
@@ -59,9 +60,11 @@ class TrainerCore:
     ``run``. A lock makes a step, a load and a snapshot exclusive.
     """
 
-    def __init__(self, spec: TrainingJob, device: str) -> None:
+    def __init__(self, spec: TrainingJob, device: str, total_steps: int | None = None) -> None:
         self.spec = spec
         self.device = device
+        self.total_steps = total_steps
+        """The job's length the schedule runs over (None: not known)."""
         self.model = build_model(spec).to(device)
         self.model.train()
         named = trainable(self.model)
@@ -71,7 +74,7 @@ class TrainerCore:
         self.buffers = dict(persistent_buffers(self.model))
         self.float_buffers = [b for b in self.buffers.values() if b.is_floating_point()]
         self.opt = build_optimizer(named, spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, total_steps)
         self.runner = StepRunner(spec, device, self.params)
         self.batches = job_batches(spec, "train", device)
         self.segments: list[Segment] = []
@@ -91,13 +94,25 @@ class TrainerCore:
             for n, t in {**self.frozen, **self.buffers}.items():
                 t.copy_(snap.buffers[n])
             # A fresh schedule stepped to the restored step, then the saved groups (their rates agree).
-            self.schedule = build_schedule(self.opt, self.spec)
+            self.schedule = build_schedule(self.opt, self.spec, self.total_steps)
             advance(self.schedule, snap.step)
             load_optimizer_state(self.opt, list(zip(self.names, self.params, strict=True)), snap.optimizer)
+            sync_rates(self.opt, self.schedule)
             # Every rank and every joiner takes the same scale: a mean of gradients scaled by
             # different factors is no gradient at all.
             self.runner.load_state_dict(snap.scaler)
             self.held = (run, snap.step)
+
+    def follow(self, total_steps: int | None) -> None:
+        """The job's length changed (an ``epochs`` or elastic job re-formed with another trainer
+        count): the schedule is rebuilt over it, at the step held."""
+        with self._lock:
+            if total_steps == self.total_steps:
+                return
+            self.total_steps = total_steps
+            self.schedule = build_schedule(self.opt, self.spec, total_steps)
+            advance(self.schedule, max(0, self.held[1]))
+            sync_rates(self.opt, self.schedule)
 
     def snapshot(self) -> TrainingSnapshot:
         """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""

@@ -26,6 +26,7 @@ from grains.training.loop.optim import (
     build_schedule,
     squared_norm,
     step_schedule,
+    sync_rates,
 )
 from grains.training.loop.program import loss_function, run_loss
 from grains.training.loop.step_runner import StepRunner
@@ -67,7 +68,7 @@ class StageCore:
         self.trainable = [(n, p) for n, p in named if p.requires_grad]
         self.buffers = dict(persistent_buffers(self.module))
         self.opt = build_optimizer(self.trainable, spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, cfg.end_step or None)
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.step = cfg.start_step
         self.lock = threading.Lock()
@@ -84,6 +85,7 @@ class StageCore:
                     t.copy_(snapshot.buffers[n])
             advance(self.schedule, snapshot.step)
             load_optimizer_state(self.opt, self.trainable, snapshot.optimizer)
+            sync_rates(self.opt, self.schedule)
             self.step = snapshot.step
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from grains.training.loop.optim import (
     build_schedule,
     squared_norm,
     step_schedule,
+    sync_rates,
 )
 from grains.training.models import build_model
 from grains.training.state.checkpoint import TrainingSnapshot
@@ -60,7 +61,7 @@ class ShardCore:
         self.buffers = {n: _fp32(buffers[n]).to(device, copy=True) for n in self.buffer_names}
         self.frozen = {n: _fp32(named[n].detach()).to(device, copy=True) for n in self.frozen_names}
         self.opt = build_optimizer(list(self.params.items()), spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, cfg.end_step or None)
         self.schedule_step = 0
         self.clip = spec.clip_grad_norm
         self.pull_dtype = parse_compression(spec.compression).pull_dtype
@@ -82,6 +83,7 @@ class ShardCore:
             advance(self.schedule, snapshot.step)
             self.schedule_step = snapshot.step
             load_optimizer_state(self.opt, list(self.params.items()), snapshot.optimizer)
+            sync_rates(self.opt, self.schedule)  # the job's length may have changed since
             # The step-number rule: a holder restored at step c has applied c global steps,
             # whichever mode saved it (an async shard's own count of pushes stays its own).
             version = snapshot.step
