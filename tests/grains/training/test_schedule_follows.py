@@ -58,7 +58,7 @@ async def test_hugging_faces_warmup_factory_runs_unmodified_and_equals_a_plain_l
 
 async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_last_step(cluster, client):
     await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode="sync", trainers="auto", shards=1, epochs=2, batch_size=16, optimizer="momentum", lr=0.05,
+    spec = TrainingJob(mode="sync", trainers="auto", shards=1, epochs=5, batch_size=16, optimizer="momentum", lr=0.05,
                        lr_schedule="torch.optim.lr_scheduler:LinearLR",
                        lr_schedule_args={"start_factor": 1.0, "end_factor": 0.0, "total_iters": "total_steps"},
                        checkpoint_every=10, keep_checkpoints=100)  # fmt: skip
@@ -70,7 +70,7 @@ async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_l
     grown = await status_when(coord, lambda s: s.trainers == 2)
     st = await wait_done(coord, timeout_s=120)
     assert st.status == "completed", st
-    assert st.total_steps < alone, (alone, st.total_steps)  # two trainers: fewer steps to two epochs
+    assert st.total_steps < alone, (alone, st.total_steps)  # two trainers: fewer steps to five epochs
     # The rate reaches 0 exactly at the job's last step and not before (a schedule over the
     # 1-trainer length would still be above 0 at the end).
     assert await rate_at(client, "lr-follows", st.run, st.total_steps) == 0.0
