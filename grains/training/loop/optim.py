@@ -151,6 +151,12 @@ def build_schedule(opt: torch.optim.Optimizer | None, spec: TrainingJob, total_s
     ``total_steps`` steps (None: not known, only a schedule that needs it is refused)."""
     if opt is None or (spec.lr_schedule is None and not spec.warmup_steps):
         return None
+    for g in opt.param_groups:
+        # A schedule rebuilt over an optimizer that has stepped (a re-formed group's survivor, a
+        # job whose length changed) starts from the base rates: torch's chainable schedules
+        # (LinearLR, ...) scale the groups' current rate, which would compound the old decay.
+        if "initial_lr" in g:
+            g["lr"] = g["initial_lr"]
     with warnings.catch_warnings():
         # SequentialLR steps its next scheduler with an explicit epoch at a milestone, which
         # torch flags as deprecated; that is its own implementation, not ours to change.

@@ -10,6 +10,7 @@ job, so the whole 2-trainer phase was a no-op).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
@@ -56,13 +57,15 @@ async def test_hugging_faces_warmup_factory_runs_unmodified_and_equals_a_plain_l
     assert await rate_at(client, "hf-schedule", st.run, 12) == 0.0
 
 
-async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_last_step(cluster, client):
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_last_step(cluster, client, mode):
     await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode="sync", trainers="auto", shards=1, epochs=5, batch_size=16, optimizer="momentum", lr=0.05,
+    spec = TrainingJob(mode=mode, trainers="auto", shards=1, epochs=5, batch_size=16, optimizer="momentum", lr=0.05,
                        lr_schedule="torch.optim.lr_scheduler:LinearLR",
                        lr_schedule_args={"start_factor": 1.0, "end_factor": 0.0, "total_iters": "total_steps"},
                        checkpoint_every=10, keep_checkpoints=100)  # fmt: skip
-    coord = client.get_grain(CoordinatorGrain, "lr-follows")
+    job = f"lr-follows-{mode}"
+    coord = client.get_grain(CoordinatorGrain, job)
     await coord.start(spec)
     first = await status_when(coord, lambda s: s.status == "running" and s.step >= 5)
     alone = first.total_steps
@@ -73,9 +76,9 @@ async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_l
     assert st.total_steps < alone, (alone, st.total_steps)  # two trainers: fewer steps to five epochs
     # The rate reaches 0 exactly at the job's last step and not before (a schedule over the
     # 1-trainer length would still be above 0 at the end).
-    assert await rate_at(client, "lr-follows", st.run, st.total_steps) == 0.0
+    assert await rate_at(client, job, st.run, st.total_steps) == 0.0
     before = [c for c in st.checkpoints if grown.changes[-1].start_step < c < st.total_steps]
     assert before, st.checkpoints
     for c in before:
         want = spec.lr * (1 - c / st.total_steps)
-        assert abs(await rate_at(client, "lr-follows", st.run, c) - want) < 1e-6, c
+        assert abs(await rate_at(client, job, st.run, c) - want) < 1e-6, c
