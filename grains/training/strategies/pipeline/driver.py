@@ -249,6 +249,9 @@ class PipelineDriver(Driver):
         s = self.state
         s.generation += 1
         s.rollbacks += 1
+        # The abandoned generation stops first (within its step), not after the restore point
+        # is found and later checkpoints dropped: it would train on and save past them.
+        await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         restore = s.committed[-1] if s.committed else None
         if restore is None or not await checkpoint.exists(self.job.grain, self.key, s.run, restore):
             newest = await checkpoint.newest_step(self.job.grain, self.key, s.run)
@@ -261,7 +264,6 @@ class PipelineDriver(Driver):
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
-        await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         self.progress.clear()
         self.cursor = restore or 0
         await self._configure(restore)
