@@ -32,4 +32,4 @@ async def test_a_resumed_run_saves_its_checkpoint_over_a_leftover_at_the_same_st
     assert second.status == "completed", second
     assert second.checkpoints[-3:] == [10, 15, 20], second
     at_15 = await coord.state_dict(step=15)
-    assert all(not torch.equal(at_15[k], torch.zeros_like(v)) for k, v in at_15.items() if v.is_floating_point())
+    assert all(not torch.equal(v, torch.zeros_like(v)) for v in at_15.values() if v.is_floating_point())
