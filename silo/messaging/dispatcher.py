@@ -342,18 +342,15 @@ class Dispatcher:
                     return await self._router.forward(target, call, deadline, trace)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
+            # The call goes into the mailbox now, also of an activation still registering or
+            # running on_activate (which it waits for there, within its deadline): calls run in
+            # the order they arrived, the one that started the activation first.
             if options.stateless_worker:
-                act = self._catalog.stateless_worker(grain, options) or await self._catalog.activate_worker(grain)
+                act = self._catalog.stateless_worker(grain, options) or self._catalog.start_worker(grain)
             else:
                 if self._catalog.get(grain) is None:
                     await self._refuse_if_outdated(grain, method, options)
-                found = await self._catalog.get_or_activate(grain)
-                if isinstance(found, SiloAddress):
-                    if hops >= MAX_HOPS:
-                        raise errors.SiloUnavailableError(str(found), f"{grain} still not found after {hops} hops")
-                    self._forwarded += 1
-                    return await self._router.forward(found, call, deadline, trace)
-                act = found
+                act = self._catalog.get_or_start(grain) or await self._catalog.start_after_leaving(grain)
             local = track is None and self._codec is not None
             if local:
                 # The callee gets what it would decode from the wire, never the caller's objects
@@ -393,7 +390,13 @@ class Dispatcher:
                 if local and type(result) not in _SCALARS:
                     return self._codec.copy(result)  # type: ignore[union-attr]
                 return result
-            except Reroute:
+            except Reroute as reroute:
+                if reroute.to is not None and reroute.to != self.address:
+                    # Queued on an activation that lost the directory to another silo's: go there.
+                    if hops >= MAX_HOPS:
+                        raise errors.SiloUnavailableError(str(reroute.to), f"{grain} still not found after {hops} hops") from None
+                    self._forwarded += 1
+                    return await self._router.forward(reroute.to, call, deadline, trace)
                 self._rerouted += 1
                 continue
             finally:
