@@ -188,7 +188,8 @@ class Activation:
                 errors.LoadShedError(f"mailbox of {self.grain_key}", self._catalog.settings.max_queue)
             )
             return
-        self.last_used = self._catalog.clock()
+        if not inv.internal:
+            self.last_used = self._catalog.clock()
         if self.grain_key in inv.chain and not (self.options.reentrant or inv.interleave):
             inv.future.set_exception(errors.DeadlockError(self.grain_key, list(inv.chain)))
             return
@@ -206,7 +207,10 @@ class Activation:
     def enqueue_internal(
         self, callback: Callable[[], Awaitable[Any]], *, interleave: bool = False
     ) -> asyncio.Future[Any]:
-        """Queue a timer or reminder callback as a turn of this activation."""
+        """Queue a timer tick (or a write-behind flush) as a turn of this activation.
+
+        It is no use of the activation: as in Orleans, a timer does not keep an otherwise idle
+        grain from being collected (a reminder, a call, does)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         inv = Invocation(
             method=getattr(callback, "__name__", "timer"),
@@ -217,6 +221,7 @@ class Activation:
             future=fut,
             callback=callback,
             interleave=interleave,
+            internal=True,
         )
         self.enqueue(inv)
         fut.add_done_callback(_consume_exception)
@@ -301,7 +306,8 @@ class Activation:
                 inv.future.set_result(result)
         finally:
             self._running.discard(inv)
-            self.last_used = self._catalog.clock()
+            if not inv.internal:
+                self.last_used = self._catalog.clock()
             if self._deactivate_reason is not None and not self._running:
                 self._catalog.schedule_deactivation(self, self._deactivate_reason)
             self._check_idle()

@@ -86,3 +86,5 @@ class Invocation:
     task: asyncio.Task[Any] | None = None
     cancelled: bool = False
     activation: Activation | None = None
+    internal: bool = False
+    """A timer tick or write-behind flush: not a use of the activation (idle collection ignores it)."""
