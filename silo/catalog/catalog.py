@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +98,9 @@ class Catalog:
         self._failed = 0
         self.closed = False
         self.on_reroute: Callable[[Activation, list[Invocation]], None] = lambda a, i: None
+        self.check_version: Callable[[GrainId, str], Awaitable[None]] | None = None
+        """Raises (VersionMismatchError) when this silo's version of the type must not activate the
+        grain for the call of the given method that started it (the dispatcher's rule)."""
         self._filters = list(filters or [])
         self.pipeline: CallNext = build_pipeline(self._filters, invoke_method)
         """The chain of a grain type with no filters of its own."""
@@ -128,7 +131,7 @@ class Catalog:
         return len(self._activations) + sum(len(w) for w in self._workers.values())
 
     # --- activation --------------------------------------------------------
-    def get_or_start(self, grain_id: GrainId) -> Activation | None:
+    def get_or_start(self, grain_id: GrainId, method: str | None = None) -> Activation | None:
         """This silo's activation of ``grain_id`` to queue a call on, started now if it has none.
 
         Synchronous, so a call queues on the activation in the order it arrived, the one that
@@ -138,6 +141,7 @@ class Catalog:
         another silo wins the directory, the queued calls are answered with
         :class:`Reroute` naming it; if activating fails, with the error. None while an earlier
         activation of the grain is still leaving (await its ``deactivated``, then ask again).
+        ``method``: the call that starts it, checked by ``check_version`` before registering.
         """
         if self.closed:
             raise errors.SiloClosedError("silo")
@@ -150,12 +154,12 @@ class Catalog:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Activation | SiloAddress] = loop.create_future()
         self._activating[grain_id] = fut
-        self._spawn(self._activate(act, fut))
+        self._spawn(self._activate(act, fut, method))
         return act
 
-    async def start_after_leaving(self, grain_id: GrainId) -> Activation:
+    async def start_after_leaving(self, grain_id: GrainId, method: str | None = None) -> Activation:
         """:meth:`get_or_start`, once an activation of the grain still leaving is gone."""
-        while (act := self.get_or_start(grain_id)) is None:
+        while (act := self.get_or_start(grain_id, method)) is None:
             leaving = self._activations.get(grain_id)
             if leaving is not None:
                 await leaving.deactivated.wait()
@@ -205,9 +209,13 @@ class Catalog:
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
 
-    async def _activate(self, act: Activation, fut: asyncio.Future[Activation | SiloAddress]) -> None:
+    async def _activate(
+        self, act: Activation, fut: asyncio.Future[Activation | SiloAddress], method: str | None
+    ) -> None:
         grain_id = act.grain_id
         try:
+            if method is not None and self.check_version is not None:
+                await self.check_version(grain_id, method)
             result = await self._register_and_run(act)
         except BaseException as exc:
             # Cancelled (the silo stops): the queued calls look again, as a deactivation's do.

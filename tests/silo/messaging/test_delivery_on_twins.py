@@ -61,6 +61,26 @@ async def test_calls_to_a_grain_still_activating_run_in_the_order_they_were_sent
 
 
 @DISTANCES
+async def test_one_way_and_two_way_calls_from_one_sender_run_in_send_order(distance: str, clock: VirtualClock) -> None:
+    async with callers(clock, distance) as (_, _home, caller):
+        ref = caller.get_grain(SlowStart, "one-sender")
+
+        async def send() -> None:
+            # One task, each call sent when the one before returned: a one-way call returns once
+            # queued (or sent), so the two-way call after it must not overtake it.
+            for n in range(20):
+                if n % 2:
+                    assert await ref.add(n) == n
+                else:
+                    await ref.put(n)
+
+        sender = asyncio.ensure_future(send())
+        await clock.advance(SlowStart.ACTIVATE_S + 1.0)
+        await sender
+        assert await ref.log() == list(range(20))
+
+
+@DISTANCES
 async def test_a_call_times_out_at_its_deadline_while_its_callee_activates(distance: str, clock: VirtualClock) -> None:
     async with callers(clock, distance) as (_, home, caller):
         ref = caller.get_grain(SlowStart, "t")
