@@ -96,14 +96,16 @@ class _NoAnswer:
 
     __slots__ = ("_dispatcher", "_label", "peer")
 
-    def __init__(self, dispatcher: Dispatcher, peer: str, label: str) -> None:
+    def __init__(self, dispatcher: Dispatcher, peer: str, label: str | Call) -> None:
+        # A call stands for its label until one is needed (formatting it costs more than a post).
         self._dispatcher, self.peer, self._label = dispatcher, peer, label
 
     def send_response(self, req_id: int, value: Any) -> None:
         pass
 
     def send_error(self, req_id: int, exc: BaseException) -> None:
-        self._dispatcher.one_way_failed(self._label, self.peer, exc)
+        label = self._label if isinstance(self._label, str) else f"{self._label.grain}.{self._label.method}"
+        self._dispatcher.one_way_failed(label, self.peer, exc)
 
 
 class Dispatcher:
@@ -123,6 +125,7 @@ class Dispatcher:
         observers: ObserverHub | None = None,
     ) -> None:
         self.address = address
+        self._address_text = str(address)
         self.observers = observers
         """Serves calls to observers (grain type ``$observer``); None: this silo takes none."""
         self._codec = codec
@@ -562,7 +565,7 @@ class Dispatcher:
         copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, chain, hops))
         # Into the mailbox now, as a one-way frame from the network goes: a two-way call this
         # caller makes next (served inline) must not overtake it.
-        if self._serve_nowait(_NoAnswer(self, str(self.address), f"{grain}.{method}"), self._posts, copied, deadline, trace):  # type: ignore[arg-type]
+        if self._serve_nowait(_NoAnswer(self, self._address_text, copied), self._posts, copied, deadline, trace):  # type: ignore[arg-type]
             return
         # (0, n) never collides with a connection's (id(conn), req_id): no CANCEL reaches it.
         track = (0, self._posts)
