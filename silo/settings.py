@@ -114,7 +114,7 @@ class CatalogSettings(_Section):
         10_000,
         gt=0,
         description="Calls one activation may have queued: past it a two-way call is shed (LoadShedError, "
-        "retried by its caller's router until its deadline); a one-way call waits behind the mailbox, in order.",
+        "retried by its caller's router until its deadline); up to as many one-way calls wait behind, in order.",
     )
     deactivation_timeout_s: float = Field(
         10.0, gt=0, description="Time on_deactivate and draining may take."

@@ -9,7 +9,8 @@ of its own at once (once the activation is ACTIVE). The mailbox holds
 (``LoadShedError``, which its caller's router retries with back-off until its
 deadline), while a ``@one_way`` call, whose caller has moved on, waits behind
 the mailbox in arrival order and moves in as it drains (its deadline still
-applies: one that expires there fails, logged and counted on this silo). Each turn sets ``CALL_CHAIN`` to the chain it runs in, so
+applies: one that expires there fails, logged and counted on this silo); past
+another ``max_queue`` of those, a one-way call is shed too (logged, counted). Each turn sets ``CALL_CHAIN`` to the chain it runs in, so
 a call that would wait on an activation already in its own chain fails with
 ``DeadlockError`` instead of hanging.
 
@@ -123,8 +124,9 @@ class Activation:
         self._catalog = catalog
         self._queue: deque[Invocation] = deque()
         self._overflow: deque[Invocation] = deque()
-        """One-way calls that came while the mailbox was full, in arrival order, moved into it as it
-        drains: their callers have moved on and cannot retry them as a shed two-way call's do."""
+        """One-way calls that came while the mailbox was full (at most ``max_queue``), in arrival
+        order, moved into it as it drains: their callers have moved on and cannot retry them as
+        a shed two-way call's do."""
         self._running: set[Invocation] = set()
         self._pump: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
@@ -181,12 +183,12 @@ class Activation:
             return
         # A full mailbox sheds a two-way call unrun (its caller's router backs off and sends it
         # again until its deadline); a one-way call waits behind it, in arrival order, until
-        # its deadline, as nobody is left to send it again.
-        full = len(self._queue) >= self._catalog.settings.max_queue
-        if full and inv.method not in self.options.one_way:
-            inv.future.set_exception(
-                errors.LoadShedError(f"mailbox of {self.grain_key}", self._catalog.settings.max_queue)
-            )
+        # its deadline, as nobody is left to send it again: up to max_queue of them, so a flood
+        # (or a peer's huge deadlines) cannot hold unbounded memory.
+        limit = self._catalog.settings.max_queue
+        full = len(self._queue) >= limit
+        if full and (inv.method not in self.options.one_way or len(self._overflow) >= limit):
+            inv.future.set_exception(errors.LoadShedError(f"mailbox of {self.grain_key}", limit))
             return
         if not inv.internal:
             self.last_used = self._catalog.clock()

@@ -102,17 +102,32 @@ async def test_one_way_calls_past_a_full_mailbox_all_run_in_order_and_a_shed_two
 ) -> None:
     async with callers(clock, distance, CatalogSettings(max_queue=5)) as (_, home, caller):
         ref = caller.get_grain(SlowStart, "f")
-        for n in range(30):
-            await ref.put(n)  # all while it activates: five fill the mailbox, the rest wait behind
+        for n in range(10):
+            await ref.put(n)  # all while it activates: five fill the mailbox, five wait behind it
         await clock.settle()
         # A two-way call finds the mailbox full: shed unrun, its caller's router sends it again
         # (backing off) until there is room, within its deadline.
         answer = asyncio.ensure_future(ref.add(99))
         await clock.advance(SlowStart.ACTIVATE_S + 1.0)
         assert await answer == 99
-        assert await ref.log() == [*range(30), 99]
+        assert await ref.log() == [*range(10), 99]
         assert home.dispatcher.statistics().one_way_failed == 0
         assert caller.router.statistics().retries >= 1  # type: ignore[union-attr]
+
+
+@DISTANCES
+async def test_one_way_calls_past_twice_the_mailbox_limit_are_shed_logged_and_counted(
+    distance: str, clock: VirtualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The bound on memory: max_queue in the mailbox and as many waiting behind it.
+    async with callers(clock, distance, CatalogSettings(max_queue=5)) as (_, home, caller):
+        ref = caller.get_grain(SlowStart, "over")
+        for n in range(13):
+            await ref.put(n)
+        await clock.advance(SlowStart.ACTIVATE_S + 1.0)
+        assert await ref.log() == list(range(10))
+        assert home.dispatcher.statistics().one_way_failed == 3
+        assert caplog.text.count("LoadShedError: mailbox of SlowStart/over") == 3
 
 
 @DISTANCES
