@@ -158,7 +158,8 @@ class Grain:
         """Run ``callback`` after ``due_s`` (then every ``period_s``) as a turn of this grain.
 
         Timers live in memory and die with the activation; use reminders for
-        anything that must survive a silo.
+        anything that must survive a silo. A tick does not count as use: a grain
+        that only its timers keep busy is still collected when idle (as in Orleans).
         """
         return self._rg_context.register_timer(
             callback, due_s=due_s, period_s=period_s, interleave=interleave
