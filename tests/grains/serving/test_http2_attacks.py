@@ -9,10 +9,13 @@ Frames are written by hand (test_http2.py's ``Peer``).
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import hpack
+import pytest
 
 from grains.serving.grpc_server import GrpcServer, Method
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
@@ -306,3 +309,29 @@ async def test_the_header_cache_is_bounded_in_bytes():
         await peer.until(HEADERS, 3 + 2 * 63)
         peer.close()
         assert 0 < server.statistics().header_cache_bytes <= 16 << 10
+
+
+def h2load() -> str:
+    path = shutil.which("h2load")
+    if path is None:
+        pytest.fail("h2load is missing: `make test` installs it as root; else run "
+                    "'sudo apt-get install -y --no-install-recommends nghttp2-client' (Debian's package)")  # fmt: skip
+    return path
+
+
+async def test_h2load_opening_200_connections_past_a_cap_of_20_is_refused_and_the_canary_is_served(tmp_path):
+    body = tmp_path / "request.bin"
+    body.write_bytes(message(pb.ModelInferRequest(id="h2load")))
+    async with serving(GrpcLimits(max_connections=20)) as (server, port), canary(port, at_least=20):
+        load = await asyncio.create_subprocess_exec(
+            h2load(), "-c", "200", "-n", "2000", "-m", "4", "-d", str(body), "-H", "content-type: application/grpc",
+            "-H", "te: trailers", f"http://127.0.0.1:{port}{INFER}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(load.communicate(), 120)
+        report = out.decode()
+        served = re.search(r"(\d+) succeeded", report)
+        assert served is not None and int(served[1]) > 0, report  # the connections within the cap were served
+        stats = server.statistics()
+    # The canary holds one of the 20; h2load's others were closed as they came, its first 19 served.
+    assert stats.refused_connections >= 150, (stats, report)
