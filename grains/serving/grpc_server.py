@@ -67,6 +67,8 @@ _SETTINGS = http2.settings({http2.Setting.MAX_CONCURRENT_STREAMS: MAX_STREAMS, h
                             http2.Setting.MAX_FRAME_SIZE: MAX_FRAME, http2.Setting.ENABLE_PUSH: 0})  # fmt: skip
 _SETTINGS_ACK = http2.frame(Frame.SETTINGS, http2.ACK, 0)
 _ENTRY = struct.Struct(">HI")
+_REPLENISH_AT = WINDOW - WINDOW // 4
+"""The client's connection window is topped up only once it is this low (a quarter spent, at least)."""
 FAIR_READ = 64 << 10
 """A read this large ends the connection's turn: reading resumes on the next loop turn, after the others'."""
 _RESETS, _PINGS, _SETTINGS_FRAMES, _EMPTY = range(4)
@@ -485,7 +487,8 @@ class _Connection(asyncio.Protocol):
             if increment == 0 or self._send_window + increment > http2.MAX_WINDOW:
                 raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, f"a connection WINDOW_UPDATE of {increment}")
             self._send_window += increment
-            self._wake_starved()
+            if self._starved:
+                self._wake_starved()
             return
         call = self._calls.get(sid)
         if call is not None:
@@ -526,7 +529,8 @@ class _Connection(asyncio.Protocol):
         if call is None or call.remote_closed:
             # Answered already (refused, reset or over a limit): what else it sends is dropped,
             # and its room in the connection's window given back.
-            self._replenish()
+            if self._recv_window <= _REPLENISH_AT:
+                self._replenish()
             return
         call.recv_window -= size
         if call.recv_window < 0:
@@ -552,7 +556,8 @@ class _Connection(asyncio.Protocol):
                 self._send(http2.window_update(sid, call.received))
                 call.recv_window += call.received
                 call.received = 0
-        self._replenish()
+        if self._recv_window <= _REPLENISH_AT:  # (else there is less than a quarter window to give)
+            self._replenish()
 
     def _replenish(self) -> None:
         """Top the client's connection window up to what the buffer cap leaves room for, in large steps."""
@@ -658,7 +663,8 @@ class _Connection(asyncio.Protocol):
         except DecodeError as exc:
             self._refuse(call, Status.INTERNAL, f"the request is not a {method.request.DESCRIPTOR.full_name}: {exc}")
             return
-        self._drop_body(call)
+        self._buffered -= len(body)
+        call.body = bytearray()
         call.task = self._loop.create_task(self._run(call, method, request))
 
     # --- answers -----------------------------------------------------------------------------
@@ -728,7 +734,8 @@ class _Connection(asyncio.Protocol):
         """End the answer with ``trailers`` (after :data:`http2.RESPONSE` when nothing went before)."""
         if self._calls.pop(call.stream_id, None) is None or self._closed():
             return  # reset by the client meanwhile, or the connection is gone
-        self._drop_body(call)
+        if call.body:  # answered before its request was whole
+            self._drop_body(call)
         block = http2.RESPONSE + trailers if trailers_only else trailers
         self._send_block(call.stream_id, block)
         if not call.remote_closed:
