@@ -462,6 +462,9 @@ class _Connection(asyncio.Protocol):
         """
         if len(payload) % 6:
             raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
+        if len(payload) > 6 * self._limits.max_settings_entries:
+            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM,
+                                f"a SETTINGS frame of {len(payload) // 6} entries (at most {self._limits.max_settings_entries})")  # fmt: skip
         window = self._initial_window
         for key, value in _ENTRY.iter_unpack(payload):
             if key == http2.Setting.INITIAL_WINDOW_SIZE:

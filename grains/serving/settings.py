@@ -40,6 +40,9 @@ class GrpcLimits(_Section):
     )
     pings_per_s: int = Field(100, ge=1, description="PINGs a client may send a second.")
     settings_per_s: int = Field(100, ge=1, description="SETTINGS frames a client may send a second.")
+    max_settings_entries: int = Field(
+        64, ge=8, description="Entries in one SETTINGS frame (a client sends a handful; nghttp2 allows 32)."
+    )
     empty_frames_per_s: int = Field(
         100, ge=1, description="DATA and CONTINUATION frames without payload or end flag a client may send a second."
     )

@@ -187,6 +187,27 @@ async def test_a_settings_flood_ends_the_connection():
         assert await calmed(peer, raw(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (65535).to_bytes(4, "big")) * 1000) == ENHANCE_YOUR_CALM
 
 
+async def test_a_settings_frame_of_174762_entries_ends_the_connection_and_a_window_change_moves_streams_once():
+    async with serving() as (_, port), canary(port):
+        peer = await Peer.open(port, (4).to_bytes(2, "big") + (1000).to_bytes(4, "big"))
+        # Entries within the bound: INITIAL_WINDOW_SIZE set 64 times, the last one counts.
+        entries = [(4).to_bytes(2, "big") + (w).to_bytes(4, "big") for w in range(1, 64)] + [(4).to_bytes(2, "big") + (3000).to_bytes(4, "big")]
+        blob = bytes(range(250)) * 20
+        peer.send(raw(HEADERS, END_HEADERS, 1, request_headers(peer.encoder)))
+        peer.send(raw(DATA, END_STREAM, 1, message(pb.ModelInferRequest(raw_input_contents=[blob]))))
+        frames = await peer.until(DATA, 1)  # 1,000 bytes: the window the stream opened with
+        peer.send(raw(SETTINGS, 0, 0, b"".join(entries)))
+        while len(answer(frames, 1)) < 3000:
+            frames += await peer.until(DATA, 1)
+        peer.send(raw(PING, 0, 0, b"barrier!"))
+        frames += await peer.until(PING)
+        assert len(answer(frames, 1)) == 3000  # moved by 3,000 - 1,000, not by each entry's change
+        huge = (4).to_bytes(2, "big") + (65535).to_bytes(4, "big")
+        peer.send(raw(SETTINGS, 0, 0, huge * 174_762))
+        assert await goaway_code(peer) == ENHANCE_YOUR_CALM
+        peer.close()
+
+
 async def test_a_client_that_never_reads_stops_being_read_and_its_answers_do_not_pile_up():
     async with serving(max_message=1 << 20) as (server, port), canary(port):
         # Answers outside flow control: a call to an unknown method is answered with its trailers
