@@ -77,6 +77,8 @@ _ABUSE = ("RST_STREAM", "PING", "SETTINGS", "empty DATA or CONTINUATION")
 _WRITE_PAUSED, _TURN_TAKEN, _BACKLOG = 1, 2, 4
 OUT_HIGH = 1 << 20
 """Answer bytes one loop turn may write for a connection before its other frames wait for the next."""
+CALLS_PER_TURN = 256
+"""Calls one connection may open in a loop turn before its other frames wait for the next."""
 LINGER_S = 1.0
 """How long a connection closed for an error is still read (and what it sends dropped) so its
 client reads the GOAWAY, rather than losing it to the reset that closing a socket with unread
@@ -204,6 +206,7 @@ class _Connection(asyncio.Protocol):
         self._pauses = 0  # why reading is paused (_WRITE_PAUSED, _TURN_TAKEN, _BACKLOG bits)
         self._backlog: bytes | None = None  # frames read, held until this turn's answers are written
         self._gone = False  # closed for an error: nothing more is sent or handled
+        self._opened = 0  # calls opened by the frames of the read being handled
         self._heard = True  # something came since the idle timer last looked
         self._timer: asyncio.TimerHandle | None = None  # the handshake timeout, then the idle one
         # Abuse counters (resets, PINGs, SETTINGS, empty frames): counted since each one's window
@@ -314,6 +317,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._gone:
             return  # a connection closed for an error: what it still sends is read and dropped
+        if self._backlog is not None:  # (reading is paused meanwhile; a read already under way joins it)
+            self._backlog += data
+            return
         self._heard = True
         if len(data) >= FAIR_READ:
             # A backlog: this read is handled, the next waits for the other connections' turn
@@ -346,6 +352,7 @@ class _Connection(asyncio.Protocol):
                 self._timer = self._loop.call_later(self._limits.idle_timeout_s, self._idle_check)
             view, at, end = memoryview(data), 0, len(data)
             wanted = 9
+            self._opened = 0
             transport = self._transport
             assert transport is not None
             while end - at >= 9:
@@ -358,9 +365,11 @@ class _Connection(asyncio.Protocol):
                 stream_id = int.from_bytes(view[at + 5 : at + 9], "big") & 0x7FFFFFFF
                 self._frame(view[at + 3], view[at + 4], stream_id, view[at + 9 : at + 9 + length])
                 at += 9 + length
-                if transport.pending_bytes > OUT_HIGH and at < end:
-                    # This turn's answers are many (small requests can ask for large answers): the
-                    # rest waits until they are written, and reading until the rest is handled.
+                if (transport.pending_bytes > OUT_HIGH or self._opened > CALLS_PER_TURN) and at < end:
+                    # This turn's answers are many (small requests can ask for large answers), or
+                    # its new calls (each a task; rapid reset opens thousands a read): the rest
+                    # waits for the next turn, after the writes and the other connections, and
+                    # reading until the rest is handled.
                     self._backlog = bytes(view[at:])
                     self._pause(_BACKLOG)
                     self._loop.call_soon(self._continue)
@@ -596,6 +605,7 @@ class _Connection(asyncio.Protocol):
             return
         call = Call(sid, headers.get(b":path", b"").decode("latin-1"), headers, None, self._loop, self._initial_window)
         self._calls[sid] = call
+        self._opened += 1
         call.remote_closed = bool(flags & END_STREAM)
         method = headers.get(b":method")
         if method != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
@@ -791,6 +801,8 @@ class _Connection(asyncio.Protocol):
         return [c.task for c in self._calls.values() if c.task is not None]
 
     def close(self) -> None:
+        if self._gone and self._transport is not None:
+            self._transport.abort()  # its GOAWAY is out; the server is stopping: no more lingering
         if self._closed():
             return
         self._send(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
