@@ -856,8 +856,9 @@ class GrpcServer:
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
         """Listen on ``host:port`` (0: a free port); the port bound."""
         loop = asyncio.get_running_loop()
+        tls: dict[str, Any] = {} if self.tls is None else {"ssl": self.tls, "ssl_handshake_timeout": self.limits.handshake_timeout_s}
         self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=reuse_port or None,
-                                                ssl=self.tls)  # fmt: skip
+                                                **tls)  # fmt: skip
         return int(self._server.sockets[0].getsockname()[1])
 
     def statistics(self) -> GrpcServerStatistics:
