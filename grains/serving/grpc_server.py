@@ -515,6 +515,7 @@ class _Connection(asyncio.Protocol):
         waiter = call.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+            self._server._stats["wakeups"] += 1
 
     def _wake_starved(self) -> None:
         """Wake the senders the connection's window now lets send, oldest first, no more."""
@@ -832,6 +833,8 @@ class GrpcServerStatistics:
     """Connections closed with ENHANCE_YOUR_CALM (too many resets, PINGs, SETTINGS or empty frames)."""
     protocol_errors: int
     """Connections closed for breaking HTTP/2 otherwise."""
+    wakeups: int
+    """Times a sender of an answer larger than its windows was woken to send more."""
 
 
 class GrpcServer:
@@ -851,7 +854,7 @@ class GrpcServer:
         self.tls = tls
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
-        self._stats = {"refused": 0, "timed_out": 0, "calmed": 0, "protocol_errors": 0}
+        self._stats = {"refused": 0, "timed_out": 0, "calmed": 0, "protocol_errors": 0, "wakeups": 0}
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
         """Listen on ``host:port`` (0: a free port); the port bound."""
@@ -875,6 +878,7 @@ class GrpcServer:
             timed_out=self._stats["timed_out"],
             calmed=self._stats["calmed"],
             protocol_errors=self._stats["protocol_errors"],
+            wakeups=self._stats["wakeups"],
         )
 
     async def stop(self, grace_s: float) -> None:

@@ -208,6 +208,25 @@ async def test_a_settings_frame_of_174762_entries_ends_the_connection_and_a_wind
         peer.close()
 
 
+async def test_one_byte_window_updates_wake_one_waiting_sender_each_not_all_of_them():
+    async with serving() as (server, port):
+        # Streams may take 1 MiB each; the connection keeps the default 65,535 bytes: 40 answers
+        # of 4 KB fill it, and the rest wait for the connection's window.
+        peer = await Peer.open(port, (4).to_bytes(2, "big") + (1 << 20).to_bytes(4, "big"))
+        body = message(pb.ModelInferRequest(raw_input_contents=[bytes(4000)]))
+        for sid in range(1, 81, 2):
+            peer.send(raw(HEADERS, END_HEADERS, sid, request_headers(peer.encoder)) + raw(DATA, END_STREAM, sid, body))
+        peer.send(raw(PING, 0, 0, b"barrier1"))
+        await peer.until(PING)
+        assert server.statistics().calls > 20  # waiting on the connection's window
+        before = server.statistics().wakeups
+        for _ in range(20):  # each in a read of its own, the woken sender's byte in hand before the next
+            peer.send(raw(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big")))
+            await peer.until(DATA)
+        assert server.statistics().wakeups - before <= 20  # one each; waking all would be 20 x 20 and more
+        peer.close()
+
+
 async def test_a_client_that_never_reads_stops_being_read_and_its_answers_do_not_pile_up():
     async with serving(max_message=1 << 20) as (server, port), canary(port):
         # Answers outside flow control: a call to an unknown method is answered with its trailers
