@@ -27,6 +27,17 @@ compressed message is refused, UNIMPLEMENTED, naming what is accepted), a
 GOAWAY naming the error for a peer that breaks HTTP/2, and a graceful stop
 (GOAWAY; calls under way get their grace). Streaming methods and server push
 are not served.
+
+What a hostile client can cost is bounded (:class:`~grains.serving.settings.GrpcLimits`;
+docs/security.md, "The inference fronts"; docs/decisions.md, 88): per-second
+bounds on RST_STREAM (rapid reset), PING, SETTINGS and empty frames (then
+GOAWAY ENHANCE_YOUR_CALM); the receive window enforced, and the connection's
+given back only as handlers take the requests, up to ``max_buffered_bytes``
+held; reading paused while the client leaves its answers unread; a loop turn
+per 64 KiB read, 1 MiB of answers or 256 new calls, so one connection's
+backlog waits behind the others; handshake and idle timeouts and a
+connection cap. None of it adds a function call to a call's path: counting
+is an add, the clock is read only when a count passes its bound.
 """
 
 from __future__ import annotations
