@@ -59,6 +59,9 @@ class HttpLimits(_Section):
         10.0, gt=0, description="Time to receive a request's whole head, from its first byte (or the connection's start)."
     )
     body_timeout_s: float = Field(60.0, gt=0, description="Time to receive a request's whole body, after its head.")
+    max_header_bytes: int = Field(
+        64 << 10, ge=4096, description="Bytes of a request's head (request line and headers); more: 431 and closed."
+    )
     keep_alive_s: float = Field(5.0, gt=0, description="An idle keep-alive connection is closed after this long.")
 
 

@@ -109,3 +109,22 @@ async def test_connections_over_the_cap_are_closed_and_those_within_it_served():
         assert await get(*kept[0], b"still") == b"okstill"
         for _, w in kept:
             w.close()
+
+
+async def test_a_request_head_over_the_limit_is_answered_431_and_closed_while_others_are_served():
+    async with front(HttpLimits(max_header_bytes=16 << 10)) as port:
+        canary = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: test\r\n")
+        for _ in range(64):  # 1 MiB of headers, the blank line never sent
+            writer.write(b"x-big: " + b"y" * (16 << 10) + b"\r\n")
+            try:
+                await writer.drain()
+            except ConnectionError:
+                break
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+        # A head within the limit, with a body larger than it, is served.
+        assert await get(*canary, b"z" * (64 << 10)) == b"ok" + b"z" * (64 << 10)
+        canary[1].close()
