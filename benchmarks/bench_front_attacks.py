@@ -123,6 +123,7 @@ class Conn:
 
 async def canary(port: int, stop: asyncio.Event, latencies: list[float]) -> None:
     c = await Conn.open(port)
+    c.writer.write(raw(8, 0, 0, (2**31 - 1 - 65_535).to_bytes(4, "big")))  # its window opened once, all the way
     body = message(b"\x0a\x06canary")  # ModelInferRequest(model_name="canary")
     sid = 1
     try:

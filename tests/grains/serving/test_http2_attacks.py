@@ -76,6 +76,9 @@ class Canary:
 
     async def run(self) -> None:
         peer = await Peer.open(self.port)
+        # Its connection window opened as far as HTTP/2 allows, once: a canary that gives none back
+        # would stop being answered after 65,535 bytes of answers, as flow control has it.
+        peer.send(raw(WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65_535).to_bytes(4, "big")))
         sid = 1
         try:
             while not self.stop.is_set():
