@@ -19,6 +19,8 @@ IPROUTE := /usr/sbin/tc
 # The Redis Cluster tests create their 3-master cluster with `redis-cli --cluster create`
 # (silo/testing/redis_cluster.py): Debian's redis-tools, installed the same way.
 REDIS_CLI := /usr/bin/redis-cli
+# tests/grains/serving/test_http2_attacks.py floods the gRPC front with h2load, from Debian's nghttp2-client (same rule).
+H2LOAD := /usr/bin/h2load
 
 .PHONY: install test demo bench soak lint typecheck clean partition-test proto
 
@@ -46,6 +48,11 @@ $(REDIS_CLI):
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-tools >/dev/null
 
+$(H2LOAD):
+	@if [ "$$(id -u)" != 0 ]; then echo "the HTTP/2 attack tests need h2load: run 'sudo apt-get install -y --no-install-recommends nghttp2-client'" >&2; exit 1; fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nghttp2-client >/dev/null
+
 $(IPROUTE):
 	@if [ "$$(id -u)" != 0 ]; then echo "note: the network-partition tests need root and Debian's iproute2; they will not run" >&2; \
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
@@ -54,7 +61,7 @@ $(IPROUTE):
 # The tests start a few hundred Python processes (silos, samples, CLIs). Each would compile the
 # project's modules again where PYTHONDONTWRITEBYTECODE is set (it is on this workplace's
 # machines): compiled once here, every process reads the bytecode (0.2-0.3 s a process).
-test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(REDIS_CLI) $(IPROUTE)
+test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(REDIS_CLI) $(H2LOAD) $(IPROUTE)
 	$(PY) -m compileall -q -j 0 grains silo dashboard benchmarks samples tests >/dev/null
 	$(PY) -m pytest -q -m "not soak" $(ARGS)
 

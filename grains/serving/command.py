@@ -19,6 +19,7 @@ import json
 import signal
 from typing import Any
 
+from grains.serving.settings import FrontSettings, TlsSettings
 from grains.serving.spec import ServeSpec, TensorSpec
 from silo import errors
 
@@ -47,6 +48,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " hosting replicas)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1,
                    help="front processes sharing the port (SO_REUSEPORT; each parses HTTP on a core of its own)")  # fmt: skip
+    p.add_argument("--tls-cert", default=None, help="serve both fronts over TLS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM), with --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="require client certificates signed by this CA (PEM), with --tls-cert")  # fmt: skip
+
+
+def front_settings(args: argparse.Namespace) -> FrontSettings:
+    """The fronts' settings: limits from the environment (REDGRAIN_FRONT__...), TLS from the flags."""
+    cert, key, ca = getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
+    try:
+        settings = FrontSettings()
+        if cert is None and key is None and ca is None:
+            return settings
+        if cert is None or key is None:
+            raise errors.ConfigError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
+        return settings.model_copy(update={"tls": TlsSettings(cert_file=cert, key_file=key, ca_file=ca)})
+    except ValueError as exc:
+        raise errors.ConfigError(f"bad front settings: {exc}") from None
 
 
 def _inputs(texts: list[str]) -> list[TensorSpec] | None:
@@ -87,6 +106,7 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
     if spec is not None and not name:
         raise errors.ConfigError("--name is needed with --weights")
     grain = grain_for(args.role)
+    fronts_settings = front_settings(args)
     async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
         if spec is not None:
             await deploy(client, name, spec)
@@ -95,7 +115,9 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
 
             return await serve_workers(args, redis_url, cluster, settings)
         front = Front(client, grain=grain, timeout_s=args.timeout, in_flight=args.in_flight)
-        server = make_server(create_app(client, front=front), host=args.host, port=args.port)
+        tls = fronts_settings.tls
+        server = make_server(create_app(client, front=front), host=args.host, port=args.port,
+                             limits=fronts_settings.http, tls=tls)  # fmt: skip
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
@@ -104,8 +126,11 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
             if args.grpc_port:  # stops (gracefully) when the HTTP server does: on SIGTERM
                 from grains.serving.grpc_front import serve_grpc
 
-                await fronts.enter_async_context(serve_grpc(front, args.host, args.grpc_port))
-                print(f"serving {what} (Open Inference Protocol, gRPC) at {args.host}:{args.grpc_port}", flush=True)
-            print(f"serving {what} (Open Inference Protocol) at http://{args.host}:{args.port}/v2", flush=True)
+                await fronts.enter_async_context(serve_grpc(front, args.host, args.grpc_port,
+                                                            limits=fronts_settings.grpc, tls=tls))  # fmt: skip
+                print(f"serving {what} (Open Inference Protocol, gRPC{' over TLS' if tls else ''}) at "
+                      f"{args.host}:{args.grpc_port}", flush=True)  # fmt: skip
+            scheme = "https" if tls else "http"
+            print(f"serving {what} (Open Inference Protocol) at {scheme}://{args.host}:{args.port}/v2", flush=True)
             await server.serve()
     return 0

@@ -27,11 +27,13 @@ class Corked:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] | None = None
+        self.pending_bytes = 0  # what this turn's writes hold
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         # bytes are kept as they are (a response body is not copied again); a mutable buffer is
         # copied, since its owner may reuse it before the end of the turn.
         chunk = data if type(data) is bytes else bytes(data)
+        self.pending_bytes += len(chunk)
         if self._pending is None:
             self._pending = [chunk]
             self._loop.call_soon(self._flush)
@@ -40,6 +42,7 @@ class Corked:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None
+        self.pending_bytes = 0
         if pending and not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
@@ -47,8 +50,12 @@ class Corked:
         self._flush()  # an answer written just before the close still goes out
         self._transport.close()
 
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(p) for p in self._pending or ())
+        return self._transport.get_write_buffer_size() + self.pending_bytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

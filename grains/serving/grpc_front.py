@@ -26,6 +26,7 @@ from grains.serving.front import EXTENSIONS, SERVER_NAME, Front, failure, server
 from grains.serving.grpc_codec import decode_request, encode_response
 from grains.serving.grpc_server import Abort, Call, GrpcServer, Method, Status
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
+from grains.serving.settings import GrpcLimits, TlsSettings
 from grains.serving.spec import TensorSpec
 
 SERVICE = "inference.GRPCInferenceService"
@@ -89,15 +90,25 @@ class InferenceServicer:
             _abort(exc)
 
 
-def make_grpc_server(front: Front, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> GrpcServer:
-    """The service as a server, not yet listening (:meth:`GrpcServer.start` binds its port)."""
-    return GrpcServer(InferenceServicer(front).methods(), max_receive=max_message_bytes, max_send=max_message_bytes)
+def make_grpc_server(
+    front: Front, *, max_message_bytes: int = MAX_MESSAGE_BYTES, limits: GrpcLimits | None = None,
+    tls: TlsSettings | None = None,
+) -> GrpcServer:  # fmt: skip
+    """The service as a server, not yet listening (:meth:`GrpcServer.start` binds its port).
+
+    ``tls``: served over TLS, ``h2`` negotiated by ALPN (as gRPC clients ask)."""
+    limits = limits or GrpcLimits()
+    if limits.max_buffered_bytes < max_message_bytes + 5:  # room for one whole message, at least
+        limits = limits.model_copy(update={"max_buffered_bytes": max_message_bytes + (16 << 20)})
+    return GrpcServer(InferenceServicer(front).methods(), max_receive=max_message_bytes, max_send=max_message_bytes,
+                      limits=limits, tls=tls.context(alpn=["h2"]) if tls is not None else None)  # fmt: skip
 
 
 @asynccontextmanager
 async def serve_grpc(
     front: Front, host: str = "127.0.0.1", port: int = 8001, *,
     max_message_bytes: int = MAX_MESSAGE_BYTES, grace_s: float = GRACE_S, reuse_port: bool = False,
+    limits: GrpcLimits | None = None, tls: TlsSettings | None = None,
 ) -> AsyncIterator[int]:  # fmt: skip
     """The gRPC front serving while the block runs; yields its port (a free one when ``port`` is 0).
 
@@ -105,7 +116,7 @@ async def serve_grpc(
     exit it stops gracefully: new calls are refused at once, calls under way
     get ``grace_s`` to finish, then are cancelled.
     """
-    server = make_grpc_server(front, max_message_bytes=max_message_bytes)
+    server = make_grpc_server(front, max_message_bytes=max_message_bytes, limits=limits, tls=tls)
     bound = await server.start(host, port, reuse_port=reuse_port)
     try:
         yield bound

@@ -27,6 +27,17 @@ compressed message is refused, UNIMPLEMENTED, naming what is accepted), a
 GOAWAY naming the error for a peer that breaks HTTP/2, and a graceful stop
 (GOAWAY; calls under way get their grace). Streaming methods and server push
 are not served.
+
+What a hostile client can cost is bounded (:class:`~grains.serving.settings.GrpcLimits`;
+docs/security.md, "The inference fronts"; docs/decisions.md, 88): per-second
+bounds on RST_STREAM (rapid reset), PING, SETTINGS and empty frames (then
+GOAWAY ENHANCE_YOUR_CALM); the receive window enforced, and the connection's
+given back only as handlers take the requests, up to ``max_buffered_bytes``
+held; reading paused while the client leaves its answers unread; a loop turn
+per 64 KiB read, 1 MiB of answers or 256 new calls, so one connection's
+backlog waits behind the others; handshake and idle timeouts and a
+connection cap. None of it adds a function call to a call's path: counting
+is an add, the clock is read only when a count passes its bound.
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ import asyncio
 import enum
 import logging
 import re
+import ssl
+import struct
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -46,6 +60,7 @@ from google.protobuf.message import DecodeError, Message
 from grains.serving import http2
 from grains.serving.corked import Corked, corked
 from grains.serving.http2 import END_HEADERS, END_STREAM, ErrorCode, Frame, ProtocolError
+from grains.serving.settings import GrpcLimits
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +77,25 @@ _UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-
 _SETTINGS = http2.settings({http2.Setting.MAX_CONCURRENT_STREAMS: MAX_STREAMS, http2.Setting.INITIAL_WINDOW_SIZE: WINDOW,
                             http2.Setting.MAX_FRAME_SIZE: MAX_FRAME, http2.Setting.ENABLE_PUSH: 0})  # fmt: skip
 _SETTINGS_ACK = http2.frame(Frame.SETTINGS, http2.ACK, 0)
+_ENTRY = struct.Struct(">HI")
+_REPLENISH_AT = WINDOW - WINDOW // 4
+"""The client's connection window is topped up only once it is this low (a quarter spent, at least)."""
+FAIR_READ = 64 << 10
+"""A read this large ends the connection's turn: reading resumes on the next loop turn, after the others'."""
+_RESETS, _PINGS, _SETTINGS_FRAMES, _EMPTY = range(4)
+_ABUSE = ("RST_STREAM", "PING", "SETTINGS", "empty DATA or CONTINUATION")
+# Why a connection stopped reading (bits): its answers are not read, or it had its turn.
+_WRITE_PAUSED, _TURN_TAKEN, _BACKLOG = 1, 2, 4
+OUT_HIGH = 1 << 20
+"""Answer bytes one loop turn may write for a connection before its other frames wait for the next."""
+CALLS_PER_TURN = 256
+"""Calls one connection may open in a loop turn before its other frames wait for the next."""
+LINGER_S = 1.0
+"""How long a connection closed for an error is still read (and what it sends dropped) so its
+client reads the GOAWAY, rather than losing it to the reset that closing a socket with unread
+data sends."""
+# What a sender of a large answer waits for.
+_ON_STREAM, _ON_CONNECTION = 1, 2
 
 
 class Status(enum.IntEnum):
@@ -106,8 +140,8 @@ class Method(Generic[Req, Resp]):
 class Call:
     """One call as its handler sees it: the deadline and the request headers."""
 
-    __slots__ = ("_loop", "body", "deadline", "headers", "path", "received", "remote_closed", "send_window",
-                 "stream_id", "task")
+    __slots__ = ("_loop", "blocked_on", "body", "deadline", "headers", "path", "received", "recv_window",
+                 "remote_closed", "send_window", "stream_id", "task", "waiter")
 
     def __init__(self, stream_id: int, path: str, headers: dict[bytes, bytes], deadline: float | None,
                  loop: asyncio.AbstractEventLoop, send_window: int) -> None:  # fmt: skip
@@ -120,6 +154,9 @@ class Call:
         self.task: asyncio.Task[None] | None = None
         self.send_window = send_window  # what the client lets this stream's answer send
         self.received = 0  # bytes of this stream's DATA not yet given back to the client's window
+        self.recv_window = WINDOW  # what the client may still send on this stream
+        self.waiter: asyncio.Future[None] | None = None  # a large answer's sender, waiting for a window
+        self.blocked_on = 0  # which window it waits for (_ON_STREAM, _ON_CONNECTION)
         self.remote_closed = False  # the client ended its side (END_STREAM)
 
     def time_remaining(self) -> float | None:
@@ -136,6 +173,11 @@ def _deadline(value: bytes | None, now: float) -> float | None:
     return now + int(m[1]) * _UNITS[m[2]]
 
 
+def _whole(body: bytearray) -> bool:
+    """Whether ``body`` is one complete length-prefixed message."""
+    return len(body) >= 5 and int.from_bytes(body[1:5], "big") == len(body) - 5
+
+
 def _trailers(status: Status, message: str) -> bytes:
     """The trailers' header block: ``grpc-status`` and, when there is one, ``grpc-message``."""
     block = http2.literal(b"grpc-status", b"%d" % status)
@@ -150,6 +192,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: GrpcServer) -> None:
         self._server = server
+        self._limits = server.limits
         self._loop = asyncio.get_running_loop()
         self._transport: Corked | None = None
         self._partial: list[bytes] = []  # the pieces of a frame not yet whole
@@ -158,6 +201,7 @@ class _Connection(asyncio.Protocol):
         self._preface = False
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
         self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # header blocks seen on the table as it is
+        self._decoded_bytes = 0  # what they hold, bounded by the limits' header_cache_bytes
         self._table_seen: tuple[int, int] | None = None
         self._block: tuple[int, int, bytearray] | None = None  # a header block awaiting CONTINUATION
         self._calls: dict[int, Call] = {}  # streams whose answer is not yet ended
@@ -166,33 +210,133 @@ class _Connection(asyncio.Protocol):
         self._send_window = http2.DEFAULT_WINDOW  # the connection's, for our DATA
         self._initial_window = http2.DEFAULT_WINDOW  # the client's INITIAL_WINDOW_SIZE
         self._max_frame = http2.DEFAULT_MAX_FRAME  # the client's MAX_FRAME_SIZE
-        self._received = 0  # DATA bytes not yet given back to the connection's window
-        self._window = asyncio.Event()  # set when a flow-control window or the transport opens
+        self._recv_window = min(WINDOW, self._limits.max_buffered_bytes)  # what the client may still send on the connection
+        self._buffered = 0  # request bytes held in unfinished calls' bodies
+        self._starved: deque[Call] = deque()  # senders waiting for the connection's window or the socket
         self._writable = True
+        self._pauses = 0  # why reading is paused (_WRITE_PAUSED, _TURN_TAKEN, _BACKLOG bits)
+        self._backlog: bytes | None = None  # frames read, held until this turn's answers are written
+        self._gone = False  # closed for an error: nothing more is sent or handled
+        self._opened = 0  # calls opened by the frames of the read being handled
+        self._heard = True  # something came since the idle timer last looked
+        self._timer: asyncio.TimerHandle | None = None  # the handshake timeout, then the idle one
+        # Abuse counters (resets, PINGs, SETTINGS, empty frames): counted since each one's window
+        # began; the clock is read only when a count passes its bound, so counting costs an add.
+        self._counts = [0, 0, 0, 0]
+        self._since = [self._loop.time()] * 4
+        self._bounds = (self._limits.resets_per_s, self._limits.pings_per_s, self._limits.settings_per_s,
+                        self._limits.empty_frames_per_s)  # fmt: skip
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = corked(transport)  # answers finished in one loop turn leave in one write
-        self._server._connections.add(self)
-        self._send(_SETTINGS + http2.window_update(0, WINDOW - http2.DEFAULT_WINDOW))
+        server = self._server
+        if len(server._connections) >= self._limits.max_connections:
+            server._stats["refused"] += 1
+            self._send(_SETTINGS + http2.goaway(0, ErrorCode.NO_ERROR, b"connection limit reached"))
+            self._transport.close()
+            return
+        server._connections.add(self)
+        self._send(_SETTINGS + http2.window_update(0, self._recv_window - http2.DEFAULT_WINDOW))
+        self._timer = self._loop.call_later(self._limits.handshake_timeout_s, self._handshake_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
         for call in self._calls.values():
             if call.task is not None:
                 call.task.cancel()  # its client is gone: nobody reads the answer
+            self._wake(call)  # a sender waiting for a window finds the stream gone
         self._calls.clear()
-        self._window.set()  # a sender waiting for a window finds the stream gone
+        self._starved.clear()
+        self._buffered = 0
 
     def pause_writing(self) -> None:
+        # The client does not read its answers: stop reading its requests (and PINGs) until it
+        # does, or what it asks for would pile up here unread.
         self._writable = False
+        self._pause(_WRITE_PAUSED)
 
     def resume_writing(self) -> None:
         self._writable = True
-        self._window.set()
+        self._resume(_WRITE_PAUSED)
+        self._wake_starved()
+        self._continue()
+
+    def _pause(self, why: int) -> None:
+        if not self._pauses and not self._closed():
+            assert self._transport is not None
+            self._transport.pause_reading()
+        self._pauses |= why
+
+    def _resume(self, why: int) -> None:
+        if self._pauses & why:
+            self._pauses &= ~why
+            if not self._pauses and not self._closed():
+                assert self._transport is not None
+                self._transport.resume_reading()
+
+    def _next_turn(self) -> None:
+        self._resume(_TURN_TAKEN)
+
+    def _handshake_timeout(self) -> None:
+        if self._preface:
+            return
+        self._server._stats["timed_out"] += 1
+        log.info("gRPC connection closed: no HTTP/2 preface within %.1f s", self._limits.handshake_timeout_s)
+        self._close(ErrorCode.PROTOCOL_ERROR, b"no connection preface in time")
+
+    def _idle_check(self) -> None:
+        if self._calls or self._heard:  # busy: look again a timeout later
+            self._heard = False
+            self._timer = self._loop.call_later(self._limits.idle_timeout_s, self._idle_check)
+            return
+        self._server._stats["timed_out"] += 1
+        self._close(ErrorCode.NO_ERROR, b"idle")
+
+    def _close(self, code: ErrorCode, debug: bytes) -> None:
+        """A GOAWAY naming ``code``, then the connection ends: written, shut for writing, read a little longer."""
+        self._send(http2.goaway(self._last_stream, code, debug))
+        transport = self._transport
+        if transport is None or self._closed():
+            return
+        self._gone = True
+        for call in list(self._calls.values()):
+            if call.task is not None:
+                call.task.cancel()
+        if not transport.can_write_eof():  # TLS: no half-close
+            transport.close()
+            return
+        transport.write_eof()
+        self._pauses, self._backlog = 0, None
+        transport.resume_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(LINGER_S, transport.abort)
+
+    def _continue(self) -> None:
+        """Handle the frames held back for their answers, once those are written."""
+        if self._backlog is None or self._closed() or not self._writable:
+            return  # resume_writing calls again
+        data, self._backlog = self._backlog, None
+        self.data_received(data)
+        if self._backlog is None:
+            self._resume(_BACKLOG)
 
     def data_received(self, data: bytes) -> None:
+        if self._gone:
+            return  # a connection closed for an error: what it still sends is read and dropped
+        if self._backlog is not None:  # (reading is paused meanwhile; a read already under way joins it)
+            self._backlog += data
+            return
+        self._heard = True
+        if len(data) >= FAIR_READ:
+            # A backlog: this read is handled, the next waits for the other connections' turn
+            # (uvloop reads a socket up to 32 times in a row otherwise).
+            self._pause(_TURN_TAKEN)
+            self._loop.call_soon(self._next_turn)
         if self._partial:
             # The rest of a frame: joined once it is whole, not at every piece (a 1 MiB frame
             # comes in many reads, and joining each would copy it over and over).
@@ -213,8 +357,15 @@ class _Connection(asyncio.Protocol):
                     raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
                 data = data[len(http2.PREFACE) :]
                 self._preface = True
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._heard = False  # the preface alone does not keep a connection open
+                self._timer = self._loop.call_later(self._limits.idle_timeout_s, self._idle_check)
             view, at, end = memoryview(data), 0, len(data)
             wanted = 9
+            self._opened = 0
+            transport = self._transport
+            assert transport is not None
             while end - at >= 9:
                 length = int.from_bytes(view[at : at + 3], "big")
                 if length > MAX_FRAME:
@@ -225,14 +376,33 @@ class _Connection(asyncio.Protocol):
                 stream_id = int.from_bytes(view[at + 5 : at + 9], "big") & 0x7FFFFFFF
                 self._frame(view[at + 3], view[at + 4], stream_id, view[at + 9 : at + 9 + length])
                 at += 9 + length
+                if (transport.pending_bytes > OUT_HIGH or self._opened > CALLS_PER_TURN) and at < end:
+                    # This turn's answers are many (small requests can ask for large answers), or
+                    # its new calls (each a task; rapid reset opens thousands a read): the rest
+                    # waits for the next turn, after the writes and the other connections, and
+                    # reading until the rest is handled.
+                    self._backlog = bytes(view[at:])
+                    self._pause(_BACKLOG)
+                    self._loop.call_soon(self._continue)
+                    return
             if at < end:
                 self._keep(bytes(view[at:]), wanted)
         except ProtocolError as exc:
             # The peer broke HTTP/2: a GOAWAY naming the error, and the connection is dropped.
             log.info("gRPC connection closed on a protocol error: %s", exc)
-            self._send(http2.goaway(self._last_stream, exc.code, str(exc).encode()[:256]))
-            if self._transport is not None:
-                self._transport.close()
+            self._server._stats["calmed" if exc.code == ErrorCode.ENHANCE_YOUR_CALM else "protocol_errors"] += 1
+            self._close(exc.code, str(exc).encode()[:256])
+
+    def _count(self, what: int) -> None:
+        """One more frame of an abusable kind; past its bound within a second: ENHANCE_YOUR_CALM."""
+        counts = self._counts
+        counts[what] += 1
+        if counts[what] > self._bounds[what]:
+            now = self._loop.time()
+            if now - self._since[what] < 1.0:
+                raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM,
+                                    f"over {self._bounds[what]} {_ABUSE[what]} frames in a second")  # fmt: skip
+            self._since[what], counts[what] = now, 1
 
     def _keep(self, start: bytes, wanted: int) -> None:
         """Hold the start of a frame (or of the preface) until ``wanted`` bytes of it are in."""
@@ -258,6 +428,8 @@ class _Connection(asyncio.Protocol):
         elif kind == Frame.CONTINUATION:
             if self._block is None or self._block[0] != sid:
                 raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"CONTINUATION on stream {sid} after no HEADERS there")
+            if not payload and not flags & END_HEADERS:
+                self._count(_EMPTY)  # CVE-2024-27316's class: endless empty CONTINUATIONs
             self._block[2].extend(payload)
             if len(self._block[2]) > MAX_HEADER_BLOCK:
                 raise ProtocolError(ErrorCode.COMPRESSION_ERROR, f"a header block over {MAX_HEADER_BLOCK} bytes")
@@ -270,19 +442,23 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "a WINDOW_UPDATE is 4 bytes")
             self._window_update(sid, int.from_bytes(payload, "big") & 0x7FFFFFFF)
         elif kind == Frame.RST_STREAM:
+            self._count(_RESETS)  # rapid reset (CVE-2023-44487): each reset call cost a handler
             call = self._calls.pop(sid, None)
-            if call is not None and call.task is not None:
-                call.task.cancel()  # the client gave up (its deadline, or it cancelled): stop the work
-            self._window.set()
+            if call is not None:
+                self._drop_body(call)
+                if call.task is not None:
+                    call.task.cancel()  # the client gave up (its deadline, or it cancelled): stop the work
         elif kind == Frame.SETTINGS:
             if sid != 0:
                 raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & http2.ACK:
+                self._count(_SETTINGS_FRAMES)
                 self._settings(payload)
         elif kind == Frame.PING:
             if len(payload) != 8:
                 raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "a PING is 8 bytes")
             if not flags & http2.ACK:
+                self._count(_PINGS)
                 self._send(http2.frame(Frame.PING, http2.ACK, 0, bytes(payload)))
         elif kind == Frame.PUSH_PROMISE:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client cannot push")
@@ -299,23 +475,34 @@ class _Connection(asyncio.Protocol):
         return payload[1 : len(payload) - payload[0]]
 
     def _settings(self, payload: memoryview) -> None:
+        """Apply a SETTINGS frame: its entries read once, open streams' windows moved once.
+
+        A frame may hold 174,762 entries; moving every stream's window for each (as a loop over
+        entries would) blocked the event loop 12.5 s with 1,024 streams open.
+        """
         if len(payload) % 6:
             raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
-        for at in range(0, len(payload), 6):
-            key, value = int.from_bytes(payload[at : at + 2], "big"), int.from_bytes(payload[at + 2 : at + 6], "big")
+        if len(payload) > 6 * self._limits.max_settings_entries:
+            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM,
+                                f"a SETTINGS frame of {len(payload) // 6} entries (at most {self._limits.max_settings_entries})")  # fmt: skip
+        window = self._initial_window
+        for key, value in _ENTRY.iter_unpack(payload):
             if key == http2.Setting.INITIAL_WINDOW_SIZE:
                 if value > http2.MAX_WINDOW:
                     raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value}")
-                for call in self._calls.values():  # RFC 9113, 6.9.2: open streams' windows move by the change
-                    call.send_window += value - self._initial_window
-                self._initial_window = value
-                self._window.set()
+                window = value
             elif key == http2.Setting.MAX_FRAME_SIZE:
                 if not http2.DEFAULT_MAX_FRAME <= value < 1 << 24:
                     raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
                 self._max_frame = value
             # HEADER_TABLE_SIZE: the answers' literals never use the client's table. The rest
             # (push, the client's own stream and header limits) bind a client's sending, not ours.
+        if window != self._initial_window:
+            change, self._initial_window = window - self._initial_window, window
+            for call in self._calls.values():  # RFC 9113, 6.9.2: open streams' windows move by the change
+                call.send_window += change
+                if call.blocked_on == _ON_STREAM and call.send_window > 0:
+                    self._wake(call)
         self._send(_SETTINGS_ACK)
 
     def _window_update(self, sid: int, increment: int) -> None:
@@ -323,41 +510,90 @@ class _Connection(asyncio.Protocol):
             if increment == 0 or self._send_window + increment > http2.MAX_WINDOW:
                 raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, f"a connection WINDOW_UPDATE of {increment}")
             self._send_window += increment
-        else:
-            call = self._calls.get(sid)
-            if call is not None:
-                if increment == 0 or call.send_window + increment > http2.MAX_WINDOW:
-                    self._reset(call, ErrorCode.FLOW_CONTROL_ERROR)
-                    return
-                call.send_window += increment
-        self._window.set()
+            if self._starved:
+                self._wake_starved()
+            return
+        call = self._calls.get(sid)
+        if call is not None:
+            if increment == 0 or call.send_window + increment > http2.MAX_WINDOW:
+                self._reset(call, ErrorCode.FLOW_CONTROL_ERROR)
+                return
+            call.send_window += increment
+            if call.blocked_on == _ON_STREAM and call.send_window > 0:
+                self._wake(call)  # only this stream's sender: the others' windows did not move
+
+    def _wake(self, call: Call) -> None:
+        waiter = call.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+            self._server._stats["wakeups"] += 1
+
+    def _wake_starved(self) -> None:
+        """Wake the senders the connection's window now lets send, oldest first, no more."""
+        budget = self._send_window if self._writable else 0
+        starved = self._starved
+        while starved and budget > 0:
+            call = starved.popleft()
+            if call.blocked_on == _ON_CONNECTION and call.stream_id in self._calls:
+                budget -= min(call.send_window, self._max_frame)
+                self._wake(call)
 
     def _data(self, flags: int, sid: int, payload: memoryview) -> None:
         if sid == 0:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
-        # The connection's window is given back for every DATA frame, dropped or kept.
-        self._received += len(payload)
-        if self._received >= WINDOW // 2:
-            self._send(http2.window_update(0, self._received))
-            self._received = 0
+        size = len(payload)
+        if not size and not flags & END_STREAM:
+            self._count(_EMPTY)
+        self._recv_window -= size
+        if self._recv_window < 0:
+            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, f"DATA past the connection's window (by {-self._recv_window} bytes)")
         if sid > self._last_stream:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {sid}, never opened")
         call = self._calls.get(sid)
         if call is None or call.remote_closed:
-            return  # answered already (refused, reset or over a limit): what else it sends is dropped
+            # Answered already (refused, reset or over a limit): what else it sends is dropped,
+            # and its room in the connection's window given back.
+            if self._recv_window <= _REPLENISH_AT:
+                self._replenish()
+            return
+        call.recv_window -= size
+        if call.recv_window < 0:
+            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, f"DATA past stream {sid}'s window (by {-call.recv_window} bytes)")
         data = self._unpad(flags, payload)
         call.body += data
+        self._buffered += len(data)
         if len(call.body) > self._server.max_receive + 5:
             self._refuse(call, Status.RESOURCE_EXHAUSTED,
                          f"received message larger than max (over {self._server.max_receive} bytes)")  # fmt: skip
-            return
-        if flags & END_STREAM:
+        elif flags & END_STREAM:
             self._ended(call)
-            return
-        call.received += len(payload)
-        if call.received >= WINDOW // 2:
-            self._send(http2.window_update(sid, call.received))
-            call.received = 0
+        elif self._buffered >= self._limits.max_buffered_bytes and not _whole(call.body):
+            # The connection's window is spent on unfinished requests and none can finish: the
+            # one that filled it is refused, so the others go on.
+            self._refuse(call, Status.RESOURCE_EXHAUSTED,
+                         f"the connection holds {self._buffered} bytes of unfinished requests (at most {self._limits.max_buffered_bytes})")  # fmt: skip
+        else:
+            # The stream's own window is given back as its message arrives (the message is
+            # bounded by max_receive); the connection's only as buffered requests are taken.
+            call.received += size
+            if call.received >= WINDOW // 2:
+                self._send(http2.window_update(sid, call.received))
+                call.recv_window += call.received
+                call.received = 0
+        if self._recv_window <= _REPLENISH_AT:  # (else there is less than a quarter window to give)
+            self._replenish()
+
+    def _replenish(self) -> None:
+        """Top the client's connection window up to what the buffer cap leaves room for, in large steps."""
+        room = min(WINDOW, self._limits.max_buffered_bytes - self._buffered) - self._recv_window
+        if room >= WINDOW // 4 or (room > 0 and self._recv_window < WINDOW // 4):
+            self._send(http2.window_update(0, room))
+            self._recv_window += room
+
+    def _drop_body(self, call: Call) -> None:
+        """The call's buffered request bytes are no longer held (taken by its handler, or dropped)."""
+        self._buffered -= len(call.body)
+        call.body = bytearray()
 
     def _headers(self, sid: int, flags: int, block: memoryview) -> None:
         try:  # decoded whatever becomes of the stream: the decoder's table must follow the client's
@@ -381,6 +617,7 @@ class _Connection(asyncio.Protocol):
             return
         call = Call(sid, headers.get(b":path", b"").decode("latin-1"), headers, None, self._loop, self._initial_window)
         self._calls[sid] = call
+        self._opened += 1
         call.remote_closed = bool(flags & END_STREAM)
         method = headers.get(b":method")
         if method != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
@@ -418,14 +655,20 @@ class _Connection(asyncio.Protocol):
                 return dict(cached)
         else:
             self._decoded.clear()
+            self._decoded_bytes = 0
             self._table_seen = before
         headers = dict(self._decoder.decode(block, raw=True))
         if (len(table), id(table[0]) if table else 0) == before:
-            if len(self._decoded) < 64:  # a client varies a few headers at most (grpc-timeout)
+            # Bounded in bytes, not entries: 64 distinct 43 KiB blocks held 7.8 MB a connection.
+            # A client varies a few small headers at most (grpc-timeout), which fit many times.
+            size = len(block) + sum(len(k) + len(v) for k, v in headers.items())
+            if self._decoded_bytes + size <= self._limits.header_cache_bytes:
                 self._decoded[block] = headers
+                self._decoded_bytes += size
                 return dict(headers)
         else:  # this block changed the table: what was decoded before may now read otherwise
             self._decoded.clear()
+            self._decoded_bytes = 0
             self._table_seen = None
         return headers
 
@@ -445,6 +688,7 @@ class _Connection(asyncio.Protocol):
         except DecodeError as exc:
             self._refuse(call, Status.INTERNAL, f"the request is not a {method.request.DESCRIPTOR.full_name}: {exc}")
             return
+        self._buffered -= len(body)
         call.body = bytearray()
         call.task = self._loop.create_task(self._run(call, method, request))
 
@@ -492,8 +736,19 @@ class _Connection(asyncio.Protocol):
                 return
             n = min(self._send_window, call.send_window, self._max_frame, len(message) - sent)
             if n <= 0 or not self._writable:
-                self._window.clear()
-                await self._window.wait()
+                # Wait for what blocks this answer: its stream's window (woken by that stream's
+                # WINDOW_UPDATE alone), or the connection's window or socket (woken in turn, as
+                # many as the connection's window lets send).
+                call.waiter = self._loop.create_future()
+                if call.send_window > 0:
+                    call.blocked_on = _ON_CONNECTION
+                    self._starved.append(call)
+                else:
+                    call.blocked_on = _ON_STREAM
+                try:
+                    await call.waiter
+                finally:
+                    call.waiter, call.blocked_on = None, 0
                 continue
             self._send(http2.frame(Frame.DATA, 0, call.stream_id, bytes(message[sent : sent + n])))
             self._send_window -= n
@@ -504,6 +759,8 @@ class _Connection(asyncio.Protocol):
         """End the answer with ``trailers`` (after :data:`http2.RESPONSE` when nothing went before)."""
         if self._calls.pop(call.stream_id, None) is None or self._closed():
             return  # reset by the client meanwhile, or the connection is gone
+        if call.body:  # answered before its request was whole
+            self._drop_body(call)
         block = http2.RESPONSE + trailers if trailers_only else trailers
         self._send_block(call.stream_id, block)
         if not call.remote_closed:
@@ -527,7 +784,8 @@ class _Connection(asyncio.Protocol):
         self._finish(call, http2.RESPONSE + block, trailers_only=False)
 
     def _reset(self, call: Call, code: ErrorCode) -> None:
-        self._calls.pop(call.stream_id, None)
+        if self._calls.pop(call.stream_id, None) is not None:
+            self._drop_body(call)
         if call.task is not None and code != ErrorCode.CANCEL:
             call.task.cancel()
         self._send(http2.rst_stream(call.stream_id, code))
@@ -535,7 +793,7 @@ class _Connection(asyncio.Protocol):
     # --- writes ------------------------------------------------------------------------------
 
     def _closed(self) -> bool:
-        return self._transport is None or self._transport.is_closing()
+        return self._gone or self._transport is None or self._transport.is_closing()
 
     def _send(self, data: bytes) -> None:
         if not self._closed():
@@ -555,6 +813,8 @@ class _Connection(asyncio.Protocol):
         return [c.task for c in self._calls.values() if c.task is not None]
 
     def close(self) -> None:
+        if self._gone and self._transport is not None:
+            self._transport.abort()  # its GOAWAY is out; the server is stopping: no more lingering
         if self._closed():
             return
         self._send(http2.goaway(self._last_stream, ErrorCode.NO_ERROR))
@@ -562,21 +822,75 @@ class _Connection(asyncio.Protocol):
         self._transport.close()  # what was written goes out first
 
 
+@dataclass(frozen=True, slots=True)
+class GrpcServerStatistics:
+    connections: int
+    """Client connections open now."""
+    calls: int
+    """Calls open now (request arriving, handler running, or answer being sent)."""
+    buffered_bytes: int
+    """Request bytes held in unfinished calls, over all connections."""
+    write_buffered_bytes: int
+    """Answer bytes written and not yet taken by the sockets, over all connections."""
+    reading_paused: int
+    """Connections not read from because their client does not read its answers."""
+    header_cache_bytes: int
+    """Decoded header blocks kept for reuse (bytes of blocks and headers), over all connections."""
+    refused_connections: int
+    """Connections closed at once, over the connection limit."""
+    timed_out: int
+    """Connections closed for sending no preface in time, or for idling."""
+    calmed: int
+    """Connections closed with ENHANCE_YOUR_CALM (too many resets, PINGs, SETTINGS or empty frames)."""
+    protocol_errors: int
+    """Connections closed for breaking HTTP/2 otherwise."""
+    wakeups: int
+    """Times a sender of an answer larger than its windows was woken to send more."""
+
+
 class GrpcServer:
     """Unary gRPC methods served on the running loop (from :meth:`start` to :meth:`stop`)."""
 
-    def __init__(self, methods: Mapping[str, Method[Any, Any]], *, max_receive: int, max_send: int) -> None:
+    def __init__(
+        self, methods: Mapping[str, Method[Any, Any]], *, max_receive: int, max_send: int,
+        limits: GrpcLimits | None = None, tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
         self.methods = dict(methods)
         self.max_receive = max_receive
         self.max_send = max_send
+        self.limits = limits or GrpcLimits()
+        if self.limits.max_buffered_bytes < max_receive + 5:
+            raise ValueError(f"max_buffered_bytes {self.limits.max_buffered_bytes} cannot hold one message of "
+                             f"max_receive {max_receive} bytes")  # fmt: skip
+        self.tls = tls
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
+        self._stats = {"refused": 0, "timed_out": 0, "calmed": 0, "protocol_errors": 0, "wakeups": 0}
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
         """Listen on ``host:port`` (0: a free port); the port bound."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=reuse_port or None)
+        tls: dict[str, Any] = {} if self.tls is None else {"ssl": self.tls, "ssl_handshake_timeout": self.limits.handshake_timeout_s}
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=reuse_port or None,
+                                                **tls)  # fmt: skip
         return int(self._server.sockets[0].getsockname()[1])
+
+    def statistics(self) -> GrpcServerStatistics:
+        """What the server holds now, and what it has turned away since it started."""
+        conns = self._connections
+        return GrpcServerStatistics(
+            connections=len(conns),
+            calls=sum(len(c._calls) for c in conns),
+            buffered_bytes=sum(c._buffered for c in conns),
+            write_buffered_bytes=sum(c._transport.get_write_buffer_size() for c in conns if c._transport is not None),
+            reading_paused=sum(1 for c in conns if c._pauses & (_WRITE_PAUSED | _BACKLOG)),
+            header_cache_bytes=sum(c._decoded_bytes for c in conns),
+            refused_connections=self._stats["refused"],
+            timed_out=self._stats["timed_out"],
+            calmed=self._stats["calmed"],
+            protocol_errors=self._stats["protocol_errors"],
+            wakeups=self._stats["wakeups"],
+        )
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; those under way get ``grace_s`` to finish, then are cancelled."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -44,6 +45,7 @@ from grains.serving.front import EXTENSIONS, SERVER_NAME, Front, failure, server
 from grains.serving.http_infer import InferRoute, Receive, Scope, Send, model_of
 from grains.serving.model import ModelGrain
 from grains.serving.records import ModelSummary, read_models
+from grains.serving.settings import HttpLimits, TlsSettings
 from silo import errors
 
 MAX_BODY_BYTES = 64 << 20
@@ -200,12 +202,17 @@ def create_app(
     return V2App(app, route)
 
 
-def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, reuse_port: bool = False) -> Any:
+def make_server(
+    app: Any, host: str = "127.0.0.1", port: int = 8000, *, reuse_port: bool = False,
+    limits: HttpLimits | None = None, tls: TlsSettings | None = None,
+) -> Any:  # fmt: skip
     """A uvicorn server for ``app`` that leaves signals to its caller (``redgrain serve``, tests).
 
     httptools when installed (it parses a request in C; h11 is pure Python),
-    each response sent in one write (:mod:`grains.serving.http_protocol`),
-    keep-alive as uvicorn's default. With
+    each response sent in one write, read deadlines for a request's head and
+    body and a connection cap (:mod:`grains.serving.http_protocol`, ``limits``),
+    keep-alive for ``limits.keep_alive_s``; over TLS with ``tls`` (client
+    certificates required when it names a CA). With
     ``reuse_port``, ``server.serve(sockets=[server.socket])`` runs it on a socket
     bound with ``SO_REUSEPORT``, which other processes bind too and the kernel
     spreads connections over.
@@ -223,8 +230,16 @@ def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, reuse_po
 
     from grains.serving.http_protocol import protocol_class
 
+    limits = limits or HttpLimits()
+    ssl_args: dict[str, Any] = {}
+    if tls is not None:
+        ssl_args = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
+        if tls.ca_file is not None:
+            ssl_args |= {"ssl_ca_certs": str(tls.ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            http=protocol_class(), proxy_headers=False, server_header=False)  # fmt: skip
+                            http=protocol_class(limits), proxy_headers=False, server_header=False,
+                            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # a float serves
+                            **ssl_args)  # fmt: skip
     server = _Server(config)
     if reuse_port:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

@@ -52,6 +52,7 @@ class ErrorCode(enum.IntEnum):
     REFUSED_STREAM = 7
     CANCEL = 8
     COMPRESSION_ERROR = 9
+    ENHANCE_YOUR_CALM = 11
 
 
 END_STREAM = 0x1

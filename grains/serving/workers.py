@@ -25,6 +25,8 @@ import signal
 import sys
 from typing import Any
 
+from grains.serving.command import front_settings
+from grains.serving.settings import FrontSettings
 from silo import errors
 
 
@@ -33,7 +35,8 @@ async def serve_workers(args: argparse.Namespace, redis_url: str | None, cluster
     secret = getattr(settings, "cluster_secret", None)
     config = {"redis_url": redis_url, "cluster": cluster, "secret": secret.get_secret_value() if secret else None,
               "host": args.host, "port": args.port, "timeout": args.timeout, "role": args.role,
-              "grpc_port": getattr(args, "grpc_port", 0), "in_flight": getattr(args, "in_flight", None)}  # fmt: skip
+              "grpc_port": getattr(args, "grpc_port", 0), "in_flight": getattr(args, "in_flight", None),
+              "front": front_settings(args).model_dump(mode="json")}  # fmt: skip
     children = []
     for _ in range(args.workers):
         p = await asyncio.create_subprocess_exec(
@@ -73,11 +76,13 @@ async def _child(config: dict[str, Any]) -> None:
     from silo.settings import ClientSettings
 
     settings = ClientSettings(cluster_secret=config["secret"]) if config["secret"] else None
+    fronts = FrontSettings.model_validate(config.get("front", {}))
     # One front for both wires; its client is connected by the HTTP app's lifespan.
     front = Front(grain=grain_for(config["role"]), timeout_s=config["timeout"], in_flight=config.get("in_flight"))
     server = make_server(create_app(redis_url=config["redis_url"], cluster=config["cluster"], client_settings=settings,
                                     front=front),
-                         host=config["host"], port=config["port"], reuse_port=True)  # fmt: skip
+                         host=config["host"], port=config["port"], reuse_port=True, limits=fronts.http,
+                         tls=fronts.tls)  # fmt: skip
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
@@ -89,12 +94,13 @@ async def _child(config: dict[str, Any]) -> None:
         if task.done():
             return await task  # type: ignore[no-any-return]
         await asyncio.sleep(0.02)
-    async with contextlib.AsyncExitStack() as fronts:
+    async with contextlib.AsyncExitStack() as stack:
         if config.get("grpc_port"):
             # SO_REUSEPORT: every worker listens on the gRPC port too, as on the HTTP one.
             from grains.serving.grpc_front import serve_grpc
 
-            await fronts.enter_async_context(serve_grpc(front, config["host"], config["grpc_port"], reuse_port=True))
+            await stack.enter_async_context(serve_grpc(front, config["host"], config["grpc_port"], reuse_port=True,
+                                                       limits=fronts.grpc, tls=fronts.tls))  # fmt: skip
         print("ready", flush=True)
         eof = asyncio.ensure_future(reader.read())
         await asyncio.wait([task, eof], return_when=asyncio.FIRST_COMPLETED)
