@@ -71,6 +71,7 @@ from silo.redis_url import (
 )
 
 __all__ = [
+    "CLOSED_UNDER_US",
     "ReplicationStatistics",
     "close_redis",
     "closed_under_us",
@@ -98,14 +99,24 @@ _PAUSE_AFTER_SHORT_WAIT_S = 1.0
 _SENTINEL_TIMEOUT_S = 1.0
 
 
+CLOSED_UNDER_US = (AttributeError, RuntimeError)
+"""The exception types :func:`closed_under_us` may recognise (catch these, then ask it)."""
+
+
 def closed_under_us(exc: BaseException) -> bool:
     """A call on a connection redis-py closed as it was handed out: a lost connection.
 
     redis-py's asyncio cluster client, handling a failed node, disconnects that node's free
-    connections while other calls may be taking one (seen during a master's failover); the
-    call then fails with an AttributeError on the closed stream, before anything was sent.
+    connections while other calls may be taking one (seen during a master's failover and
+    during resharding); the call then fails before (or while) it is sent: with an
+    AttributeError on the closed stream under asyncio's loop, or with uvloop's
+    ``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the handler
+    is closed``. Either way the connection is lost and the call's fate unknown, as for any
+    lost reply.
     """
-    return isinstance(exc, AttributeError) and "'NoneType' object has no attribute" in str(exc)
+    if isinstance(exc, AttributeError):
+        return "'NoneType' object has no attribute" in str(exc)
+    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
 
 
 @contextmanager
@@ -115,7 +126,7 @@ def redis_errors(what: str) -> Iterator[None]:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise errors.StorageError(f"{what}: Redis unreachable ({exc})") from exc
-    except AttributeError as exc:
+    except CLOSED_UNDER_US as exc:
         if not closed_under_us(exc):
             raise
         raise errors.StorageError(f"{what}: Redis connection closed during the call ({exc})") from exc
@@ -493,7 +504,9 @@ async def _run_replicated_on_node(
         except redis.exceptions.ResponseError as exc:  # both replies are read, whatever the first was
             failed = exc
         acked = await conn.read_response()
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, AttributeError) as exc:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, *CLOSED_UNDER_US) as exc:
+        if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
+            raise
         policy.lost_replies += 1
         await conn.disconnect()
         # This path bypasses the client's routing, so it flags the node as the client's own
@@ -502,9 +515,7 @@ async def _run_replicated_on_node(
         node.update_active_connections_for_reconnect()
         client.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
         client._initialize = True
-        if isinstance(exc, AttributeError):
-            if not closed_under_us(exc):
-                raise
+        if isinstance(exc, CLOSED_UNDER_US):
             raise redis.exceptions.ConnectionError(f"connection to {node.name} closed under us") from exc
         raise
     finally:
