@@ -19,8 +19,20 @@ does not fail the write (the replica may only be slow, or gone with no
 failover possible); it is counted, and waiting pauses for a second so a
 missing replica does not add the timeout to every write. A connection lost
 before the ``WAIT`` answered fails the write: its fate is unknown, as for
-any write whose reply was lost. What this does and does not guarantee is in
-docs/reliability.md, "Redis failover".
+any write whose reply was lost. A master with fewer online replicas than
+``wait_replicas`` (``INFO replication``, read again every second while writes
+go to it) is not waited on at all: a promoted replica has none until another
+node syncs from it, and waiting out the timeout on every write for it was a
+penalty that lasted as long as the shard had no replica. Every write
+acknowledged with fewer replicas than asked is counted (``short_replication``
+in :func:`redis_statistics`, ``redgrain_redis_short_replication_total`` on
+/metrics). What this does and does not guarantee is in docs/reliability.md,
+"Redis failover".
+
+The plain and Sentinel pools block: a call that finds every connection in use
+waits up to the socket timeout for one, and then fails with
+:class:`PoolExhaustedError`, which callers report as "connection pool
+exhausted", never as "Redis unreachable"; the waits are counted.
 
 :func:`connect_redis` also takes a Redis Cluster (``redis+cluster://``): it
 gives redis-py's asyncio ``RedisCluster`` (typed as ``aioredis.Redis``: the
@@ -42,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +84,8 @@ from silo.redis_url import (
 
 __all__ = [
     "CLOSED_UNDER_US",
+    "PoolExhaustedError",
+    "RedisClientStatistics",
     "ReplicationStatistics",
     "close_redis",
     "closed_under_us",
@@ -81,6 +95,7 @@ __all__ = [
     "is_cluster",
     "open_redis",
     "redis_errors",
+    "redis_statistics",
     "replication_statistics",
     "run_replicated",
     "run_script_batch",
@@ -96,6 +111,8 @@ _CLUSTER_BATCH = 32
 _CLUSTER_MAX_CONNECTIONS = 256
 """Per node. The cluster client fails a call past it (no blocking pool), so it is generous."""
 _PAUSE_AFTER_SHORT_WAIT_S = 1.0
+_REPLICAS_CHECK_S = 1.0
+"""How long a master's count of connected replicas is trusted before it is read again."""
 _SENTINEL_TIMEOUT_S = 1.0
 
 
@@ -124,6 +141,8 @@ def redis_errors(what: str) -> Iterator[None]:
     """Turn redis-py's errors into StorageError naming the operation."""
     try:
         yield
+    except (PoolExhaustedError, redis.exceptions.MaxConnectionsError) as exc:
+        raise errors.StorageError(f"{what}: Redis connection pool exhausted ({exc})") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise errors.StorageError(f"{what}: Redis unreachable ({exc})") from exc
     except CLOSED_UNDER_US as exc:
@@ -149,24 +168,66 @@ class ReplicationStatistics:
     """Writes not waited for because a wait ran short less than a second before."""
     lost_replies: int
     """Writes whose ``WAIT`` reply never came (connection lost): failed, their fate unknown."""
+    replica_less: int = 0
+    """Writes not waited for because their master had fewer connected replicas than
+    ``wait_replicas`` online (``INFO replication``, looked at again every second)."""
+    replica_less_masters: int = 0
+    """Masters seen with too few online replicas when last looked at."""
+
+    @property
+    def short_replication(self) -> int:
+        """Writes acknowledged with fewer replicas than asked for: short waits and unwaited writes."""
+        return self.short_waits + self.skipped + self.replica_less
 
 
 class _Replication:
-    """The URL's wait policy and its counters, carried by the client it belongs to."""
+    """The URL's wait policy and its counters, carried by the client it belongs to.
+
+    Per master ("" for the one master of a single server or Sentinel; on a Redis Cluster one
+    shard that lost its replica must not stop the others' waits): a master whose ``INFO
+    replication`` shows fewer online replicas than ``wait_replicas`` is not waited on (a
+    promoted replica has none until another node syncs from it, and waiting the full timeout on
+    every write for one that is not there was a lasting penalty after every failover). Looked
+    at again every ``_REPLICAS_CHECK_S``. A wait that runs short on a master that does have its
+    replicas (a slow link) pauses waiting there for ``_PAUSE_AFTER_SHORT_WAIT_S``.
+    """
 
     def __init__(self, replicas: int, timeout_ms: int) -> None:
         self.replicas = replicas
         self.timeout_ms = timeout_ms
-        # Per master ("" for the one master of a single server or Sentinel): on a Redis
-        # Cluster one shard that lost its replica must not stop the others' waits.
+        self.clock: Callable[[], float] = time.monotonic
+        """Injectable for tests."""
         self.paused_until: dict[str, float] = {}
-        self.waits = self.short_waits = self.skipped = self.lost_replies = 0
+        self._replica_less: dict[str, tuple[float, bool]] = {}
+        self.waits = self.short_waits = self.skipped = self.lost_replies = self.replica_less = 0
 
-    def active(self, node: str = "") -> bool:
+    async def active(self, node: str, replicas_of: Callable[[], Awaitable[int | None]]) -> bool:
+        """Wait for replicas after this write to ``node``? ``replicas_of`` counts its connected ones."""
         if self.replicas <= 0:
             return False
-        if time.monotonic() < self.paused_until.get(node, 0.0):
+        now = self.clock()
+        if now < self.paused_until.get(node, 0.0):
             self.skipped += 1
+            return False
+        seen = self._replica_less.get(node)
+        if seen is None or now >= seen[0]:
+            try:
+                n = await replicas_of()
+            except (redis.exceptions.RedisError, OSError, *CLOSED_UNDER_US) as exc:
+                if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
+                    raise
+                n = None  # unknown (INFO denied to this ACL user, or a failing node): wait as asked
+            less = n is not None and n < self.replicas
+            if less and not (seen and seen[1]):
+                log.warning(
+                    "master %s has %d connected replica(s), fewer than wait_replicas=%d: writes to it are "
+                    "not waited for until it has them (looked at every %.1f s)",
+                    node or "(the one)", n, self.replicas, _REPLICAS_CHECK_S,
+                )  # fmt: skip
+            seen = (now + _REPLICAS_CHECK_S, less)
+            self._replica_less[node] = seen
+        if seen[1]:
+            self.replica_less += 1
             return False
         return True
 
@@ -174,14 +235,33 @@ class _Replication:
         self.waits += 1
         if acked < self.replicas:
             self.short_waits += 1
-            self.paused_until[node] = time.monotonic() + _PAUSE_AFTER_SHORT_WAIT_S
+            # Look at the master's replicas before the next write: gone (a failover) or slow?
+            self._replica_less.pop(node, None)
+            self.paused_until[node] = self.clock() + _PAUSE_AFTER_SHORT_WAIT_S
             log.warning(
                 "only %d of %d replicas acknowledged a write within %d ms; not waiting for %.0f s",
                 acked, self.replicas, self.timeout_ms, _PAUSE_AFTER_SHORT_WAIT_S,
             )  # fmt: skip
 
     def statistics(self) -> ReplicationStatistics:
-        return ReplicationStatistics(self.waits, self.short_waits, self.skipped, self.lost_replies)
+        less = sum(1 for _, flag in self._replica_less.values() if flag)
+        return ReplicationStatistics(
+            self.waits, self.short_waits, self.skipped, self.lost_replies, self.replica_less, less
+        )
+
+
+async def _connected_replicas(info: Awaitable[Any]) -> int | None:
+    """Replicas an ``INFO replication`` reply shows online (None when it is not a master's).
+
+    ``connected_slaves`` counts a replica still loading its first full sync too; ``WAIT``
+    counts only one that streams (``slaveN: ... state=online``).
+    """
+    raw = await info
+    if not isinstance(raw, dict) or raw.get("role") != "master":
+        return None
+    return sum(
+        1 for k, v in raw.items() if k.startswith("slave") and k[5:].isdigit() and isinstance(v, dict) and v.get("state") == "online"
+    )
 
 
 class _EpochSentinel(Sentinel):
@@ -196,8 +276,75 @@ class _EpochSentinel(Sentinel):
         return ok
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+class PoolExhaustedError(redis.exceptions.ConnectionError):
+    """Every connection of the client's pool stayed in use for the whole wait (Redis may be fine:
+    the process has more calls in flight than connections). :func:`redis_errors` and the state
+    store report it as such, never as "Redis unreachable"."""
+
+
+class _CountingPool:
+    """Mixed into a blocking pool: counts the calls that found every connection in use and how
+    long they waited, and names an exhausted pool for what it is.
+
+    A caller that finds none free waits (redis-py's ``BlockingConnectionPool``) up to the pool's
+    ``timeout`` (the client's socket timeout), then fails with :class:`PoolExhaustedError`.
+    """
+
+    max_connections: int
+    timeout: float | None
+    waits = 0
+    exhausted = 0
+    wait_s = 0.0
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        waited = not self.can_get_connection()  # type: ignore[attr-defined]  # the pool's own
+        start = time.monotonic()
+        if waited:
+            self.waits += 1
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[misc]
+        except redis.exceptions.ConnectionError as exc:
+            if str(exc) != "No connection available.":
+                raise
+            self.exhausted += 1
+            raise PoolExhaustedError(
+                f"connection pool exhausted: all {self.max_connections} connections stayed in use "
+                f"for {self.timeout} s"
+            ) from exc
+        finally:
+            if waited:
+                self.wait_s += time.monotonic() - start
+
+
+class _BlockingPool(_CountingPool, aioredis.BlockingConnectionPool):
+    """A pool that waits for a free connection instead of failing a burst of calls."""
+
+
+class _BlockingSentinelPool(_CountingPool, SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """A Sentinel pool that waits for a free connection instead of failing a burst of calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisClientStatistics:
+    """A client's connection pool and its replica waits (the silo's ``redis`` statistics)."""
+
+    pool_size: int
+    """Connections the pool may open (``max_connections``; per node on a Redis Cluster)."""
+    pool_in_use: int
+    """Connections in use now (all nodes together on a Redis Cluster)."""
+    pool_waits: int
+    """Calls that found every connection in use and waited for one."""
+    pool_wait_s: float
+    """Seconds those calls waited, in total."""
+    pool_exhausted: int
+    """Calls that waited the whole pool timeout and failed (``connection pool exhausted``)."""
+    replica_waits: int
+    """Writes followed by a ``WAIT`` for replicas."""
+    short_replication: int
+    """Writes acknowledged with fewer replicas than ``wait_replicas`` (waits that ran short,
+    and writes not waited for because their master had no replica or had just run short)."""
+    replica_less_masters: int
+    """Masters that had too few online replicas when last looked at (their writes are not waited for)."""
 
 
 class RedgrainRedis(aioredis.Redis):
@@ -246,7 +393,7 @@ def _connect(target: RedisTarget, timeout_s: float) -> aioredis.Redis:
         assert target.direct_url is not None
         # A blocking pool: a burst of calls waits for a connection instead of
         # failing with "Too many connections".
-        pool = aioredis.BlockingConnectionPool.from_url(
+        pool = _BlockingPool.from_url(
             target.direct_url,
             max_connections=_MAX_CONNECTIONS,
             timeout=timeout_s,
@@ -456,7 +603,7 @@ async def run_replicated(
         return await script(keys=keys, args=args)
     if isinstance(client, RedgrainCluster):
         return await _run_replicated_on_node(client, policy, script, keys, args)
-    if not policy.active():
+    if not await policy.active("", lambda: _connected_replicas(client.info("replication"))):
         return await script(keys=keys, args=args)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
@@ -490,8 +637,10 @@ async def _run_replicated_on_node(
     """
     await client.initialize()
     node = client.get_node_from_key(keys[0])
-    if node is None or not policy.active(node.name):  # no master known, or its waits paused
+    if node is None:  # no master known yet: the client's own routing
         return await script(keys=keys, args=args)
+    if not await policy.active(node.name, lambda: _connected_replicas(node.execute_command("INFO", "replication"))):
+        return await script(keys=keys, args=args)  # no replica there, or its waits paused
     conn = node.acquire_connection()
     try:
         await conn.send_packed_command(
@@ -557,6 +706,34 @@ async def run_script_batch(client: aioredis.Redis, script: AsyncScript, calls: S
         finally:
             await pipe.reset()
     raise AssertionError("unreachable")
+
+
+def redis_statistics(client: aioredis.Redis) -> RedisClientStatistics:
+    """The pool and replica-wait figures of a client (zeros where a client has none of them)."""
+    rep = replication_statistics(client)
+    size = in_use = waits = exhausted = 0
+    wait_s = 0.0
+    if is_cluster(client):
+        size = int(getattr(client, "max_connections", 0) or _CLUSTER_MAX_CONNECTIONS)
+        for node in client.get_nodes():  # type: ignore[attr-defined]
+            # redis-py keeps no public count: every connection opened less the free ones.
+            in_use += len(getattr(node, "_connections", ())) - len(getattr(node, "_free", ()))
+    else:
+        pool = client.connection_pool
+        size = int(getattr(pool, "max_connections", 0) or 0)
+        in_use = len(getattr(pool, "_in_use_connections", ()))
+        if isinstance(pool, _CountingPool):
+            waits, exhausted, wait_s = pool.waits, pool.exhausted, pool.wait_s
+    return RedisClientStatistics(
+        pool_size=size,
+        pool_in_use=in_use,
+        pool_waits=waits,
+        pool_wait_s=round(wait_s, 6),
+        pool_exhausted=exhausted,
+        replica_waits=rep.waits if rep else 0,
+        short_replication=rep.short_replication if rep else 0,
+        replica_less_masters=rep.replica_less_masters if rep else 0,
+    )
 
 
 def replication_statistics(client: aioredis.Redis) -> ReplicationStatistics | None:

@@ -42,7 +42,7 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import CLOSED_UNDER_US, closed_under_us, run_replicated
+from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -385,6 +385,11 @@ class Blobs:
         for attempt in range(self.settings.retries + 1):
             try:
                 return await op()
+            except (PoolExhaustedError, redis.exceptions.MaxConnectionsError) as exc:
+                # Redis is up; this process has more calls in flight than connections and the
+                # caller waited the pool's timeout already: no retry on top of that wait.
+                self.errors += 1
+                raise errors.StorageError(f"{what}: Redis connection pool exhausted ({exc})") from exc
             except (
                 redis.exceptions.ConnectionError,
                 redis.exceptions.TimeoutError,
