@@ -52,6 +52,7 @@ promoted master sort above every token of the masters before it (see
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -362,6 +363,77 @@ class RedgrainCluster(aiocluster.RedisCluster):
     replication: _Replication
 
 
+_ASKING_FOR: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("redgrain_asking_for", default=None)
+"""The node whose next command in this task must carry ``ASKING`` (see :class:`_AskingConnection`)."""
+
+
+class _AskingConnection(aioredis.Connection):
+    """Sends ``ASKING`` on the same connection as the command it is for.
+
+    redis-py's asyncio cluster client answers an ``ASK`` redirection (a key of a migrating
+    slot that has moved) with two pooled commands to the target, ``ASKING`` and then the
+    command; its free list is first-in first-out, so with more than one idle connection they
+    travel on different ones: the command, without the flag, meets ``MOVED`` back to the
+    source, and the call loops until its redirections run out, failing for as long as the slot
+    migrates (and a stray flag is left on another connection). Here ``ASKING`` alone is not
+    sent: it is remembered for this task (the client sends the command right after it, in the
+    same task) and goes out in front of that command on whichever connection carries it.
+    """
+
+    _fake_ok = False
+    _ask_pending = False
+    _ask_reply = False
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if len(args) == 1 and str(args[0].decode() if isinstance(args[0], bytes) else args[0]).upper() == "ASKING":
+            _ASKING_FOR.set((self.host, self.port))
+            self._fake_ok = True
+            return []
+        target = _ASKING_FOR.get()
+        if target is not None:
+            _ASKING_FOR.set(None)
+            self._ask_pending = target == (self.host, self.port)
+        return super().pack_command(*args)
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._fake_ok and not command:
+            return  # the remembered ASKING: nothing to send, nothing that can fail before its read
+        if self._ask_pending:
+            self._ask_pending = False
+            # Connect (and its handshake, which reads replies of its own) before the flag is set.
+            if not self.is_connected:
+                await self.connect_check_health(check_health=False)
+            if check_health:
+                await self.check_health()
+            check_health = False
+            if isinstance(command, str):
+                command = command.encode()
+            command = [*super().pack_command("ASKING"), *([command] if isinstance(command, bytes) else command)]
+            self._ask_reply = True
+        try:
+            await super().send_packed_command(command, check_health)
+        except BaseException:
+            self._ask_reply = False  # nothing of it will be read: the connection is dropped
+            raise
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fake_ok:
+            self._fake_ok = False
+            return b"OK"
+        if self._ask_reply:
+            self._ask_reply = False
+            # Both replies are read whatever the first was, so the stream stays in step.
+            try:
+                await super().read_response(*args, **kwargs)
+            except redis.exceptions.ResponseError:
+                pass  # the command's own reply says what went wrong
+        return await super().read_response(*args, **kwargs)
+
+
+class _AskingSSLConnection(_AskingConnection, aioredis.SSLConnection):
+    """:class:`_AskingConnection` over TLS."""
+
+
 def is_cluster(client: Any) -> bool:
     """Is ``client`` a Redis Cluster client (asyncio or sync)?"""
     return isinstance(client, (aiocluster.RedisCluster, redis.cluster.RedisCluster))
@@ -421,6 +493,12 @@ def _connect_cluster(target: RedisTarget, cluster: ClusterTarget, timeout_s: flo
         max_connections=_CLUSTER_MAX_CONNECTIONS,
         **_cluster_kwargs(cluster, timeout_s),
     )
+    # Every node's connections, those of nodes found later too (the nodes manager builds them
+    # from this same dict), send ASKING with the command it is for.
+    asking = _AskingSSLConnection if cluster.tls else _AskingConnection
+    client.connection_kwargs["connection_class"] = asking
+    for node in client.startup_nodes:
+        node.connection_class = asking
     client.target = target
     client.replication = _Replication(target.wait_replicas, target.wait_timeout_ms)
     # Duck-typed: the commands redgrain uses have the same signatures on both clients.

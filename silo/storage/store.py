@@ -413,7 +413,7 @@ class Blobs:
     async def stage(self, what: str, base: str, parts: list[memoryview]) -> Staged:
         """Prepare a stream for commit: small ones inline, big ones as expiring chunks.
 
-        Each chunk goes out as the views it is made of (SET, then APPEND for a chunk that
+        Each chunk goes out as the views it is made of (SET, then SETRANGE for a chunk that
         spans parts), so the whole stream is never joined; redis-py copies at most one
         chunk at a time into its socket buffer.
         """
@@ -434,11 +434,16 @@ class Blobs:
         return Staged(version, n, size, b"")
 
     async def _set_pieces(self, key: str, piece: list[memoryview], ttl: int) -> None:
+        # SET, then each further part at its offset: every command may run twice (a reply lost
+        # and the command sent again, by redis-py's own retry or by ours) and the chunk still
+        # comes out right; APPEND, used before, added a part twice (seen while a slot migrated).
         # A retry starts again at SET, so a half-sent pipeline leaves nothing behind.
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(key, piece[0], ex=ttl)
+        offset = piece[0].nbytes
         for p in piece[1:]:
-            pipe.append(key, p)
+            pipe.setrange(key, offset, p)
+            offset += p.nbytes
         await pipe.execute()
 
     async def discard(self, base: str, staged: Staged) -> None:

@@ -188,3 +188,36 @@ async def test_state_writes_lose_nothing_while_their_slots_move_between_masters(
         await close_redis(client)
         # The session's cluster serves other tests: every slot on some master, none mid-move.
         redis_cluster_group.wait_ok(30)
+
+
+async def test_a_key_that_moved_is_read_from_its_new_master_while_its_slot_migrates(
+    redis_cluster_url: str, redis_cluster_group: RedisClusterGroup, cluster_name: str
+) -> None:
+    # The ASK redirection: ASKING and the command must travel on one connection. With several
+    # idle connections to the target they used not to, and the read failed until the move ended.
+    keys = Keys(cluster_name)
+    moved = keys.state_head("Ledger/ask")
+    slot = slot_of(moved)
+    masters = redis_cluster_group.masters()
+    src = redis_cluster_group.master_of(slot)
+    dst = masters[(masters.index(src) + 1) % len(masters)]
+    theirs = [k for k in (keys.state_head(f"Ledger/t{i}") for i in range(200)) if redis_cluster_group.master_of(slot_of(k)) == dst][:8]
+    client = connect_redis(redis_cluster_url)
+    nodes = {p: aioredis.Redis(host="127.0.0.1", port=p) for p in masters}
+    try:
+        ids = {p: (await nodes[p].execute_command("CLUSTER", "MYID")).decode() for p in masters}
+        await client.hset(moved, mapping={"etag": "e1"})
+        await asyncio.gather(*(client.hgetall(k) for k in theirs))  # several idle connections to dst
+        await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+        await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+        await nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", moved)
+        for _ in range(5):
+            assert await client.hgetall(moved) == {b"etag": b"e1"}
+            assert await asyncio.gather(*(client.hgetall(k) for k in theirs)) == [{}] * len(theirs)
+    finally:
+        for port in (dst, src, *(p for p in masters if p not in (src, dst))):
+            await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        for n in nodes.values():
+            await n.aclose()
+        await close_redis(client)
+        redis_cluster_group.wait_ok(30)
