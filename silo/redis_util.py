@@ -41,7 +41,11 @@ script names keys of one slot, ``silo/keys.py``). :func:`open_redis` is what
 a silo and a client call: it connects, PINGs, and when a ``redis://`` URL
 names a node with ``cluster_enabled:1`` it reconnects as a cluster client.
 With ``wait_replicas`` on a cluster, the script and its ``WAIT`` go on one
-connection to the master of the script's slot.
+connection to the master of the script's slot. The cluster client's
+connections send ``ASKING`` on the connection of the command it is for
+(:class:`_AskingConnection`; redis-py sends the two as separate pooled
+commands), so a key of a migrating slot that has moved is reachable mid-move
+(docs/cluster.md, "Resharding").
 
 :func:`fence_epoch_hint` gives the directory's register script the highest
 Sentinel configuration epoch this client has seen, so the fencing tokens of a
