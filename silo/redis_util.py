@@ -112,7 +112,7 @@ log = logging.getLogger("redgrain.redis")
 
 _MAX_CONNECTIONS = 64
 _CLUSTER_BATCH = 32
-"""Scripts :func:`run_script_batch` has in flight at once on a cluster client."""
+"""Scripts :func:`run_script_batch` runs again at once, routed one by one, on a cluster client."""
 _CLUSTER_MAX_CONNECTIONS = 256
 """Per node. The cluster client fails a call past it (no blocking pool), so it is generous."""
 _PAUSE_AFTER_SHORT_WAIT_S = 1.0
@@ -764,17 +764,17 @@ async def _run_replicated_on_node(
 async def run_script_batch(client: aioredis.Redis, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
     """Run one script many times, pipelined (not atomic together: each call is its own script).
 
-    redis-py's cluster pipeline refuses scripts, so on a cluster the calls go out
-    concurrently instead, ``_CLUSTER_BATCH`` at a time. Returns each call's result, in order.
+    redis-py's cluster pipeline refuses scripts, so on a cluster the calls are grouped by the
+    master of their first key and each group goes as one pipeline on one connection to it,
+    the groups at once; a call that meets a redirection (a slot moving), ``NOSCRIPT`` or
+    ``TRYAGAIN`` there, or whose connection failed, runs again routed by the client. So each
+    script must be safe to run twice (the purge's compare-and-delete is). Returns each call's
+    result, in order.
     """
     if not calls:
         return []
     if is_cluster(client):
-        out: list[Any] = []
-        for start in range(0, len(calls), _CLUSTER_BATCH):
-            part = calls[start : start + _CLUSTER_BATCH]
-            out += await asyncio.gather(*(script(keys=keys, args=args) for keys, args in part))
-        return out
+        return await _run_script_batch_per_node(client, script, calls)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
@@ -788,6 +788,69 @@ async def run_script_batch(client: aioredis.Redis, script: AsyncScript, calls: S
         finally:
             await pipe.reset()
     raise AssertionError("unreachable")
+
+
+async def _run_script_batch_per_node(
+    client: Any, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+) -> list[Any]:
+    await client.initialize()
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    again: list[int] = []
+    for i, (keys, _) in enumerate(calls):
+        node = client.get_node_from_key(keys[0])
+        if node is None:
+            again.append(i)
+        else:
+            groups.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(calls)
+
+    async def on_node(node: Any, idx: list[int]) -> None:
+        for attempt in range(2):
+            missing = await _pipeline_on_node(node, script, calls, idx, out, again)
+            if not missing or attempt:
+                again.extend(missing)
+                return
+            # A node that has not seen the script yet (a new master, a first purge): load it there.
+            await node.execute_command("SCRIPT", "LOAD", script.script)
+            idx = missing
+
+    await asyncio.gather(*(on_node(node, idx) for node, idx in groups.values()))
+    for start in range(0, len(again), _CLUSTER_BATCH):
+        part = sorted(again)[start : start + _CLUSTER_BATCH]
+        for i, res in zip(part, await asyncio.gather(*(script(keys=calls[i][0], args=calls[i][1]) for i in part)), strict=True):
+            out[i] = res
+    return out
+
+
+async def _pipeline_on_node(
+    node: Any, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], idx: list[int],
+    out: list[Any], again: list[int],
+) -> list[int]:
+    """The calls ``idx`` as one pipeline on one connection to ``node``; results into ``out``,
+    calls to run again routed into ``again``. Returns the calls the node had no script for."""
+    conn = node.acquire_connection()
+    read = 0
+    noscript: list[int] = []
+    try:
+        await conn.send_packed_command(
+            conn.pack_commands([("EVALSHA", script.sha, len(calls[i][0]), *calls[i][0], *calls[i][1]) for i in idx])
+        )
+        for i in idx:
+            try:
+                out[i] = await conn.read_response()
+            except redis.exceptions.NoScriptError:
+                noscript.append(i)
+            except redis.exceptions.ResponseError:
+                again.append(i)  # MOVED, ASK, TRYAGAIN, or the script's own error: routed by the client
+            read += 1
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, *CLOSED_UNDER_US) as exc:
+        if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
+            raise
+        await conn.disconnect()  # replies left unread: the connection cannot be reused
+        again.extend(idx[read:])
+    finally:
+        node.release(conn)
+    return noscript
 
 
 def redis_statistics(client: aioredis.Redis) -> RedisClientStatistics:
