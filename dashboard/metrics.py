@@ -111,6 +111,36 @@ class ClusterCollector(Collector):
                 labels=["silo"],
             ),
         }
+        # From each silo's ``redis`` statistics (silo/redis_util.py, RedisClientStatistics).
+        redis_families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "short_replication": CounterMetricFamily(
+                "redgrain_redis_short_replication",
+                "State writes and registrations acknowledged with fewer replicas than wait_replicas "
+                "(a WAIT that ran short, or a master with no connected replica).",
+                labels=["silo"],
+            ),
+            "replica_less_masters": GaugeMetricFamily(
+                "redgrain_redis_replica_less_masters",
+                "Masters a silo last saw with fewer connected replicas than wait_replicas.",
+                labels=["silo"],
+            ),
+            "pool_waits": CounterMetricFamily(
+                "redgrain_redis_pool_waits",
+                "Redis calls that found every connection of a silo's pool in use and waited.",
+                labels=["silo"],
+            ),
+            "pool_exhausted": CounterMetricFamily(
+                "redgrain_redis_pool_exhausted",
+                "Redis calls that waited the whole pool timeout and failed (pool exhausted).",
+                labels=["silo"],
+            ),
+            "pool_in_use": GaugeMetricFamily(
+                "redgrain_redis_pool_in_use", "Redis connections a silo has in use.", labels=["silo"]
+            ),
+            "pool_size": GaugeMetricFamily(
+                "redgrain_redis_pool_size", "Redis connections a silo's pool may open.", labels=["silo"]
+            ),
+        }
         latency = HistogramMetricFamily("redgrain_call_duration_seconds", "Grain call duration (queueing included).",
                                         labels=["grain_type", "method"])  # fmt: skip
         merged: dict[tuple[str, str], tuple[int, int, float, list[int]]] = {}
@@ -129,6 +159,10 @@ class ClusterCollector(Collector):
                     gpu_util.add_metric(labels, gpu.utilization)
                 gpu_used.add_metric(labels, gpu.memory_used_bytes)
                 gpu_total.add_metric(labels, gpu.memory_total_bytes)
+            red = rec.components.get("redis", {})
+            for field, fam in redis_families.items():
+                if isinstance(red.get(field), int | float):
+                    fam.add_metric([rec.address], float(red[field]))
             rem = rec.components.get("reminders", {})
             for field, family in reminders.items():
                 if isinstance(rem.get(field), int | float):
@@ -147,6 +181,7 @@ class ClusterCollector(Collector):
         # Not even HELP lines without a GPU: absent, not zero.
         yield from (f for f in (gpu_util, gpu_used, gpu_total) if f.samples)
         yield from reminders.values()
+        yield from (f for f in redis_families.values() if f.samples)
         for (t, meth), (c, e, total, hist) in sorted(merged.items()):
             calls.add_metric([t, meth], c)
             errs.add_metric([t, meth], e)

@@ -44,6 +44,7 @@ from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
+from silo.redis_url import redact
 from silo.redis_util import open_redis
 from silo.settings import ClientSettings
 from silo.shutdown import ShutdownHook
@@ -124,7 +125,7 @@ class ClusterClient:
             await self._embedded.__aenter__()
             url = self._embedded.url
         self.redis_url = url
-        self.redis = await open_redis(url, f"connect to {url}")
+        self.redis = await open_redis(url, f"connect to {redact(url)}")
         registry = TypeRegistry()
         for t in self._types:
             registry.register_annotations(t)

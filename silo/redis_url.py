@@ -26,16 +26,23 @@ Two query options apply to every form and are removed before redis-py sees
 the URL: ``wait_replicas`` (how many replicas a directory registration or a
 state write waits for with ``WAIT``; default 1 for a Sentinel URL, 0
 otherwise) and ``wait_timeout_ms`` (the most it waits; default 100).
+
+Credentials: the userinfo ends at the URL's last ``@`` (:func:`split_userinfo`), for the
+parsers and for :func:`redact` alike, so a password pasted with a raw ``@`` or ``/`` is
+sent whole and never shows in a log, not even its tail.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from silo.errors import ConfigError
 
-__all__ = ["ClusterTarget", "RedisTarget", "SentinelTarget", "cluster_of", "parse_redis_url", "redact"]
+__all__ = [
+    "ClusterTarget", "RedisTarget", "SentinelTarget", "cluster_of", "parse_redis_url", "redact", "split_userinfo",
+]  # fmt: skip
 
 SENTINEL_PORT = 26379
 REDIS_PORT = 6379
@@ -100,16 +107,43 @@ class RedisTarget:
     """Set for a Redis Cluster URL (``direct_url`` and ``sentinel`` are None then)."""
 
 
-def redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (for logs and error messages)."""
+def split_userinfo(url: str) -> tuple[str, str | None, str]:
+    """``url`` as (scheme, userinfo, the rest): the one rule by which redgrain finds credentials.
+
+    The userinfo runs from ``://`` to the *last* ``@`` of the URL, so a password
+    holding an unescaped ``@``, ``/``, ``?`` or ``#`` stays whole (RFC 3986 wants
+    them percent-encoded; people paste them raw). An ``@`` in a query value or a
+    socket path must then be written ``%40``. A URL whose part after ``://``
+    starts with ``/`` (``unix:///path``) has no userinfo. :func:`redact` and every
+    parser below split by this rule alone, so what a log hides is what the
+    client sends as the password. ``userinfo`` is None when there is none (or no ``://``).
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
+        return url, None, ""
+    userinfo, at, after = rest.rpartition("@")
+    if not at or rest.startswith("/"):
+        return scheme, None, rest
+    return scheme, userinfo, after
+
+
+# Query options that carry a secret (redis-py takes ``password`` in the query of a unix:// URL).
+_SECRET_OPTIONS = re.compile(r"(?<=[?&])(password|sentinel_password)=[^&#]*", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """The URL with its password (and any ``password``/``sentinel_password`` option) as ``***``.
+
+    For logs and error messages; credentials are found by :func:`split_userinfo`, as the parsers find them.
+    """
+    scheme, userinfo, after = split_userinfo(url)
+    if not after and userinfo is None:
         return url
-    userinfo, at, hosts = rest.partition("@")
-    if not at or "/" in userinfo:
-        return url
+    after = _SECRET_OPTIONS.sub(lambda m: f"{m.group(1)}=***", after)
+    if userinfo is None:
+        return f"{scheme}://{after}"
     user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{hosts}"
+    return f"{scheme}://{user}{':***' if colon else ''}@{after}"
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -127,7 +161,7 @@ def parse_redis_url(url: str) -> RedisTarget:
             f"unknown Redis URL scheme {scheme!r} in {redact(url)!r}: expected redis://, rediss://, unix://, "
             "redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster://"
         )
-    parts = urlsplit(url)
+    parts = urlsplit(_quoted_userinfo(url))
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in _OURS}
     rest = [(k, v) for k, v in query if k not in _OURS]
@@ -142,7 +176,7 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 
 def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
-    _, _, rest = url.partition("://")
+    _, userinfo, rest = split_userinfo(url)
     netloc, slash, tail = rest.partition("/")
     path, _, query_text = tail.partition("?")
     if not slash or not path.strip("/"):
@@ -150,8 +184,8 @@ def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
             f"a Sentinel URL names its service: redis+sentinel://host:port[,host:port...]/service[/db] "
             f"(got {redact(url)!r})"
         )
-    username, password, hosts = _credentials(netloc)
-    sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h.strip())
+    username, password = _credentials(userinfo)
+    sentinels = tuple(_host_port(h, url) for h in netloc.split(",") if h.strip())
     if not sentinels:
         raise ConfigError(f"a Sentinel URL lists at least one sentinel host:port (got {redact(url)!r})")
     segments = [unquote(s) for s in path.strip("/").split("/")]
@@ -195,13 +229,13 @@ def _parse_sentinel(url: str, *, tls: bool) -> RedisTarget:
 
 
 def _parse_cluster(url: str, *, tls: bool) -> RedisTarget:
-    _, _, rest = url.partition("://")
+    _, userinfo, rest = split_userinfo(url)
     rest, _, query_text = rest.partition("?")
     netloc, _, path = rest.partition("/")
     if path.strip("/") not in ("", "0"):
         raise ConfigError(f"a Redis Cluster has only database 0: drop the path of {redact(url)!r}")
-    username, password, hosts = _credentials(netloc)
-    nodes = tuple(_host_port(h, url, REDIS_PORT) for h in hosts.split(",") if h.strip())
+    username, password = _credentials(userinfo)
+    nodes = tuple(_host_port(h, url, REDIS_PORT) for h in netloc.split(",") if h.strip())
     if not nodes:
         raise ConfigError(f"a Redis Cluster URL lists at least one node host:port (got {redact(url)!r})")
     query = dict(parse_qsl(query_text, keep_blank_values=True))
@@ -251,13 +285,23 @@ def cluster_of(target: RedisTarget) -> RedisTarget:
     )
 
 
-def _credentials(netloc: str) -> tuple[str | None, str | None, str]:
-    """``user:password@hosts`` split into (username, password, hosts), each part unquoted."""
-    userinfo, at, hosts = netloc.rpartition("@")
-    if not at:
-        return None, None, hosts
+def _credentials(userinfo: str | None) -> tuple[str | None, str | None]:
+    """``user:password`` (from :func:`split_userinfo`) as (username, password), each unquoted."""
+    if userinfo is None:
+        return None, None
     user, colon, pw = userinfo.partition(":")
-    return unquote(user) or None, unquote(pw) if colon else None, hosts
+    return unquote(user) or None, unquote(pw) if colon else None
+
+
+def _quoted_userinfo(url: str) -> str:
+    """``url`` with its userinfo percent-encoded, so urlsplit and redis-py's ``from_url`` (which
+    split at the first ``/``) find the credentials :func:`split_userinfo` finds."""
+    scheme, userinfo, after = split_userinfo(url)
+    if userinfo is None:
+        return url
+    user, colon, pw = userinfo.partition(":")
+    cred = quote(unquote(user), safe="") + (":" + quote(unquote(pw), safe="") if colon else "")
+    return f"{scheme}://{cred}@{after}"
 
 
 def _host_port(text: str, url: str, default_port: int = SENTINEL_PORT) -> tuple[str, int]:

@@ -109,7 +109,8 @@ from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
 from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
-from silo.redis_util import close_redis, open_redis, redis_errors
+from silo.redis_url import redact
+from silo.redis_util import close_redis, open_redis, redis_errors, redis_statistics
 from silo.settings import SiloSettings
 from silo.shutdown import ShutdownHook
 from silo.startup import StartupTask, find_startup_tasks, run_startup_tasks
@@ -266,7 +267,7 @@ class Silo:
 
     async def _stage_redis(self) -> None:
         s = self.settings
-        self.redis = await open_redis(s.redis_url, f"connect to {s.redis_url}")
+        self.redis = await open_redis(s.redis_url, f"connect to {redact(s.redis_url)}")
         self._on_stop("redis client", functools.partial(close_redis, self.redis))
 
     async def _stage_logs(self) -> None:
@@ -722,6 +723,7 @@ class Silo:
             "dispatcher": self.dispatcher.statistics(),
             "observers": self.observers.statistics(),
             "storage": self.store.statistics(),
+            "redis": redis_statistics(self.redis),
             "reminders": self.reminders.statistics(),
             "checkpoints": self.checkpoints.statistics(),
             "methods": self.call_stats.statistics(),

@@ -140,8 +140,9 @@ class StateHandle:
             self._refused = exc
             self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
             raise
-        except errors.StorageError:
-            # The write may or may not have landed: memory can no longer be trusted.
+        except Exception:
+            # StorageError, or anything else a store let through: the write may or may not have
+            # landed, so memory can no longer be trusted; the next activation reads it again.
             self._act.request_deactivation(DeactivationReason.ERROR)
             raise
 

@@ -94,6 +94,8 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.keys import Keys
 from silo.redis_util import (
+    CLOSED_UNDER_US,
+    closed_under_us,
     fence_epoch_hint,
     is_cluster,
     redis_errors,
@@ -415,7 +417,9 @@ class RedisGrainDirectory:
         """Best effort: the index may list more than the silo owns (the purge checks each entry)."""
         try:
             await self._redis.srem(self._keys.directory_index(silo), grain)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except (redis.exceptions.RedisError, OSError, *CLOSED_UNDER_US) as exc:
+            if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
+                raise
             log.debug("directory index of %s keeps %s: %s", silo, grain, exc)
 
     async def unregister(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> bool:

@@ -113,6 +113,7 @@ return {1, 'open'}
 _BLOB = (
     LUA_BLOBS
     + """
+local_keys()
 if not fenced(KEYS[2], ARGV[1]) then return {0, 'fence'} end
 local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
 if cur[1] == ARGV[2] then return {1, 'again'} end
@@ -319,11 +320,9 @@ class Checkpoints:
             return [tok, staged.version, staged.nchunks, staged.size, staged.inline, old, m]
 
         head = k.checkpoint_member(group, snap, me)
-        try:
-            res = await self._blobs.commit(what, self._blob, [head, k.directory_entry(me)], base, staged, argv, None)
-        except errors.StorageError:
-            await self._blobs.discard(base, staged)
-            raise
+        # On a StorageError the commit's fate is unknown: its chunks stay (named by the head if it
+        # landed, else they expire).
+        res = await self._blobs.commit(what, self._blob, [head, k.directory_entry(me)], base, staged, argv, None)
         if int(res[0]) != 1:
             await self._blobs.discard(base, staged)
             if _text(opened[1]) == "opened":

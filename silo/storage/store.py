@@ -42,7 +42,7 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import closed_under_us, run_replicated
+from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -204,20 +204,30 @@ end
 local function declared(cur, old, m)
   return (cur[1] or '') == old and (tonumber(cur[2] or '0') or 0) == m
 end
+-- local_keys(): touch every declared key once before the first write. While a slot migrates,
+-- Redis refuses a script's command on a key absent from this node ("non local key") and does
+-- not roll back what the script already wrote; a refusal here comes before any write.
+-- (Redis checks the declared keys before it runs a script too; this holds if it ever does not.)
+local function local_keys()
+  for i = 1, #KEYS do redis.call('EXISTS', KEYS[i]) end
+end
 -- swap(head, first, n, ver, size, data, m): make version ver visible in head. With n == 0 the
 -- stream is data, stored inline; otherwise its n staged chunks (KEYS[first..]) must all exist:
 -- they are made permanent. The m chunks of the version the head named before (the KEYS after
 -- the new ones) are deleted. False if a chunk is missing.
+-- The head is written in place, never deleted and recreated: during a slot migration a key
+-- this script deleted counts as moved away, its recreation is refused, and the head (every
+-- acknowledged write) would be gone on both nodes.
 local function swap(head, first, n, ver, size, data, m)
   for i = first, first + n - 1 do
     if redis.call('EXISTS', KEYS[i]) == 0 then return false end
   end
   for i = first, first + n - 1 do redis.call('PERSIST', KEYS[i]) end
-  redis.call('DEL', head)
   if n == 0 then
     redis.call('HSET', head, 'etag', ver, 'nchunks', 0, 'size', size, 'd', data)
   else
     redis.call('HSET', head, 'etag', ver, 'nchunks', n, 'size', size)
+    redis.call('HDEL', head, 'd')
   end
   unlink(first + n, m)
   return true
@@ -250,6 +260,7 @@ _WRITE = (
     LUA_BLOBS
     + _OWNED
     + """
+local_keys()
 local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
 if cur[1] == ARGV[2] then return {1, 'again'} end  -- our own earlier try committed; its reply was lost
 if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
@@ -267,6 +278,7 @@ _CLEAR = (
     LUA_BLOBS
     + _OWNED
     + """
+local_keys()
 local cur = redis.call('HMGET', KEYS[1], 'etag', 'nchunks')
 if ARGV[1] ~= '*' and (cur[1] or '') ~= ARGV[1] then return {0, 'etag'} end
 if not owned(KEYS[2], ARGV[2], ARGV[1]) then return {0, 'fence'} end
@@ -373,13 +385,18 @@ class Blobs:
         for attempt in range(self.settings.retries + 1):
             try:
                 return await op()
+            except (PoolExhaustedError, redis.exceptions.MaxConnectionsError) as exc:
+                # Redis is up; this process has more calls in flight than connections and the
+                # caller waited the pool's timeout already: no retry on top of that wait.
+                self.errors += 1
+                raise errors.StorageError(f"{what}: Redis connection pool exhausted ({exc})") from exc
             except (
                 redis.exceptions.ConnectionError,
                 redis.exceptions.TimeoutError,
                 OSError,
-                AttributeError,
+                *CLOSED_UNDER_US,
             ) as exc:
-                if isinstance(exc, AttributeError) and not closed_under_us(exc):
+                if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
                     raise
                 if attempt == self.settings.retries:
                     self.errors += 1
@@ -396,7 +413,7 @@ class Blobs:
     async def stage(self, what: str, base: str, parts: list[memoryview]) -> Staged:
         """Prepare a stream for commit: small ones inline, big ones as expiring chunks.
 
-        Each chunk goes out as the views it is made of (SET, then APPEND for a chunk that
+        Each chunk goes out as the views it is made of (SET, then SETRANGE for a chunk that
         spans parts), so the whole stream is never joined; redis-py copies at most one
         chunk at a time into its socket buffer.
         """
@@ -417,11 +434,16 @@ class Blobs:
         return Staged(version, n, size, b"")
 
     async def _set_pieces(self, key: str, piece: list[memoryview], ttl: int) -> None:
+        # SET, then each further part at its offset: every command may run twice (a reply lost
+        # and the command sent again, by redis-py's own retry or by ours) and the chunk still
+        # comes out right; APPEND, used before, added a part twice (seen while a slot migrated).
         # A retry starts again at SET, so a half-sent pipeline leaves nothing behind.
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(key, piece[0], ex=ttl)
+        offset = piece[0].nbytes
         for p in piece[1:]:
-            pipe.append(key, p)
+            pipe.setrange(key, offset, p)
+            offset += p.nbytes
         await pipe.execute()
 
     async def discard(self, base: str, staged: Staged) -> None:
@@ -432,7 +454,9 @@ class Blobs:
             await self.redis.unlink(
                 *(chunk_key(base, staged.version, i) for i in range(staged.nchunks))
             )
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, OSError, *CLOSED_UNDER_US) as exc:
+            if isinstance(exc, CLOSED_UNDER_US) and not closed_under_us(exc):
+                raise
             log.warning("could not delete uncommitted chunks under %s (they expire): %s", base, exc)
 
     async def load(self, what: str, head_key: str, base: str) -> tuple[memoryview, str] | None:
@@ -517,13 +541,12 @@ class RedisStateStore(EncodedWrites):
         def argv(old: str, m: int) -> list[Any]:
             return [expected, staged.version, tok, staged.nchunks, staged.size, staged.inline, old, m]
 
-        try:
-            res = await self.blobs.commit(
-                what, self._write, [head, self._keys.directory_entry(str(grain))], base, staged, argv, etag
-            )
-        except errors.StorageError:
-            await self.blobs.discard(base, staged)
-            raise
+        # A StorageError leaves the staged chunks alone: the commit's fate is unknown (a lost
+        # reply, a connection closed under us), and if it landed the head names them now.
+        # Uncommitted ones expire (orphan_ttl_s).
+        res = await self.blobs.commit(
+            what, self._write, [head, self._keys.directory_entry(str(grain))], base, staged, argv, etag
+        )
         if int(res[0]) != 1:
             await self.blobs.discard(base, staged)
             why = _text(res[1])

@@ -133,6 +133,29 @@ async def test_gpu_figures_of_a_stats_record_are_gauges_per_silo_and_gpu(
     }
 
 
+async def test_short_replication_and_pool_waits_are_counters_per_silo(
+    cluster, api: TestClient, cluster_name: str
+) -> None:
+    (silo,) = await cluster(1, membership=CALM, stats_interval_s=3600.0)
+    await silo.stats_publisher.stop()
+    rec = silo.stats_publisher.record()
+    assert rec.components["redis"]["pool_size"] > 0  # the silo publishes its client's figures
+    figures = {"short_replication": 7, "pool_waits": 3, "pool_exhausted": 1, "replica_less_masters": 1}
+    comps = {**rec.components, "redis": {**rec.components["redis"], **figures}}
+    await put_stats_record(silo.redis, Keys(cluster_name), rec.model_copy(update={"components": comps}))
+
+    fam = families(api)
+    me = str(silo.address)
+
+    def value(name: str, sample: str) -> dict[str, float]:
+        return {s.labels["silo"]: s.value for s in fam[name].samples if s.name == sample}
+
+    assert value("redgrain_redis_short_replication", "redgrain_redis_short_replication_total") == {me: 7}
+    assert value("redgrain_redis_pool_waits", "redgrain_redis_pool_waits_total") == {me: 3}
+    assert value("redgrain_redis_pool_exhausted", "redgrain_redis_pool_exhausted_total") == {me: 1}
+    assert value("redgrain_redis_replica_less_masters", "redgrain_redis_replica_less_masters") == {me: 1}
+
+
 # --- the probe ----------------------------------------------------------------------------
 
 

@@ -8,12 +8,16 @@ silos and clients on the session's Redis Cluster (tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import pytest
 
+from grains.ids import SiloAddress
 from silo.client import ClusterClient
+from silo.cluster.directory import RedisGrainDirectory
 from silo.keys import Keys, slot_of
+from silo.redis_util import close_redis, connect_redis
 from silo.settings import SiloSettings
 from silo.silo import Silo
 from silo.testing.redis_cluster import RedisClusterGroup
@@ -84,3 +88,31 @@ async def test_a_redis_url_of_one_node_is_taken_as_its_cluster(
             assert await silo.heartbeat.confirm(5.0) and silo.heartbeat.failures == 0
     finally:
         await silo.stop(graceful=False)
+
+
+async def test_a_dead_silos_entries_are_purged_one_pipeline_per_master(
+    redis_cluster_url: str, redis_cluster_group: RedisClusterGroup, cluster_name: str
+) -> None:
+    # The compare-and-delete scripts of a purge step go as one pipeline to each master (they
+    # went out 32 at a time, each on a connection of its own): 1,000 entries over every master,
+    # purged completely, through one connection per master.
+    keys = Keys(cluster_name)
+    dead = SiloAddress("127.0.0.1", 9, 1)
+    setup, client = connect_redis(redis_cluster_url), connect_redis(f"{redis_cluster_url}?client_name=purger")
+    try:
+        await setup.hset(keys.members, str(dead), json.dumps({"status": "Dead"}))
+        names = [f"Counter/p{i}" for i in range(1_000)]
+        pipe = setup.pipeline(transaction=False)
+        for g in names:
+            pipe.hset(keys.directory_entry(g), mapping={"silo": str(dead), "act": "a", "token": 1})
+        await pipe.execute()
+        await setup.sadd(keys.directory_index(str(dead)), *names)
+        assert await RedisGrainDirectory(client, keys).purge_silo(dead) == 1_000
+        assert not any(await asyncio.gather(*(setup.exists(keys.directory_entry(g)) for g in names)))
+        for port in redis_cluster_group.masters():
+            with redis_cluster_group.client(port) as c:
+                mine = [x for x in c.client_list() if x.get("name") == "purger"]
+            assert 1 <= len(mine) <= 2, (port, len(mine))
+    finally:
+        await close_redis(setup)
+        await close_redis(client)

@@ -144,12 +144,17 @@ async def master_and_replica(tmp_path: Path) -> AsyncIterator[tuple[RedisServer,
     replica = RedisServer(
         data_dir=tmp_path / "replica", extra_args=("--replicaof", "127.0.0.1", str(master.port))
     ).start()
-    probe = aioredis.Redis.from_url(replica.url)
+    probe, on_master = aioredis.Redis.from_url(replica.url), aioredis.Redis.from_url(master.url)
     try:
         while (await probe.info("replication")).get("master_link_status") != "up":
             await asyncio.sleep(0.02)  # another process: nothing to await
+        # And online as the master sees it: a write's WAIT counts it only then (and the
+        # replica-wait policy does not wait on a master whose replicas are not online).
+        while (await on_master.info("replication")).get("slave0", {}).get("state") != "online":
+            await asyncio.sleep(0.02)
     finally:
         await probe.aclose()
+        await on_master.aclose()
     try:
         yield master, replica
     finally:

@@ -133,6 +133,28 @@ async def test_write_failure_other_than_conflict_deactivates_so_memory_is_reload
     assert await ref.add(1) == 2  # the unacknowledged +100 was dropped with the activation
 
 
+async def test_a_connection_closed_under_a_state_write_is_a_storage_error_and_deactivates(cluster) -> None:
+    # uvloop's form of "redis-py closed the connection as the call picked it up" (the asyncio
+    # loop's is an AttributeError): the write's fate is unknown, so the caller gets a documented
+    # StorageError after the store's retries, and the activation goes (the next one re-reads).
+    (silo,) = await cluster(1)
+    gid = GrainId("Counter", "closed-under-us")
+    ref = silo.get_grain(Counter, "closed-under-us")
+    assert await ref.add(1) == 1
+    act = _activation(silo, gid)
+    real = silo.store._write
+
+    async def closed(*, keys: Any, args: Any) -> Any:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True reading=False 0x1>; the handler is closed")
+
+    silo.store._write = closed  # type: ignore[assignment]
+    with pytest.raises(errors.StorageError, match="handler is closed"):
+        await ref.add(100)
+    await asyncio.wait_for(act.deactivated.wait(), 5)
+    silo.store._write = real
+    assert await ref.add(1) == 2
+
+
 # --- schema evolution -----------------------------------------------------------
 
 
