@@ -97,7 +97,7 @@ from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.migrator import Migrator
 from silo.cluster.placement import Placer
 from silo.cluster.rebalancer import Rebalancer
-from silo.cluster.reminders import ReminderService, ReminderTable, RouterDelivery
+from silo.cluster.reminders import ReminderService, ReminderTable, ticks_through
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys, manifest_field
@@ -549,28 +549,13 @@ class Silo:
         self._on_stop("stats publisher", self.stats_publisher.stop)
         self.stats_publisher.start()
         self._on_stop("reminders", self.reminders.stop)
-        self.reminders.start(
-            RouterDelivery(
-                router=self.router,
-                manifests=self.manifests,
-                dispatcher=self.dispatcher,
-                transport=self.transport,
-                timeout_s=self.settings.reminders.delivery_timeout_s,
-            )
-        )
+        self.reminders.start(ticks_through(self.router, self.settings.reminders.delivery_timeout_s))
         self._on_stop("stream delivery", self._stop_stream_agents)
         self._start_stream_agents()
 
     def _start_stream_agents(self) -> None:
         """Deliver the namespaces our ``@subscribes`` grain types subscribe to (last: it makes calls)."""
         me = str(self.address)
-        delivery = RouterDelivery(
-            router=self.router,
-            manifests=self.manifests,
-            dispatcher=self.dispatcher,
-            transport=self.transport,
-            timeout_s=self.settings.streams.delivery_timeout_s,
-        )
         for cls in self.types.classes():
             type_name = grain_options(cls).type_name
             for namespace in subscriptions(cls):
@@ -582,7 +567,7 @@ class Silo:
                     me=me,
                     candidates=functools.partial(self._hosting, type_name),
                     is_dead=self._is_dead,
-                    deliver=delivery.send,
+                    caller=self.router,
                     codec=self.codec,
                     settings=self.settings.streams,
                 )

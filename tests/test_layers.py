@@ -46,6 +46,8 @@ def tree_copy(tmp_path: Path) -> Path:
         ("dashboard/reader.py", "import grains.training.coordinator", "Faces > workloads > runtime"),
         ("silo/records.py", "import torch", "Published records import no torch"),
         ("grains/ids.py", "import numpy", "The programming model imports no runtime"),
+        ("silo/messaging/dispatcher.py", "import silo.cluster.reminders", "Messaging is below the cluster"),
+        ("silo/messaging/router.py", "import silo.streams.agent", "Messaging is below the cluster"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tree_copy: Path, module: str, line: str, broken: str) -> None:

@@ -5,9 +5,11 @@ scored by their next due time (ms, Redis server clock) and a hash of rows.
 Every silo polls: one Lua script claims the due reminders (up to a batch),
 each under a lease: its score moves to the end of the lease (claim time +
 ``delivery_timeout_s`` + ``LEASE_SLACK_S``), so no other silo takes it
-meanwhile. The silo delivers it through its router like any call, so it
-reaches the grain wherever it lives and activates it if needed; the grain's
-``receive_reminder(name)`` runs as a turn. When the delivery ends (done or
+meanwhile. The silo sends it through its router like any call (an internal
+turn, ``silo/catalog/internal.py``), so it reaches the grain wherever it lives,
+activates it if needed, and is retried as any call is until
+``delivery_timeout_s`` (a silo not serving, a mailbox shedding load); the
+grain's ``receive_reminder(name)`` runs as a turn. When the delivery ends (done or
 failed: a failed tick is not retried, the next one comes), an *ack* script
 moves the reminder to its next due time, one period after the tick's (ticks
 missed while no silo ran are skipped), but only if the score is still this
@@ -33,28 +35,20 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
 from grains.call import Call
 from grains.ids import GrainId
+from grains.ref import Caller
 from silo import errors
+from silo.catalog.internal import REMINDER_METHOD
 from silo.keys import Keys
 from silo.redis_util import redis_errors
 from silo.settings import RemindersSettings
 from silo.shutdown import raise_if_cancelled
 
-if TYPE_CHECKING:
-    from silo.catalog.activation import Activation
-    from silo.messaging.dispatcher import Dispatcher
-    from silo.messaging.router import Manifests, Router
-    from silo.messaging.transport import Transport
-
 log = logging.getLogger("redgrain.reminders")
-
-REMINDER_METHOD = "__reminder__"
-"""Internal method name of a reminder delivery; the dispatcher turns it into ``receive_reminder``."""
 
 _NOW = """
 local function now_ms()
@@ -359,67 +353,12 @@ class ReminderService:
         )
 
 
-class RouterDelivery:
-    """Delivers a tick (or a stream item) as a call through the silo's router: locate (activating
-    if needed), send."""
+def ticks_through(caller: Caller, timeout_s: float) -> Deliver:
+    """Deliver each tick as a call of the internal ``__reminder__`` turn through ``caller`` (the
+    silo's router: the path, retries and errors of every call), within ``timeout_s``."""
 
-    def __init__(
-        self,
-        *,
-        router: Router,
-        manifests: Manifests,
-        dispatcher: Dispatcher,
-        transport: Transport,
-        timeout_s: float,
-    ) -> None:
-        self._router = router
-        self._manifests = manifests
-        self._dispatcher = dispatcher
-        self._transport = transport
-        self._timeout_s = timeout_s
+    async def deliver(grain: GrainId, name: str) -> str | None:
+        where = await caller.invoke(Call(grain, REMINDER_METHOD, (name,), None, timeout_s))
+        return where if isinstance(where, str) else None  # the silo the turn ran on
 
-    async def __call__(self, grain: GrainId, name: str) -> str:
-        return await self.send(grain, REMINDER_METHOD, (name,))
-
-    async def send(self, grain: GrainId, method: str, args: tuple[Any, ...]) -> str:
-        """Deliver one call of an internal method (a reminder tick, a stream item); returns
-        the address of the silo that ran it."""
-        info = await self._manifests.get(grain.type_name)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
-        delay = 0.05
-        # Retried only while surely undelivered (connect refused, turned away), as the router does.
-        while True:
-            target = await self._router.locate(grain, info)
-            try:
-                if target == self._dispatcher.address:
-                    await self._dispatcher.dispatch(Call(grain, method, args), deadline)
-                    return str(target)
-                try:
-                    conn = await self._transport.connect(target.endpoint)
-                except errors.SiloUnavailableError:
-                    if loop.time() + delay > deadline:
-                        raise
-                    self._router.forget(grain)
-                else:
-                    remaining = deadline - loop.time()
-                    await self._router.send(conn, Call(grain, method, args, None, remaining))
-                    return str(target)
-            except errors.SiloNotServingError:
-                if loop.time() + delay > deadline:
-                    raise
-                self._router.forget(grain)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-
-def reminder_turn(act: Activation, args: tuple[Any, ...]) -> Callable[[], Awaitable[None]]:
-    """The turn a ``__reminder__`` call runs: the grain's ``receive_reminder(name)``."""
-    if len(args) != 1 or not isinstance(args[0], str):
-        raise errors.CodecError(f"a reminder delivery carries one name, got {args!r:.100}")
-    name = args[0]
-
-    async def receive_reminder() -> None:
-        await act.instance.receive_reminder(name)
-
-    return receive_reminder
+    return deliver

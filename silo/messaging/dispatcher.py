@@ -34,9 +34,9 @@ from silo import errors
 from silo.catalog.activation import Activation, ActivationState
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
+from silo.catalog.internal import INTERNAL_TURNS
 from silo.catalog.invocation import Invocation, Reply, Reroute
 from silo.catalog.pipeline import CallContext
-from silo.cluster.reminders import REMINDER_METHOD, reminder_turn
 from silo.codec import SCALARS as _SCALARS
 from silo.codec import Codec
 from silo.messaging.connection import Connection
@@ -44,7 +44,6 @@ from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
 from silo.messaging.wire_errors import as_remote
-from silo.streams.turn import STREAM_METHOD, stream_turn
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
 if TYPE_CHECKING:
@@ -234,8 +233,7 @@ class Dispatcher:
         if (
             self.closed
             or self.draining
-            or method == REMINDER_METHOD
-            or method == STREAM_METHOD
+            or method not in self._types.methods(grain.type_name)  # internal turns too: never a grain method
             or (self.moving and grain in self.moving)
             or self.fenced()
         ):
@@ -368,7 +366,8 @@ class Dispatcher:
         if grain.type_name == OBSERVER_TYPE and self.observers is not None:
             return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
-        if method not in self._types.methods(grain.type_name) and method not in (REMINDER_METHOD, STREAM_METHOD):
+        internal = INTERNAL_TURNS.get(method)  # a reminder tick, a stream item (silo/catalog/internal.py)
+        if internal is None and method not in self._types.methods(grain.type_name):
             raise await self._not_in_this_version(grain, method, options)
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
@@ -398,10 +397,8 @@ class Dispatcher:
                     kwargs = self._codec.copy(kwargs)
             fut: asyncio.Future[Any] = loop.create_future()
             turn: Callable[[], Awaitable[Any]] | None
-            if method == REMINDER_METHOD:
-                turn = reminder_turn(act, args)
-            elif method == STREAM_METHOD:
-                turn = stream_turn(act, args)
+            if internal is not None:
+                turn = internal(act, args)
             else:
                 turn = None if self.tracing is None else self._traced_turn(act, call, trace)
             inv = Invocation(  # positional, as in _serve_nowait
@@ -527,9 +524,10 @@ class Dispatcher:
 
     async def _refuse_if_outdated(self, grain: GrainId, method: str) -> None:
         """Create no activation of an older version than the rule places new ones on (the
-        catalog asks before it registers one; every call queued on it gets the error)."""
+        catalog asks before it registers one; every call queued on it gets the error). An
+        internal turn is placed as a call of no particular method: every version takes it."""
         options = self._types.options(grain.type_name)
-        wanted = await self._router.newest_version(grain.type_name, None if method == REMINDER_METHOD else method)
+        wanted = await self._router.newest_version(grain.type_name, None if method in INTERNAL_TURNS else method)
         if wanted is not None and wanted > options.version:
             self._version_mismatches += 1
             raise errors.VersionMismatchError(str(self.address), grain.type_name, method, options.version, wanted)

@@ -44,7 +44,7 @@ from grains.observer import CLIENT_PREFIX, ObserverId, ObserverRef, observer_int
 from silo import errors
 from silo.codec import SCALARS, Codec
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
-from silo.messaging.request import decode_request
+from silo.messaging.request import decode_request, encode_request, request_body
 
 if TYPE_CHECKING:
     from silo.messaging.connection import Connection
@@ -237,10 +237,10 @@ class ObserverHub:
         remaining = deadline - loop.time()
         if remaining <= 0:
             raise errors.GrainTimeoutError(key, method, 0.0)
-        body = (args, kwargs) if kwargs else list(args)
+        body = request_body(args, kwargs)
         try:
             if one_way:
-                conn.send_one_way([ONEWAY, 0, OBSERVER_TYPE, key, method, int(remaining * 1000), list(CALL_CHAIN.get()), hops], body)
+                conn.send_one_way(encode_request(ONEWAY, OBSERVER_TYPE, key, method, remaining, (), hops), body)
                 return None
             if not conn.has_slot():
                 try:
@@ -248,7 +248,7 @@ class ObserverHub:
                 except TimeoutError:
                     raise errors.GrainTimeoutError(key, method, remaining) from None
                 remaining = deadline - loop.time()
-            header = [REQUEST, 0, OBSERVER_TYPE, key, method, int(remaining * 1000), list(CALL_CHAIN.get()), hops]
+            header = encode_request(REQUEST, OBSERVER_TYPE, key, method, remaining, CALL_CHAIN.get(), hops)
             return await conn.request(header, body, remaining, (key, method))
         except errors.SiloNotServingError as exc:
             raise errors.ObserverGoneError(key, f"its silo is stopping ({exc.detail})") from exc

@@ -1,16 +1,56 @@
-"""A REQUEST or ONEWAY frame read into a :class:`~grains.call.Call`: one reader for every end
-that answers calls (a silo's dispatcher, a client's or silo's observer hub), so both take
-and refuse the same frames."""
+"""A call as a REQUEST or ONEWAY frame: one writer for every sender, one reader for every end
+that answers calls.
+
+Every kind of call (two-way, ``@one_way``, a reminder tick, a stream item, a
+call to an observer, a call forwarded to another silo) leaves through
+:func:`encode_request` and :func:`request_body`, and arrives through
+:func:`decode_request` (a silo's dispatcher, a client's or silo's observer
+hub), so all ends write, take and refuse the same frames.
+
+The header: ``[kind, request id, type, key, method, timeout_ms, chain, hops]``,
+then the caller's trace context when it sends one (:mod:`silo.tracing`). The
+connection fills in the request id; the timeout is the time left, not a
+deadline (the silos' clocks differ).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from grains.call import Call
 from grains.ids import GrainId
 from silo import errors
 from silo.codec import Codec
-from silo.messaging.frame import Frame
+from silo.messaging.frame import ONEWAY, Frame
+from silo.tracing import Carrier
+
+
+def encode_request(
+    kind: int,
+    type_name: str,
+    key: str,
+    method: str,
+    timeout_s: float,
+    chain: Sequence[str],
+    hops: int,
+    trace: Carrier | None = None,
+) -> list[Any]:
+    """The header of a REQUEST (``kind``) or ONEWAY frame; :func:`decode_request` reads it back.
+
+    A ONEWAY frame carries no chain: its caller does not wait, so the callee's calls back to
+    it cannot deadlock on it (a turn started by a one-way call starts a chain of its own).
+    """
+    header = [kind, 0, type_name, key, method, int(timeout_s * 1000), [] if kind == ONEWAY else list(chain), hops]
+    if trace is not None:
+        header.append(trace)
+    return header
+
+
+def request_body(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """What a request's body encodes: the bare arguments when there are no keyword arguments
+    (a list: msgpack packs it natively, where a tuple needs an ext)."""
+    return (args, kwargs) if kwargs else list(args)
 
 _new_call = tuple.__new__  # Call with all seven fields, minus NamedTuple's Python-level __new__
 

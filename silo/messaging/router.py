@@ -21,21 +21,27 @@ import logging
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.cluster.directory import GrainDirectory
-from silo.cluster.placement import Placer
+from silo.catalog.internal import INTERNAL_TURNS
 from silo.cluster.versions import compatible, unknown_versions
-from silo.cluster.view import MembershipView
 from silo.messaging.frame import ONEWAY, REQUEST
 from silo.messaging.manifests import Manifests, TypeInfo
+from silo.messaging.request import encode_request, request_body
 from silo.messaging.transport import Transport
 from silo.records import MemberRow
 from silo.shutdown import raise_if_cancelled
 from silo.tracing import Carrier, Tracing
+
+if TYPE_CHECKING:
+    # Given to the router, never called by name: the directory, the membership view and the
+    # placer belong to the cluster (silo/cluster/), which sends through messaging (.importlinter).
+    from silo.cluster.directory import GrainDirectory
+    from silo.cluster.placement import Placer
+    from silo.cluster.view import MembershipView
 
 log = logging.getLogger("redgrain.router")
 
@@ -224,9 +230,13 @@ class Router:
         try:
             grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
             info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
+            placed_for: str | None = method
             if method not in info.methods:
-                # Maybe a version that joined after we read the manifests (a rolling upgrade).
-                info = await self._manifests.with_method(grain_id.type_name, method)
+                if method in INTERNAL_TURNS:
+                    placed_for = None  # a reminder tick, a stream item: every version takes it
+                else:
+                    # Maybe a version that joined after we read the manifests (a rolling upgrade).
+                    info = await self._manifests.with_method(grain_id.type_name, method)
             timeout = timeout_s if timeout_s is not None else self._timeout_s
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
@@ -253,7 +263,7 @@ class Router:
                 # Cache hit inline: locate() is a coroutine, a cost on every call.
                 target = self._where.get(grain_id) if not info.stateless_worker else None
                 if target is None or self._view.is_dead(target):
-                    target = await self.locate(grain_id, info, method)
+                    target = await self.locate(grain_id, info, placed_for)
                 try:
                     if self._local is not None and target == self._local.address:
                         self._local_calls += 1
@@ -284,12 +294,8 @@ class Router:
                         continue
                     if one_way:
                         # Sent and done: no answer comes, so it takes no in-flight slot.
-                        # No chain: the caller does not wait, so the callee's calls back to it cannot
-                        # deadlock on it (a turn started by a one-way call starts a chain of its own).
-                        header: list[Any] = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), [], hops]
-                        if trace is not None:
-                            header.append(trace)
-                        conn.send_one_way(header, (args, kwargs) if kwargs else list(args))
+                        header = encode_request(ONEWAY, grain_id.type_name, grain_id.key, method, remaining, (), hops, trace)
+                        conn.send_one_way(header, request_body(args, kwargs))
                         return None
                     if not conn.has_slot():
                         # max_in_flight reached: wait our turn within the deadline, never fail for it.
@@ -302,11 +308,9 @@ class Router:
                             continue
                         remaining = deadline - loop.time()
                     # send() inlined: one coroutine frame fewer on every call.
-                    header = [REQUEST, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
-                    if trace is not None:
-                        header.append(trace)
+                    header = encode_request(REQUEST, grain_id.type_name, grain_id.key, method, remaining, chain, hops, trace)
                     try:
-                        return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
+                        return await conn.request(header, request_body(args, kwargs), remaining, (grain_id, method))
                     except errors.GrainTimeoutError as exc:
                         raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
                     except asyncio.CancelledError:
@@ -364,12 +368,8 @@ class Router:
             except TimeoutError:
                 raise errors.GrainTimeoutError(str(grain), method, timeout_s) from None
             timeout_s = max(deadline - loop.time(), 0.001)
-        header: list[Any] = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(call.chain), call.hops]
-        if trace is not None:
-            header.append(trace)
-        # Positional arguments travel as a list: msgpack packs it natively, where a tuple needs an ext.
-        body = (call.args, call.kwargs) if call.kwargs else list(call.args)
-        fut = conn.request(header, body, timeout_s, label=(grain, method))  # formatted only on timeout
+        header = encode_request(REQUEST, grain.type_name, grain.key, method, timeout_s, call.chain, call.hops, trace)
+        fut = conn.request(header, request_body(call.args, call.kwargs), timeout_s, label=(grain, method))  # formatted only on timeout
         try:
             return await fut
         except errors.GrainTimeoutError as exc:

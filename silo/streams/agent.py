@@ -30,10 +30,12 @@ acknowledged: a turn that ran but whose ``XACK`` was lost runs again.
 block) while there is a backlog, else go idle; one shared blocking read per
 agent waits on every idle key at once (so a silo holding thousands of quiet
 keys uses one Redis connection for them). Each item is a call of the internal
-``__stream__`` method (``turn.py``), routed like any call (activating the
-grain where placement puts it), then ``XACK``-ed. Failures of the runtime
-(silo gone, timeout, Redis) are retried, with backoff, until the item runs:
-order is kept rather than skipping. An exception raised by the grain's own
+``__stream__`` method (``silo/catalog/internal.py``), sent by the silo's router
+like any call (activating the grain where placement puts it, retried by the
+router's one policy until ``delivery_timeout_s``: a silo not serving, a
+mailbox shedding load), then ``XACK``-ed. Failures of the runtime that
+outlast that deadline (silo gone, timeout, Redis) are retried here, with
+backoff, until the item runs: order is kept rather than skipping. An exception raised by the grain's own
 ``on_stream_item`` is logged, counted and acknowledged (a poison item must not
 stop its key), as is an item this silo cannot decode.
 """
@@ -44,27 +46,26 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from grains.call import Call
 from grains.ids import GrainId
+from grains.ref import Caller
 from silo import errors
+from silo.catalog.internal import STREAM_METHOD
 from silo.codec import Codec
 from silo.keys import Keys
 from silo.redis_util import redis_errors
 from silo.settings import StreamSettings
 from silo.shutdown import raise_if_cancelled
 from silo.streams.stream import ITEM_FIELD
-from silo.streams.turn import STREAM_METHOD
 
 log = logging.getLogger("redgrain.streams")
-
-Deliver = Callable[[GrainId, str, tuple[Any, ...]], Awaitable[Any]]
-"""Runs one call (grain, method, args) wherever the grain lives; raises what the call raised."""
 
 RETRIED = (
     errors.SiloError,
@@ -159,7 +160,7 @@ class StreamAgent:
         me: str,
         candidates: Callable[[], Iterable[str]],
         is_dead: Callable[[str], bool],
-        deliver: Deliver,
+        caller: Caller,
         codec: Codec,
         settings: StreamSettings,
     ) -> None:
@@ -167,7 +168,8 @@ class StreamAgent:
         self.namespace, self.group, self.me = namespace, group, me
         self._candidates = candidates
         self._is_dead = is_dead
-        self._deliver = deliver
+        self._caller = caller
+        """Sends each item as a call (the silo's router: the path every call takes)."""
         self._held: dict[str, _Key] = {}
         self._owners: dict[str, str | None] = {}
         self._owners_for: tuple[str, ...] = ()
@@ -378,7 +380,8 @@ class StreamAgent:
         delay = 0.05
         while True:
             try:
-                await self._deliver(k.grain, STREAM_METHOD, (self.namespace, item, token))
+                call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
+                await self._caller.invoke(call)
                 self._delivered += 1
                 break
             except RETRIED as exc:

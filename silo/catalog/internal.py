@@ -1,0 +1,59 @@
+"""Internal turns: the calls the runtime itself makes to a grain, by method name.
+
+A reminder tick and a stream item are calls like any other: sent by the
+router (one retry policy, one deadline, the same errors), queued in the
+grain's mailbox, run as a turn. Only their method is no method of the grain's
+interface: it names a turn below, which the dispatcher looks up here. A new
+kind of internal call is one more row of :data:`INTERNAL_TURNS`, not a special
+case on the call path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from silo import errors
+
+if TYPE_CHECKING:
+    from silo.catalog.activation import Activation
+
+REMINDER_METHOD = "__reminder__"
+"""A reminder tick; args: ``(name,)``; runs ``receive_reminder(name)``, returns the silo it ran on."""
+
+STREAM_METHOD = "__stream__"
+"""A stream item; args: ``(namespace, item, token)``; runs ``on_stream_item(item, token)``."""
+
+Turn = Callable[[], Awaitable[Any]]
+TurnFactory = Callable[["Activation", tuple[Any, ...]], Turn]
+"""The turn an internal call runs on an activation; CodecError for arguments it cannot take."""
+
+
+def reminder_turn(act: Activation, args: tuple[Any, ...]) -> Turn:
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise errors.CodecError(f"a reminder delivery carries one name, got {args!r:.100}")
+    name = args[0]
+
+    async def receive_reminder() -> str:
+        await act.instance.receive_reminder(name)
+        return str(act.silo)  # the dashboard shows where each tick ran
+
+    return receive_reminder
+
+
+def stream_turn(act: Activation, args: tuple[Any, ...]) -> Turn:
+    if len(args) != 3 or not isinstance(args[0], str) or not isinstance(args[2], str):
+        raise errors.CodecError(f"a stream delivery carries (namespace, item, token), got {args!r:.100}")
+    _, item, token = args
+
+    async def on_stream_item() -> None:
+        await act.instance.on_stream_item(item, token)
+
+    return on_stream_item
+
+
+INTERNAL_TURNS: Mapping[str, TurnFactory] = MappingProxyType(
+    {REMINDER_METHOD: reminder_turn, STREAM_METHOD: stream_turn}
+)
+"""Every internal method and the turn it runs (no grain method starts with ``_``: never remote)."""
