@@ -28,6 +28,8 @@ from typing import Any
 
 import hpack
 
+from benchmarks.common import write_result
+
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST, SETTINGS, PING, GOAWAY, CONTINUATION = 0, 1, 3, 4, 6, 7, 9
@@ -206,11 +208,12 @@ ATTACKS: dict[str, Callable[[Conn], Awaitable[None]]] = {
 }
 
 
-async def _run(seconds: float) -> None:
+async def _run(seconds: float) -> list[dict[str, Any]]:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "benchmarks.bench_front_attacks", "--serve",
                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     port = int(await proc.stdout.readline())
+    rows: list[dict[str, Any]] = []
 
     async def ask(what: bytes = b"stats") -> dict[str, Any]:
         assert proc.stdin is not None and proc.stdout is not None
@@ -248,11 +251,14 @@ async def _run(seconds: float) -> None:
             ms = sorted(x * 1000 for x in latencies)
             p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))] if ms else float("nan")
             within = sum(x < 1000 for x in ms) / len(ms) if ms else 0.0
+            rows.append({"attack": name, "closed": closed, "rss_growth_mb": after["peak_rss_mb"] - before["rss_mb"],
+                         "max_loop_lag_ms": after["max_lag_ms"], "canary_calls": len(ms), "canary_within_1s": within})  # fmt: skip
             print(f"{name:44} {closed:>14} {after['peak_rss_mb'] - before['rss_mb']:8.1f} {after['max_lag_ms']:9.1f} "
                   f"{len(ms):9d} {statistics.median(ms) if ms else float('nan'):7.1f} {p99:7.1f} {within:6.0%}", flush=True)  # fmt: skip
     finally:
         proc.stdin.close()
         await proc.wait()
+    return rows
 
 
 def main(argv: list[str]) -> int:
@@ -267,7 +273,9 @@ def main(argv: list[str]) -> int:
         run_async(_serve())
         return 0
     print("# front_attacks: issue 37's HTTP/2 attacks on the gRPC server, a canary calling every 50 ms beside")
-    run_async(_run(args.seconds or (3.0 if args.quick else 15.0)))
+    seconds = args.seconds or (3.0 if args.quick else 15.0)
+    rows = run_async(_run(seconds))
+    write_result("front_attacks", {"quick": args.quick, "seconds_per_attack": seconds, "attacks": rows})
     return 0
 
 
