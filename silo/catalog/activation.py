@@ -212,7 +212,10 @@ class Activation:
 
     async def _drain_mailbox(self) -> None:
         try:
-            while self._queue and self.status in _RUNS_TURNS:
+            # A turn that asked for deactivation (a failed or refused state write) ends the
+            # serving: calls queued behind it are re-routed to an activation that reloads,
+            # never served from memory the store may not hold (simulator, seed 39 "mixed").
+            while self._queue and self.status in _RUNS_TURNS and self._deactivate_reason is None:
                 inv = self._queue.popleft()
                 if inv.read_only:
                     batch = [inv]
@@ -353,6 +356,9 @@ class Activation:
     def take_queued(self) -> list[Invocation]:
         queued = list(self._queue)
         self._queue.clear()
+        # With no turn running, the activation is idle now: a deactivation waiting for idle
+        # must not wait out its timeout for a queue it emptied itself (simulator, seed 79 "churn").
+        self._check_idle()
         return queued
 
 
