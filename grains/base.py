@@ -158,7 +158,8 @@ class Grain:
         """Run ``callback`` after ``due_s`` (then every ``period_s``) as a turn of this grain.
 
         Timers live in memory and die with the activation; use reminders for
-        anything that must survive a silo.
+        anything that must survive a silo. A tick does not count as use: a grain
+        that only its timers keep busy is still collected when idle (as in Orleans).
         """
         return self._rg_context.register_timer(
             callback, due_s=due_s, period_s=period_s, interleave=interleave
@@ -222,6 +223,7 @@ class Grain:
         members: Iterable[Any] | None = None,
         *,
         keep: int | None = None,
+        epoch: int | None = None,
     ) -> bool:
         """Save ``self.state`` as this grain's part of snapshot ``(group, snapshot_id)``.
 
@@ -229,8 +231,10 @@ class Grain:
         alone) must be the same list in every member's save. The snapshot becomes
         visible once all members saved; True is returned to the save that completed
         it. ``keep``: complete snapshots of the group to retain (default from settings).
+        ``epoch``: who owns the snapshot (a training job's generation); a newer epoch's
+        save takes over what an older one left at the same id, an older one's is refused.
         """
-        return await self._rg_context.save_snapshot(group, snapshot_id, members, keep=keep)
+        return await self._rg_context.save_snapshot(group, snapshot_id, members, keep=keep, epoch=epoch)
 
     async def load_snapshot(
         self, group: str, snapshot_id: int | str | None = None, *, write: bool = True

@@ -174,7 +174,7 @@ class GrainContext(Protocol):
 
     # --- checkpoints of grain groups -----------------------------------------------------
     async def save_snapshot(
-        self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None
+        self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None, epoch: int | None = None
     ) -> bool: ...
 
     async def load_snapshot(self, group: str, snapshot_id: int | str | None, *, write: bool) -> str: ...

@@ -187,7 +187,10 @@ def one_way(fn: F) -> F:
     message is on its way (or queued, on the same silo), with None. Whatever the method returns
     is dropped; an error it raises is logged and counted on the callee's silo
     (``one_way_failed``), never raised to the caller. Delivery is retried until the call's
-    deadline as for any call: a caller that cannot reach any silo still gets the error."""
+    deadline as for any call: a caller that cannot reach any silo still gets the error. One
+    caller's calls to a grain run in the order sent; past a full mailbox a one-way call waits
+    (in order, within a bound) instead of being shed. It runs at most once: not at-least-once
+    (docs/concepts.md, One-way calls)."""
     fn.__rg_one_way__ = True  # type: ignore[attr-defined]
     return fn
 

@@ -127,18 +127,19 @@ _new_call = tuple.__new__
 
 
 def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callable[..., Any]:
-    # A plain function handing back the caller's coroutine: awaiting it is the same
-    # call, minus one coroutine frame per call (the hot path of every grain call).
-    # The chain is read here, in the calling task's context, when the call is made. The
-    # Call is built with tuple.__new__ and all seven fields: 0.13 µs, where Call(...)
-    # goes through NamedTuple's Python-level __new__ (0.24 µs).
-    def call(self: GrainRef, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-        return self._caller.invoke(
+    # The chain is read when the call starts, in the task that runs it, not when the coroutine
+    # is made: ``self.start_task(ref.m())`` makes it inside a turn, but it runs outside the
+    # turn (start_task clears the chain), so it must not carry the turn's chain (a call back
+    # into this grain would be refused as a deadlock while nothing waits). The one coroutine
+    # frame this costs (~0.1 µs) buys that. The Call is built with tuple.__new__ and all seven
+    # fields: 0.13 µs, where Call(...) goes through NamedTuple's Python-level __new__ (0.24 µs).
+    async def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        return await self._caller.invoke(
             _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0))
         )
 
-    def send(self: GrainRef, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-        return self._caller.invoke(
+    async def send(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        return await self._caller.invoke(
             _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), True
         )
 
@@ -147,8 +148,6 @@ def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callabl
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc
-    if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+: still reads as async
-        inspect.markcoroutinefunction(call)
     return call
 
 

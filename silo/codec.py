@@ -157,6 +157,9 @@ class TypeRegistry:
     def __init__(self) -> None:
         self._by_name: dict[str, type] = {}
         self._by_class: dict[type, str] = {}
+        self._errors: dict[str, type[Exception]] = {}
+        """Exception classes an error frame may name (``module.Qualname``): a remote error is
+        rebuilt as one of them too (silo/messaging/wire_errors.py). Nothing else is looked up."""
 
     def register(self, cls: type, name: str | None = None) -> type:
         if cls is GrainId or cls is SiloAddress:
@@ -194,6 +197,7 @@ class TypeRegistry:
         if _is_wire_class(obj):
             self._collect(obj, seen)
             return
+        self._collect_errors(sys.modules.get(obj.__module__))
         for attr in dir(obj):
             if attr.startswith("_"):
                 continue
@@ -210,10 +214,30 @@ class TypeRegistry:
         """The names values are written under (aliases only read)."""
         return sorted(self._by_class.values())
 
+    def register_error(self, cls: type[Exception]) -> type[Exception]:
+        """Make an exception class known by name, so a remote error of that class is caught by
+        it here too. A grain class's own module's exception classes (defined or imported there)
+        are known once the grain class is (``register_annotations``)."""
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            raise ConfigError(f"cannot register {_qualname(cls)} as an error: not an Exception subclass")
+        self._errors[_qualname(cls)] = cls
+        return cls
+
+    def error_class(self, name: str) -> type[Exception] | None:
+        """The exception class registered under ``module.Qualname``, or None: never imported."""
+        return self._errors.get(name)
+
     def copy(self) -> TypeRegistry:
         other = TypeRegistry()
         other._by_name, other._by_class = dict(self._by_name), dict(self._by_class)
+        other._errors = dict(self._errors)
         return other
+
+    def _collect_errors(self, module: types.ModuleType | None) -> None:
+        # The exceptions a grain's code can raise by name: those its module defines or imports.
+        for value in vars(module).values() if module is not None else ():
+            if isinstance(value, type) and issubclass(value, Exception) and value.__module__ != "builtins":
+                self._errors.setdefault(_qualname(value), value)
 
     def _collect_hints(self, obj: object, seen: set[int]) -> None:
         for hint in _hints(getattr(obj, "__func__", obj)):

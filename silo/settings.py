@@ -111,7 +111,10 @@ class CatalogSettings(_Section):
     )
     collection_interval_s: float = Field(5.0, gt=0, description="How often idle activations are swept.")
     max_queue: int = Field(
-        10_000, gt=0, description="Calls one activation may have queued before OverloadedError."
+        10_000,
+        gt=0,
+        description="Calls one activation may have queued: past it a two-way call is shed (LoadShedError, "
+        "retried by its caller's router until its deadline); up to as many one-way calls wait behind, in order.",
     )
     deactivation_timeout_s: float = Field(
         10.0, gt=0, description="Time on_deactivate and draining may take."

@@ -316,8 +316,8 @@ class Shard(Grain):
         await self.write_state()
         return tensor_digest(self.state.weights)
 
-    async def checkpoint(self, group: str, members: list[str], keep: int) -> bool:
-        return await self.save_snapshot(group, self.state.step, members, keep=keep)
+    async def checkpoint(self, group: str, members: list[str], keep: int, epoch: int | None = None) -> bool:
+        return await self.save_snapshot(group, self.state.step, members, keep=keep, epoch=epoch)
 
     async def restore(self, group: str, snapshot_id: int | None) -> str:
         return await self.load_snapshot(group, snapshot_id)

@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the job completes, write the trained model's state_dict there (torch.save; load it with "
         "model.load_state_dict(torch.load(PATH, weights_only=True)), which loads tensors only); with --status, a finished job's",
     )  # fmt: skip
+    p.add_argument(
+        "--save-best", metavar="PATH", default=None,
+        help="when the job ends (completed or stopped early), write the state_dict of its best checkpoint there "
+        "(the job needs keep_best = 'eval.<metric>:max|min'); with --status, a finished job's",
+    )  # fmt: skip
 
     p = sub.add_parser("jobs", help="list training jobs; `redgrain jobs forget JOB` deletes one from Redis")
     from grains.cli import jobs

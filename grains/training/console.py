@@ -6,6 +6,12 @@
     redgrain train --status digits               # one status table
     redgrain train --cancel digits
     redgrain train samples/digits.toml --save model.pt   # and write the trained state_dict
+    redgrain train job.toml --save-best best.pt          # the best checkpoint's (keep_best)
+
+It ends with one line saying what became of the job: completed, stopped early
+at step N (with the best step), failed at step N with the cause, or cancelled.
+Without a terminal (a CI log, a pipe) progress is a plain line per interval,
+never cut to a width.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
+import time
 from typing import Any
 
 from silo import errors
@@ -48,8 +56,9 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
         if args.status:
             st = await coord.status()
             _print_table(st)
-            if getattr(args, "save", None) and st.status == "completed":
-                await save_model(coord, args.save)
+            print(outcome(st))
+            if st.status == "completed":
+                await _save(coord, args)
             return 0 if st.status != "failed" else 1
         assert spec is not None
         st = await coord.start(spec)
@@ -58,32 +67,66 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
             return 0
         st = await watch(coord, args.timeout)
         _print_table(st)
+        print(outcome(st), flush=True)
         if st.status != "completed":
             return 1
-        if getattr(args, "save", None):
-            await save_model(coord, args.save)
+        await _save(coord, args)
         return 0
 
 
-async def save_model(coord: Any, path: str) -> None:
-    """Write the job's trained ``state_dict`` to ``path`` with ``torch.save`` (atomically)."""
+def outcome(st: Any) -> str:
+    """The line a run ends with: what became of the job, in words a log keeps whole."""
+    at = f"step {st.step}/{st.total_steps}"
+    if st.status == "failed":
+        return f"job {st.job} failed at {at}: {st.error or 'no cause reported'}"
+    if st.status == "cancelled":
+        return f"job {st.job} cancelled at {at}"
+    if st.status != "completed":
+        return f"job {st.job} {st.status} at {at}"
+    best = ""
+    if st.best_step is not None:
+        value = "" if st.best_value is None else f", {st.best_metric or 'metric'} {metric_text(st.best_metric, st.best_value)}"
+        best = f" (best step {st.best_step}{value})"
+    skipped = f"; {st.skipped} steps skipped" if st.skipped else ""
+    if st.stopped_early:
+        return f"job {st.job} stopped early at step {st.step}{best}: {st.stopped_early}{skipped}"
+    return f"job {st.job} completed at {at}{best}{skipped}"
+
+
+async def _save(coord: Any, args: argparse.Namespace) -> None:
+    if getattr(args, "save", None):
+        await save_model(coord, args.save)
+    if getattr(args, "save_best", None):
+        await save_model(coord, args.save_best, best=True)
+
+
+async def save_model(coord: Any, path: str, *, best: bool = False) -> None:
+    """Write the job's trained ``state_dict`` (``best``: its best checkpoint's) to ``path`` with
+    ``torch.save`` (atomically)."""
     import torch
 
-    sd = await coord.with_timeout(300.0).state_dict()
+    sd = await coord.with_timeout(300.0).state_dict(best=best)
     if not sd:
         raise errors.ConfigError(f"job {coord.key} has no trained weights to save")
     tmp = f"{path}.partial"
     await asyncio.to_thread(torch.save, sd, tmp)
     os.replace(tmp, path)
-    print(f"saved {len(sd)} tensors of {coord.key} to {path}")
+    print(f"saved {len(sd)} tensors of {coord.key}{' (best checkpoint)' if best else ''} to {path}")
 
 
-async def watch(coord: Any, timeout_s: float | None) -> Any:
-    """A live progress bar until the job ends (Ctrl-C leaves the job running)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+PLAIN_INTERVAL_S = 5.0
+"""Without a terminal: the most often a progress line is written (and once when the job ends)."""
 
+
+async def watch(coord: Any, timeout_s: float | None, *, interval_s: float = PLAIN_INTERVAL_S) -> Any:
+    """A live progress bar until the job ends (Ctrl-C leaves the job running); without a
+    terminal, a plain line per ``interval_s`` while the step moves."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
+    if not sys.stdout.isatty():
+        return await _watch_plain(coord, deadline, timeout_s, interval_s)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -101,6 +144,23 @@ async def watch(coord: Any, timeout_s: float | None) -> Any:
             if deadline is not None and loop.time() > deadline:
                 raise errors.GrainTimeoutError(coord.key, "train", timeout_s or 0.0)
             await asyncio.sleep(0.25)
+
+
+async def _watch_plain(coord: Any, deadline: float | None, timeout_s: float | None, interval_s: float) -> Any:
+    """One whole line per interval (a CI log keeps it; rich cut it to 80 columns)."""
+    loop = asyncio.get_running_loop()
+    last_step, last_at = -1, 0.0
+    while True:
+        st = await coord.status()
+        now = time.monotonic()
+        if st.step != last_step and (now - last_at >= interval_s or st.status in _TERMINAL):
+            print(f"{coord.key} step {st.step}/{st.total_steps or '?'} epoch {st.epoch:.2f}  {_info(st, markup=False)}", flush=True)
+            last_step, last_at = st.step, now
+        if st.status in _TERMINAL:
+            return st
+        if deadline is not None and loop.time() > deadline:
+            raise errors.GrainTimeoutError(coord.key, "train", timeout_s or 0.0)
+        await asyncio.sleep(0.25)
 
 
 def metric_text(name: str, value: float) -> str:
@@ -123,16 +183,18 @@ def metrics_text(st: Any) -> str:
     return " | ".join(parts)
 
 
-def _info(st: Any) -> str:
+def _info(st: Any, *, markup: bool = True) -> str:
     from rich.markup import escape  # metric names are the user's: "[x]" is not markup
 
     parts = [st.status]
     if text := metrics_text(st):
-        parts.append(escape(text))
+        parts.append(escape(text) if markup else text)
     parts.append(f"{st.samples_per_s:,.0f} samples/s")
     parts.append(f"{_size(st.bytes_per_step)}/step")
     if st.rollbacks or st.restarts:
         parts.append(f"restarts {st.restarts} rollbacks {st.rollbacks}")
+    if st.skipped:
+        parts.append(f"skipped {st.skipped}")
     return "  ".join(parts)
 
 

@@ -195,7 +195,10 @@ class CoordinatorGrain(Grain):
                 )
             # The later checkpoints are abandoned, as a rollback to that step abandons them.
             old = old.model_copy(update={"committed": [c for c in old.committed if c <= job.resume_from_step]})
-            await checkpoint.drop_after(self, self.key, old.run, job.resume_from_step)
+        if job.resuming:
+            # What the last run's holders saved past its last commit is abandoned too: a rollback
+            # that finds its restore point gone takes the store's newest, which must be this run's.
+            await checkpoint.drop_after(self, self.key, old.run, old.committed[-1])
         self.state = self.State(
             spec=job, status="starting", generation=old.generation + 1, run=old.generation + 1, started_at=time.time(),
             steps_run=old.steps_run, samples_run=old.samples_run,  # counters of the job id: they only grow
@@ -208,6 +211,7 @@ class CoordinatorGrain(Grain):
             s.committed_at = {c: t for c, t in old.committed_at.items() if c in s.committed}
             s.data_segments = _resumed_segments(old)
             s.best_step, s.best_value = old.best_step, old.best_value
+            s.step = s.committed[-1]  # where it starts: its status never reads step 0 of a later epoch
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
         self._callbacks = None
@@ -706,6 +710,7 @@ class CoordinatorGrain(Grain):
             eval_silo=s.eval_silo, eval_device=s.eval_device,
             epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.trainers, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
+            best_metric=(s.spec.keep_best or "").rpartition(":")[0] if s.spec is not None else "", best_value=s.best_value,
             elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
             mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,

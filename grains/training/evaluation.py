@@ -39,6 +39,7 @@ from grains.training.state.model_tensors import (
     load_tensors,
     persistent_buffers,
 )
+from grains.training.state.optimizer_state import optimizer_state
 from grains.training.state.store import CheckpointStoreGrain
 
 READ_TIMEOUT_S = 120.0
@@ -81,12 +82,11 @@ class Evaluator:
             self.model.load_state_dict(read_init(path, self.model), strict=True)
             optimizer: dict[str, Any] = {}
             if spec.init_optimizer:
-                opt = build_optimizer(trainable(self.model), spec)
+                named = trainable(self.model)
+                opt = build_optimizer(named, spec)
                 if opt is not None:
                     read_init_optimizer(path, self.model, opt)
-                    sd = opt.state_dict()
-                    state = {k: {n: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in st.items()} for k, st in sd["state"].items()}
-                    optimizer = {"state": state, "param_groups": sd["param_groups"]}
+                    optimizer = optimizer_state(opt, named)
             return checkpoint.initial(self.model, optimizer)
 
 

@@ -38,14 +38,14 @@ def check_job(spec: TrainingJob) -> ModelLayout:
     evaluation breaks its contract on the first batch.
     """
     train_set = load_dataset(spec, "train")
-    spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`
+    total = spec.total_steps(dataset_size(train_set), 1)  # a stream without a length needs `steps`
     train = Batches(train_set, workers=spec.loader_workers, collate_fn=collate_function(spec))  # workers with a stream: refused here
     test = job_batches(spec, "test")
     model = build_model(spec)
     layout = layout_of(model)
     check_param_groups(model, spec)
     opt = build_optimizer(trainable(model), spec)
-    build_schedule(opt, spec)
+    build_schedule(opt, spec, total)
     if spec.init_from is not None:
         model.load_state_dict(read_init(spec.init_from, model), strict=True)
         if spec.init_optimizer and opt is not None:

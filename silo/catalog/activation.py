@@ -4,12 +4,19 @@ Calls run one at a time in arrival order (a *turn*), unless the class is
 ``@reentrant``, the method ``@interleave``, or consecutive calls are all
 ``@read_only`` (those run together). The mailbox is a deque drained by one
 pump task per busy activation; an interleaved or reentrant call starts a task
-of its own at once. Each turn sets ``CALL_CHAIN`` to the chain it runs in, so
+of its own at once (once the activation is ACTIVE). The mailbox holds
+``max_queue`` calls: past that a two-way call is shed unrun
+(``LoadShedError``, which its caller's router retries with back-off until its
+deadline), while a ``@one_way`` call, whose caller has moved on, waits behind
+the mailbox in arrival order and moves in as it drains (its deadline still
+applies: one that expires there fails, logged and counted on this silo); past
+another ``max_queue`` of those, a one-way call is shed too (logged, counted). Each turn sets ``CALL_CHAIN`` to the chain it runs in, so
 a call that would wait on an activation already in its own chain fails with
 ``DeadlockError`` instead of hanging.
 
 An activation moves through :class:`ActivationState` one way: ACTIVATING
-(state loading, ``on_activate``; calls queue but do not run), ACTIVE,
+(directory registration, state loading, ``on_activate``; calls queue in
+arrival order, the one that started it first, but none runs), ACTIVE,
 DEACTIVATING (the running turn finishes, queued calls are handed back to the
 catalog for re-routing) and INACTIVE. The catalog drives the moves; the
 activation only refuses work that its state no longer allows.
@@ -116,6 +123,10 @@ class Activation:
         self.instance._rg_context = ActivationContext(self)
         self._catalog = catalog
         self._queue: deque[Invocation] = deque()
+        self._overflow: deque[Invocation] = deque()
+        """One-way calls that came while the mailbox was full (at most ``max_queue``), in arrival
+        order, moved into it as it drains: their callers have moved on and cannot retry them as
+        a shed two-way call's do."""
         self._running: set[Invocation] = set()
         self._pump: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
@@ -160,28 +171,36 @@ class Activation:
     # --- mailbox -----------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._overflow)
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue or self._running)
+        return bool(self._queue or self._running or self._overflow)
 
     def enqueue(self, inv: Invocation) -> None:
         if self.status not in _TAKES_CALLS:
             inv.future.set_exception(Reroute())
             return
-        if len(self._queue) >= self._catalog.settings.max_queue:
-            inv.future.set_exception(
-                errors.LoadShedError(f"mailbox of {self.grain_key}", self._catalog.settings.max_queue)
-            )
+        # A full mailbox sheds a two-way call unrun (its caller's router backs off and sends it
+        # again until its deadline); a one-way call waits behind it, in arrival order, until
+        # its deadline, as nobody is left to send it again: up to max_queue of them, so a flood
+        # (or a peer's huge deadlines) cannot hold unbounded memory.
+        limit = self._catalog.settings.max_queue
+        full = len(self._queue) >= limit
+        if full and (inv.method not in self.options.one_way or len(self._overflow) >= limit):
+            inv.future.set_exception(errors.LoadShedError(f"mailbox of {self.grain_key}", limit))
             return
-        self.last_used = self._catalog.clock()
+        if not inv.internal:
+            self.last_used = self._catalog.clock()
         if self.grain_key in inv.chain and not (self.options.reentrant or inv.interleave):
             inv.future.set_exception(errors.DeadlockError(self.grain_key, list(inv.chain)))
             return
         self._idle.clear()
-        if self.options.reentrant or inv.interleave:
+        if (self.options.reentrant or inv.interleave) and self.status is _ACTIVE:
             self._start(inv)
+            return
+        if full or self._overflow:
+            self._overflow.append(inv)
             return
         self._queue.append(inv)
         if self._pump is None and self.status is _ACTIVE:
@@ -190,7 +209,10 @@ class Activation:
     def enqueue_internal(
         self, callback: Callable[[], Awaitable[Any]], *, interleave: bool = False
     ) -> asyncio.Future[Any]:
-        """Queue a timer or reminder callback as a turn of this activation."""
+        """Queue a timer tick (or a write-behind flush) as a turn of this activation.
+
+        It is no use of the activation: as in Orleans, a timer does not keep an otherwise idle
+        grain from being collected (a reminder, a call, does)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         inv = Invocation(
             method=getattr(callback, "__name__", "timer"),
@@ -201,6 +223,7 @@ class Activation:
             future=fut,
             callback=callback,
             interleave=interleave,
+            internal=True,
         )
         self.enqueue(inv)
         fut.add_done_callback(_consume_exception)
@@ -217,10 +240,14 @@ class Activation:
             # never served from memory the store may not hold (simulator, seed 39 "mixed").
             while self._queue and self.status in _RUNS_TURNS and self._deactivate_reason is None:
                 inv = self._queue.popleft()
+                if self._overflow:
+                    self._refill()
                 if inv.read_only:
                     batch = [inv]
                     while self._queue and self._queue[0].read_only:
                         batch.append(self._queue.popleft())
+                        if self._overflow:
+                            self._refill()
                     for b in batch:
                         self._start(b)
                     await asyncio.gather(*(b.task for b in batch if b.task), return_exceptions=True)
@@ -231,8 +258,15 @@ class Activation:
             self._pump = None
             self._check_idle()
 
+    def _refill(self) -> None:
+        """Move waiting one-way calls into the mailbox while it has room (in their order)."""
+        room = self._catalog.settings.max_queue - len(self._queue)
+        while self._overflow and room > 0:
+            self._queue.append(self._overflow.popleft())
+            room -= 1
+
     def _check_idle(self) -> None:
-        if not self._queue and not self._running:
+        if not self._queue and not self._running and not self._overflow:
             self._idle.set()
 
     async def _turn(self, inv: Invocation) -> None:
@@ -277,7 +311,8 @@ class Activation:
                 inv.future.set_result(result)
         finally:
             self._running.discard(inv)
-            self.last_used = self._catalog.clock()
+            if not inv.internal:
+                self.last_used = self._catalog.clock()
             if self._deactivate_reason is not None and not self._running:
                 self._catalog.schedule_deactivation(self, self._deactivate_reason)
             self._check_idle()
@@ -288,7 +323,13 @@ class Activation:
         try:
             self._queue.remove(inv)
         except ValueError:
-            pass
+            try:
+                self._overflow.remove(inv)
+            except ValueError:
+                pass
+        else:
+            if self._overflow:
+                self._refill()
         if inv.task is not None and inv in self._running:
             inv.task.cancel()
         if not inv.future.done():
@@ -342,9 +383,21 @@ class Activation:
 
     # --- lifecycle, driven by the catalog ---------------------------------
     def begin_serving(self) -> None:
+        if self.status is not ActivationState.ACTIVATING:
+            return  # deactivated while on_activate ran: it stays on its way out
         self.status = ActivationState.ACTIVE
+        early: list[Invocation] = []
+        if self._queue and (self.options.reentrant or any(inv.interleave for inv in self._queue)):
+            # Calls that may interleave queued while on_activate ran: they start now, beside the pump.
+            waiting = list(self._queue)
+            self._queue.clear()
+            for inv in waiting:
+                (early if self.options.reentrant or inv.interleave else self._queue).append(inv)
+            self._refill()
         if self._queue and self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self._drain_mailbox())
+        for inv in early:
+            self._start(inv)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
@@ -354,8 +407,9 @@ class Activation:
             return False
 
     def take_queued(self) -> list[Invocation]:
-        queued = list(self._queue)
+        queued = [*self._queue, *self._overflow]
         self._queue.clear()
+        self._overflow.clear()
         # With no turn running, the activation is idle now: a deactivation waiting for idle
         # must not wait out its timeout for a queue it emptied itself (simulator, seed 79 "churn").
         self._check_idle()

@@ -2,10 +2,13 @@
 
 The catalog owns every :class:`~silo.catalog.activation.Activation` on this
 silo. Activating a grain registers it in the directory first, and only the
-registration that wins serves: a loser answers with the winner's silo, and
-the dispatcher forwards the call there. Concurrent first calls to one grain
-share one activation attempt. Stateless workers skip the directory and keep
-a local pool per grain id.
+registration that wins serves: a loser answers the calls queued on it with
+the winner's silo, and the dispatcher forwards them there. The first call
+creates the activation synchronously and queues on it like every later one,
+so calls run in the order they arrived; registering and ``on_activate`` run in
+a task of the catalog's own, so a caller that gives up at its deadline is
+withdrawn from the mailbox without stopping the activation. Stateless workers
+skip the directory and keep a local pool per grain id.
 
 Deactivating stops an activation taking calls, lets the running turn finish
 (up to ``deactivation_timeout_s``), runs ``on_deactivate``, flushes
@@ -21,9 +24,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grains.base import DeactivationReason
 from grains.ids import GrainId, SiloAddress
@@ -86,6 +89,8 @@ class Catalog:
         self._activations: dict[GrainId, Activation] = {}
         self._workers: dict[GrainId, list[Activation]] = {}
         self._activating: dict[GrainId, asyncio.Future[Activation | SiloAddress]] = {}
+        self._starting: set[asyncio.Task[None]] = set()
+        """Activations registering and running on_activate (each in a task of its own)."""
         self._deactivating: dict[Activation, asyncio.Task[None]] = {}
         self._collector: asyncio.Task[None] | None = None
         self._activated_total = 0
@@ -93,6 +98,9 @@ class Catalog:
         self._failed = 0
         self.closed = False
         self.on_reroute: Callable[[Activation, list[Invocation]], None] = lambda a, i: None
+        self.check_version: Callable[[GrainId, str], Awaitable[None]] | None = None
+        """Raises (VersionMismatchError) when this silo's version of the type must not activate the
+        grain for the call of the given method that started it (the dispatcher's rule)."""
         self._filters = list(filters or [])
         self.pipeline: CallNext = build_pipeline(self._filters, invoke_method)
         """The chain of a grain type with no filters of its own."""
@@ -123,38 +131,47 @@ class Catalog:
         return len(self._activations) + sum(len(w) for w in self._workers.values())
 
     # --- activation --------------------------------------------------------
-    async def get_or_activate(self, grain_id: GrainId) -> Activation | SiloAddress:
-        """The local activation, creating it if needed; or the silo that won the directory."""
+    def get_or_start(self, grain_id: GrainId, method: str | None = None) -> Activation | None:
+        """This silo's activation of ``grain_id`` to queue a call on, started now if it has none.
+
+        Synchronous, so a call queues on the activation in the order it arrived, the one that
+        starts it first: a new activation takes calls at once (ACTIVATING) and runs them once
+        it has won the directory and ``on_activate`` returned, in a task of its own, not the
+        caller's (a caller that gives up at its deadline leaves the activation going). If
+        another silo wins the directory, the queued calls are answered with
+        :class:`Reroute` naming it; if activating fails, with the error. None while an earlier
+        activation of the grain is still leaving (await its ``deactivated``, then ask again).
+        ``method``: the call that starts it, checked by ``check_version`` before registering.
+        """
         if self.closed:
             raise errors.SiloClosedError("silo")
-        act = self.get(grain_id)
+        act = self._activations.get(grain_id)
         if act is not None:
-            return act
-        leaving = self._activations.get(grain_id)
-        if leaving is not None:
-            await leaving.deactivated.wait()
-            # Another waiter may have activated it again meanwhile: serve from that one
-            # rather than register again (the directory would name us, and we would
-            # forward the call to ourselves).
-            act = self.get(grain_id)
-            if act is not None:
-                return act
-        pending = self._activating.get(grain_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Activation | SiloAddress] = asyncio.get_running_loop().create_future()
+            return act if act.status in _TAKES_CALLS else None
+        cls = self._types.resolve(grain_id.type_name)
+        act = Activation(grain_id, cls, self._types.options(grain_id.type_name), self.silo, self._runtime, self)
+        self._activations[grain_id] = act
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Activation | SiloAddress] = loop.create_future()
         self._activating[grain_id] = fut
-        try:
-            result = await self._activate(grain_id)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: waiters re-raise it themselves
-            raise
-        else:
-            fut.set_result(result)
-            return result
-        finally:
-            self._activating.pop(grain_id, None)
+        self._spawn(self._activate(act, fut, method))
+        return act
+
+    async def start_after_leaving(self, grain_id: GrainId, method: str | None = None) -> Activation:
+        """:meth:`get_or_start`, once an activation of the grain still leaving is gone."""
+        while (act := self.get_or_start(grain_id, method)) is None:
+            leaving = self._activations.get(grain_id)
+            if leaving is not None:
+                await leaving.deactivated.wait()
+        return act
+
+    async def get_or_activate(self, grain_id: GrainId) -> Activation | SiloAddress:
+        """The local activation once it serves, creating it if needed; or the silo that won the directory."""
+        act = await self.start_after_leaving(grain_id)
+        pending = self._activating.get(grain_id)
+        if pending is None:
+            return act
+        return await asyncio.shield(pending)
 
     def stateless_worker(self, grain_id: GrainId, options: GrainOptions) -> Activation | None:
         """Pick the least busy local worker, or None when a new one should be made."""
@@ -168,40 +185,97 @@ class Catalog:
             return min(workers, key=lambda a: a.queue_length)
         return None
 
-    async def activate_worker(self, grain_id: GrainId) -> Activation:
+    def start_worker(self, grain_id: GrainId) -> Activation:
+        """A new stateless worker of ``grain_id``, taking calls at once (as :meth:`get_or_start`'s
+        activations do); no directory entry."""
+        if self.closed:
+            raise errors.SiloClosedError("silo")
         cls = self._types.resolve(grain_id.type_name)
-        options = self._types.options(grain_id.type_name)
-        act = Activation(grain_id, cls, options, self.silo, self._runtime, self)
+        act = Activation(grain_id, cls, self._types.options(grain_id.type_name), self.silo, self._runtime, self)
         self._workers.setdefault(grain_id, []).append(act)
-        await self._run_activation_hooks(act)
+        self._spawn(self._activate_worker(act))
         return act
 
-    async def _activate(self, grain_id: GrainId) -> Activation | SiloAddress:
-        cls = self._types.resolve(grain_id.type_name)
-        options = self._types.options(grain_id.type_name)
-        act = Activation(grain_id, cls, options, self.silo, self._runtime, self)
+    async def _activate_worker(self, act: Activation) -> None:
         try:
-            winner = await self._directory.register(grain_id, self.silo, act.activation_id)
-        except errors.MembershipError as exc:
-            # The table no longer names us live (voted out, not yet told by our heartbeat):
-            # no grain code ran, so the caller may retry elsewhere, as for a fenced silo.
-            raise errors.SiloNotServingError(str(self.silo), str(exc)) from exc
-        if winner.silo != self.silo or winner.activation_id != act.activation_id:
-            # Another activation owns the grain; if it is one of ours the entry
-            # is stale (we lost it) and we must not serve under it.
-            if winner.silo == self.silo and grain_id not in self._activations:
+            await self._run_activation_hooks(act)
+        except BaseException as exc:
+            self._abandon(act, exc if isinstance(exc, Exception) else Reroute())
+            if not isinstance(exc, Exception):
+                raise
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _activate(
+        self, act: Activation, fut: asyncio.Future[Activation | SiloAddress], method: str | None
+    ) -> None:
+        grain_id = act.grain_id
+        try:
+            if method is not None and self.check_version is not None:
+                await self.check_version(grain_id, method)
+            result = await self._register_and_run(act)
+        except BaseException as exc:
+            # Cancelled (the silo stops): the queued calls look again, as a deactivation's do.
+            self._abandon(act, exc if isinstance(exc, Exception) else Reroute())
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: waiters re-raise it themselves
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            fut.set_result(result)
+        finally:
+            if self._activating.get(grain_id) is fut:
+                del self._activating[grain_id]
+
+    async def _register_and_run(self, act: Activation) -> Activation | SiloAddress:
+        grain_id = act.grain_id
+        while True:
+            try:
+                winner = await self._directory.register(grain_id, self.silo, act.activation_id)
+            except errors.MembershipError as exc:
+                # The table no longer names us live (voted out, not yet told by our heartbeat):
+                # no grain code ran, so the caller may retry elsewhere, as for a fenced silo.
+                raise errors.SiloNotServingError(str(self.silo), str(exc)) from exc
+            if winner.silo == self.silo and winner.activation_id == act.activation_id:
+                break
+            if winner.silo == self.silo and self._activations.get(grain_id) is act:
+                # An entry of ours from an activation that is gone: stale, we must not serve
+                # under it; take it away and register again.
                 await self._directory.unregister(grain_id, winner.silo, winner.activation_id)
-                return await self._activate(grain_id)
+                continue
+            # Another activation owns the grain: the calls queued here go there.
+            self._abandon(act, Reroute(winner.silo))
             return winner.silo
+        if act.status is not ActivationState.ACTIVATING:
+            # Deactivated while it registered (the silo is stopping): it must not stay registered.
+            await self._directory.unregister(grain_id, self.silo, act.activation_id)
+            raise errors.SiloNotServingError(str(self.silo), f"{act.grain_key} deactivated while activating")
         act.token = winner.token
-        self._activations[grain_id] = act
         try:
             await self._run_activation_hooks(act)
         except BaseException:
-            self._activations.pop(grain_id, None)
             await self._directory.unregister(grain_id, self.silo, act.activation_id)
             raise
         return act
+
+    def _abandon(self, act: Activation, answer: BaseException) -> None:
+        """``act`` never served: gone, and every call queued on it answered with ``answer``."""
+        act.status = ActivationState.INACTIVE
+        if act.options.stateless_worker:
+            pool = self._workers.get(act.grain_id, [])
+            if act in pool:
+                pool.remove(act)
+            if not pool:
+                self._workers.pop(act.grain_id, None)
+        elif self._activations.get(act.grain_id) is act:
+            del self._activations[act.grain_id]
+        act.deactivated.set()
+        for inv in act.take_queued():
+            if not inv.future.done():
+                inv.future.set_exception(answer)
 
     async def _run_activation_hooks(self, act: Activation) -> None:
         try:
@@ -217,8 +291,6 @@ class Catalog:
         except BaseException:
             self._failed += 1
             act.status = ActivationState.INACTIVE
-            for inv in act.take_queued():
-                inv.future.set_exception(Reroute())
             raise
         self._activated_total += 1
         act.begin_serving()
@@ -321,6 +393,10 @@ class Catalog:
         if self._collector is not None:
             self._collector.cancel()
             await asyncio.gather(self._collector, return_exceptions=True)
+        starting = list(self._starting)
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
 
     async def _collect_forever(self) -> None:
         while True:

@@ -118,7 +118,7 @@ class ActivationContext:
 
     # --- checkpoints of grain groups -----------------------------------------------------
     async def save_snapshot(
-        self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None
+        self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None, epoch: int | None = None
     ) -> bool:
         return bool(
             await self._runtime.checkpoints().save(
@@ -129,6 +129,7 @@ class ActivationContext:
                 members=[self.grain_id] if members is None else members,
                 token=self._act.token,
                 keep=keep,
+                epoch=epoch,
             )
         )
 

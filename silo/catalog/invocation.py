@@ -20,11 +20,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from grains.ids import SiloAddress
     from silo.catalog.activation import Activation
 
 
 class Reroute(Exception):
-    """Internal: the call never started here; send it wherever the grain lives now."""
+    """Internal: the call never started here; send it wherever the grain lives now.
+
+    ``to``: the silo that won the grain's directory entry, when that is why (a call queued
+    on an activation that lost the race); None: look the grain up again.
+    """
+
+    def __init__(self, to: SiloAddress | None = None) -> None:
+        super().__init__(to)
+        self.to = to
 
 
 class Reply:
@@ -77,3 +86,5 @@ class Invocation:
     task: asyncio.Task[Any] | None = None
     cancelled: bool = False
     activation: Activation | None = None
+    internal: bool = False
+    """A timer tick or write-behind flush: not a use of the activation (idle collection ignores it)."""

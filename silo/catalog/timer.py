@@ -7,8 +7,11 @@ re-arms only once its tick has finished, measured from then: a slow tick
 delays the next one instead of piling ticks up in the mailbox.
 
 Timers live and die with their activation (the catalog cancels them when it
-deactivates); a grain that must be called back whatever happens to its silo
-uses a reminder (``silo/cluster/reminders.py``) instead.
+deactivates), and a tick is no use of it: as in Orleans, a grain that only its
+timers keep busy is collected once idle past its timeout (calls and reminder
+ticks count as use; ``@keep_alive`` exempts a class). A grain that must be
+called back whatever happens to its silo uses a reminder
+(``silo/cluster/reminders.py``) instead.
 """
 
 from __future__ import annotations

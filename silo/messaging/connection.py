@@ -296,7 +296,7 @@ class Connection(FrameReceiver):
             fut.set_exception(exc)
             return
         if kind == ERROR:
-            fut.set_exception(error_from_body(value))
+            fut.set_exception(error_from_body(value, self.codec.registry))
         else:
             fut.set_result(value)
 
@@ -508,6 +508,18 @@ class Connection(FrameReceiver):
             else:
                 target, _, method = label.rpartition(".")
             fut.set_exception(errors.GrainTimeoutError(target, method, 0.0))
+        try:
+            self._send_frame([CANCEL, req_id])
+        except errors.SiloError:
+            pass
+
+    def cancel(self, req_id: int) -> None:
+        """The caller gave up on a request before its answer: forget it and send the peer a CANCEL,
+        as its deadline does (the callee's turn is cancelled, or its queued call dropped)."""
+        if self._pending.pop(req_id, None) is None:
+            return  # answered (or expired) already
+        if self._waiters:
+            self._hand_slots()
         try:
             self._send_frame([CANCEL, req_id])
         except errors.SiloError:

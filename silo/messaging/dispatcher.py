@@ -43,6 +43,7 @@ from silo.messaging.connection import Connection
 from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
+from silo.messaging.wire_errors import as_remote
 from silo.streams.turn import STREAM_METHOD, stream_turn
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
@@ -58,7 +59,6 @@ SYSTEM_TYPE = "$silo"
 
 SystemHandler = Callable[..., Awaitable[Any]]
 
-_ACTIVE = ActivationState.ACTIVE  # an enum attribute lookup costs ~75 ns on Python 3.11
 _new_call = tuple.__new__  # Call with all seven fields, minus NamedTuple's Python-level __new__
 
 
@@ -97,14 +97,16 @@ class _NoAnswer:
 
     __slots__ = ("_dispatcher", "_label", "peer")
 
-    def __init__(self, dispatcher: Dispatcher, peer: str, label: str) -> None:
+    def __init__(self, dispatcher: Dispatcher, peer: str, label: str | Call) -> None:
+        # A call stands for its label until one is needed (formatting it costs more than a post).
         self._dispatcher, self.peer, self._label = dispatcher, peer, label
 
     def send_response(self, req_id: int, value: Any) -> None:
         pass
 
     def send_error(self, req_id: int, exc: BaseException) -> None:
-        self._dispatcher.one_way_failed(self._label, self.peer, exc)
+        label = self._label if isinstance(self._label, str) else f"{self._label.grain}.{self._label.method}"
+        self._dispatcher.one_way_failed(label, self.peer, exc)
 
 
 class Dispatcher:
@@ -124,6 +126,7 @@ class Dispatcher:
         observers: ObserverHub | None = None,
     ) -> None:
         self.address = address
+        self._address_text = str(address)
         self.observers = observers
         """Serves calls to observers (grain type ``$observer``); None: this silo takes none."""
         self._codec = codec
@@ -137,6 +140,10 @@ class Dispatcher:
         self._one_way = self._one_way_failed = 0
         self._version_mismatches = 0
         self._posts = 0
+        self._arriving: set[tuple[int, int]] = set()
+        """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
+        self._recalled: set[tuple[int, int]] = set()
+        """Of those, the ones whose caller gave up before they were queued: never queued."""
         self._waiting: set[Invocation] = set()
         """Calls from this silo waiting for an answer (their deadlines: see _watch)."""
         self._sweep_at = float("inf")
@@ -161,6 +168,7 @@ class Dispatcher:
         self.tracing = tracing
         """Runs each call's turn in a SERVER span; None (the default): no spans."""
         catalog.on_reroute = self._reroute_queued
+        catalog.check_version = self._refuse_if_outdated
 
     # --- from the transport ------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
@@ -169,8 +177,12 @@ class Dispatcher:
         if len(header) < 2 or not isinstance(header[1], int):
             raise errors.CodecError(f"frame header without a request id: {header!r:.100}")
         if kind == CANCEL:
-            inv = self._in_flight.get((id(conn), header[1]))
-            if inv is not None and not inv.future.done():
+            track = (id(conn), header[1])
+            inv = self._in_flight.get(track)
+            if inv is None and track in self._arriving:
+                # Not on an activation yet (its grain is activating): dropped when it would be queued.
+                self._recalled.add(track)
+            elif inv is not None and not inv.future.done():
                 inv.cancelled = True
                 if inv.activation is not None:
                     inv.activation.cancel_call(inv)
@@ -199,6 +211,8 @@ class Dispatcher:
     def _spawn_serve(
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
     ) -> None:
+        # Known as arriving now, not when the task starts: a CANCEL read next may reach it first.
+        self._arriving.add((id(conn), req_id))
         task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -206,26 +220,32 @@ class Dispatcher:
     def _serve_nowait(
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
     ) -> bool:
-        """Queue a call to a live local activation without a task of its own.
+        """Queue a call on a local activation without a task of its own.
 
         A task per request cost more than the rest of serving a small call; when
-        the activation exists and nothing special applies, the call goes straight
-        into its mailbox and the answer is sent from the invocation's done
-        callback. Returns False when dispatch() must handle the call.
+        nothing special applies, the call goes straight into the mailbox (of an
+        activation still activating too, or one started now for it) and the
+        answer is sent from the invocation's done callback. Queued here, in the
+        order the calls arrive, no call overtakes another that came before it
+        (a task would start a turn of the loop later). Returns False when
+        dispatch() must handle the call.
         """
         grain, method, args, kwargs, _, chain, _ = call
-        act = self._catalog.get(grain)
         if (
-            act is None
-            or act.status is not _ACTIVE
-            or self.closed
+            self.closed
             or self.draining
             or method == REMINDER_METHOD
             or method == STREAM_METHOD
-            or method not in self._types.methods(grain.type_name)
             or (self.moving and grain in self.moving)
             or self.fenced()
         ):
+            return False
+        act = self._catalog.get(grain)
+        if act is None:
+            act = self._start_nowait(grain, method)
+            if act is None:
+                return False
+        elif method not in self._types.methods(grain.type_name):
             return False
         options = act.options
         track = (id(conn), req_id)
@@ -250,6 +270,18 @@ class Dispatcher:
         act.enqueue(inv)
         return True
 
+    def _start_nowait(self, grain: GrainId, method: str) -> Activation | None:
+        """A new activation of ``grain`` for a call of ``method``, or None where dispatch() decides."""
+        if grain.type_name == SYSTEM_TYPE or grain.type_name == OBSERVER_TYPE or self._catalog.closed:
+            return None
+        try:
+            options = self._types.options(grain.type_name)
+        except errors.UnknownGrainError:
+            return None
+        if options.stateless_worker or method not in self._types.methods(grain.type_name):
+            return None
+        return self._catalog.get_or_start(grain, method)
+
     def _answer(
         self,
         result: Any,
@@ -268,6 +300,8 @@ class Dispatcher:
             self._rerouted += 1
             self._spawn_serve(conn, req_id, call, deadline, trace)
         elif exc is not None:
+            if isinstance(conn, _NoAnswer) and isinstance(exc, Exception) and self._send_one_way_again(call, deadline, exc):
+                return
             self._errors += 1
             conn.send_error(req_id, exc)
         elif self.fenced():
@@ -296,8 +330,9 @@ class Dispatcher:
     async def _serve(
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
     ) -> None:
+        track = (id(conn), req_id)
         try:
-            result = await self.dispatch(call, deadline, (id(conn), req_id), trace)
+            result = await self.dispatch(call, deadline, track, trace)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
                 return
@@ -308,6 +343,9 @@ class Dispatcher:
                 self._answer_when_alive(conn, req_id, result, deadline)
                 return
             conn.send_response(req_id, result)
+        finally:
+            self._arriving.discard(track)
+            self._recalled.discard(track)
 
     # --- the local entry point (router calls this for grains on this silo) --
     async def dispatch(
@@ -342,18 +380,13 @@ class Dispatcher:
                     return await self._router.forward(target, call, deadline, trace)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
+            # The call goes into the mailbox now, also of an activation still registering or
+            # running on_activate (which it waits for there, within its deadline): calls run in
+            # the order they arrived, the one that started the activation first.
             if options.stateless_worker:
-                act = self._catalog.stateless_worker(grain, options) or await self._catalog.activate_worker(grain)
+                act = self._catalog.stateless_worker(grain, options) or self._catalog.start_worker(grain)
             else:
-                if self._catalog.get(grain) is None:
-                    await self._refuse_if_outdated(grain, method, options)
-                found = await self._catalog.get_or_activate(grain)
-                if isinstance(found, SiloAddress):
-                    if hops >= MAX_HOPS:
-                        raise errors.SiloUnavailableError(str(found), f"{grain} still not found after {hops} hops")
-                    self._forwarded += 1
-                    return await self._router.forward(found, call, deadline, trace)
-                act = found
+                act = self._catalog.get_or_start(grain, method) or await self._catalog.start_after_leaving(grain, method)
             local = track is None and self._codec is not None
             if local:
                 # The callee gets what it would decode from the wire, never the caller's objects
@@ -379,6 +412,8 @@ class Dispatcher:
                 self._in_flight[track] = inv
                 inv.activation = act
             try:
+                if track is not None and track in self._recalled:
+                    raise errors.GrainTimeoutError(str(grain), method, 0.0)  # its caller gave up meanwhile
                 act.enqueue(inv)
                 if track is not None:
                     return await fut
@@ -388,12 +423,31 @@ class Dispatcher:
                 self._watch(inv)
                 try:
                     result = await fut
+                except asyncio.CancelledError:
+                    # The caller gave up (task cancelled, wait_for, a TaskGroup failing): the
+                    # callee's turn is cancelled, or the queued call dropped, as a CANCEL does.
+                    act.cancel_call(inv)
+                    raise
+                except Reroute:
+                    raise
+                except Exception as exc:
+                    # What a caller on another silo would get (wire_errors.as_remote).
+                    remote = as_remote(exc, None if self._codec is None else self._codec.registry)
+                    if remote is exc:
+                        raise
+                    raise remote from None
                 finally:
                     self._waiting.discard(inv)
                 if local and type(result) not in _SCALARS:
                     return self._codec.copy(result)  # type: ignore[union-attr]
                 return result
-            except Reroute:
+            except Reroute as reroute:
+                if reroute.to is not None and reroute.to != self.address:
+                    # Queued on an activation that lost the directory to another silo's: go there.
+                    if hops >= MAX_HOPS:
+                        raise errors.SiloUnavailableError(str(reroute.to), f"{grain} still not found after {hops} hops") from None
+                    self._forwarded += 1
+                    return await self._router.forward(reroute.to, call, deadline, trace)
                 self._rerouted += 1
                 continue
             finally:
@@ -471,8 +525,10 @@ class Dispatcher:
         self._version_mismatches += 1
         return errors.VersionMismatchError(str(self.address), grain.type_name, method, options.version, wanted)
 
-    async def _refuse_if_outdated(self, grain: GrainId, method: str, options: GrainOptions) -> None:
-        """Create no activation of an older version than the rule places new ones on."""
+    async def _refuse_if_outdated(self, grain: GrainId, method: str) -> None:
+        """Create no activation of an older version than the rule places new ones on (the
+        catalog asks before it registers one; every call queued on it gets the error)."""
+        options = self._types.options(grain.type_name)
         wanted = await self._router.newest_version(grain.type_name, None if method == REMINDER_METHOD else method)
         if wanted is not None and wanted > options.version:
             self._version_mismatches += 1
@@ -529,16 +585,21 @@ class Dispatcher:
         The arguments are copied before this returns (the caller may change its objects at once);
         the call is tracked as a network request would be, so it runs until done, not until its
         deadline, and a failure is logged and counted here."""
-        grain, method, args, kwargs, timeout_s, chain, hops = call
+        grain, method, args, kwargs, timeout_s, _, hops = call
         if self._codec is not None:
             args = self._codec.copy(args)
             if kwargs:
                 kwargs = self._codec.copy(kwargs)
         self._one_way += 1
         self._posts += 1
+        # No chain: the caller does not wait for a one-way call (see the router's ONEWAY header).
+        copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, (), hops))
+        # Into the mailbox now, as a one-way frame from the network goes: a two-way call this
+        # caller makes next (served inline) must not overtake it.
+        if self._serve_nowait(_NoAnswer(self, self._address_text, copied), self._posts, copied, deadline, trace):  # type: ignore[arg-type]
+            return
         # (0, n) never collides with a connection's (id(conn), req_id): no CANCEL reaches it.
         track = (0, self._posts)
-        copied = _new_call(Call, (grain, method, args, kwargs, timeout_s, chain, hops))
         task = asyncio.get_running_loop().create_task(self._run_posted(copied, deadline, track, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -284,7 +284,9 @@ class Router:
                         continue
                     if one_way:
                         # Sent and done: no answer comes, so it takes no in-flight slot.
-                        header = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), list(chain), hops]
+                        # No chain: the caller does not wait, so the callee's calls back to it cannot
+                        # deadlock on it (a turn started by a one-way call starts a chain of its own).
+                        header: list[Any] = [ONEWAY, 0, grain_id.type_name, grain_id.key, method, int(remaining * 1000), [], hops]
                         if trace is not None:
                             header.append(trace)
                         conn.send_one_way(header, (args, kwargs) if kwargs else list(args))
@@ -307,6 +309,11 @@ class Router:
                         return await conn.request(header, (args, kwargs) if kwargs else list(args), remaining, (grain_id, method))
                     except errors.GrainTimeoutError as exc:
                         raise errors.GrainTimeoutError(str(grain_id), method, remaining) from exc
+                    except asyncio.CancelledError:
+                        # The caller gave up: the callee's turn is cancelled (or its queued call
+                        # dropped) by the CANCEL a deadline sends. header[1]: the request's id.
+                        conn.cancel(header[1])
+                        raise
                 except errors.SiloNotServingError as exc:
                     # Turned away before any grain code ran (draining, fenced, or its version of
                     # the type cannot serve the method: VersionMismatchError): retry.
@@ -357,7 +364,7 @@ class Router:
             except TimeoutError:
                 raise errors.GrainTimeoutError(str(grain), method, timeout_s) from None
             timeout_s = max(deadline - loop.time(), 0.001)
-        header = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(call.chain), call.hops]
+        header: list[Any] = [REQUEST, 0, grain.type_name, grain.key, method, int(timeout_s * 1000), list(call.chain), call.hops]
         if trace is not None:
             header.append(trace)
         # Positional arguments travel as a list: msgpack packs it natively, where a tuple needs an ext.
@@ -367,6 +374,9 @@ class Router:
             return await fut
         except errors.GrainTimeoutError as exc:
             raise errors.GrainTimeoutError(str(grain), method, timeout_s) from exc
+        except asyncio.CancelledError:
+            conn.cancel(header[1])
+            raise
 
     async def forward(self, target: SiloAddress, call: Call, deadline: float, trace: Carrier | None = None) -> Any:
         """Relay a call that reached the wrong silo to the directory's winner, one hop further (``trace`` as it came)."""

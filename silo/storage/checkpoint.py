@@ -69,18 +69,37 @@ local function now_ms()
 end
 """
 
-# KEYS: manifest, pending, groups.  ARGV: members json, order ('' = time), keep, snapshot id, group
+# KEYS: manifest, pending, groups, index.
+# ARGV: members json, order ('' = time), keep, snapshot id, group, epoch ('' = none)
+# Returns {1, 'opened'[, members of a snapshot of an older epoch it took over]}, {1, 'open'},
+# or {0, reason, ...}.
 _OPEN = (
     _NOW
     + """
 local members = redis.call('HGET', KEYS[1], 'members')
+local old = nil
+if members and ARGV[6] ~= '' then
+  local cur = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '') or -1
+  local mine = tonumber(ARGV[6])
+  if cur > mine then return {0, 'epoch', tostring(cur)} end
+  if cur < mine then
+    -- Left by an abandoned epoch (complete or not): taken over in place, so it is never
+    -- listed, mixed with this epoch's members, or kept from this epoch's save.
+    redis.call('DEL', KEYS[1])
+    redis.call('ZREM', KEYS[4], ARGV[4])
+    redis.call('ZREM', KEYS[2], ARGV[4])
+    old = members
+    members = nil
+  end
+end
 if not members then
   local order = ARGV[2]
   if order == '' then order = tostring(now_ms()) end
   redis.call('HSET', KEYS[1], 'members', ARGV[1], 'order', order, 'keep', ARGV[3],
-             'status', 'pending', 'written', 0, 'created', now_ms())
+             'status', 'pending', 'written', 0, 'created', now_ms(), 'epoch', ARGV[6])
   redis.call('ZADD', KEYS[2], order, ARGV[4])
   redis.call('SADD', KEYS[3], ARGV[5])
+  if old then return {1, 'opened', old} end
   return {1, 'opened'}
 end
 if members ~= ARGV[1] then return {0, 'members', members} end
@@ -104,13 +123,14 @@ return {1, 'ok'}
 """
 )
 
-# KEYS: manifest, index, pending.  ARGV: member, size, snapshot id
+# KEYS: manifest, index, pending.  ARGV: member, size, snapshot id, epoch ('' = none)
 # Returns {1, 'partial'} or {1, 'complete', snapshot ids retention unlisted...}.
 _MARK = (
     _NOW
     + """
 local members = redis.call('HGET', KEYS[1], 'members')
 if not members then return {0, 'gone'} end
+if (redis.call('HGET', KEYS[1], 'epoch') or '') ~= ARGV[4] then return {0, 'epoch'} end
 if redis.call('HGET', KEYS[1], 'status') == 'complete' then return {1, 'partial'} end
 redis.call('HSET', KEYS[1], 'b:' .. ARGV[1], ARGV[2])
 if redis.call('HSETNX', KEYS[1], 'w:' .. ARGV[1], 1) == 1 then
@@ -257,11 +277,15 @@ class Checkpoints:
         members: Iterable[Any],
         token: int = 0,
         keep: int | None = None,
+        epoch: int | None = None,
     ) -> bool:
         """Save one member's encoded state; True when this save completed the snapshot.
 
         ``token`` is the saving activation's fencing token (0: unfenced), so a zombie
-        shard cannot write into a snapshot.
+        shard cannot write into a snapshot. ``epoch`` (a training job's generation) names
+        who owns the snapshot: a save of a newer epoch takes over one an older epoch left
+        (complete or not: that epoch was abandoned), one of an older epoch is refused, so
+        two epochs never mix members nor block each other at the same id.
         """
         snap = _name(str(snapshot_id), "snapshot id")
         _name(group, "group")
@@ -279,12 +303,15 @@ class Checkpoints:
         if keep_n < 1:
             raise errors.ConfigError(f"keep must be at least 1, got {keep_n}")
         manifest = k.checkpoint_manifest(group, snap)
+        tag = "" if epoch is None else str(int(epoch))
         opened = await self._blobs.retry(what, lambda: self._open(
-            keys=[manifest, k.checkpoint_pending(group), k.checkpoint_groups],
-            args=[json.dumps(names), order, keep_n, snap, group],
+            keys=[manifest, k.checkpoint_pending(group), k.checkpoint_groups, k.checkpoint_index(group)],
+            args=[json.dumps(names), order, keep_n, snap, group, tag],
         ))  # fmt: skip
         if int(opened[0]) != 1:
             self._refused(what, me, names, opened)
+        if len(opened) > 2:  # an abandoned epoch's snapshot, taken over: its other members' blobs go
+            await self._unlink_members(group, snap, [m for m in json.loads(_text(opened[2])) if m not in names])
         staged = await self._blobs.stage(what, base, stream_parts(value))
         tok = str(token)
 
@@ -306,9 +333,11 @@ class Checkpoints:
                 ))  # fmt: skip
             self._refused(what, me, names, res)
         marked = await self._blobs.retry(what, lambda: self._mark(
-            keys=[manifest, k.checkpoint_index(group), k.checkpoint_pending(group)], args=[me, staged.size, snap],
+            keys=[manifest, k.checkpoint_index(group), k.checkpoint_pending(group)], args=[me, staged.size, snap, tag],
         ))  # fmt: skip
         if int(marked[0]) != 1:
+            if _text(marked[1]) == "epoch":
+                raise errors.StorageError(f"{what}: a newer epoch took the snapshot over during the save")
             raise errors.StorageError(f"{what}: the snapshot was deleted during the save")
         for old in marked[2:]:
             await self._drop(group, _text(old))
@@ -329,6 +358,8 @@ class Checkpoints:
             )
         if why == "complete":
             raise errors.StorageError(f"{what}: the snapshot is complete and can no longer change")
+        if why == "epoch":
+            raise errors.StorageError(f"{what}: the snapshot belongs to newer epoch {_text(res[2])}")
         if why == "missing":
             raise errors.StorageError(f"{what}: staged chunks expired before the commit (orphan_ttl_s too short?)")
         raise errors.StorageError(f"{what}: refused ({why})")
@@ -339,17 +370,23 @@ class Checkpoints:
         manifest = k.checkpoint_manifest(group, snap)
         what = f"delete snapshot {group}/{snap}"
         raw = await self._blobs.retry(what, lambda: self._redis.hget(manifest, "members"))
-        for member in json.loads(raw) if raw else []:
-            head = k.checkpoint_member(group, snap, member)
-            base = k.checkpoint_chunk_base(group, snap, member)
-            etag, n = await self._blobs.retry(what, functools.partial(self._redis.hmget, head, ["etag", "nchunks"]))
-            doomed = [head, *(chunk_key(base, _text(etag), i) for i in range(int(n or 0)))] if etag else [head]
-            await self._blobs.retry(what, functools.partial(self._redis.unlink, *doomed))
+        await self._unlink_members(group, snap, json.loads(raw) if raw else [])
         n = await self._blobs.retry(what, lambda: self._forget(
             keys=[manifest, k.checkpoint_index(group), k.checkpoint_pending(group), k.checkpoint_groups],
             args=[snap, group],
         ))  # fmt: skip
         return int(n)
+
+    async def _unlink_members(self, group: str, snap: str, members: builtins.list[str]) -> None:
+        """Delete these members' blobs of a snapshot (each in its grain's slot)."""
+        k = self._keys
+        what = f"delete snapshot {group}/{snap}"
+        for member in members:
+            head = k.checkpoint_member(group, snap, member)
+            base = k.checkpoint_chunk_base(group, snap, member)
+            etag, n = await self._blobs.retry(what, functools.partial(self._redis.hmget, head, ["etag", "nchunks"]))
+            doomed = [head, *(chunk_key(base, _text(etag), i) for i in range(int(n or 0)))] if etag else [head]
+            await self._blobs.retry(what, functools.partial(self._redis.unlink, *doomed))
 
     async def delete(self, group: str, snapshot_id: int | str) -> bool:
         """Delete a snapshot (complete or not) and its data; False if there was none."""

@@ -77,7 +77,7 @@ from silo.keys import Keys
 from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
-from silo.messaging.router import Router
+from silo.messaging.router import MAX_RETRY_BACKOFF_S, RETRY_BACKOFF_S, Router
 from silo.records import MemberRow, SiloStatus
 from silo.settings import CatalogSettings, TransportSettings
 from silo.storage.provider import REDIS, StorageProviders
@@ -120,7 +120,19 @@ class _LocalRouter:
         if one_way:
             self.dispatcher.post(call, deadline)
             return None
-        return await self.dispatcher.dispatch(call, deadline)
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            try:
+                return await self.dispatcher.dispatch(call, deadline)
+            except errors.LoadShedError as exc:
+                # Shed unrun (a full mailbox): as the real router, back off (jittered) and send
+                # it again until the deadline.
+                attempt += 1
+                backoff = min(RETRY_BACKOFF_S * 2**attempt, MAX_RETRY_BACKOFF_S) * random.uniform(0.5, 1.0)
+                await asyncio.sleep(min(backoff, max(0.0, deadline - loop.time())))
+                if deadline - loop.time() <= 0:
+                    raise errors.GrainTimeoutError(str(call.grain), call.method, timeout) from exc
 
     async def versions_with(self, type_name: str, method: str) -> list[int]:
         raise errors.UnknownMethodError(type_name, method)  # one silo, one version: it has none

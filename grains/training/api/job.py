@@ -70,7 +70,9 @@ class TrainingJob(BaseModel):
     eps: float = Field(1e-8, gt=0, description="Adam's and AdamW's epsilon.")
     weight_decay: float = Field(0.0, ge=0, description="Weight decay (AdamW's default when 0 here: 0.01 is not assumed).")
     lr_schedule: str | None = Field(
-        None, description="A torch.optim.lr_scheduler class `pkg.module:Class`, stepped once per global step."
+        None,
+        description="A torch.optim.lr_scheduler class, or a function returning one (HF's"
+        " get_linear_schedule_with_warmup), `pkg.module:name`, stepped once per global step.",
     )
     lr_schedule_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of lr_schedule.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before (or instead of) lr_schedule.")

@@ -263,6 +263,10 @@ class TrainingStatus(BaseModel):
     """Why the job ended before its last step (a callback's request); empty otherwise."""
     best_step: int | None = None
     """``keep_best``: the step of the best evaluation, kept as ``state_dict(best=True)``."""
+    best_metric: str = ""
+    """``keep_best``'s metric (``eval.accuracy``); empty without ``keep_best``."""
+    best_value: float | None = None
+    """Its value at ``best_step``."""
     """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
     elapsed_s: float = 0.0
     error: str = ""

@@ -15,12 +15,24 @@ parameters:
   last. Each group carries its index in the spec as ``rg_group`` (-1: the
   default), so a checkpoint saved by one layout of shards restores into any
   other (see :mod:`grains.training.state.checkpoint`).
-- ``lr_schedule``: any ``torch.optim.lr_scheduler`` class, with
-  ``lr_schedule_args``; ``warmup_steps`` puts a ``LinearLR`` from
-  ``1/(warmup_steps+1)`` to 1 in front of it (``SequentialLR`` at milestone
-  ``warmup_steps``), or alone without one. Stepped once per global step after
-  the optimizer step, as a plain loop does; a restored holder rebuilds it and
-  steps it to the restored step, which gives every holder the same rate.
+- ``lr_schedule``: any ``torch.optim.lr_scheduler`` class, or any callable
+  returning one (Hugging Face's ``get_linear_schedule_with_warmup``:
+  ``fn(optimizer, num_warmup_steps, num_training_steps)``), with
+  ``lr_schedule_args``. Arguments come from the job where the schedule asks for
+  them and the args do not say: ``num_training_steps`` (the job's total steps)
+  and ``num_warmup_steps`` (``warmup_steps``: the factory then does the warmup
+  itself); an arg whose value is the string ``"total_steps"`` (LinearLR's
+  ``total_iters``, CosineAnnealingLR's ``T_max``) becomes the steps the
+  schedule runs: the job's total, less ``warmup_steps`` when our warmup comes
+  first. The total is the job's current one, so an ``epochs`` or elastic job
+  whose length is recomputed as trainers change rebuilds its schedule over the
+  new length at the step it resumes (:func:`sync_rates`). ``warmup_steps``
+  with a class (or alone) puts a ``LinearLR`` from ``1/(warmup_steps+1)`` to
+  1 in front of it (``SequentialLR`` at milestone ``warmup_steps``): the first
+  step runs at ``lr/(w+1)``, never at 0 (HF's warmup starts at 0; its factory
+  gives exactly that). Stepped once per global step after the optimizer step,
+  as a plain loop does; a restored holder rebuilds it and steps it to the
+  restored step, which gives every holder the same rate.
 - ``clip_grad_norm``: the global norm of the gradient the optimizer steps on,
   as ``torch.nn.utils.clip_grad_norm_`` computes it (``clip_coefficient``).
 
@@ -104,26 +116,73 @@ def build_optimizer(named: Sequence[tuple[str, nn.Parameter]], spec: TrainingJob
         raise ConfigError(f"optimizer {spec.optimizer} with {defaults} and groups {spec.param_groups}: {exc}") from None
 
 
-def build_schedule(opt: torch.optim.Optimizer | None, spec: TrainingJob) -> LRScheduler | None:
-    """The spec's learning-rate schedule over ``opt`` (None: constant rate)."""
+TOTAL_STEPS = "total_steps"
+"""An ``lr_schedule_args`` value that stands for the steps the schedule runs (the job's total)."""
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def schedule_args(spec: TrainingJob, fn: Any, total_steps: int | None) -> tuple[dict[str, Any], bool]:
+    """The keyword arguments ``fn`` (the schedule class or factory) is called with, and whether
+    it does the warmup itself (it takes ``num_warmup_steps``)."""
+    args = dict(spec.lr_schedule_args)
+    names = _parameters(fn)
+    own_warmup = "num_warmup_steps" in names
+    if own_warmup:
+        args.setdefault("num_warmup_steps", spec.warmup_steps)
+    if "num_training_steps" in names and "num_training_steps" not in args and total_steps is not None:
+        args["num_training_steps"] = total_steps
+    runs = None if total_steps is None else max(1, total_steps - (0 if own_warmup else spec.warmup_steps))
+    for k, v in args.items():
+        if v == TOTAL_STEPS:
+            if runs is None:
+                raise ConfigError(f"lr_schedule_args[{k!r}] = {TOTAL_STEPS!r} needs the job's length (steps or epochs)")
+            args[k] = runs
+    return args, own_warmup
+
+
+def build_schedule(opt: torch.optim.Optimizer | None, spec: TrainingJob, total_steps: int | None = None) -> LRScheduler | None:
+    """The spec's learning-rate schedule over ``opt`` (None: constant rate), for a job of
+    ``total_steps`` steps (None: not known, only a schedule that needs it is refused)."""
     if opt is None or (spec.lr_schedule is None and not spec.warmup_steps):
         return None
+    for g in opt.param_groups:
+        # A schedule rebuilt over an optimizer that has stepped (a re-formed group's survivor, a
+        # job whose length changed) starts from the base rates: torch's chainable schedules
+        # (LinearLR, ...) scale the groups' current rate, which would compound the old decay.
+        if "initial_lr" in g:
+            g["lr"] = g["initial_lr"]
     with warnings.catch_warnings():
         # SequentialLR steps its next scheduler with an explicit epoch at a milestone, which
         # torch flags as deprecated; that is its own implementation, not ours to change.
         warnings.simplefilter("ignore", UserWarning)
         main: LRScheduler | None = None
+        own_warmup = False
         if spec.lr_schedule is not None:
-            cls = resolve_path(spec.lr_schedule, "lr_schedule")
-            if not (inspect.isclass(cls) and issubclass(cls, LRScheduler)) or issubclass(cls, ReduceLROnPlateau):
+            fn = resolve_path(spec.lr_schedule, "lr_schedule")
+            is_class = inspect.isclass(fn)
+            if (is_class and not issubclass(fn, LRScheduler)) or (is_class and issubclass(fn, ReduceLROnPlateau)) or not callable(fn):
                 raise ConfigError(
-                    f"lr_schedule {spec.lr_schedule!r} is not a torch.optim.lr_scheduler class stepped without a metric"
+                    f"lr_schedule {spec.lr_schedule!r} is not a torch.optim.lr_scheduler class stepped without a metric,"
+                    " nor a function returning one"
                 )
+            args, own_warmup = schedule_args(spec, fn, total_steps)
             try:
-                main = cls(opt, **spec.lr_schedule_args)
+                made = fn(opt, **args)
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"lr_schedule {spec.lr_schedule}({spec.lr_schedule_args}): {exc}") from None
-        if not spec.warmup_steps:
+                raise ConfigError(f"lr_schedule {spec.lr_schedule}({args}): {exc}") from None
+            if not isinstance(made, LRScheduler) or isinstance(made, ReduceLROnPlateau):
+                raise ConfigError(
+                    f"lr_schedule {spec.lr_schedule!r} returned {type(made).__name__}, not a torch.optim.lr_scheduler"
+                    " scheduler stepped without a metric"
+                )
+            main = made
+        if not spec.warmup_steps or own_warmup:
             return main
         warm = LinearLR(opt, start_factor=1.0 / (spec.warmup_steps + 1), end_factor=1.0, total_iters=spec.warmup_steps)
         if main is None:
@@ -139,6 +198,16 @@ def advance(schedule: LRScheduler | None, steps: int) -> None:
         warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
         for _ in range(steps):
             schedule.step()
+
+
+def sync_rates(opt: torch.optim.Optimizer | None, schedule: LRScheduler | None) -> None:
+    """Give ``opt``'s groups the rate ``schedule`` has now: a holder restored with saved groups
+    takes the rate of its schedule over the job's current length (an ``epochs`` or elastic job
+    recomputes it when trainers change); where the length did not change, they agree."""
+    if opt is None or schedule is None:
+        return
+    for group, lr in zip(opt.param_groups, schedule.get_last_lr(), strict=True):
+        group["lr"] = lr
 
 
 def step_schedule(schedule: LRScheduler | None) -> None:

@@ -1,14 +1,16 @@
 """Checkpoint storage for parameter shards, on the silo's snapshot API (silo/storage/checkpoint.py).
 
 A part holds its trainable parameters with their optimizer state, and its
-frozen parameters and persistent buffers (``buffers``). Its optimizer's
-parameter groups carry their spec index as ``rg_group``
+frozen parameters and persistent buffers (``buffers``), all by parameter name,
+never by a layout's position (:mod:`grains.training.state.optimizer_state`).
+Its optimizer's parameter groups carry their spec index as ``rg_group``
 (:mod:`grains.training.loop.optim`), so :func:`extract` can cut the state of any
 set of parameters out of parts of any layout and regroup it as the new
 holder's optimizer builds its groups.
 
 Every shard of a job saves its part of snapshot ``(training.{job}.r{run}, step)``
-with the same member list, so the snapshot becomes complete (and listed)
+with the same member list, under its generation (the store's ``epoch``: a later
+generation takes over what an abandoned one left at the same step), so the snapshot becomes complete (and listed)
 only when all shards have saved that step; the store keeps the newest
 ``keep_checkpoints`` complete ones. The coordinator tracks the same thing
 from the shards' reports and restores only complete steps.
@@ -26,6 +28,7 @@ from grains.base import Grain
 from grains.training.api.job import TrainingJob
 from grains.training.loop.optim import DEFAULT_GROUP, group_order, trainable
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.state.optimizer_state import named_state
 from silo import errors
 
 
@@ -76,7 +79,8 @@ class TrainingSnapshot(BaseModel):
     params: dict[str, torch.Tensor]
     """In model order (the optimizer state is indexed by it)."""
     optimizer: dict[str, Any]
-    """``torch.optim.Optimizer.state_dict()`` of the shard's optimizer ({}: none yet, e.g. ``init_from``)."""
+    """The holder's optimizer state by parameter name (:func:`~grains.training.state.optimizer_state.optimizer_state`;
+    {}: none yet, e.g. ``init_from``; checkpoints of before hold ``state_dict()``'s positions)."""
     buffers: dict[str, torch.Tensor] = Field(default_factory=dict)
     """Frozen parameters and persistent buffers (BatchNorm statistics) this part holds."""
     scaler: dict[str, float] = Field(default_factory=dict)
@@ -119,24 +123,30 @@ def member(key: str, type_name: str = "ParamShardGrain") -> str:
 
 
 async def save(
-    shard: Grain, job: str, run: int, snapshot: TrainingSnapshot, shard_keys: list[str], keep: int
-) -> bool:
-    """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it."""
+    shard: Grain, job: str, run: int, snapshot: TrainingSnapshot, shard_keys: list[str], keep: int,
+    generation: int | None = None,
+) -> bool:  # fmt: skip
+    """Save this shard's part of the job's snapshot at ``snapshot.step``; True if it completed it.
+
+    ``generation`` owns the snapshot (the store's epoch): what a rolled-back generation left at
+    this step, complete or not, is taken over rather than blocking the save or mixing with it."""
     shard.state.snapshot = snapshot
     try:
         # save_snapshot encodes the state before its first await, so saves of
         # two steps may overlap safely.
         members = [member(k, type(shard).__name__) for k in shard_keys]
-        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep)
+        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep, epoch=generation)
     finally:
         shard.state.snapshot = None
 
 
-async def save_whole(grain: Grain, job: str, run: int, snapshot: TrainingSnapshot, keep: int) -> bool:
+async def save_whole(
+    grain: Grain, job: str, run: int, snapshot: TrainingSnapshot, keep: int, generation: int | None = None
+) -> bool:
     """Save the whole model as the only member of the job's snapshot (all-reduce mode's rank 0)."""
     grain.state.snapshot = snapshot
     try:
-        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep)
+        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep, epoch=generation)
     finally:
         grain.state.snapshot = None
 
@@ -163,56 +173,52 @@ async def load_model(
     return extract(parts, names, extra or [])
 
 
-def _state_of(optimizer: dict[str, Any], j: int) -> tuple[Any, dict[str, Any] | None]:
-    """Parameter ``j``'s optimizer state and its group's settings in a part's optimizer state_dict."""
-    own = optimizer.get("state", {})
-    st = own.get(j, own.get(str(j)))
-    for g in optimizer.get("param_groups", []):
-        if j in g["params"]:
-            return st, g
-    return st, None
-
-
 def extract(parts: list[TrainingSnapshot], names: list[str], extra: list[str] | None = None) -> TrainingSnapshot:
     """The snapshot an owner of ``names`` (trainable, model order) and ``extra`` (frozen
     parameters, buffers) restores, cut from snapshots of any parts.
 
-    A part's optimizer state is indexed by the order of its own ``params``; the result's by
-    ``names``, in groups ordered as :func:`grains.training.loop.optim.build_optimizer` builds them.
+    The optimizer state is by name (:mod:`grains.training.state.optimizer_state`): each
+    parameter's state, and its group's settings with the group's members among ``names``, in
+    groups ordered as :func:`grains.training.loop.optim.build_optimizer` builds them.
     """
-    where: dict[str, tuple[TrainingSnapshot, int]] = {}
+    where: dict[str, TrainingSnapshot] = {}
     held: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    settings: dict[int, dict[str, Any]] = {}
+    tag_of: dict[str, int] = {}
     for part in parts:
-        for i, name in enumerate(part.params):
-            where[name] = (part, i)
+        for name in part.params:
+            where[name] = part
             held[name] = part.params[name]
         held.update(part.buffers)
+        saved = named_state(part.optimizer, list(part.params))
+        state.update(saved.get("state", {}))
+        for g in saved.get("param_groups", []):
+            tag = int(g.get("rg_group", DEFAULT_GROUP))
+            settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
+            tag_of.update(dict.fromkeys(g["params"], tag))
     missing = [n for n in names if n not in where] + [n for n in extra or [] if n not in held]
     if missing:
         raise errors.StorageError(f"checkpoint lacks tensors {missing[:5]}")
-    state: dict[int, Any] = {}
-    members: dict[int, list[int]] = {}
-    settings: dict[int, dict[str, Any]] = {}
-    for i, name in enumerate(names):
-        part, j = where[name]
-        if not part.optimizer:
-            continue
-        st, g = _state_of(part.optimizer, j)
-        if st is not None:
-            state[i] = st
-        if g is not None:
-            tag = int(g.get("rg_group", DEFAULT_GROUP))
-            members.setdefault(tag, []).append(i)
-            settings.setdefault(tag, {k: v for k, v in g.items() if k != "params"})
+    members: dict[int, list[str]] = {}
+    for name in names:
+        if name in tag_of:
+            members.setdefault(tag_of[name], []).append(name)
     groups = [{**settings[t], "params": members[t]} for t in sorted(members, key=group_order)]
     return TrainingSnapshot(
         step=parts[0].step,
         version=max(p.version for p in parts),
-        params={n: where[n][0].params[n] for n in names},
-        optimizer={"state": state, "param_groups": groups} if groups else {},
+        params={n: where[n].params[n] for n in names},
+        optimizer={"state": {n: state[n] for n in names if n in state}, "param_groups": groups} if groups else {},
         buffers={n: held[n] for n in extra or []},
         scaler=next((p.scaler for p in parts if p.scaler), {}),
     )
+
+
+def covers(snap: TrainingSnapshot, names: list[str], extra: list[str]) -> bool:
+    """Whether ``snap`` is exactly the part an owner of ``names`` and ``extra`` restores (the
+    same layout saved it), so it needs no cut."""
+    return list(snap.params) == names and set(extra) <= set(snap.buffers)
 
 
 async def load(
@@ -229,6 +235,10 @@ async def load(
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:
         raise errors.StorageError(f"snapshot {group(job, run)}/{step} holds no shard data for {shard.key}")
+    if names is not None and not covers(snap, names, extra or []):
+        # A member of the same key in another layout (shard 0 of two, restored as the one
+        # shard): its part is not this holder's; cut this holder's out of every member.
+        return await load_model(shard, job, run, step, names, extra)
     return snap  # type: ignore[no-any-return]
 
 

@@ -161,6 +161,13 @@ class Driver(abc.ABC):
     def state(self) -> JobState:
         return self.job.state
 
+    def failed_at(self, step: int, why: str) -> RuntimeError:
+        """The error that fails the job, its status set to ``step``: the step the failing trainer
+        was running, which the last tick's report may not have reached (a job failed at step 20
+        read "step 0/60")."""
+        self.state.step = step
+        return RuntimeError(why)
+
     @property
     def key(self) -> str:
         return self.job.key

@@ -198,6 +198,19 @@ class RecordingDirectory(InMemoryGrainDirectory):
         return entry
 
 
+class RecordingMembership(InMemoryMembershipTable):
+    """The membership twin, noting when each silo's row turned Dead."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock)
+        self.dead_at: dict[str, float] = {}
+
+    def _change_status(self, address: str, status: SiloStatus) -> None:
+        super()._change_status(address, status)
+        if status is SiloStatus.DEAD:
+            self.dead_at.setdefault(address, self.clock())
+
+
 class RecordingStore(InMemoryStateStore):
     """The state twin, recording the fencing token of each write it accepted."""
 
@@ -422,7 +435,8 @@ class World:
         self.latency = True
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
         self.transport_settings = TransportSettings(call_timeout_s=scenario.call_timeout_s, local_sockets=False, connect_timeout_s=1.0)
-        self.membership = InMemoryMembershipTable(self.now)
+        self.membership = RecordingMembership(self.now)
+        self.membership_dead_at = self.membership.dead_at
         self.directory = RecordingDirectory(self, self.membership.is_alive)
         self.store = RecordingStore(self, owner=self.directory.token_of)
         self.network = InMemoryNetwork(links=self)

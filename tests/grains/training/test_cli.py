@@ -64,3 +64,55 @@ async def test_train_with_save_writes_a_state_dict_the_model_loads_strictly(clus
     model = build_model(TrainingJob(model="grains.training.models:cnn_bn"))
     model.load_state_dict(torch.load(target, weights_only=True), strict=True)
     assert int(model.state_dict()["2.num_batches_tracked"]) == 30  # BatchNorm's counter came back too
+
+
+def test_the_last_line_says_what_became_of_the_job():
+    from grains.training.api.messages import TrainingStatus
+    from grains.training.console import outcome
+
+    failed = TrainingStatus(job="j", status="failed", step=20, total_steps=60, error="RuntimeError: trainer 0: boom")
+    assert outcome(failed) == "job j failed at step 20/60: RuntimeError: trainer 0: boom"
+    stopped = TrainingStatus(job="j", status="completed", step=140, total_steps=140, best_step=120, best_metric="eval.accuracy",
+                             best_value=0.9712, stopped_early="stopped at step 140 by callback mypkg:Stop")  # fmt: skip
+    assert outcome(stopped) == (
+        "job j stopped early at step 140 (best step 120, eval.accuracy 97.1%): stopped at step 140 by callback mypkg:Stop"
+    )
+    done = TrainingStatus(job="j", status="completed", step=180, total_steps=180, skipped=3)
+    assert outcome(done) == "job j completed at step 180/180; 3 steps skipped"
+
+
+async def test_an_early_stopped_job_says_so_and_save_best_writes_its_best_checkpoint(
+    cluster, redis_url, cluster_name, tmp_path, capsys
+):
+    import torch
+
+    from grains.cli.main import build_parser
+    from grains.training import CoordinatorGrain
+    from grains.training.console import run
+    from silo.client import ClusterClient
+    from tests.grains.training.conftest import GRAINS
+
+    await cluster(2, grains=GRAINS)
+    job = tmp_path / "early.toml"
+    job.write_text(
+        'job = "early"\nsteps = 3000\nbatch_size = 32\neval_every = 10\ncheckpoint_every = 10\nkeep_checkpoints = 2\n'
+        'callbacks = ["tests.grains.training.test_user_loop:StopAtStep20"]\nkeep_best = "eval.loss:max"\n'
+    )
+    best, last = tmp_path / "best.pt", tmp_path / "last.pt"
+    args = build_parser().parse_args(
+        ["train", str(job), "--save", str(last), "--save-best", str(best), "--timeout", "120"]
+    )
+    assert await run(args, redis_url, cluster_name) == 0
+    out = capsys.readouterr().out
+    # The worst loss (keep_best "max" of the loss) is step 10's; the job stopped at 20.
+    assert "job early stopped early at step 20 (best step 10, eval.loss" in out, out
+    # Without a terminal: whole progress lines (rich cut them at 80 columns).
+    progress = [line for line in out.splitlines() if line.startswith("early step ")]
+    assert progress and all("samples/s" in line and "/step" in line for line in progress), out
+    async with await ClusterClient.connect(redis_url, cluster=cluster_name) as client:
+        coord = client.get_grain(CoordinatorGrain, "early")
+        want_best, want_last = await coord.state_dict(best=True), await coord.state_dict()
+    got_best, got_last = torch.load(best, weights_only=True), torch.load(last, weights_only=True)
+    assert all(torch.equal(got_best[k], v) for k, v in want_best.items())
+    assert all(torch.equal(got_last[k], v) for k, v in want_last.items())
+    assert not all(torch.equal(got_best[k], got_last[k]) for k in got_last)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
+from silo.settings import CatalogSettings
 from silo.testing.clock import VirtualClock
 from silo.testing.harness import InProcessSilo
 from tests.silo.catalog.grains import Ticker
@@ -69,3 +71,22 @@ async def test_cancelled_timer_and_deactivated_grain_tick_no_more(
     await clock.advance(10)
     assert await a.count() == 2
     assert len(grain_b.ticks) == 2
+
+
+async def test_a_periodic_timer_does_not_keep_an_idle_grain_alive(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    # As in Orleans: a tick is no use of the activation, so idle collection goes by calls only.
+    silo = await make_silo(CatalogSettings(idle_timeout_s=60, collection_interval_s=10)).start()
+    ticker = silo.get_grain(Ticker, "idle")
+    await ticker.start(0.5, 1.0)  # ticks between the sweeps (a tick running at a sweep puts it off)
+    act, grain = silo.activation(ticker), silo.instance(ticker)
+    assert act is not None
+    await clock.advance(59.9)
+    assert silo.activation(ticker) is act and len(grain.ticks) == 60  # ticking, not yet idle long enough
+    await clock.advance(15.0)  # the sweep at 70 s finds 70 s without a call
+    assert act.deactivated.is_set()
+    assert silo.activation(ticker) is None
+    ticks = len(grain.ticks)
+    await clock.advance(10.0)
+    assert len(grain.ticks) == ticks  # its timer went with it

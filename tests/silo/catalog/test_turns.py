@@ -4,12 +4,13 @@ each test parks calls on gates and opens them in the order it wants to see."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from silo import errors
+from silo.settings import CatalogSettings
 from silo.testing.clock import VirtualClock
 from silo.testing.harness import InProcessSilo
 from tests.silo.catalog.grains import Latch, PingPong, ReentrantLatch, ReentrantPingPong
@@ -123,3 +124,21 @@ async def test_call_cycle_on_non_reentrant_grains_raises_deadlock_error(
 
 async def test_call_cycle_on_reentrant_grains_completes(silo: InProcessSilo) -> None:
     assert await silo.get_grain(ReentrantPingPong, "a").ping("b", 5) == 5
+
+
+async def test_a_two_way_call_shed_by_a_full_mailbox_is_sent_again_until_it_fits(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    # The in-process harness keeps the router's rule: shed unrun, backed off, sent again.
+    silo = await make_silo(CatalogSettings(max_queue=2)).start()
+    latch = silo.get_grain(Latch, "full")
+    held = asyncio.ensure_future(latch.hold("h"))
+    names = [f"q{i}" for i in range(5)]
+    queued = [asyncio.ensure_future(latch.hold(name)) for name in names]  # two fit, three are shed
+    try:
+        await clock.advance(1.0)
+        assert not any(q.done() for q in queued)  # shed ones wait (sent again), none failed
+    finally:
+        silo.instance(latch).open("h", *names)  # else stopping the silo would wait on the turn
+    await clock.advance(2.0)
+    assert await held == "h" and sorted(await asyncio.gather(*queued)) == names

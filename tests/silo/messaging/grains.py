@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from grains import Grain
+from grains import Grain, interleave, one_way, silo_role
 
 
 class Where(Grain):
@@ -59,3 +59,34 @@ class Tally(Grain):
 
     async def where(self) -> str:
         return str(self.silo)
+
+
+@silo_role("home")
+class SlowStart(Grain):
+    """Activates only on a silo with the role ``home``, and takes ``ACTIVATE_S`` of the loop's
+    time (a VirtualClock's) to do it, so calls arrive while it activates; it logs what ran."""
+
+    ACTIVATE_S = 4.0
+
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+        self.activated = False
+
+    async def on_activate(self) -> None:
+        await asyncio.sleep(self.ACTIVATE_S)
+        self.activated = True
+
+    @interleave
+    async def is_activated(self) -> bool:
+        return self.activated
+
+    @one_way
+    async def put(self, n: int) -> None:
+        self.ran.append(n)
+
+    async def add(self, n: int) -> int:
+        self.ran.append(n)
+        return n
+
+    async def log(self) -> list[int]:
+        return list(self.ran)

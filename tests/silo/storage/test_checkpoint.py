@@ -96,3 +96,32 @@ async def test_a_save_with_different_members_or_into_a_complete_snapshot_is_refu
         await b.checkpoint("m", ["Shard/m/a", "Shard/m/b"], 3)
     with pytest.raises(errors.ConfigError):
         await a.checkpoint("m", ["Shard/m/b"], 3)  # not a member of its own snapshot
+
+
+async def test_a_newer_epoch_takes_over_what_an_abandoned_one_left_at_the_same_id(
+    cluster, client: ClusterClient
+) -> None:
+    """A training generation rolled back leaves snapshots at step ids the next generation
+    saves again: complete ones used to refuse it ("complete and can no longer change"),
+    pending ones to mix the two generations' members into one snapshot."""
+    await cluster(1)
+    a, b = client.get_grain(Shard, "e/a"), client.get_grain(Shard, "e/b")
+    both = ["Shard/e/a", "Shard/e/b"]
+    await a.train(3, 10)
+    await b.train(3, 10)
+    assert await a.checkpoint("e", both, 5, epoch=1) is False
+    assert await b.checkpoint("e", both, 5, epoch=1) is True  # epoch 1 completed step 3
+    assert await a.checkpoint("e", both, 5, epoch=2) is False  # taken over: pending again
+    store = Checkpoints(client.redis, client.keys)
+    assert [i.snapshot_id for i in await store.list("e")] == []
+    with pytest.raises(errors.StorageError, match="newer epoch 2"):
+        await b.checkpoint("e", both, 5, epoch=1)  # the abandoned epoch cannot finish it
+    assert await b.checkpoint("e", both, 5, epoch=2) is True
+    assert [i.snapshot_id for i in await store.list("e")] == ["3"]
+    # A pending snapshot of an abandoned epoch is never completed by the next one's members.
+    await a.train(4, 10)
+    await b.train(4, 10)
+    assert await a.checkpoint("e", both, 5, epoch=2) is False
+    assert await b.checkpoint("e", both, 5, epoch=3) is False  # a's epoch-2 part no longer counts
+    assert await a.checkpoint("e", both, 5, epoch=3) is True
+

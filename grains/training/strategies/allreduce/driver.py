@@ -75,7 +75,9 @@ class AllreduceDriver(Driver):
             # A fatal failure would repeat if retried; out of memory on one silo need not elsewhere.
             fatal = r.generation == s.generation and r.status == "failed" and r.fatal
             if fatal and not (r.out_of_memory and self.shed(s.trainer_silos[rank], r.error)):
-                raise RuntimeError(f"trainer {s.trainer_keys[rank]}: {r.error}")
+                # What rank 0 saved before the failure stays resumable.
+                await self._commit_saved([p for p in results if isinstance(p, TrainerProgress) and p.generation == s.generation])
+                raise self.failed_at(r.step, f"trainer {s.trainer_keys[rank]}: {r.error}")
             if r.generation != s.generation or r.status in ("idle", "failed"):
                 broken.append(f"{s.trainer_keys[rank]} {r.status}{': ' + r.error[:200] if r.error else ''}")
                 continue
@@ -95,11 +97,15 @@ class AllreduceDriver(Driver):
                 log.warning("%s: re-forming the group failed (%s); retrying", self.key, exc)
             return
         self._note_first_step()
-        for step in sorted({c for p in self.progress.values() if p.rank == 0 for c in p.saved_steps}):
-            await self.commit_step(step)  # every checkpoint rank 0 completed, oldest first
+        await self._commit_saved(list(self.progress.values()))
         await self.report([])
         if done == len(s.trainer_keys) and self.final_committed():
             await self.job.finish("completed")
+
+    async def _commit_saved(self, progress: list[TrainerProgress]) -> None:
+        """Commit every checkpoint rank 0 completed, oldest first."""
+        for step in sorted({c for p in progress if p.rank == 0 for c in p.saved_steps}):
+            await self.commit_step(step)
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         snap = await self._newest()

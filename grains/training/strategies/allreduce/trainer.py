@@ -327,10 +327,14 @@ class AllreduceTrainerGrain(Grain):
         want = (a.run, a.start_step)
         if self._core is not None and self._core.spec != a.spec:
             self._core = None
+        total = a.end_step or None
         if self._core is not None and self._core.held == want:
+            await self.run_in_thread(self._core.follow, total)
             return
         if self._core is None:
-            self._core = await self.run_in_thread(TrainerCore, a.spec, self.device)
+            self._core = await self.run_in_thread(TrainerCore, a.spec, self.device, total)
+        else:
+            await self.run_in_thread(self._core.follow, total)
         core = self._core
         if a.source is not None and a.source != self.key:
             peer = self.get_grain(AllreduceTrainerGrain, a.source)
@@ -343,7 +347,7 @@ class AllreduceTrainerGrain(Grain):
             await self.run_in_thread(core.load, snap, a.run)
         elif a.start_step == 0:
             if core.held[1] > 0:  # trained in an earlier run: rebuild from the seed
-                self._core = core = await self.run_in_thread(TrainerCore, a.spec, self.device)
+                self._core = core = await self.run_in_thread(TrainerCore, a.spec, self.device, total)
             core.fresh(a.run)
         else:
             raise errors.ConfigError(
@@ -359,7 +363,7 @@ class AllreduceTrainerGrain(Grain):
 
     async def _save(self, a: GroupAssignment, snap: TrainingSnapshot) -> None:
         try:
-            await checkpoint.save_whole(self, a.job, a.run, snap, checkpoint.retained(a.spec))
+            await checkpoint.save_whole(self, a.job, a.run, snap, checkpoint.retained(a.spec), a.generation)
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -27,12 +27,14 @@ from grains.training.loop.optim import (
     build_optimizer,
     build_schedule,
     step_schedule,
+    sync_rates,
     trainable,
 )
 from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
+from grains.training.state.optimizer_state import load_optimizer_state, optimizer_state
 
 
 class Collective(Protocol):
@@ -58,9 +60,11 @@ class TrainerCore:
     ``run``. A lock makes a step, a load and a snapshot exclusive.
     """
 
-    def __init__(self, spec: TrainingJob, device: str) -> None:
+    def __init__(self, spec: TrainingJob, device: str, total_steps: int | None = None) -> None:
         self.spec = spec
         self.device = device
+        self.total_steps = total_steps
+        """The job's length the schedule runs over (None: not known)."""
         self.model = build_model(spec).to(device)
         self.model.train()
         named = trainable(self.model)
@@ -70,7 +74,7 @@ class TrainerCore:
         self.buffers = dict(persistent_buffers(self.model))
         self.float_buffers = [b for b in self.buffers.values() if b.is_floating_point()]
         self.opt = build_optimizer(named, spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, total_steps)
         self.runner = StepRunner(spec, device, self.params)
         self.batches = job_batches(spec, "train", device)
         self.segments: list[Segment] = []
@@ -90,31 +94,34 @@ class TrainerCore:
             for n, t in {**self.frozen, **self.buffers}.items():
                 t.copy_(snap.buffers[n])
             # A fresh schedule stepped to the restored step, then the saved groups (their rates agree).
-            self.schedule = build_schedule(self.opt, self.spec)
+            self.schedule = build_schedule(self.opt, self.spec, self.total_steps)
             advance(self.schedule, snap.step)
-            if snap.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snap.optimizer)
+            load_optimizer_state(self.opt, list(zip(self.names, self.params, strict=True)), snap.optimizer)
+            sync_rates(self.opt, self.schedule)
             # Every rank and every joiner takes the same scale: a mean of gradients scaled by
             # different factors is no gradient at all.
             self.runner.load_state_dict(snap.scaler)
             self.held = (run, snap.step)
 
+    def follow(self, total_steps: int | None) -> None:
+        """The job's length changed (an ``epochs`` or elastic job re-formed with another trainer
+        count): the schedule is rebuilt over it, at the step held."""
+        with self._lock:
+            if total_steps == self.total_steps:
+                return
+            self.total_steps = total_steps
+            self.schedule = build_schedule(self.opt, self.spec, total_steps)
+            advance(self.schedule, max(0, self.held[1]))
+            sync_rates(self.opt, self.schedule)
+
     def snapshot(self) -> TrainingSnapshot:
         """Parameters, buffers and optimizer state of the held step, in the checkpoint format."""
         with self._lock:
-            optimizer: dict[str, Any] = {}
-            if self.opt is not None:
-                sd = self.opt.state_dict()
-                state = {
-                    k: {n: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
-                    for k, s in sd["state"].items()
-                }
-                optimizer = {"state": state, "param_groups": sd["param_groups"]}
             return TrainingSnapshot(
                 step=self.held[1],
                 version=self.held[1],
                 params={n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)},
-                optimizer=optimizer,
+                optimizer=optimizer_state(self.opt, list(zip(self.names, self.params, strict=True))),
                 buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()},
                 scaler=self.runner.state_dict(),
             )

@@ -129,10 +129,10 @@ class PipelineDriver(Driver):
         for r, head in enumerate(heads):
             if head.status == "failed" and head.generation == s.generation:
                 if head.fatal:
-                    raise RuntimeError(f"pipeline stage failed: {head.error}")
+                    raise self.failed_at(head.step, f"pipeline stage failed: {head.error}")
                 self._failures += 1
                 if self._failures > _MAX_FAILURES:
-                    raise RuntimeError(f"the pipeline keeps failing: {head.error}")
+                    raise self.failed_at(head.step, f"the pipeline keeps failing: {head.error}")
                 lost.append(f"trainer {r}'s run ({head.error[:200]})")
         if lost:
             try:
@@ -249,6 +249,9 @@ class PipelineDriver(Driver):
         s = self.state
         s.generation += 1
         s.rollbacks += 1
+        # The abandoned generation stops first (within its step), not after the restore point
+        # is found and later checkpoints dropped: it would train on and save past them.
+        await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         restore = s.committed[-1] if s.committed else None
         if restore is None or not await checkpoint.exists(self.job.grain, self.key, s.run, restore):
             newest = await checkpoint.newest_step(self.job.grain, self.key, s.run)
@@ -261,7 +264,6 @@ class PipelineDriver(Driver):
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
-        await asyncio.gather(*(self.ref(PipelineStageGrain, k).stop() for k in s.trainer_keys), return_exceptions=True)
         self.progress.clear()
         self.cursor = restore or 0
         await self._configure(restore)

@@ -463,7 +463,9 @@ class PipelineStageGrain(Grain):
 
     async def _save(self, cfg: StageConfig, snap: TrainingSnapshot, generation: int) -> None:
         try:
-            await checkpoint.save(self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, checkpoint.retained(cfg.spec))
+            await checkpoint.save(
+                self, cfg.job, cfg.run, snap, cfg.checkpoint_keys or cfg.stage_keys, checkpoint.retained(cfg.spec), generation
+            )
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

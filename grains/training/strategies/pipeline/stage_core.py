@@ -26,11 +26,13 @@ from grains.training.loop.optim import (
     build_schedule,
     squared_norm,
     step_schedule,
+    sync_rates,
 )
 from grains.training.loop.program import loss_function, run_loss
 from grains.training.loop.step_runner import StepRunner
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.state.optimizer_state import load_optimizer_state, optimizer_state
 
 
 def to_device(t: Any, device: str) -> Any:
@@ -66,7 +68,7 @@ class StageCore:
         self.trainable = [(n, p) for n, p in named if p.requires_grad]
         self.buffers = dict(persistent_buffers(self.module))
         self.opt = build_optimizer(self.trainable, spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, cfg.end_step or None)
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.step = cfg.start_step
         self.lock = threading.Lock()
@@ -82,8 +84,8 @@ class StageCore:
                 for n, t in self.buffers.items():
                     t.copy_(snapshot.buffers[n])
             advance(self.schedule, snapshot.step)
-            if snapshot.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snapshot.optimizer)
+            load_optimizer_state(self.opt, self.trainable, snapshot.optimizer)
+            sync_rates(self.opt, self.schedule)
             self.step = snapshot.step
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
@@ -200,17 +202,12 @@ class StageCore:
 
     def snapshot(self) -> TrainingSnapshot:
         with self.lock:
-            optimizer: dict[str, Any] = {}
-            if self.opt is not None:
-                sd = self.opt.state_dict()
-                state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
-                optimizer = {"state": state, "param_groups": sd["param_groups"]}
             trainable = {n for n, _ in self.trainable}
             return TrainingSnapshot(
                 step=self.step,
                 version=self.step,
                 params={n: p.detach().to("cpu", copy=True) for n, p in self.trainable},
-                optimizer=optimizer,
+                optimizer=optimizer_state(self.opt, self.trainable),
                 buffers={
                     n: t.detach().to("cpu", copy=True)
                     for n, t in {**{n: p for n, p in self.params.items() if n not in trainable}, **self.buffers}.items()

@@ -163,11 +163,13 @@ class ParameterServerDriver(Driver):
                 if r.out_of_memory and len(s.trainer_silos) == s.trainers and self.shed(s.trainer_silos[j], why):
                     await self._drop_trainer(j, why)
                     return
-                raise RuntimeError(f"trainer {j}: {why}")
+                await self._commit(statuses)  # what every shard saved before the failure stays resumable
+                raise self.failed_at(r.step, f"trainer {j}: {why}")
             if r.status == "failed" and r.generation == s.generation:
                 self._failures[j] = self._failures.get(j, 0) + 1
                 if self._failures[j] > _MAX_TRAINER_FAILURES:
-                    raise RuntimeError(f"trainer {j} keeps failing: {why}")
+                    await self._commit(statuses)
+                    raise self.failed_at(r.step, f"trainer {j} keeps failing: {why}")
             start = min(st.next_steps[j] for st in statuses)
             log.warning("%s: trainer %d lost or stopped (%s); restarting it at step %d", self.key, j, why[:200], start)
             s.restarts += 1
@@ -244,6 +246,10 @@ class ParameterServerDriver(Driver):
         assert s.spec is not None
         s.generation += 1
         s.rollbacks += 1
+        # The abandoned generation stops first, within its current step: left running while the
+        # restore point was found and the shards restored, it trained on for seconds (47 steps
+        # thrown away in one grow) and saved checkpoints past the restore point.
+        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         restore = await self._restore_point()
         # The data position of the restored step goes on with the (maybe new) trainer count; an
         # epochs job's last step follows it, before the shards learn their end step.
@@ -252,7 +258,6 @@ class ParameterServerDriver(Driver):
                     f"checkpoint {restore}" if restore is not None else "the start", s.generation)  # fmt: skip
         self.note_change(s.generation, why, s.trainers, restore or 0)
         await self.job.save()
-        await asyncio.gather(*(t.stop() for t in self.trainers()), return_exceptions=True)
         await self._configure_shards(restore)
         self.progress.clear()
         self.cursor = restore or 0

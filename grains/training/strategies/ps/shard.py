@@ -317,7 +317,7 @@ class ParamShardGrain(Grain):
         cfg = self._cfg
         assert cfg is not None
         try:
-            await checkpoint.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, checkpoint.retained(cfg.spec))
+            await checkpoint.save(self, cfg.job, cfg.run, snap, cfg.shard_keys, checkpoint.retained(cfg.spec), generation)
         except Exception:
             log.exception("%s: saving checkpoint %d failed", self.key, snap.step)
             return

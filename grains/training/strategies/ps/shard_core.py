@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,10 +25,12 @@ from grains.training.loop.optim import (
     build_schedule,
     squared_norm,
     step_schedule,
+    sync_rates,
 )
 from grains.training.models import build_model
 from grains.training.state.checkpoint import TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.state.optimizer_state import load_optimizer_state, optimizer_state
 
 
 class ShardCore:
@@ -60,7 +61,7 @@ class ShardCore:
         self.buffers = {n: _fp32(buffers[n]).to(device, copy=True) for n in self.buffer_names}
         self.frozen = {n: _fp32(named[n].detach()).to(device, copy=True) for n in self.frozen_names}
         self.opt = build_optimizer(list(self.params.items()), spec)
-        self.schedule = build_schedule(self.opt, spec)
+        self.schedule = build_schedule(self.opt, spec, cfg.end_step or None)
         self.schedule_step = 0
         self.clip = spec.clip_grad_norm
         self.pull_dtype = parse_compression(spec.compression).pull_dtype
@@ -81,8 +82,8 @@ class ShardCore:
             # there; the optimizer's saved groups (loaded after) agree with it.
             advance(self.schedule, snapshot.step)
             self.schedule_step = snapshot.step
-            if snapshot.optimizer and self.opt is not None:
-                self.opt.load_state_dict(snapshot.optimizer)
+            load_optimizer_state(self.opt, list(self.params.items()), snapshot.optimizer)
+            sync_rates(self.opt, self.schedule)  # the job's length may have changed since
             # The step-number rule: a holder restored at step c has applied c global steps,
             # whichever mode saved it (an async shard's own count of pushes stays its own).
             version = snapshot.step
@@ -210,17 +211,11 @@ class ShardCore:
         self.current = (self.current[0] + 1, self.publish())
 
     def snapshot(self, step: int) -> TrainingSnapshot:
-        if self.opt is not None:
-            sd = self.opt.state_dict()
-            state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in sd["state"].items()}
-            optimizer: dict[str, Any] = {"state": state, "param_groups": sd["param_groups"]}
-        else:
-            optimizer = {}
         return TrainingSnapshot(
             step=step,
             version=step,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-            optimizer=optimizer,
+            optimizer=optimizer_state(self.opt, list(self.params.items())),
             buffers={n: t.detach().to("cpu", copy=True) for n, t in {**self.buffers, **self.frozen}.items()},
         )
 
