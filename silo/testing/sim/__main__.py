@@ -13,6 +13,8 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterable
+from typing import Any
 
 
 def _seeds(text: str) -> list[int]:
@@ -24,55 +26,79 @@ def _seeds(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from silo.testing.sim.runner import run_seed, scenario_for, shrink
+    from silo.testing.sim.runner import scenario_for
     from silo.testing.sim.world import SCENARIOS
 
     if args.scenario is not None and args.scenario not in SCENARIOS:
         print(f"unknown scenario {args.scenario!r}; scenarios: {', '.join(sorted(SCENARIOS))}", file=sys.stderr)
         return 2
-    import logging
-
-    from silo.testing.sim import checks
-
     # The runtime logs every fault it meets (a refused connection, a Redis cut); the
     # verdict is the checkers'. --log-level shows them when replaying one seed.
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(name)s %(levelname)s %(message)s")
-    for name in args.ignore:
-        checks.CHECKS[:] = [c for c in checks.CHECKS if c.__name__ != name]
     total = hashlib.sha256()
     failed = 0
     started = time.perf_counter()
     seeds = _seeds(args.seeds)
-    for seed in seeds:
-        scenario = scenario_for(seed, args.scenario)
-        try:
-            out = run_seed(seed, scenario)
-        except Exception as exc:  # noqa: BLE001 - a world that breaks is a failing seed, not a crash of the tool
-            failed += 1
-            print(f"seed {seed} FAIL crashed: {type(exc).__name__}: {exc} "
-                  f"(replay: python -m silo.testing.sim run --seeds {seed} --scenario {scenario.name})", flush=True)  # fmt: skip
-            total.update(f"{seed}:crash".encode())
-            if args.first_failure:
-                break
-            continue
-        total.update(f"{seed}:{out.digest}".encode())
+    jobs = max(1, min(args.jobs, len(seeds)))
+    work = [(seed, scenario_for(seed, args.scenario).name, args.log_level, tuple(args.ignore)) for seed in seeds]
+    results: Iterable[dict[str, Any]]
+    if jobs == 1:
+        results = map(_one, work)
+    else:
+        import multiprocessing
+
+        # Forked workers inherit PYTHONHASHSEED and the imports; each seed runs alone in one.
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_one, work)
+    for r in results:
+        seed, name = r["seed"], r["scenario"]
+        replay = f"(replay: python -m silo.testing.sim run --seeds {seed} --scenario {name})"
+        total.update(f"{seed}:{r['digest']}".encode())
         if args.verbose:
-            print(f"seed {seed} {scenario.name} {'FAIL' if out.violation else 'ok'} calls {out.calls} events {out.events} "
-                  f"faults {[str(f) for f in out.faults]} digest {out.digest[:16]}", flush=True)  # fmt: skip
-        if out.violation is None:
+            print(f"seed {seed} {name} {'FAIL' if r['violation'] else 'ok'} calls {r['calls']} events {r['events']} "
+                  f"faults {r['faults']} digest {r['digest'][:16]}", flush=True)  # fmt: skip
+        if r["violation"] is None:
             continue
         failed += 1
-        print(f"seed {seed} FAIL {out.violation} "
-              f"(replay: python -m silo.testing.sim run --seeds {seed} --scenario {scenario.name})", flush=True)  # fmt: skip
-        if args.shrink and out.faults:
-            small = shrink(seed, scenario, out)
-            print(f"  seed {seed} shrunk to {len(small.faults)} of {len(out.faults)} faults: "
-                  f"{', '.join(str(f) for f in small.faults) or 'none'}", flush=True)  # fmt: skip
+        print(f"seed {seed} FAIL {r['violation']} {replay}", flush=True)
+        if args.shrink and r["faults"]:
+            from silo.testing.sim.runner import run_seed, shrink
+
+            scenario = SCENARIOS[name]
+            out = run_seed(seed, scenario)
+            if out.violation is not None:
+                small = shrink(seed, scenario, out)
+                print(f"  seed {seed} shrunk to {len(small.faults)} of {len(out.faults)} faults: "
+                      f"{', '.join(str(f) for f in small.faults) or 'none'}", flush=True)  # fmt: skip
         if args.first_failure:
             break
+    if jobs > 1:
+        pool.terminate()
     took = time.perf_counter() - started
     print(f"{len(seeds)} seeds, {failed} failed, {took:.1f} s; digest {total.hexdigest()}", flush=True)
     return 1 if failed else 0
+
+
+def _one(work: tuple[int, str, str, tuple[str, ...]]) -> dict[str, Any]:
+    """Run one seed (in this process or a pool's worker); what the report needs of it."""
+    import logging
+
+    from silo.testing.sim import checks
+    from silo.testing.sim.runner import run_seed
+    from silo.testing.sim.world import SCENARIOS
+
+    seed, name, level, ignore = work
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(getattr(logging, level.upper()))
+    checks.CHECKS[:] = [c for c in checks.ALL_CHECKS if c.__name__ not in ignore]
+    try:
+        out = run_seed(seed, SCENARIOS[name])
+    except Exception as exc:  # noqa: BLE001 - a world that breaks is a failing seed, not a crash of the tool
+        return {"seed": seed, "scenario": name, "digest": "crash", "violation": f"crashed: {type(exc).__name__}: {exc}",
+                "calls": 0, "events": 0, "faults": []}  # fmt: skip
+    return {
+        "seed": seed, "scenario": name, "digest": out.digest, "violation": None if out.violation is None else str(out.violation),
+        "calls": out.calls, "events": out.events, "faults": [str(f) for f in out.faults],
+    }  # fmt: skip
 
 
 def _scale(args: argparse.Namespace) -> int:
@@ -91,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run seeds and check every invariant")
     run.add_argument("--seeds", default="1-200", help="e.g. 1-200, or 7, or 1-10,40")
     run.add_argument("--scenario", default=None, help="one scenario for every seed (default: seeds cycle through all)")
+    run.add_argument("--jobs", type=int, default=1, help="seeds run in this many processes at once")
     run.add_argument("--first-failure", action="store_true", help="stop at the first failing seed")
     run.add_argument("--shrink", action="store_true", help="shrink each failing seed's faults")
     run.add_argument("--log-level", default="critical", help="the runtime's log level (default: critical)")

@@ -194,6 +194,9 @@ CHECKS: list[Callable[[History], Violation | None]] = [
 ]
 
 
+ALL_CHECKS = list(CHECKS)
+
+
 def check(h: History) -> Violation | None:
     """The first violation of any invariant, in the order of :data:`CHECKS`."""
     for checker in CHECKS:

@@ -10,15 +10,15 @@ runs in production:
   and polls instead (the mechanism of :class:`~silo.testing.clock.VirtualClock`,
   always on). An idle world leaps from timer to timer: a simulated minute of a
   three-silo cluster costs what its callbacks cost, not a minute.
-* **A seeded order.** asyncio runs ready callbacks first in, first out, which
-  is a promise to every ``call_soon`` caller (a transport's bytes arrive in
-  order), so that order stays. What no asyncio program may rely on is which of
-  two *tasks* made ready in the same turn steps first: at the start of each
-  turn the loop re-deals the turn's task steps among their places in the
-  queue, in an order drawn from the seed. Tasks are dealt by the order they
-  were created (a number the task factory gives), never by their place in
-  the queue: code that wakes tasks by iterating a ``set`` (ordered by memory
-  address, which differs from run to run) still replays the same.
+* **A seeded order.** A silo is a process with one asyncio loop, and asyncio
+  runs its ready callbacks first in, first out: a promise the runtime relies
+  on (two requests read from one connection start their tasks in that
+  order), so each silo's callbacks keep it. Between processes there is no
+  order: at the start of each turn the loop merges the turn's queues of the
+  silos, the clients and the world's own code in an order drawn from the
+  seed. Together with the network's delays and the twins' latencies (drawn
+  from the seed too) this is what makes one seed's interleaving differ from
+  the next one's.
 * **Pauses.** Every callback carries the ``contextvars`` context it was
   scheduled from, and each silo's tasks run in a context that names the
   silo (:data:`SILO`). While a silo is paused, its callbacks are held, not
@@ -46,12 +46,6 @@ SILO: contextvars.ContextVar[str | None] = contextvars.ContextVar("redgrain_sim_
 
 class Stalled(RuntimeError):
     """Nothing is ready and no timer is pending: the simulated world can never move again."""
-
-
-def _task_of(handle: asyncio.Handle) -> Any:
-    # A task's step is a TaskStepMethWrapper, its wakeup a bound builtin: both name the task.
-    task = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
-    return task if isinstance(task, asyncio.Task) else None
 
 
 class _Ready(collections.deque):  # type: ignore[type-arg]
@@ -90,8 +84,6 @@ class SimLoop(asyncio.SelectorEventLoop):
         self._held: dict[str, list[asyncio.Handle]] = {}
         self._skip = asyncio.Handle(lambda: None, (), self)
         self._skip.cancel()
-        self._seq = 0
-        self._order: dict[asyncio.Task[Any], int] = {}
         self._owners: dict[asyncio.Task[Any], str | None] = {}
         self.turns = 0
         """Loop turns run (each a select and the callbacks it made ready)."""
@@ -99,6 +91,7 @@ class SimLoop(asyncio.SelectorEventLoop):
         self._select: Callable[[float | None], list[tuple[selectors.SelectorKey, int]]] = selector.select
         selector.select = self._virtual_select
         self.set_task_factory(self._new_task)
+
 
     # --- time ------------------------------------------------------------------------
     def time(self) -> float:
@@ -129,14 +122,11 @@ class SimLoop(asyncio.SelectorEventLoop):
         ctx = kw.get("context")
         owner = ctx.get(SILO) if ctx is not None else SILO.get()
         task = asyncio.Task(coro, loop=loop, **kw)
-        self._seq += 1
-        self._order[task] = self._seq
         self._owners[task] = owner
         task.add_done_callback(self._forget)
         return task
 
     def _forget(self, task: asyncio.Task[Any]) -> None:
-        self._order.pop(task, None)
         self._owners.pop(task, None)
 
     def tasks_of(self, owner: str) -> list[asyncio.Task[Any]]:
@@ -144,14 +134,26 @@ class SimLoop(asyncio.SelectorEventLoop):
         return [t for t, o in self._owners.items() if o == owner and not t.done()]
 
     def _deal(self, ready: _Ready) -> None:
-        slots = [i for i, h in enumerate(ready) if _task_of(h) is not None]
-        if len(slots) < 2:
+        # One silo is one process with one asyncio loop: its callbacks keep their FIFO order
+        # (asyncio promises it, and the runtime relies on it: two requests read from one
+        # connection start their tasks in order). Between processes no order exists: the
+        # turn's queues of the silos (and the world's) are merged in an order drawn from the seed.
+        if len(ready) < 2:
             return
-        order = self._order
-        steps = sorted((ready[i] for i in slots), key=lambda h: order.get(_task_of(h), 0))
-        self.rng.shuffle(steps)
-        for i, h in zip(slots, steps, strict=True):
-            ready[i] = h
+        queues: dict[Any, collections.deque[asyncio.Handle]] = {}
+        for h in ready:
+            queues.setdefault(h._context.get(SILO), collections.deque()).append(h)  # type: ignore[attr-defined]
+        if len(queues) < 2:
+            return
+        owners = list(queues)
+        rng = self.rng
+        ready.clear()
+        while owners:
+            i = rng.randrange(len(owners))
+            q = queues[owners[i]]
+            ready.append(q.popleft())
+            if not q:
+                owners.pop(i)
 
     # --- pauses ----------------------------------------------------------------------
     def pause(self, silo: str) -> None:

@@ -58,9 +58,9 @@ def scenario_for(seed: int, name: str | None) -> Scenario:
     return SCENARIOS[names[seed % len(names)]]
 
 
-def run_seed(seed: int, scenario: Scenario, *, faults: list[Fault] | None = None) -> Outcome:
+def run_seed(seed: int, scenario: Scenario, *, faults: list[Fault] | None = None, shuffle: bool = True) -> Outcome:
     with deterministic(seed):
-        return run_world(seed, scenario, faults=faults)
+        return run_world(seed, scenario, faults=faults, shuffle=shuffle)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,7 +118,7 @@ async def _scale(world: World, silos: int, kill: int, window_s: float, rng: rand
 
 
 def run_scale(*, silos: int, kill: int, seed: int = 1, window_s: float = 20.0) -> int:
-    import silo.messaging.receive as receive
+    from silo.messaging import receive
 
     started = time.perf_counter()
     staging, receive._STAGING = receive._STAGING, STAGING_BYTES

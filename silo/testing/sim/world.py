@@ -36,19 +36,20 @@ What each part is:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-import dataclasses
 import hashlib
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from grains.base import Grain
 from grains.ids import GrainId, SiloAddress
 from silo import errors
+from silo.catalog.runtime import RefFactory
+from silo.cluster.directory import DirectoryEntry
 from silo.cluster.failure_detector import FailureDetector, ProbeResult, transport_probe
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
@@ -57,8 +58,6 @@ from silo.messaging.manifests import TypeInfo
 from silo.messaging.router import Router
 from silo.records import SiloLoad, SiloStatus
 from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
-from silo.catalog.runtime import RefFactory
-from silo.cluster.directory import DirectoryEntry
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.harness import InProcessSilo, PublishedManifests
 from silo.testing.membership import InMemoryMembershipTable
@@ -69,6 +68,8 @@ from silo.testing.store import InMemoryStateStore
 from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
 
 log = logging.getLogger("redgrain.sim")
+
+T = TypeVar("T")
 
 FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation")
 
@@ -485,13 +486,13 @@ class World:
             return self.work_rng.uniform(0.5, 3.0)
         return self.work_rng.uniform(0.0, 0.01)
 
-    def spawn(self, owner: str, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+    def spawn(self, owner: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         ctx = self.base if owner == "world" else self._context_of(owner)
-        task = self.loop.create_task(coro, context=ctx.copy())  # type: ignore[arg-type]
-        return task
+        return self.loop.create_task(coro, context=ctx.copy())
 
     def _context_of(self, owner: str) -> contextvars.Context:
-        for part in (*self.silos, *self.clients):
+        parts: list[SimSilo | SimClient] = [*self.silos, *self.clients]
+        for part in parts:
             if part.name == owner:
                 return part.context
         raise KeyError(owner)
@@ -647,11 +648,10 @@ class World:
         elif fault.kind == "slow_activation":
             self.slow_activations += 1
             self.spawn("world", self._later(fault.length_s, self._quick_activations))
-        elif fault.kind == "reset":
-            if silo.state == "active" and silo.silo.transport is not None:
-                silo.silo.transport.abort_all()
-                # abort_all stops listening too; the process lives on and listens again.
-                await silo.silo.transport.listen(silo.address.host, silo.address.port)
+        elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
+            silo.silo.transport.abort_all()
+            # abort_all stops listening too; the process lives on and listens again.
+            await silo.silo.transport.listen(silo.address.host, silo.address.port)
 
     async def _later(self, delay: float, then: Callable[[], Any]) -> None:
         await asyncio.sleep(delay)
@@ -711,8 +711,6 @@ def run_world(seed: int, scenario: Scenario, *, faults: list[Fault] | None = Non
     finally:
         for task in asyncio.all_tasks(loop):
             task.cancel()
-        try:
+        with contextlib.suppress(Exception):  # a stalled or broken world is being thrown away
             loop.run_until_complete(asyncio.sleep(0))
-        except Exception:  # noqa: BLE001 - a stalled or broken world is being thrown away
-            pass
         loop.close()
