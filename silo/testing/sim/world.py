@@ -471,12 +471,14 @@ class World:
         self.trace(kind, *details)
 
     def next_incarnation(self) -> int:
+        self.history.disruptions.append(self.now())
         self._incarnations += 1
         return self._incarnations
 
     def applied(self, grain: str, incarnation: int, sender: str, seq: int) -> None:
         self.trace("applied", grain, incarnation, sender, seq)
         self.history.applied.append((grain, incarnation, sender, seq))
+        self.history.applied_at.append(self.now())
 
     def leave_after_turn(self) -> bool:
         return self.scenario.idle_timeout_s is not None and self.work_rng.random() < 0.15
@@ -583,6 +585,7 @@ class World:
                 for _ in range(rng.randint(1, 5)):
                     seq += 1
                     self.trace("send", client.name, key, seq)
+                    self.history.sent[(client.name, seq)] = self.now()
                     try:
                         await ref.append(client.name, seq)
                     except errors.RedgrainError as exc:
@@ -626,6 +629,7 @@ class World:
     async def _apply(self, fault: Fault) -> None:
         silo = self.silos[fault.target]
         self.trace("fault", str(fault), silo.name)
+        self.history.disruptions.append(self.now())
         if fault.kind == "crash":
             if silo.state == "active" and not self.loop.is_paused(silo.name):
                 await silo.crash()
@@ -659,6 +663,7 @@ class World:
 
     def _resume(self, silo: SimSilo) -> None:
         self.trace("resume", silo.name)
+        self.history.disruptions.append(self.now())
         self.loop.resume(silo.name)
 
     def _heal_cut(self, cut: frozenset[str]) -> None:
