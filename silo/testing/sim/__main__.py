@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--silos", type=int, default=1000)
     scale.add_argument("--kill", type=int, default=3)
     scale.add_argument("--seed", type=int, default=1)
-    scale.add_argument("--window", type=float, default=20.0, help="virtual seconds of idleness measured before the kills")
+    scale.add_argument("--window", type=float, default=5.0, help="virtual seconds of idleness measured before the kills")
     args = parser.parse_args(argv)
     return _run(args) if args.command == "run" else _scale(args)
 

@@ -59,8 +59,8 @@ class History:
     ops: list[Op] = field(default_factory=list)
     applied: list[tuple[str, int, str, int]] = field(default_factory=list)
     """(grain, incarnation, sender, seq) for each one-way append, in the order they ran."""
-    writes: list[tuple[float, str, int]] = field(default_factory=list)
-    """(time, grain, fencing token) of each state write the store accepted."""
+    writes: list[tuple[float, str, int, int]] = field(default_factory=list)
+    """(time, grain, fencing token, the directory's token then) of each state write the store accepted."""
     moves: list[tuple[float, str, str, str, bool]] = field(default_factory=list)
     """(time, grain, old owner, new owner, old owner live) for each registration that changed owner."""
     sent: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -130,7 +130,11 @@ def _register_linearizable(ops: list[Op], read: set[Any]) -> bool:
 
 def single_writer(h: History) -> Violation | None:
     last: dict[str, tuple[int, float]] = {}
-    for at, grain, token in h.writes:
+    for at, grain, token, owner in h.writes:
+        if token and token != owner:
+            return Violation(
+                "single_writer", f"{grain}: a write with fencing token {token} was accepted at t={at:.3f} while the directory named token {owner}"
+            )
         prev = last.get(grain)
         if prev is not None and token < prev[0]:
             return Violation(
