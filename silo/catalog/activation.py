@@ -235,7 +235,10 @@ class Activation:
 
     async def _drain_mailbox(self) -> None:
         try:
-            while self._queue and self.status in _RUNS_TURNS:
+            # A turn that asked for deactivation (a failed or refused state write) ends the
+            # serving: calls queued behind it are re-routed to an activation that reloads,
+            # never served from memory the store may not hold (simulator, seed 39 "mixed").
+            while self._queue and self.status in _RUNS_TURNS and self._deactivate_reason is None:
                 inv = self._queue.popleft()
                 if self._overflow:
                     self._refill()
@@ -407,6 +410,9 @@ class Activation:
         queued = [*self._queue, *self._overflow]
         self._queue.clear()
         self._overflow.clear()
+        # With no turn running, the activation is idle now: a deactivation waiting for idle
+        # must not wait out its timeout for a queue it emptied itself (simulator, seed 79 "churn").
+        self._check_idle()
         return queued
 
 

@@ -231,8 +231,12 @@ async def handshake(endpoint: str, timeout_s: float) -> ProbeResult:
     return ProbeResult.TIMEOUT
 
 
-def transport_probe(transport: Any) -> Probe:
-    """A probe over the silo's transport: connect (pooled) and PING; without an answer, a handshake."""
+Handshake = Callable[[str, float], Awaitable[ProbeResult]]
+
+
+def transport_probe(transport: Any, handshake: Handshake = handshake) -> Probe:
+    """A probe over the silo's transport: connect (pooled) and PING; without an answer, a handshake
+    (``handshake``: a real TCP one; a simulation gives its network's)."""
 
     async def probe(silo: SiloAddress, timeout_s: float) -> ProbeResult:
         for _ in range(2):  # a pooled connection that just broke gets one fresh try

@@ -56,7 +56,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast, overload
 
@@ -205,6 +205,8 @@ class InProcessSilo:
         storage: Mapping[str, StateStore] | None = None,
         filters: Sequence[CallFilter] = (),
         outgoing_filters: Sequence[OutgoingFilter] = (),
+        fenced: Callable[[], bool] | None = None,
+        confirm_alive: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         if address is None:
             address = ADDRESS if network is None else SiloAddress("127.0.0.1", network.free_port(), 1)
@@ -275,8 +277,13 @@ class InProcessSilo:
             filters=list(filters),
             clock=clock,
         )
+        liveness: dict[str, Any] = {}
+        if fenced is not None:
+            liveness["fenced"] = fenced
+        if confirm_alive is not None:
+            liveness["confirm_alive"] = confirm_alive
         self.dispatcher = Dispatcher(address=address, catalog=self.catalog, types=self.types, router=cast(Any, router),
-                                     codec=self.codec, observers=self.observers)  # fmt: skip
+                                     codec=self.codec, observers=self.observers, **liveness)  # fmt: skip
         if isinstance(router, _LocalRouter):
             router.dispatcher = self.dispatcher
         else:

@@ -44,12 +44,13 @@ written at once, as the kernel does.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import itertools
 import logging
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from silo import errors
 from silo.codec import Codec
@@ -69,6 +70,23 @@ def pack_frame(header: list[Any], meta: bytes = b"", buffers: Sequence[bytes] = 
     return PREFIX.pack(len(h), len(meta), len(buffers)) + lens + h + meta + b"".join(buffers)
 
 
+class Links(Protocol):
+    """What the network between two ends is like now (a simulation's faults); see :class:`InMemoryNetwork`.
+
+    Each end of a connection carries the ``contextvars`` context of the
+    transport that owns it (:attr:`_Pipe.context`), which is how a simulation
+    tells which silo sits at each end.
+    """
+
+    def delay(self, sender: _Pipe, receiver: _Pipe) -> float | None:
+        """Seconds until bytes written now at ``sender`` reach ``receiver``; None: the link is cut
+        (the bytes wait, in order, until :meth:`InMemoryNetwork.release` is called)."""
+
+    def connectable(self, connector: contextvars.Context, endpoint: str) -> bool:
+        """Whether a connection attempt from ``connector`` reaches ``endpoint`` now (False: the
+        handshake is lost, as on a cut link: the attempt times out)."""
+
+
 class InMemoryNetwork:
     """Listening endpoints of one test's world: ``host:port`` -> the transport listening there.
 
@@ -76,7 +94,10 @@ class InMemoryNetwork:
     kernel picks one; :meth:`free_port` never hands out the same port twice.
     """
 
-    def __init__(self, *, first_port: int = 20_000) -> None:
+    def __init__(self, *, first_port: int = 20_000, links: Links | None = None) -> None:
+        self.links = links
+        """Delays and cuts between ends (None: every byte arrives on the next loop turn)."""
+        self._held: list[_Pipe] = []
         self._listeners: dict[str, InMemoryTransport] = {}
         self._ports = itertools.count(first_port)
         self._ephemeral = itertools.count(40_000)
@@ -110,8 +131,21 @@ class InMemoryNetwork:
     def _unbind(self, endpoint: str) -> None:
         self._listeners.pop(endpoint, None)
 
-    def _link(self, endpoint: str, protocol: asyncio.BufferedProtocol) -> _Pipe:
-        """Connect ``protocol`` to whoever listens at ``endpoint``; its end of the pipe pair."""
+    def is_listening(self, endpoint: str) -> bool:
+        return endpoint in self._listeners
+
+    def release(self) -> None:
+        """Send on every end whose bytes waited for a cut link that :attr:`links` now lets through."""
+        held, self._held = self._held, []
+        for pipe in held:
+            pipe._release()
+
+    def _link(
+        self, endpoint: str, protocol: asyncio.BufferedProtocol, context: contextvars.Context | None = None
+    ) -> _Pipe:
+        """Connect ``protocol`` to whoever listens at ``endpoint``; its end of the pipe pair.
+
+        ``context``: the connecting transport's (default: the caller's)."""
         listener = self._listeners.get(endpoint)
         if listener is None:
             host, _, port = endpoint.rpartition(":")
@@ -119,12 +153,19 @@ class InMemoryNetwork:
                 errno.ECONNREFUSED, f"[Errno {errno.ECONNREFUSED}] Connect call failed ({host!r}, {port})"
             )
         loop = asyncio.get_running_loop()
+        context = context or contextvars.copy_context()
         me = f"127.0.0.1:{next(self._ephemeral)}"
         accepted = listener._accepted()
-        ours, theirs = _Pipe(loop, protocol, me, endpoint), _Pipe(loop, accepted, endpoint, me)
+        ours = _Pipe(loop, protocol, me, endpoint, network=self, context=context)
+        theirs = _Pipe(loop, accepted, endpoint, me, network=self, context=listener.context.copy())
         ours.peer, theirs.peer = theirs, ours
         protocol.connection_made(ours)
-        loop.call_soon(accepted.connection_made, theirs)  # the acceptor learns of it a turn later
+        if self.links is not None and not self.links.connectable(context, endpoint):
+            # The handshake is lost on a cut link: nothing moves until it heals, and the
+            # connector's own timeout gives up first (as a SYN that is never answered).
+            ours._cut = theirs._cut = True
+            return ours
+        loop.call_soon(accepted.connection_made, theirs, context=listener.context.copy())  # the acceptor learns of it a turn later
         return ours
 
 
@@ -132,16 +173,32 @@ class _Pipe(asyncio.Transport):
     """One end of an in-memory byte stream: what a connected socket's transport is to its protocol."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, protocol: asyncio.BufferedProtocol, local: str, remote: str
+        self,
+        loop: asyncio.AbstractEventLoop,
+        protocol: asyncio.BufferedProtocol,
+        local: str,
+        remote: str,
+        *,
+        network: InMemoryNetwork | None = None,
+        context: contextvars.Context | None = None,
     ) -> None:
         super().__init__()
         self._loop = loop
         self._protocol = protocol
         self._local = local
         self._remote = remote
+        self._network = network
+        self.context = context or contextvars.copy_context()
+        """The owning transport's context: callbacks into this end's protocol run in it."""
         self.peer: _Pipe | None = None
         self._closing = False
         self._lost = False
+        self._cut = False
+        """A connection whose handshake never got through: nothing ever arrives on it."""
+        self._backlog: list[bytes] = []
+        """Bytes written while the link was cut, in order (sent by _release)."""
+        self._last_at = float("-inf")
+        """When the last bytes sent on a delay arrive: later bytes never overtake them."""
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name in ("peername", "sockname"):
@@ -157,7 +214,44 @@ class _Pipe(asyncio.Transport):
         if self._closing or peer is None or peer._closing:
             return  # written into a socket that is going away: nobody reads it
         # Copied now, as the kernel copies a send: the writer may reuse its buffer at once.
-        self._loop.call_soon(peer._feed, bytes(data))
+        data = bytes(data)
+        links = self._network.links if self._network is not None else None
+        if links is None:
+            self._loop.call_soon(peer._feed, data, context=peer.context.copy())
+            return
+        if self._cut:
+            return
+        if self._backlog:
+            self._backlog.append(data)
+            return
+        self._send(peer, links, data)
+
+    def _send(self, peer: _Pipe, links: Links, data: bytes) -> None:
+        delay = links.delay(self, peer)
+        if delay is None:
+            self._backlog.append(data)
+            assert self._network is not None
+            self._network._held.append(self)
+            return
+        now = self._loop.time()
+        if delay <= 0 and self._last_at < now:
+            self._loop.call_soon(peer._feed, data, context=peer.context.copy())
+            return
+        # Timers of one instant may leave the heap in any order: each later send a hair later.
+        self._last_at = at = max(now + delay, self._last_at + 1e-6)
+        self._loop.call_at(at, peer._feed, data, context=peer.context.copy())
+
+    def _release(self) -> None:
+        backlog, self._backlog = self._backlog, []
+        peer = self.peer
+        links = self._network.links if self._network is not None else None
+        if peer is None or links is None or self._closing or peer._closing:
+            return
+        for i, data in enumerate(backlog):
+            self._send(peer, links, data)
+            if self._backlog:  # cut again on the way: keep the rest behind it, in order
+                self._backlog.extend(backlog[i + 1 :])
+                return
 
     def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
         self.write(b"".join(list_of_data))
@@ -173,9 +267,9 @@ class _Pipe(asyncio.Transport):
         if self._closing:
             return
         self._closing = True
-        self._loop.call_soon(self._connection_lost)
+        self._loop.call_soon(self._connection_lost, context=self.context.copy())
         if self.peer is not None:
-            self._loop.call_soon(self.peer._connection_lost)
+            self._loop.call_soon(self.peer._connection_lost, context=self.peer.context.copy())
 
     def _connection_lost(self) -> None:
         if self._lost:
@@ -212,6 +306,8 @@ class InMemoryTransport(Transport):
     ) -> None:
         super().__init__(settings, codec, handler)
         self.network = network
+        self.context = contextvars.copy_context()
+        """The context this transport was made in (a simulated silo's): its pipes' callbacks run in it."""
         self._endpoint: str | None = None
         self._wires: weakref.WeakKeyDictionary[Connection, _Pipe] = weakref.WeakKeyDictionary()
 
@@ -227,7 +323,7 @@ class InMemoryTransport(Transport):
     async def _open(self, endpoint: str) -> Connection:
         conn = self._connection(server_side=False)
         try:
-            self._wires[conn] = self.network._link(endpoint, conn)
+            self._wires[conn] = self.network._link(endpoint, conn, self.context)
             await asyncio.wait_for(conn.ready, self.settings.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             conn.abort()

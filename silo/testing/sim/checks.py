@@ -1,0 +1,220 @@
+"""Invariant checkers over a simulated run's recorded history.
+
+Each checker reads :class:`History` after the run and returns the first
+violation it finds (``None``: the promise held). They know nothing of the
+runtime's internals: only what callers saw (invocations and their outcomes,
+on virtual time), what grains did (one-way appends run), and what the Redis
+twins accepted (directory registrations, state writes).
+
+* ``linearizable``: per register grain, the acknowledged operations have a
+  linearization (Wing & Gong's search with Lowe's memoisation, as Knossos and
+  Porcupine check histories): a read returns the value of the last write
+  linearized before it. A write whose caller got an error may have happened
+  or not (its outcome is unknown); a read that failed says nothing. Reads
+  after the faults heal make "no acknowledged write lost" part of this check.
+* ``single_writer``: the state writes the store accepted for one grain carry
+  non-decreasing fencing tokens (a fenced-off activation never writes after
+  its successor).
+* ``single_activation``: a grain's directory entry passes to another
+  activation only when the membership table no longer counts its owner live.
+* ``deadline``: every call ends (answered or failed) within its timeout plus
+  ``DEADLINE_SLACK_S``.
+* ``one_way_order``: the one-way calls of one sender run in the order it
+  sent them, within each activation (a lost call is allowed; a call that
+  overtakes an earlier one is not).
+* ``no_fault_no_error``: in a scenario without faults, every call succeeds.
+* ``no_task_left``: a silo that stopped leaves no task running.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+DEADLINE_SLACK_S = 1.0
+"""How late past its timeout a call may end: one probe/retry period of the router's back-off."""
+
+
+@dataclass(slots=True)
+class Op:
+    """One call a client made, as it saw it."""
+
+    client: str
+    grain: str
+    method: str
+    arg: Any
+    start: float
+    timeout_s: float
+    end: float | None = None
+    """When the caller learnt the outcome (None: still waiting when the run ended)."""
+    ok: bool = False
+    result: Any = None
+    error: str = ""
+
+
+@dataclass(slots=True)
+class History:
+    ops: list[Op] = field(default_factory=list)
+    applied: list[tuple[str, int, str, int]] = field(default_factory=list)
+    """(grain, incarnation, sender, seq) for each one-way append, in the order they ran."""
+    writes: list[tuple[float, str, int, int]] = field(default_factory=list)
+    """(time, grain, fencing token, the directory's token then) of each state write the store accepted."""
+    moves: list[tuple[float, str, str, str, bool]] = field(default_factory=list)
+    """(time, grain, old owner, new owner, old owner live) for each registration that changed owner."""
+    sent: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(sender, seq) -> when the one-way call was sent."""
+    applied_at: list[float] = field(default_factory=list)
+    """When each entry of ``applied`` ran."""
+    disruptions: list[float] = field(default_factory=list)
+    """When a fault struck or a grain activated anew: the order of calls re-routed across one is not promised."""
+    leaks: list[tuple[str, str]] = field(default_factory=list)
+    """(silo, task) for tasks still running after their silo stopped."""
+    faults: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    invariant: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.detail}"
+
+
+def linearizable(h: History) -> Violation | None:
+    by_grain: dict[str, list[Op]] = defaultdict(list)
+    for op in h.ops:
+        if op.method in ("write", "read"):
+            by_grain[op.grain].append(op)
+    for grain in sorted(by_grain):
+        ops = by_grain[grain]
+        read = {o.result for o in ops if o.method == "read" and o.ok}
+        # A write whose outcome is unknown and whose value nobody read can always be taken
+        # as never done (it constrains nothing); one that was read must have been done.
+        ops = [o for o in ops if o.ok or (o.method == "write" and o.arg in read)]
+        if not _register_linearizable(ops, read):
+            acked = [(o.method, o.arg if o.method == "write" else o.result, round(o.start, 3), o.end and round(o.end, 3))
+                     for o in ops if o.ok][-6:]  # fmt: skip
+            return Violation("linearizable", f"register {grain} has no linearization (last acknowledged: {acked})")
+    return None
+
+
+def _register_linearizable(ops: list[Op], read: set[Any]) -> bool:
+    inf = float("inf")
+    ends = [o.end if o.ok and o.end is not None else inf for o in ops]
+    must = 0
+    for i, o in enumerate(ops):
+        if o.ok or (o.method == "write" and o.arg in read):
+            must |= 1 << i
+    seen: set[tuple[int, int]] = set()
+    stack: list[tuple[int, int]] = [(0, 0)]
+    while stack:
+        done, value = stack.pop()
+        if done & must == must:
+            return True
+        if (done, value) in seen:
+            continue
+        seen.add((done, value))
+        horizon = min((ends[i] for i in range(len(ops)) if not done >> i & 1), default=inf)
+        for i, o in enumerate(ops):
+            if done >> i & 1 or o.start > horizon:
+                continue
+            if o.method == "write":
+                stack.append((done | 1 << i, o.arg))
+            elif o.result == value:
+                stack.append((done | 1 << i, value))
+    return False
+
+
+def single_writer(h: History) -> Violation | None:
+    last: dict[str, tuple[int, float]] = {}
+    for at, grain, token, owner in h.writes:
+        if token and token != owner:
+            return Violation(
+                "single_writer", f"{grain}: a write with fencing token {token} was accepted at t={at:.3f} while the directory named token {owner}"
+            )
+        prev = last.get(grain)
+        if prev is not None and token < prev[0]:
+            return Violation(
+                "single_writer",
+                f"{grain}: a write with fencing token {token} was accepted at t={at:.3f} after one with {prev[0]} (t={prev[1]:.3f})",
+            )
+        last[grain] = (token, at)
+    return None
+
+
+def single_activation(h: History) -> Violation | None:
+    for at, grain, old, new, old_live in h.moves:
+        if old_live:
+            return Violation("single_activation", f"{grain} passed from live {old} to {new} at t={at:.3f}")
+    return None
+
+
+def deadline(h: History) -> Violation | None:
+    for op in h.ops:
+        limit = op.start + op.timeout_s + DEADLINE_SLACK_S
+        end = op.end
+        if end is None or end > limit:
+            took = "never ended" if end is None else f"ended after {end - op.start:.3f} s"
+            return Violation(
+                "deadline", f"{op.client} {op.method}({op.arg}) on {op.grain} at t={op.start:.3f} with a {op.timeout_s} s timeout {took}"
+            )
+    return None
+
+
+def one_way_order(h: History) -> Violation | None:
+    last: dict[tuple[str, int, str], int] = {}
+    for (grain, incarnation, sender, seq), at in zip(h.applied, h.applied_at, strict=True):
+        key = (grain, incarnation, sender)
+        prev = last.get(key)
+        if prev is not None and seq < prev:
+            # docs/concepts.md: a call re-routed after a deactivation or a silo's death may
+            # land after later ones; only an overtaking with no such event between is a break.
+            sent = h.sent.get((sender, seq), at)
+            if not any(sent <= d <= at for d in h.disruptions):
+                return Violation("one_way_order", f"{grain}: {sender}'s one-way call #{seq} ran after #{prev}")
+        last[key] = max(seq, prev or 0)
+    return None
+
+
+def no_fault_no_error(h: History) -> Violation | None:
+    if h.faults:
+        return None
+    for op in h.ops:
+        if not op.ok:
+            return Violation(
+                "no_fault_no_error", f"{op.client} {op.method}({op.arg}) on {op.grain} at t={op.start:.3f} failed with no fault injected: {op.error}"
+            )
+    return None
+
+
+def no_task_left(h: History) -> Violation | None:
+    if h.leaks:
+        silo, task = h.leaks[0]
+        return Violation("no_task_left", f"silo {silo} stopped with a task still running: {task}")
+    return None
+
+
+CHECKS: list[Callable[[History], Violation | None]] = [
+    single_activation,
+    single_writer,
+    linearizable,
+    one_way_order,
+    deadline,
+    no_fault_no_error,
+    no_task_left,
+]
+
+
+ALL_CHECKS = list(CHECKS)
+
+
+def check(h: History) -> Violation | None:
+    """The first violation of any invariant, in the order of :data:`CHECKS`."""
+    for checker in CHECKS:
+        found = checker(h)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,746 @@
+"""One simulated cluster: silos, clients, the Redis twins and the network, driven by one seed.
+
+A :class:`World` is built inside a :class:`~silo.testing.sim.loop.SimLoop`
+and runs a :class:`Scenario`: it starts the silos and clients, lets the
+clients call grains for ``duration_s`` of virtual time while the fault plan
+(drawn from the seed before the run, so a replay can drop faults one by one)
+crashes, pauses, partitions and slows parts of it, then heals every fault,
+reads every register once more, stops what still runs, and hands its
+:class:`~silo.testing.sim.checks.History` to the checkers.
+
+What each part is:
+
+* **Silos** (:class:`SimSilo`) are :class:`~silo.testing.harness.InProcessSilo`
+  on the network, the silo wiring the harness shares with ``silo/silo.py``
+  (the real catalog, router, dispatcher, membership view, manifests,
+  placement, idle collection), plus the real
+  :class:`~silo.cluster.failure_detector.FailureDetector` (ring monitors,
+  probes over the transport, votes) and a loop-driven heartbeat standing in
+  for the heartbeat thread (:class:`LoopHeartbeat`: the same fencing rule,
+  on the loop, since a thread cannot run on virtual time). Each silo's code
+  runs in a context naming it (:data:`~silo.testing.sim.loop.SILO`), which
+  is how the loop pauses one silo and the network knows who is talking.
+* **Clients** (:class:`SimClient`) are what ``ClusterClient`` builds: a
+  router, a membership view and a transport, no grains.
+* **Redis** is the twins (:mod:`silo.testing.directory`,
+  :mod:`silo.testing.membership`, :mod:`silo.testing.store`), shared by all,
+  each silo reaching them through a :class:`RedisLink` that adds a latency
+  drawn from the seed, can be cut (a partition from Redis: ``StorageError``,
+  as ``redis_errors`` raises), and counts commands.
+* **The network** is :class:`~silo.testing.transport.InMemoryNetwork` with
+  this world as its :class:`~silo.testing.transport.Links`: a delay per
+  message drawn from the seed (order per connection kept), and cuts between
+  two silos (bytes wait until the cut heals; new connections time out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import inspect
+import logging
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from grains.ids import GrainId, SiloAddress
+from silo import errors
+from silo.catalog.runtime import RefFactory
+from silo.cluster.directory import DirectoryEntry
+from silo.cluster.failure_detector import FailureDetector, ProbeResult, transport_probe
+from silo.cluster.placement import Placer
+from silo.cluster.view import MembershipView
+from silo.codec import Codec, TypeRegistry
+from silo.messaging.manifests import TypeInfo
+from silo.messaging.router import Router
+from silo.records import SiloLoad, SiloStatus
+from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
+from silo.testing.directory import InMemoryGrainDirectory
+from silo.testing.harness import InProcessSilo, PublishedManifests
+from silo.testing.membership import InMemoryMembershipTable
+from silo.testing.sim.checks import History, Op
+from silo.testing.sim.grains import SIM_GRAINS, WORLD, SimLog, SimRegister
+from silo.testing.sim.loop import SILO, SimLoop
+from silo.testing.store import InMemoryStateStore
+from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
+
+log = logging.getLogger("redgrain.sim")
+
+T = TypeVar("T")
+
+FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation")
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """What one seed runs: the cluster, the workload, and which faults the plan may draw."""
+
+    name: str
+    silos: int = 3
+    clients: int = 3
+    registers: int = 3
+    logs: int = 2
+    duration_s: float = 20.0
+    faults: tuple[str, ...] = ()
+    max_faults: int = 4
+    call_timeout_s: float = 5.0
+    max_queue: int | None = None
+    idle_timeout_s: float | None = None
+    """Short idle timeouts make activations come and go under load."""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("calls"),
+        Scenario("churn", idle_timeout_s=0.3),
+        Scenario("crash", faults=("crash", "slow_activation", "slow_net")),
+        Scenario("pause", faults=("pause",), max_faults=2),
+        Scenario("partition", faults=("partition", "redis_cut", "reset")),
+        Scenario("mixed", faults=FAULT_KINDS, max_faults=6),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at: float
+    kind: str
+    target: int
+    """Index of the silo it strikes (``partition``: the first of the two)."""
+    other: int = 0
+    length_s: float = 0.0
+
+    def __str__(self) -> str:
+        peer = f"<->s{self.other}" if self.kind == "partition" else ""
+        return f"{self.kind}(s{self.target}{peer}, {self.length_s:.2f}s)@{self.at:.2f}"
+
+
+def plan_faults(rng: random.Random, scenario: Scenario) -> list[Fault]:
+    """The faults of one run, drawn before it starts (a replay may keep any subset)."""
+    if not scenario.faults:
+        return []
+    out = []
+    for _ in range(rng.randint(1, scenario.max_faults)):
+        kind = rng.choice(scenario.faults)
+        at = rng.uniform(1.0, scenario.duration_s * 0.8)
+        target = rng.randrange(scenario.silos)
+        other = (target + rng.randrange(1, scenario.silos)) % scenario.silos
+        # Most pauses outlast dead_after_s (4 s): the silo comes back as a zombie.
+        pause = rng.uniform(0.5, 3.0) if rng.random() < 0.3 else rng.uniform(4.5, 9.0)
+        length = {"pause": pause, "partition": rng.uniform(0.5, 8.0), "redis_cut": rng.uniform(0.5, 6.0),
+                  "slow_net": rng.uniform(1.0, 6.0), "slow_activation": rng.uniform(1.0, 6.0)}.get(kind, 0.0)  # fmt: skip
+        out.append(Fault(round(at, 3), kind, target, other, round(length, 3)))
+    return sorted(out, key=lambda f: (f.at, f.kind, f.target))
+
+
+# --- Redis ------------------------------------------------------------------------------
+
+
+class RedisLink:
+    """One silo's (or client's) way to the Redis twins: latency, cuts, command counts."""
+
+    def __init__(self, world: World, name: str) -> None:
+        self.world = world
+        self.name = name
+        self.commands = 0
+
+    async def enter(self, what: str) -> None:
+        world = self.world
+        self.commands += 1
+        world.commands += 1
+        slow = what in ("write", "write_stream", "clear")
+        if world.latency:
+            # A state write carries the state and waits for a replica: slower than a lookup.
+            await asyncio.sleep(world.net_rng.uniform(0.002, 0.03) if slow else world.net_rng.uniform(0.0002, 0.002))
+        armed = world.pause_at_write.pop(self.name, None) if slow else None
+        if armed is not None:
+            # A pause at the worst moment (a GC pause just as a state write leaves): the
+            # write lands when the silo goes on, by then perhaps as a zombie's.
+            world.pause_now(self.name, armed)
+            await asyncio.sleep(0)
+        if self.name in world.redis_cut:
+            raise errors.StorageError(f"{what}: Redis unreachable (simulated partition of {self.name})")
+
+    def wrap(self, target: Any) -> Any:
+        return _Gated(target, self)
+
+
+class _Gated:
+    """``target`` with every coroutine method passing through a :class:`RedisLink` first."""
+
+    def __init__(self, target: Any, link: RedisLink) -> None:
+        self._target = target
+        self._link = link
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        link = self._link
+
+        async def gated(*args: Any, **kwargs: Any) -> Any:
+            await link.enter(name)
+            return await attr(*args, **kwargs)
+
+        return gated
+
+
+class RecordingDirectory(InMemoryGrainDirectory):
+    """The directory twin, recording each registration that changed a grain's owner."""
+
+    def __init__(self, world: World, is_alive: Callable[[SiloAddress], bool]) -> None:
+        super().__init__(is_alive)
+        self._world = world
+
+    async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
+        before = self.entries().get(grain)
+        live = before is not None and self._world.membership.is_alive(before.silo)
+        entry = await super().register(grain, silo, activation_id)
+        if before is not None and entry.activation_id != before.activation_id:
+            self._world.history.moves.append((self._world.now(), str(grain), str(before.silo), str(entry.silo), live))
+        return entry
+
+
+class RecordingMembership(InMemoryMembershipTable):
+    """The membership twin, noting when each silo's row turned Dead."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock)
+        self.dead_at: dict[str, float] = {}
+
+    def _change_status(self, address: str, status: SiloStatus) -> None:
+        super()._change_status(address, status)
+        if status is SiloStatus.DEAD:
+            self.dead_at.setdefault(address, self.clock())
+
+
+class RecordingStore(InMemoryStateStore):
+    """The state twin, recording the fencing token of each write it accepted."""
+
+    def __init__(self, world: World, owner: Callable[[GrainId], int]) -> None:
+        super().__init__(owner=owner)
+        self._world = world
+
+    async def write_stream(self, grain: GrainId, parts: list[memoryview], etag: str | None, token: int, **kw: Any) -> str:
+        etag_out = await super().write_stream(grain, parts, etag, token, **kw)
+        # The directory's token now: the activation the directory names is the only one that may write.
+        self._world.history.writes.append((self._world.now(), str(grain), token, self._world.directory.token_of(grain)))
+        return etag_out
+
+
+# --- silos and clients --------------------------------------------------------------------
+
+
+class LoopHeartbeat:
+    """The heartbeat thread's job on the loop (see the module docstring): beat every
+    ``heartbeat_s``; fenced while the last confirmed beat is older than ``dead_after_s``;
+    told Dead, call ``on_dead``."""
+
+    def __init__(self, table: Any, address: str, settings: MembershipSettings, on_dead: Callable[[], Any], clock: Callable[[], float]) -> None:
+        self._table, self._address, self._s, self._on_dead, self._clock = table, address, settings, on_dead, clock
+        self.last_confirmed = clock()
+        self.dead = False
+        self.beats = self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.last_confirmed = self._clock()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def fenced(self) -> bool:
+        return self.dead or self._clock() - self.last_confirmed > self._s.dead_after_s
+
+    async def confirm(self, timeout_s: float) -> bool:
+        end = self._clock() + max(0.0, timeout_s)
+        while self.fenced():
+            if self.dead or self._clock() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            sent = self._clock()
+            try:
+                status = await self._table.heartbeat(self._address, sent, SiloLoad())
+            except errors.StorageError:
+                self.failures += 1
+            else:
+                if status in (SiloStatus.DEAD, None):
+                    self.dead = True
+                    self._on_dead()
+                    return
+                self.beats += 1
+                self.last_confirmed = sent
+            await asyncio.sleep(self._s.heartbeat_s)
+
+
+class SimSilo:
+    """One simulated silo process (see the module docstring)."""
+
+    def __init__(self, world: World, index: int, generation: int) -> None:
+        self.world = world
+        self.index = index
+        self.name = f"s{index}.{generation}"
+        self.context = world.context_for(self.name)
+        self.link = RedisLink(world, self.name)
+        self.state = "created"
+        self.context.run(self._build, generation)
+
+    def _build(self, generation: int) -> None:
+        w = self.world
+        sc = w.scenario
+        catalog = CatalogSettings(
+            **{k: v for k, v in (("max_queue", sc.max_queue), ("idle_timeout_s", sc.idle_timeout_s),
+                                 ("collection_interval_s", 0.5 if sc.idle_timeout_s else None)) if v is not None}
+        )  # fmt: skip
+        address = SiloAddress("127.0.0.1", w.network.free_port(), generation)
+        self.heartbeat = LoopHeartbeat(
+            self.link.wrap(w.membership), str(address), w.membership_settings, self._declared_dead, w.now
+        )
+        self.silo = InProcessSilo(
+            SIM_GRAINS,
+            clock=w.now,
+            settings=catalog,
+            directory=self.link.wrap(w.directory),
+            store=self.link.wrap(w.store),
+            address=address,
+            call_timeout_s=sc.call_timeout_s,
+            network=w.network,
+            membership=self.link.wrap(w.membership),
+            published=w.published,
+            transport_settings=w.transport_settings,
+            placer=Placer(random.Random(w.seed * 1_000 + self.index)),
+            refresh_s=w.membership_settings.refresh_s,
+            fenced=self.heartbeat.fenced,
+            confirm_alive=self.heartbeat.confirm,
+        )
+        self.address = address
+        assert self.silo.transport is not None
+        self.detector = FailureDetector(
+            table=self.link.wrap(w.membership),
+            me=address,
+            settings=w.membership_settings,
+            probe=transport_probe(self.silo.transport, handshake=w.handshake),
+            on_self_dead=self._declared_dead,
+            clock=w.now,
+        )
+
+    async def start(self) -> None:
+        await self.silo.start()
+        self.heartbeat.start()
+        self.detector.start()
+        self.state = "active"
+
+    def _declared_dead(self) -> None:
+        # A silo told it is dead exits (the CLI's exit code 3): as a crash from here on.
+        if self.state == "active":
+            self.world.trace("declared_dead", self.name)
+            self.state = "dying"
+            self.world.spawn(self.name, self.crash())
+
+    async def crash(self) -> None:
+        """The process is gone: memory, tasks and connections with it."""
+        if self.state in ("crashed", "stopped"):
+            return
+        self.state = "crashed"
+        await self.silo.kill()
+        await self.detector.stop()
+        await self.heartbeat.stop()
+        self.world.reap(self.name, check=False)
+
+    async def stop(self) -> None:
+        if self.state != "active":
+            return
+        self.state = "stopped"
+        await self.detector.stop()
+        await self.heartbeat.stop()
+        await self.silo.stop()
+
+
+class SimClient:
+    """What ``ClusterClient`` builds, on the twins: router, view, manifests, transport."""
+
+    def __init__(self, world: World, index: int) -> None:
+        self.world = world
+        self.name = f"c{index}"
+        self.context = world.context_for(self.name)
+        self.link = RedisLink(world, self.name)
+        self.context.run(self._build)
+
+    def _build(self) -> None:
+        w = self.world
+        registry = TypeRegistry()
+        for cls in SIM_GRAINS:
+            registry.register_annotations(cls)
+        codec = Codec(registry)
+        self.transport = InMemoryTransport(w.transport_settings, codec, network=w.network)
+        self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
+        self.manifests = PublishedManifests(w.published)
+        self.router = Router(
+            transport=self.transport,
+            directory=self.link.wrap(w.directory),
+            view=self.view,
+            manifests=self.manifests,
+            placer=Placer(random.Random(w.seed * 1_000 + 500 + int(self.name[1:]))),
+            call_timeout_s=w.scenario.call_timeout_s,
+        )
+        self.refs = RefFactory(self.router, self.manifests, codec)
+
+    async def start(self) -> None:
+        await self.view.start()
+        await self.manifests.refresh()
+
+    async def stop(self) -> None:
+        await self.view.stop()
+        await self.transport.close()
+
+
+# --- the world ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What one seed's run came to."""
+
+    seed: int
+    scenario: str
+    violation: Any
+    digest: str
+    events: int
+    faults: list[Fault] = field(default_factory=list)
+    calls: int = 0
+    virtual_s: float = 0.0
+
+
+class World:
+    """One seed's cluster (see the module docstring)."""
+
+    def __init__(self, seed: int, scenario: Scenario, loop: SimLoop, *, faults: list[Fault] | None = None) -> None:
+        self.seed = seed
+        self.scenario = scenario
+        self.loop = loop
+        master = random.Random(seed)
+        self.work_rng = random.Random(master.getrandbits(64))
+        self.net_rng = random.Random(master.getrandbits(64))
+        fault_rng = random.Random(master.getrandbits(64))
+        planned = plan_faults(fault_rng, scenario)
+        self.faults = planned if faults is None else faults
+        self.history = History(faults=len(self.faults))
+        self._trace = hashlib.sha256()
+        self.events = 0
+        self.commands = 0
+        self.latency = True
+        self.membership_settings = MembershipSettings(probe_interval_s=0.25)
+        self.transport_settings = TransportSettings(call_timeout_s=scenario.call_timeout_s, local_sockets=False, connect_timeout_s=1.0)
+        self.membership = RecordingMembership(self.now)
+        self.membership_dead_at = self.membership.dead_at
+        self.directory = RecordingDirectory(self, self.membership.is_alive)
+        self.store = RecordingStore(self, owner=self.directory.token_of)
+        self.network = InMemoryNetwork(links=self)
+        self.published: dict[str, dict[int, TypeInfo]] = {}
+        self.base = contextvars.copy_context()
+        self.base.run(WORLD.set, self)
+        self.silos: list[SimSilo] = []
+        self.clients: list[SimClient] = []
+        self.redis_cut: set[str] = set()
+        self.pause_at_write: dict[str, float] = {}
+        """Silo -> pause length: pause it when it next writes state (armed by a "pause" fault)."""
+        self.cuts: set[frozenset[str]] = set()
+        self.slow_links = 0
+        self.slow_activations = 0
+        self._incarnations = 0
+        self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
+        self._values = 0
+
+    # --- for the parts ---------------------------------------------------------------
+    def now(self) -> float:
+        return self.loop.time()
+
+    def context_for(self, name: str) -> contextvars.Context:
+        ctx = self.base.copy()
+        ctx.run(SILO.set, name)
+        return ctx
+
+    def trace(self, kind: str, *details: Any) -> None:
+        self.events += 1
+        self._trace.update(repr((round(self.now(), 6), kind, details)).encode())
+
+    def record(self, kind: str, *details: Any) -> None:
+        self.trace(kind, *details)
+
+    def next_incarnation(self) -> int:
+        self.history.disruptions.append(self.now())
+        self._incarnations += 1
+        return self._incarnations
+
+    def applied(self, grain: str, incarnation: int, sender: str, seq: int) -> None:
+        self.trace("applied", grain, incarnation, sender, seq)
+        self.history.applied.append((grain, incarnation, sender, seq))
+        self.history.applied_at.append(self.now())
+
+    def leave_after_turn(self) -> bool:
+        return self.scenario.idle_timeout_s is not None and self.work_rng.random() < 0.15
+
+    def activation_delay(self) -> float:
+        if self.slow_activations:
+            return self.work_rng.uniform(0.5, 3.0)
+        return self.work_rng.uniform(0.0, 0.01)
+
+    def spawn(self, owner: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        ctx = self.base if owner == "world" else self._context_of(owner)
+        return self.loop.create_task(coro, context=ctx.copy())
+
+    def _context_of(self, owner: str) -> contextvars.Context:
+        parts: list[SimSilo | SimClient] = [*self.silos, *self.clients]
+        for part in parts:
+            if part.name == owner:
+                return part.context
+        raise KeyError(owner)
+
+    def reap(self, owner: str, *, check: bool) -> None:
+        """After ``owner`` stopped: its tasks still running are leaks (``check``) or, for a crash, gone."""
+        for task in self.loop.tasks_of(owner):
+            if check:
+                self.history.leaks.append((owner, repr(task.get_coro())))
+            task.cancel()
+
+    # --- Links (the network's conditions) -----------------------------------------------
+    def delay(self, sender: _Pipe, receiver: _Pipe) -> float | None:
+        a, b = sender.context.get(SILO), receiver.context.get(SILO)
+        if frozenset((_proc(a), _proc(b))) in self.cuts:
+            return None
+        if self.slow_links:
+            return self.net_rng.expovariate(1 / 0.05)
+        return self.net_rng.choice((0.0, 0.0, 0.0005, 0.002))
+
+    def connectable(self, connector: contextvars.Context, endpoint: str) -> bool:
+        owner = self._owner_of(endpoint)
+        return frozenset((_proc(connector.get(SILO)), _proc(owner))) not in self.cuts
+
+    async def handshake(self, endpoint: str, timeout_s: float) -> ProbeResult:
+        """The failure detector's bare TCP handshake, on this network."""
+        if not self.network.is_listening(endpoint):
+            return ProbeResult.REFUSED
+        if not self.connectable(contextvars.copy_context(), endpoint):
+            await asyncio.sleep(timeout_s)
+            return ProbeResult.UNREACHABLE
+        return ProbeResult.TIMEOUT
+
+    def _owner_of(self, endpoint: str) -> str | None:
+        for s in self.silos:
+            if s.address.endpoint == endpoint:
+                return s.name
+        return None
+
+    # --- the run ---------------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        sc = self.scenario
+        for i in range(sc.silos):
+            await self.add_silo(i)
+        for i in range(sc.clients):
+            client = SimClient(self, i)
+            self.clients.append(client)
+            await self.spawn(client.name, client.start())
+        self.trace("started", [s.name for s in self.silos])
+        end = self.now() + sc.duration_s
+        drivers = [self.spawn(c.name, self._drive(c, end)) for c in self.clients]
+        injector = self.spawn("world", self._inject(end))
+        await asyncio.gather(*drivers, injector)
+        await self._heal()
+        # Let the cluster settle (deaths declared, views refreshed), then read every register once.
+        await asyncio.sleep(8.0)
+        reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in range(sc.registers)]
+        await asyncio.gather(*reads)
+        await self._stop_all()
+        from silo.testing.sim.checks import check
+
+        violation = check(self.history)
+        return Outcome(
+            self.seed, sc.name, violation, self._trace.hexdigest(), self.events, list(self.faults),
+            len(self.history.ops), self.now() - 1_000.0,
+        )  # fmt: skip
+
+    async def add_silo(self, index: int) -> SimSilo:
+        generation = await self.membership.new_generation()
+        silo = SimSilo(self, index, generation)
+        if index < len(self.silos):
+            self.silos[index] = silo
+        else:
+            self.silos.append(silo)
+        await self.spawn(silo.name, silo.start())
+        self.trace("silo_started", silo.name)
+        return silo
+
+    async def _drive(self, client: SimClient, end: float) -> None:
+        rng = random.Random(self.work_rng.getrandbits(64))
+        sc = self.scenario
+        seq = 0
+        while self.now() < end:
+            roll = rng.random()
+            if roll < 0.3 and sc.logs:
+                key = f"log{rng.randrange(sc.logs)}"
+                ref = client.refs.get_grain(SimLog, key)
+                for _ in range(rng.randint(1, 5)):
+                    seq += 1
+                    self.trace("send", client.name, key, seq)
+                    self.history.sent[(client.name, seq)] = self.now()
+                    try:
+                        await ref.append(client.name, seq)
+                    except errors.RedgrainError as exc:
+                        self.trace("send_failed", client.name, key, seq, type(exc).__name__)
+            else:
+                # Skewed: the last registers are mostly read, so a new activation often has not
+                # written yet when an old one comes back (the case only fencing catches).
+                key = f"reg{min(int(rng.expovariate(1.0)), sc.registers - 1)}"
+                if roll < 0.65:
+                    self._values += 1
+                    await self._call(client, key, "write", self._values)
+                else:
+                    await self._call(client, key, "read", None)
+            await asyncio.sleep(rng.expovariate(1 / 0.05))
+
+    async def _call(self, client: SimClient, key: str, method: str, arg: Any) -> None:
+        timeout = self.scenario.call_timeout_s
+        ref = client.refs.get_grain(SimRegister, key).with_timeout(timeout)
+        op = Op(client.name, key, method, arg, self.now(), timeout)
+        self.history.ops.append(op)
+        self.trace("call", client.name, key, method, arg)
+        try:
+            result = await (ref.write(arg) if method == "write" else ref.read())
+        except errors.RedgrainError as exc:
+            op.error = f"{type(exc).__name__}: {exc}"
+            self.trace("failed", client.name, key, method, arg, type(exc).__name__)
+        else:
+            op.ok, op.result = True, result
+            self.trace("answered", client.name, key, method, arg, result)
+        op.end = self.now()
+
+    async def _final_read(self, k: int) -> None:
+        await self._call(self.clients[0], f"reg{k}", "read", None)
+
+    async def _inject(self, end: float) -> None:
+        start = self.now()
+        for fault in self.faults:
+            wait = start + fault.at - self.now()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self._apply(fault)
+
+    async def _apply(self, fault: Fault) -> None:
+        silo = self.silos[fault.target]
+        self.trace("fault", str(fault), silo.name)
+        self.history.disruptions.append(self.now())
+        if fault.kind == "crash":
+            if silo.state == "active" and not self.loop.is_paused(silo.name):
+                await silo.crash()
+                self.spawn("world", self._restart_later(fault.target, 2.0))
+        elif fault.kind == "pause":
+            if silo.state == "active" and not self.loop.is_paused(silo.name):
+                if fault.length_s > 3.0:
+                    # At its next state write, and long enough for the cluster to declare it
+                    # dead and activate its grains elsewhere: it comes back as a zombie mid-write.
+                    self.pause_at_write[silo.name] = fault.length_s + 6.0
+                else:
+                    self.pause_now(silo.name, fault.length_s)
+        elif fault.kind == "partition":
+            other = self.silos[fault.other]
+            cut = frozenset((_proc(silo.name), _proc(other.name)))
+            self.cuts.add(cut)
+            self.spawn("world", self._later(fault.length_s, lambda: self._heal_cut(cut)))
+        elif fault.kind == "redis_cut":
+            self.redis_cut.add(silo.name)
+            self.spawn("world", self._later(fault.length_s, lambda: self.redis_cut.discard(silo.name)))
+        elif fault.kind == "slow_net":
+            self.slow_links += 1
+            self.spawn("world", self._later(fault.length_s, self._fast_again))
+        elif fault.kind == "slow_activation":
+            self.slow_activations += 1
+            self.spawn("world", self._later(fault.length_s, self._quick_activations))
+        elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
+            silo.silo.transport.abort_all()
+            # abort_all stops listening too; the process lives on and listens again.
+            await silo.silo.transport.listen(silo.address.host, silo.address.port)
+
+    def pause_now(self, name: str, length_s: float) -> None:
+        silo = next(s for s in self.silos if s.name == name)
+        if silo.state != "active" or self.loop.is_paused(name):
+            return
+        self.trace("pause", name, length_s)
+        self.history.disruptions.append(self.now())
+        self.loop.pause(name)
+        self.spawn("world", self._later(length_s, lambda: self._resume(silo)))
+
+    async def _later(self, delay: float, then: Callable[[], Any]) -> None:
+        await asyncio.sleep(delay)
+        then()
+
+    def _resume(self, silo: SimSilo) -> None:
+        self.trace("resume", silo.name)
+        self.history.disruptions.append(self.now())
+        self.loop.resume(silo.name)
+
+    def _heal_cut(self, cut: frozenset[str]) -> None:
+        self.cuts.discard(cut)
+        self.network.release()
+
+    def _fast_again(self) -> None:
+        self.slow_links -= 1
+
+    def _quick_activations(self) -> None:
+        self.slow_activations -= 1
+
+    async def _restart_later(self, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.add_silo(index)
+
+    async def _heal(self) -> None:
+        for silo in self.silos:
+            if self.loop.is_paused(silo.name):
+                self._resume(silo)
+        self.cuts.clear()
+        self.network.release()
+        self.redis_cut.clear()
+        self.pause_at_write.clear()
+        self.slow_links = self.slow_activations = 0
+        self.trace("healed")
+
+    async def _stop_all(self) -> None:
+        for client in self.clients:
+            await self.spawn(client.name, client.stop())
+            self.reap(client.name, check=True)
+        for silo in self.silos:
+            if silo.state == "active":
+                await self.spawn(silo.name, silo.stop())
+                self.reap(silo.name, check=True)
+            elif silo.state == "dying":
+                await self.spawn(silo.name, silo.crash())
+
+
+def _proc(name: str | None) -> str:
+    """``s1.4`` (silo 1, generation 4) and ``c0`` name processes; a restarted silo is a new one."""
+    return name or "world"
+
+
+def run_world(seed: int, scenario: Scenario, *, faults: list[Fault] | None = None, shuffle: bool = True) -> Outcome:
+    """Run one seed to its end on a fresh :class:`SimLoop`."""
+    loop = SimLoop(random.Random(seed ^ 0x5EED), shuffle=shuffle)
+    try:
+        world = World(seed, scenario, loop, faults=faults)
+        return loop.run_until_complete(world.run())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        with contextlib.suppress(Exception):  # a stalled or broken world is being thrown away
+            loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

@@ -1,0 +1,165 @@
+"""The deterministic simulator (silo/testing/sim): replay, the seeds CI runs, broken promises found.
+
+Each run goes through the command line, as CI and a developer replaying a
+seed use it (``python -m silo.testing.sim``): it fixes PYTHONHASHSEED itself,
+which is part of what makes a seed replay in any process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from silo.testing.sim.checks import History, Op, linearizable, one_way_order, single_writer
+from silo.testing.sim.runner import run_seed, scenario_for
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _sim(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = str(cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "silo.testing.sim", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _digest(out: str) -> str:
+    found = re.search(r"digest ([0-9a-f]{64})", out)
+    assert found, out
+    return found.group(1)
+
+
+@pytest.mark.timeout(300)
+def test_the_same_seeds_give_the_same_digest_in_two_processes_and_other_seeds_another() -> None:
+    first, second = _sim("run", "--seeds", "1-6"), _sim("run", "--seeds", "1-6")
+    assert first.returncode == second.returncode == 0, first.stdout + first.stderr
+    assert _digest(first.stdout) == _digest(second.stdout)
+    other = _sim("run", "--seeds", "7-12")
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert _digest(other.stdout) != _digest(first.stdout)
+
+
+def test_two_seeds_of_one_scenario_run_different_traces() -> None:
+    scenario = scenario_for(0, "mixed")
+    a, b = run_seed(3, scenario), run_seed(4, scenario)
+    assert a.violation is None and b.violation is None
+    assert a.digest != b.digest
+    assert a.calls > 100 and b.calls > 100  # a real workload ran, not an empty world
+
+
+@pytest.mark.timeout(400)
+def test_two_hundred_seeds_across_every_scenario_keep_every_promise() -> None:
+    started = time.monotonic()
+    result = _sim("run", "--seeds", "1-200", "--jobs", "2", timeout=380)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "200 seeds, 0 failed" in result.stdout
+    print(f"200 seeds in {time.monotonic() - started:.1f} s")
+
+
+# --- the simulator finds promises broken on purpose -------------------------------------------
+
+_MUTANTS = {
+    # The directory twin lets a second silo take a live owner's grain.
+    "directory": ("silo/testing/directory.py", "            if self._is_alive(cur.silo):\n                return cur\n", ""),
+    # The state twin accepts a fenced-off writer.
+    "fence": (
+        "silo/testing/store.py",
+        'if (token and owner != token) or (not token and etag != "*" and owner):',
+        "if False:",
+    ),
+    # Queued calls are dropped at deactivation instead of re-routed.
+    "reroute": ("silo/catalog/catalog.py", "        if queued:\n            self.on_reroute(act, queued)", "        if queued:\n            pass"),
+}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mutant", sorted(_MUTANTS))
+def test_a_promise_broken_on_purpose_fails_a_seed_whose_replay_fails_the_same_way(mutant: str, tmp_path: Path) -> None:
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path, old, new = _MUTANTS[mutant]
+    source = (tmp_path / path).read_text()
+    assert old in source, f"the mutant's anchor moved: {path}"
+    (tmp_path / path).write_text(source.replace(old, new))
+
+    started = time.monotonic()
+    found = _sim("run", "--seeds", "1-400", "--first-failure", cwd=tmp_path, timeout=200)
+    took = time.monotonic() - started
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None, found.stdout[-3000:] + found.stderr[-3000:]
+    assert took < 150, f"found only after {took:.0f} s: {line}"
+    seed, invariant = re.search(r"seed (\d+) FAIL (\w+):", line).groups()  # type: ignore[union-attr]
+    replay = re.search(r"replay: python -m silo\.testing\.sim (run --seeds \d+ --scenario \w+)", line)
+    assert replay is not None, line
+
+    again = _sim(*replay.group(1).split(), cwd=tmp_path, timeout=120)
+    assert again.returncode == 1
+    assert f"seed {seed} FAIL {invariant}:" in again.stdout, again.stdout
+
+
+# --- the checkers on histories written by hand ------------------------------------------------
+
+
+def _op(method: str, arg: object, start: float, end: float | None, result: object = None, ok: bool = True) -> Op:
+    return Op("c", "g", method, arg, start, 5.0, end, ok, result if method == "read" else arg)
+
+
+def test_the_linearizability_check_accepts_overlapping_operations_and_refuses_a_lost_write() -> None:
+    overlapping = History(ops=[_op("write", 1, 0, 2), _op("read", None, 1, 3, result=1), _op("read", None, 1, 1.5, result=0)])
+    assert linearizable(overlapping) is None
+    lost = History(ops=[_op("write", 1, 0, 1), _op("write", 2, 2, 3), _op("read", None, 4, 5, result=1)])
+    found = linearizable(lost)
+    assert found is not None and found.invariant == "linearizable"
+    # A write whose outcome is unknown may have happened after all: a read may see it.
+    unknown = History(ops=[_op("write", 1, 0, 1), _op("write", 2, 2, None, ok=False), _op("read", None, 4, 5, result=2)])
+    assert linearizable(unknown) is None
+
+
+def test_the_fencing_check_refuses_a_write_from_a_token_the_directory_no_longer_names() -> None:
+    assert single_writer(History(writes=[(1.0, "g", 3, 3), (2.0, "g", 4, 4)])) is None
+    found = single_writer(History(writes=[(1.0, "g", 3, 3), (2.0, "g", 3, 4)]))
+    assert found is not None and "token 3" in found.detail
+
+
+def test_one_way_order_allows_an_overtaking_only_across_a_fault_or_a_new_activation() -> None:
+    h = History(applied=[("g", 1, "c", 2), ("g", 1, "c", 1)], applied_at=[1.0, 2.0], sent={("c", 1): 0.5, ("c", 2): 0.6})
+    assert one_way_order(h) is not None
+    h.disruptions.append(1.5)
+    assert one_way_order(h) is None
+
+
+# --- defects the simulator found, kept as seeds ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seed", "scenario"),
+    [
+        # A deactivation that emptied the mailbox itself waited its whole timeout (10 s) for an
+        # idle signal that never came: the re-routed calls timed out. (The other defect it found,
+        # a read served from memory after a failed state write, is pinned down without the
+        # simulator: tests/silo/catalog/test_failed_write.py.)
+        (1, "churn"),
+    ],
+)
+def test_seeds_that_found_defects_replay_clean(seed: int, scenario: str) -> None:
+    out = run_seed(seed, scenario_for(seed, scenario))
+    assert out.violation is None, str(out.violation)
+
+
+@pytest.mark.timeout(300)
+def test_scale_on_virtual_time_declares_the_killed_silos_dead_and_no_other() -> None:
+    result = _sim("scale", "--silos", "60", "--kill", "2", timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "false deaths 0" in result.stdout
+    times = [float(t) for t in re.findall(r"detected in ([0-9.]+) s", result.stdout)]
+    assert len(times) == 2 and all(t < 10 for t in times), result.stdout
+    per_silo = float(re.search(r"commands per silo per second ([0-9.]+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert per_silo > 0
