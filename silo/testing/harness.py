@@ -182,7 +182,9 @@ class InProcessSilo:
     fresh twin) and ``published`` (the world's grain types) are shared with the
     other silos. ``store`` stands in for the built-in "redis" storage provider;
     ``storage`` adds others by name (``@storage("name")``). ``filters`` and
-    ``outgoing_filters`` are the silo's incoming and outgoing call filters.
+    ``outgoing_filters`` are the silo's incoming and outgoing call filters;
+    ``fenced`` and ``confirm_alive`` its liveness (a heartbeat's, as ``silo/silo.py``
+    gives the dispatcher; the simulator's loop heartbeat), by default always live.
     """
 
     def __init__(
