@@ -261,9 +261,8 @@ class Catalog:
             raise
         return act
 
-    def _abandon(self, act: Activation, answer: BaseException) -> None:
-        """``act`` never served: gone, and every call queued on it answered with ``answer``."""
-        act.status = ActivationState.INACTIVE
+    def _forget(self, act: Activation) -> None:
+        """``act`` is no longer this catalog's: out of its worker pool or the activations."""
         if act.options.stateless_worker:
             pool = self._workers.get(act.grain_id, [])
             if act in pool:
@@ -272,6 +271,11 @@ class Catalog:
                 self._workers.pop(act.grain_id, None)
         elif self._activations.get(act.grain_id) is act:
             del self._activations[act.grain_id]
+
+    def _abandon(self, act: Activation, answer: BaseException) -> None:
+        """``act`` never served: gone, and every call queued on it answered with ``answer``."""
+        act.status = ActivationState.INACTIVE
+        self._forget(act)
         act.deactivated.set()
         for inv in act.take_queued():
             if not inv.future.done():
@@ -327,15 +331,8 @@ class Catalog:
                     log.exception("%s: flushing write-behind state %r failed", act.grain_key, handle.name)
         act.status = ActivationState.INACTIVE
         queued.extend(act.take_queued())  # calls that arrived while on_deactivate ran
-        if act.options.stateless_worker:
-            pool = self._workers.get(act.grain_id, [])
-            if act in pool:
-                pool.remove(act)
-            if not pool:
-                self._workers.pop(act.grain_id, None)
-        else:
-            if self._activations.get(act.grain_id) is act:
-                del self._activations[act.grain_id]
+        self._forget(act)
+        if not act.options.stateless_worker:
             try:
                 await self._directory.unregister(act.grain_id, self.silo, act.activation_id)
             except Exception:

@@ -233,7 +233,7 @@ class Dispatcher:
         if (
             self.closed
             or self.draining
-            or method not in self._types.methods(grain.type_name)  # internal turns too: never a grain method
+            or method in INTERNAL_TURNS  # a reminder tick, a stream item: dispatch() runs their turns
             or (self.moving and grain in self.moving)
             or self.fenced()
         ):
