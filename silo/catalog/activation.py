@@ -235,10 +235,11 @@ class Activation:
 
     async def _drain_mailbox(self) -> None:
         try:
-            # A turn that asked for deactivation (a failed or refused state write) ends the
-            # serving: calls queued behind it are re-routed to an activation that reloads,
-            # never served from memory the store may not hold (simulator, seed 39 "mixed").
-            while self._queue and self.status in _RUNS_TURNS and self._deactivate_reason is None:
+            # A turn whose state write failed or was refused ends the serving: calls queued
+            # behind it are re-routed to an activation that reloads, never served from memory
+            # the store may not hold (simulator, seed 39 "mixed"). deactivate_on_idle() keeps
+            # the old rule: what is queued runs first.
+            while self._queue and self.status in _RUNS_TURNS and self._deactivate_reason not in _UNTRUSTED:
                 inv = self._queue.popleft()
                 if self._overflow:
                     self._refill()
@@ -414,6 +415,10 @@ class Activation:
         # must not wait out its timeout for a queue it emptied itself (simulator, seed 79 "churn").
         self._check_idle()
         return queued
+
+
+_UNTRUSTED = (DeactivationReason.STATE_CONFLICT, DeactivationReason.ERROR)
+"""Reasons after which the activation's memory may differ from the store."""
 
 
 def _consume_exception(fut: asyncio.Future[Any]) -> None:
