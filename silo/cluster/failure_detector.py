@@ -91,7 +91,36 @@ class HeartbeatStatistics:
     """True while this silo refuses calls because its liveness is unconfirmed."""
 
 
-class HeartbeatThread:
+class Liveness:
+    """The fencing rule of a heartbeat: ``dead`` once told so, fenced while the last beat Redis
+    confirmed (``last_confirmed``, by ``_monotonic``) is older than ``dead_after_s``. The
+    heartbeat thread keeps it; the simulator's loop heartbeat (silo/testing/sim) does too."""
+
+    _settings: MembershipSettings
+    _monotonic: Callable[[], float]
+    last_confirmed: float
+    dead: bool
+
+    def fenced(self) -> bool:
+        """True when peers may already have declared us dead: serve nothing."""
+        return self.dead or self._monotonic() - self.last_confirmed > self._settings.dead_after_s
+
+    async def confirm(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) for a heartbeat Redis accepts; False if none or we are dead.
+
+        An overloaded silo's heartbeat thread may be late; a zombie's never
+        comes back (Redis answers Dead). Polled: the thread has no loop to signal.
+        """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, timeout_s)
+        while self.fenced():
+            if self.dead or loop.time() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+class HeartbeatThread(Liveness):
     """Writes this silo's heartbeat from its own thread and Redis connection."""
 
     def __init__(
@@ -135,24 +164,6 @@ class HeartbeatThread:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
             self._thread = None
-
-    def fenced(self) -> bool:
-        """True when peers may already have declared us dead: serve nothing."""
-        return self.dead or self._monotonic() - self.last_confirmed > self._settings.dead_after_s
-
-    async def confirm(self, timeout_s: float) -> bool:
-        """Wait (up to ``timeout_s``) for a heartbeat Redis accepts; False if none or we are dead.
-
-        An overloaded silo's heartbeat thread may be late; a zombie's never
-        comes back (Redis answers Dead). Polled: the thread has no loop to signal.
-        """
-        loop = asyncio.get_running_loop()
-        end = loop.time() + max(0.0, timeout_s)
-        while self.fenced():
-            if self.dead or loop.time() >= end:
-                return False
-            await asyncio.sleep(0.02)
-        return True
 
     def _run(self) -> None:
         timeout = max(1.0, self._settings.dead_after_s)

@@ -50,7 +50,7 @@ from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import DirectoryEntry
-from silo.cluster.failure_detector import FailureDetector, ProbeResult, transport_probe
+from silo.cluster.failure_detector import FailureDetector, Liveness, ProbeResult, transport_probe
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
@@ -235,20 +235,20 @@ class RecordingStore(InMemoryStateStore):
 # --- silos and clients --------------------------------------------------------------------
 
 
-class LoopHeartbeat:
+class LoopHeartbeat(Liveness):
     """The heartbeat thread's job on the loop (see the module docstring): beat every
-    ``heartbeat_s``; fenced while the last confirmed beat is older than ``dead_after_s``;
+    ``heartbeat_s``; the same fencing rule (:class:`~silo.cluster.failure_detector.Liveness`);
     told Dead, call ``on_dead``."""
 
     def __init__(self, table: Any, address: str, settings: MembershipSettings, on_dead: Callable[[], Any], clock: Callable[[], float]) -> None:
-        self._table, self._address, self._s, self._on_dead, self._clock = table, address, settings, on_dead, clock
+        self._table, self._address, self._settings, self._on_dead, self._monotonic = table, address, settings, on_dead, clock
         self.last_confirmed = clock()
         self.dead = False
         self.beats = self.failures = 0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.last_confirmed = self._clock()
+        self.last_confirmed = self._monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -257,20 +257,9 @@ class LoopHeartbeat:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def fenced(self) -> bool:
-        return self.dead or self._clock() - self.last_confirmed > self._s.dead_after_s
-
-    async def confirm(self, timeout_s: float) -> bool:
-        end = self._clock() + max(0.0, timeout_s)
-        while self.fenced():
-            if self.dead or self._clock() >= end:
-                return False
-            await asyncio.sleep(0.02)
-        return True
-
     async def _run(self) -> None:
         while True:
-            sent = self._clock()
+            sent = self._monotonic()
             try:
                 status = await self._table.heartbeat(self._address, sent, SiloLoad())
             except errors.StorageError:
@@ -282,7 +271,7 @@ class LoopHeartbeat:
                     return
                 self.beats += 1
                 self.last_confirmed = sent
-            await asyncio.sleep(self._s.heartbeat_s)
+            await asyncio.sleep(self._settings.heartbeat_s)
 
 
 class SimSilo:
