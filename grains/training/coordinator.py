@@ -254,7 +254,6 @@ class CoordinatorGrain(Grain):
         s = self.state
         if s.status in ("starting", "running"):
             raise errors.ConfigError(f"job {self.key} is {s.status}: cancel it before forgetting it")
-        await self.unregister_reminder(_FORGET)
         for g in await self.checkpoint_groups():
             if _job_group(self.key, g):
                 for pending in (False, True):
@@ -265,6 +264,9 @@ class CoordinatorGrain(Grain):
         with contextlib.suppress(errors.RedgrainError):
             await store.release()
         await self.clear_state()
+        # Last: a silo killed part-way through leaves the reminder registered, and its next tick
+        # forgets the rest (every step above is idempotent).
+        await self.unregister_reminder(_FORGET)
         self.state = self.State()
         self._live = self._status_from_state()
         self._driver = self._evaluator = None
@@ -481,7 +483,8 @@ class CoordinatorGrain(Grain):
         ttl = s.spec.ttl_after_finished_s if s.spec is not None else None
         if ttl is not None:
             # A durable reminder, so the job is forgotten on time whatever becomes of this silo.
-            await self.register_reminder(_FORGET, period_s=max(ttl, 60.0), due_s=ttl)
+            # The period is the retry of a forget cut short (its silo killed): soon, not a ttl later.
+            await self.register_reminder(_FORGET, period_s=min(max(ttl, 1.0), 60.0), due_s=ttl)
         log.info("%s: job %s at step %d (evaluation %s)", self.key, status, s.step, s.eval_metrics)
         if s.spec is not None and s.spec.callbacks:
             try:

@@ -99,7 +99,10 @@ async def test_a_master_without_replicas_is_not_waited_on_until_one_connects(tmp
     # write for one (and pausing a second after each) was a lasting penalty. The policy reads
     # the master's replicas (cached 1 s) and waits again once one is online.
     with RedisServer(data_dir=tmp_path / "m", extra_args=("--repl-diskless-sync-delay", "0")) as master:
-        directory, _ = await _directory(f"{master.url}?wait_replicas=1&wait_timeout_ms=200", cluster_name)
+        # A long timeout: no write waits while the master has no replica, and once it has one a
+        # loaded machine's replica may take more than a fraction of a second to acknowledge
+        # (200 ms gave one short wait and four skipped writes in CI).
+        directory, _ = await _directory(f"{master.url}?wait_replicas=1&wait_timeout_ms=3000", cluster_name)
         client = directory._redis
         now = [0.0]
         client.replication.clock = lambda: now[0]  # type: ignore[attr-defined]

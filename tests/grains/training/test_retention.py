@@ -85,12 +85,46 @@ async def test_forget_deletes_an_ended_job_from_redis_and_refuses_a_running_one(
         await redis.aclose()
 
 
+async def test_a_forget_cut_short_is_finished_by_the_next_tick_of_its_reminder(
+    cluster, client, redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A silo killed part-way through a forget (a fresh-check caught one: its checkpoints stayed
+    # for good) must leave the reminder registered, and its next tick come soon, not a ttl later.
+    await cluster(1, grains=GRAINS, reminders=RemindersSettings(poll_interval_s=0.05))
+    redis, keys = connect_redis(redis_url), Keys(cluster_name)
+    real, deletes, cut = CoordinatorGrain.delete_snapshot, [0], asyncio.Event()
+
+    async def dies_on_the_second(self: Any, group: str, snapshot_id: int | str) -> bool:
+        deletes[0] += 1
+        if deletes[0] == 2:
+            cut.set()
+            raise errors.StorageError("what a kill part-way through leaves: one snapshot deleted, the rest not")
+        return await real(self, group, snapshot_id)
+
+    monkeypatch.setattr(CoordinatorGrain, "delete_snapshot", dies_on_the_second)
+    try:
+        assert (await run_job(client, "cut", tiny(ttl_after_finished_s=3.0))).status == "completed"
+        await asyncio.wait_for(cut.wait(), 30)
+        assert await redis.zcard(keys.reminders) == 1  # still registered: the forget did not finish
+        leaving = {keys.directory_entry("CoordinatorGrain/cut"), keys.directory_entry("CheckpointStoreGrain/cut")}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while of_job(await cluster_keys(redis, keys), keys, "cut") - leaving or await redis.zcard(keys.reminders):
+            assert loop.time() < deadline, sorted(of_job(await cluster_keys(redis, keys), keys, "cut"))
+            await asyncio.sleep(0.1)
+        assert deletes[0] > 2  # the next tick deleted the rest
+    finally:
+        await redis.aclose()
+
+
 async def test_fifty_jobs_and_twelve_silo_restarts_leave_redis_as_small_as_it_started(
     cluster, client, redis_url: str, cluster_name: str
 ) -> None:
     fast = {
         "grains": GRAINS,
-        "reminders": RemindersSettings(poll_interval_s=0.05),
+        # A tick claimed by a silo killed mid-delivery is claimed again once its lease
+        # (delivery timeout + slack) runs out: 5 s here, not the default 30.
+        "reminders": RemindersSettings(poll_interval_s=0.05, delivery_timeout_s=5.0),
         "retention": RetentionSettings(dead_silo_s=0.0, period_s=0.1),
     }
     await cluster(2, **fast)
@@ -117,9 +151,12 @@ async def test_fifty_jobs_and_twelve_silo_restarts_leave_redis_as_small_as_it_st
             deadline = loop.time() + 60
             while True:
                 found = await cluster_keys(redis, keys)
-                left = {k for k in found if ":job:" in k or ":ckpt:training." in k or "rdzv:" in k}
+                # A forget deletes the coordinator's state last, after its store's release (a call
+                # that may wait out a killed silo): settled means that state gone and its reminder too.
+                left = {k for k in found if ":job:" in k or ":ckpt:training." in k or "rdzv:" in k or ":state:index:" in k
+                        or (k.startswith(keys.grain_prefix("CoordinatorGrain/")[:-2]) and k.endswith("}:state"))}
                 members = await redis.hlen(keys.members)
-                if not left and members == 2:
+                if not left and members == 2 and not await redis.zcard(keys.reminders):
                     print(f"settled after {loop.time() - t0:.1f} s")
                     return found
                 assert loop.time() < deadline, (sorted(left)[:10], members)
