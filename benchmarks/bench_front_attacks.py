@@ -57,13 +57,14 @@ def _rss_mb() -> float:
 
 
 async def _serve() -> None:
+    from grains.serving.grpc_front import MAX_MESSAGE_BYTES
     from grains.serving.grpc_server import GrpcServer, Method
     from grains.serving.proto import grpc_predict_v2_pb2 as pb
 
     async def echo(request: Any, call: Any) -> Any:
         return pb.ModelInferResponse(id=request.id)
 
-    server = GrpcServer({INFER: Method(pb.ModelInferRequest, echo)}, max_receive=64 << 20, max_send=64 << 20)
+    server = GrpcServer({INFER: Method(pb.ModelInferRequest, echo)}, max_receive=MAX_MESSAGE_BYTES, max_send=MAX_MESSAGE_BYTES)
     port = await server.start("127.0.0.1", 0)
     loop = asyncio.get_running_loop()
     lag, peak = [0.0], [_rss_mb()]

@@ -12,8 +12,10 @@ ServerMetadata, ModelMetadata, ModelInfer (tensors: :mod:`grpc_codec`). A
 failure is the call's status: :func:`~grains.serving.front.failure` gives
 the HTTP front's status and its gRPC code (400 INVALID_ARGUMENT, 404
 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED),
-its message the details. A message over ``max_message_bytes`` (64 MiB, the
-HTTP front's body limit) is refused before it is parsed, RESOURCE_EXHAUSTED.
+its message the details. A message over ``max_message_bytes`` (32 MiB; grpc's
+own default is 4 MiB) is refused before it is parsed, RESOURCE_EXHAUSTED. A
+connection may buffer one whole message, so this bound is also what one
+hostile client can make the front hold (docs/security.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from grains.serving.spec import TensorSpec
 
 SERVICE = "inference.GRPCInferenceService"
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = GrpcLimits().max_message_bytes
 GRACE_S = 5.0
 
 
@@ -91,15 +93,18 @@ class InferenceServicer:
 
 
 def make_grpc_server(
-    front: Front, *, max_message_bytes: int = MAX_MESSAGE_BYTES, limits: GrpcLimits | None = None,
+    front: Front, *, max_message_bytes: int | None = None, limits: GrpcLimits | None = None,
     tls: TlsSettings | None = None,
 ) -> GrpcServer:  # fmt: skip
     """The service as a server, not yet listening (:meth:`GrpcServer.start` binds its port).
 
+    ``max_message_bytes``: overrides ``limits.max_message_bytes``.
     ``tls``: served over TLS, ``h2`` negotiated by ALPN (as gRPC clients ask)."""
     limits = limits or GrpcLimits()
+    if max_message_bytes is None:
+        max_message_bytes = limits.max_message_bytes
     if limits.max_buffered_bytes < max_message_bytes + 5:  # room for one whole message, at least
-        limits = limits.model_copy(update={"max_buffered_bytes": max_message_bytes + (16 << 20)})
+        limits = limits.model_copy(update={"max_buffered_bytes": max_message_bytes + (8 << 20)})
     return GrpcServer(InferenceServicer(front).methods(), max_receive=max_message_bytes, max_send=max_message_bytes,
                       limits=limits, tls=tls.context(alpn=["h2"]) if tls is not None else None)  # fmt: skip
 
@@ -107,7 +112,7 @@ def make_grpc_server(
 @asynccontextmanager
 async def serve_grpc(
     front: Front, host: str = "127.0.0.1", port: int = 8001, *,
-    max_message_bytes: int = MAX_MESSAGE_BYTES, grace_s: float = GRACE_S, reuse_port: bool = False,
+    max_message_bytes: int | None = None, grace_s: float = GRACE_S, reuse_port: bool = False,
     limits: GrpcLimits | None = None, tls: TlsSettings | None = None,
 ) -> AsyncIterator[int]:  # fmt: skip
     """The gRPC front serving while the block runs; yields its port (a free one when ``port`` is 0).

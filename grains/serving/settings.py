@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,10 +30,16 @@ class GrpcLimits(_Section):
     idle_timeout_s: float = Field(
         300.0, gt=0, description="A connection with no call open and nothing received for this long is closed (GOAWAY)."
     )
+    max_message_bytes: int = Field(
+        32 << 20, ge=1 << 10,
+        description="Largest request or answer message (grpc's default is 4 MiB); a bigger one is refused, "
+        "RESOURCE_EXHAUSTED. One connection may buffer a whole one: it bounds what one client makes the front hold.",
+    )  # fmt: skip
     max_buffered_bytes: int = Field(
-        80 << 20, ge=1 << 20,
+        (32 + 8) << 20, ge=1 << 20,
         description="Request bytes one connection may have buffered before handlers take them; the connection's "
-        "receive window is given back only below it (at least the largest message plus a window).",
+        "receive window is given back only below it. Unset: the largest message plus 8 MiB; never less than a "
+        "message plus 5 bytes.",
     )  # fmt: skip
     resets_per_s: int = Field(
         1000, ge=1, description="RST_STREAMs a client may send a second (rapid reset, CVE-2023-44487)."
@@ -43,6 +49,23 @@ class GrpcLimits(_Section):
     max_settings_entries: int = Field(
         64, ge=8, description="Entries in one SETTINGS frame (a client sends a handful; nghttp2 allows 32)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _buffer_follows_message(cls, data: Any) -> Any:
+        # Raising only max_message_bytes must not leave a buffer that cannot hold one message.
+        if isinstance(data, dict) and "max_message_bytes" in data and "max_buffered_bytes" not in data:
+            data = {**data, "max_buffered_bytes": int(data["max_message_bytes"]) + (8 << 20)}
+        return data
+
+    @model_validator(mode="after")
+    def _room_for_a_message(self) -> Self:
+        if self.max_buffered_bytes < self.max_message_bytes + 5:
+            raise ValueError(
+                f"max_buffered_bytes {self.max_buffered_bytes} cannot hold one message of max_message_bytes "
+                f"{self.max_message_bytes} (a message plus its 5-byte prefix)"
+            )
+        return self
     empty_frames_per_s: int = Field(
         100, ge=1, description="DATA and CONTINUATION frames without payload or end flag a client may send a second."
     )

@@ -29,7 +29,7 @@ async def echo(request: pb.ModelInferRequest, call: Call) -> pb.ModelInferRespon
 
 async def started(handler: Handler, **limits: int) -> tuple[GrpcServer, str]:
     server = GrpcServer({INFER: Method(pb.ModelInferRequest, handler)},
-                        max_receive=limits.get("max_receive", 64 << 20), max_send=limits.get("max_send", 64 << 20))  # fmt: skip
+                        max_receive=limits.get("max_receive", 32 << 20), max_send=limits.get("max_send", 32 << 20))  # fmt: skip
     port = await server.start("127.0.0.1", 0)
     return server, f"127.0.0.1:{port}"
 

@@ -17,9 +17,11 @@ from contextlib import asynccontextmanager
 import hpack
 import pytest
 
+from grains.serving.front import Front
+from grains.serving.grpc_front import make_grpc_server
 from grains.serving.grpc_server import GrpcServer, Method
 from grains.serving.proto import grpc_predict_v2_pb2 as pb
-from grains.serving.settings import GrpcLimits
+from grains.serving.settings import FrontSettings, GrpcLimits
 from tests.grains.serving.test_http2 import (
     CONTINUATION,
     DATA,
@@ -273,7 +275,7 @@ async def test_data_past_the_receive_window_is_a_flow_control_error_and_buffered
     # At most 4 MiB of unfinished requests: the connection's window is what is left of that, and
     # is given back only as handlers take requests (or refused ones are dropped).
     cap = 4 << 20
-    async with serving(GrpcLimits(max_buffered_bytes=cap), max_message=1 << 20) as (server, port), canary(port):
+    async with serving(GrpcLimits(max_buffered_bytes=cap, max_message_bytes=1 << 20), max_message=1 << 20) as (server, port), canary(port):
         peer, window = await opened(port)
         assert window == cap
         almost = message(pb.ModelInferRequest(raw_input_contents=[bytes((1 << 20) - 64)]))[: (1 << 20) - 1024]
@@ -297,8 +299,27 @@ async def test_data_past_the_receive_window_is_a_flow_control_error_and_buffered
         peer.close()
 
 
+def test_by_default_one_connection_buffers_at_most_one_message_plus_8_mib_well_under_64_mb():
+    # Issue 37's bound: a client ignoring windows makes the front grow < 64 MB. A connection may
+    # hold one whole message (the test above shows the cap is enforced), so the default message
+    # cap (32 MiB) is that bound's lever; `benchmarks front_attacks` measures the RSS.
+    limits = GrpcLimits()
+    assert limits.max_buffered_bytes == limits.max_message_bytes + (8 << 20) < 64 << 20
+    server = make_grpc_server(Front(None))
+    assert (server.max_receive, server.limits.max_buffered_bytes) == (limits.max_message_bytes, limits.max_buffered_bytes)
+    assert make_grpc_server(Front(None), max_message_bytes=48 << 20).limits.max_buffered_bytes >= (48 << 20) + 5
+
+
+def test_raising_the_message_cap_raises_the_buffer_and_a_buffer_too_small_for_a_message_is_refused(monkeypatch):
+    monkeypatch.setenv("REDGRAIN_FRONT__GRPC__MAX_MESSAGE_BYTES", str(64 << 20))
+    assert FrontSettings().grpc.max_buffered_bytes == (64 + 8) << 20
+    monkeypatch.setenv("REDGRAIN_FRONT__GRPC__MAX_BUFFERED_BYTES", str(16 << 20))
+    with pytest.raises(ValueError, match="cannot hold one message"):
+        FrontSettings()
+
+
 async def test_the_connections_window_is_given_back_as_handlers_take_the_requests():
-    async with serving(GrpcLimits(max_buffered_bytes=4 << 20), max_message=1 << 20) as (_, port):
+    async with serving(GrpcLimits(max_buffered_bytes=4 << 20, max_message_bytes=1 << 20), max_message=1 << 20) as (_, port):
         peer, _ = await opened(port)
         whole = message(pb.ModelInferRequest(id="held", raw_input_contents=[bytes((1 << 20) - 64)]))
         for sid in (1, 3, 5, 7):
