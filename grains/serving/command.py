@@ -68,6 +68,10 @@ def front_settings(args: argparse.Namespace) -> FrontSettings:
         raise errors.ConfigError(f"bad front settings: {exc}") from None
 
 
+_FIRST_LOAD_S = 120.0
+"""How long ``serve --job`` waits for a replica's first load before serving anyway."""
+
+
 def _inputs(texts: list[str]) -> list[TensorSpec] | None:
     out = []
     for t in texts:
@@ -93,6 +97,21 @@ def spec_from(args: argparse.Namespace) -> ServeSpec | None:
         raise errors.ConfigError(f"bad serve arguments: {exc}") from None
 
 
+async def _servable(client: Any, grain: type[Any], name: str) -> None:
+    """Stop at start, not at every request, when a job's model cannot be served as deployed
+    (its inputs not readable from the job's data: the message names ``--input``). A job with
+    no weights yet, or a replica slow to load, is not a reason to stop: the front serves once
+    they come, and ``/ready`` says so meanwhile."""
+    from grains.serving.errors import ModelUnservableError, from_remote
+
+    try:
+        await client.get_grain(grain, name).with_timeout(_FIRST_LOAD_S).refresh()
+    except errors.RedgrainError as exc:
+        got = from_remote(exc)
+        if isinstance(got, ModelUnservableError):
+            raise errors.ConfigError(str(got)) from None
+
+
 async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | None, settings: Any) -> int:
     from grains.serving.client import deploy, grain_for
     from grains.serving.front import Front
@@ -110,6 +129,8 @@ async def run(args: argparse.Namespace, redis_url: str | None, cluster: str | No
     async with await ClusterClient.connect(redis_url, cluster=cluster, settings=settings) as client:
         if spec is not None:
             await deploy(client, name, spec)
+            if spec.job is not None and not spec.inputs:
+                await _servable(client, grain, name)
         if args.workers > 1:
             from grains.serving.workers import serve_workers
 

@@ -8,6 +8,7 @@
         ├── ModelNotFoundError    no model deployed under that name         404
         ├── RequestTooLargeError  more rows or bytes than the model takes   413
         └── ModelNotReadyError    deployed, weights not loaded (yet)        503
+            └── ModelUnservableError  not loadable as deployed (a spec to fix)  503
 
 Raised in a replica they cross the wire as ``RemoteGrainError`` naming their
 type (the runtime rebuilds only its own error classes); :func:`from_remote`
@@ -45,9 +46,14 @@ class ModelNotReadyError(ServingError):
     status = 503
 
 
+class ModelUnservableError(ModelNotReadyError):
+    """The deployment cannot load as it stands (its model's inputs unreadable, a dataset or
+    factory that fails): it needs a new deploy, not time. ``redgrain serve`` stops on it."""
+
+
 _BY_NAME: dict[str, type[ServingError]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls
-    for cls in (BadInputError, ModelNotFoundError, RequestTooLargeError, ModelNotReadyError)
+    for cls in (BadInputError, ModelNotFoundError, RequestTooLargeError, ModelNotReadyError, ModelUnservableError)
 }
 
 

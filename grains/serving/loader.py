@@ -25,6 +25,7 @@ from grains.serving.errors import BadInputError, RequestTooLargeError
 from grains.serving.spec import Datatype, ModelInfo, ServeSpec, TensorSpec
 from grains.serving.tensors import Inputs, split
 from grains.training.api.job import TrainingJob, resolve_path
+from silo.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
@@ -136,15 +137,51 @@ def _finish(model: nn.Module, state: Mapping[str, torch.Tensor], inputs: list[Te
     return LoadedModel(model, info, device, pre, post)
 
 
+_PROBE_ITEMS = 8
+"""Test items collated one at a time to read the inputs: dimensions that differ between them are -1."""
+
+
 def job_inputs(job: TrainingJob) -> list[TensorSpec]:
-    """One input shaped like a row of the job's test split (its first item's features)."""
+    """The model's inputs as the job feeds them: items of its test split, each collated alone
+    by the job's ``collate_fn`` (else torch's default), their features described (a tuple
+    batch's first element; a mapping's entries but ``labels``). A dimension that differs
+    between items (a padded sequence's length) is ``-1``. ConfigError naming ``--input`` when
+    the features are not tensors (token lists with no ``collate_fn`` to pad them)."""
+    from itertools import islice
+
+    from grains.training.data.batches import collate, collate_function
     from grains.training.datasets import load_dataset
 
-    item = load_dataset(job, "test")[0]  # type: ignore[index]
-    x = item[0] if isinstance(item, tuple | list) else item
-    if isinstance(x, Mapping):
-        return [TensorSpec(name=k, datatype=datatype_of(v), shape=[-1, *v.shape]) for k, v in x.items() if k != "labels"]
-    return [TensorSpec(name="input", datatype=datatype_of(x), shape=[-1, *x.shape])]
+    ds: Any = load_dataset(job, "test")
+    items = [ds[i] for i in range(min(_PROBE_ITEMS, len(ds)))] if hasattr(ds, "__len__") else list(islice(ds, _PROBE_ITEMS))
+    collate_fn = collate_function(job) or collate
+    try:
+        each = [_features(collate_fn([item])) for item in items]
+    except Exception as exc:  # noqa: BLE001 - a user's dataset or collate_fn may raise anything
+        raise ConfigError(
+            f"the model's inputs cannot be read from the test split of {job.dataset} ({type(exc).__name__}: {exc});"
+            " name them with --input NAME:DATATYPE:SHAPE (e.g. --input input_ids:INT64:-1,-1)"
+        ) from None
+    first = each[0]
+    out = []
+    for name, t in first.items():
+        dims = [d if all(len(f[name].shape) == t.dim() and f[name].shape[i] == d for f in each) else -1
+                for i, d in enumerate(t.shape)]  # fmt: skip
+        out.append(TensorSpec(name=name, datatype=datatype_of(t), shape=[-1, *dims[1:]]))
+    return out
+
+
+def _features(batch: Any) -> dict[str, torch.Tensor]:
+    """A collated batch's model inputs by name (``input`` for a lone tensor)."""
+    x = batch[0] if isinstance(batch, tuple | list) else batch
+    found = {k: v for k, v in x.items() if k != "labels"} if isinstance(x, Mapping) else {"input": x}
+    for name, v in found.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            raise TypeError(f"feature {name!r} of a collated batch is {type(v).__name__}"
+                            f"{'' if not isinstance(v, torch.Tensor) else ' of no dimension'}, not a batch of tensors")  # fmt: skip
+    if not found:
+        raise TypeError("a collated batch has no features")
+    return found
 
 
 def from_job(job: TrainingJob, state: Mapping[str, torch.Tensor], spec: ServeSpec, name: str, step: int,

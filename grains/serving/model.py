@@ -41,7 +41,12 @@ from grains.context import TimerHandle
 from grains.placement import hash_placement, reentrant, silo_role, stateless_worker
 from grains.serving import loader
 from grains.serving.batcher import DynamicBatcher
-from grains.serving.errors import ModelNotFoundError, ModelNotReadyError, ServingError
+from grains.serving.errors import (
+    ModelNotFoundError,
+    ModelNotReadyError,
+    ModelUnservableError,
+    ServingError,
+)
 from grains.serving.loader import LoadedModel
 from grains.serving.records import RECORD_TTL_S, WORKLOAD, batch_bucket, models_key, replicas_key
 from grains.serving.spec import ModelInfo, ServeSpec, parse_spec
@@ -120,6 +125,8 @@ class ModelGrain(Grain):
         self._deployment = Deployment(name="")
         self._weights: tuple[Any, ...] | None = None
         self._error = ""
+        self._unservable = False
+        """The last load failed with a ConfigError: the deployment must change, waiting will not help."""
         self._reloads = 0
         self._loaded_at = 0.0
         self._batcher: DynamicBatcher[_Item, Inputs] | None = None
@@ -241,6 +248,8 @@ class ModelGrain(Grain):
     def _ready(self) -> tuple[LoadedModel, DynamicBatcher[_Item, Inputs]]:
         if self._deployment.spec is None:
             raise ModelNotFoundError(self.key)
+        if self._loaded is None and self._unservable:
+            raise ModelUnservableError(f"model {self.key} cannot be served as deployed: {self._error}")
         if self._loaded is None or self._batcher is None:
             raise ModelNotReadyError(f"model {self.key} has no weights loaded yet" + (f": {self._error}" if self._error else ""))
         return self._loaded, self._batcher
@@ -285,8 +294,10 @@ class ModelGrain(Grain):
         except errors.GrainCallError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad file or factory is the deployment's fault
-            self._error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("%s: loading weights failed: %s", self.key, self._error)
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            if error != self._error:  # once, not at every poll: the next deploy or weights may fix it
+                log.warning("%s: loading weights failed: %s", self.key, error)
+            self._error, self._unservable = error, isinstance(exc, errors.ConfigError)
 
     async def _load_newer(self, spec: ServeSpec) -> None:
         self._weights_exist = False
@@ -336,6 +347,7 @@ class ModelGrain(Grain):
         if self._loaded is not None:
             self._reloads += 1
         self._loaded, self._weights, self._error, self._loaded_at = new, key, "", time.time()
+        self._unservable = False
         self._cost_s = {}
         if self._batcher is None:  # else _configure applied this spec's settings in place
             self._batcher = DynamicBatcher(self._run_batch, max_rows=spec.max_batch_size,

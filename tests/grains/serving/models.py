@@ -55,3 +55,10 @@ def held_rowsum(tag: str = "") -> RowSum:
         entered.set()
         open_.wait(30)
     return RowSum()
+
+
+def refuses_to_build() -> nn.Module:
+    """A factory whose deployment can never load: a spec to fix, not a replica to retry."""
+    from silo.errors import ConfigError
+
+    raise ConfigError("this factory needs an argument the deployment did not give")
