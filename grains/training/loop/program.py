@@ -202,6 +202,12 @@ def split_result(out: Any) -> tuple[torch.Tensor, dict[str, float]]:
     metrics: Mapping[str, Any] = {}
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         out, metrics = out
+    elif not isinstance(out, torch.Tensor | tuple):
+        # A Hugging Face ModelOutput (a mapping with a `loss` attribute), read as HF's Trainer
+        # reads it: so `return model(**batch)` is a whole step.
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            out = loss
     if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
         what = f"a tensor of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise TrainingStepError(f"the step must return a scalar floating loss tensor (or (loss, metrics)), not {what}")
