@@ -101,6 +101,11 @@ class Overview(BaseModel):
     message: str | None = Field(
         default=None, description="A plain sentence when there is nothing to show."
     )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Conditions an operator should act on now, one sentence each (e.g. a Redis master "
+        "without the replicas wait_replicas asks for: writes there are acknowledged unreplicated).",
+    )
 
 
 class SiloSummary(BaseModel):

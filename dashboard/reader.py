@@ -205,7 +205,23 @@ def overview(cluster: str, snap: Snapshot, redis: m.RedisStatus) -> m.Overview:
         bytes_out=sum(int(t.get("bytes_out", 0)) for t in transports),
         jobs=snap.jobs,
         message=message,
+        warnings=_warnings(recs),
     )
+
+
+def _warnings(recs: list[SiloStatsRecord]) -> list[str]:
+    """What the live silos' records say needs an operator (docs/reliability.md, "WAIT")."""
+    out = []
+    redis = [r.components.get("redis") or {} for r in recs]
+    seeing = sum(1 for red in redis if red.get("replica_less_masters"))
+    if seeing:
+        short = sum(int(red.get("short_replication") or 0) for red in redis)
+        out.append(
+            f"{seeing} silo(s) see a Redis master with fewer connected replicas than wait_replicas: writes to it "
+            f"are acknowledged before any replica has them ({short} so far; "
+            "redgrain_redis_short_replication_total). A failover then loses them: see docs/reliability.md, \"WAIT\"."
+        )
+    return out
 
 
 METHOD_SORTS = tuple(m.MethodRow.model_fields)

@@ -106,6 +106,7 @@ pages.overview = async () => {
   let html = `<h1>Overview</h1><div class="sub">Cluster <b>${esc(o.cluster)}</b> · updated ${clock(o.at)}</div>`;
   if (!o.redis.ok) return html + `<div class="notice" data-testid="redis-down">Nothing to show while Redis is unreachable.</div>`;
   if (o.message) html += `<div class="notice" data-testid="overview-message">${esc(o.message)}</div>`;
+  for (const w of o.warnings || []) html += `<div class="notice warn" data-testid="overview-warning">${esc(w)}</div>`;
   html += `<div class="cards">` +
     card("Silos live", num(o.silos_live), esc(statuses || "none"), "silos-live") +
     card("Activations", num(o.activations), "", "activations") +
