@@ -22,6 +22,9 @@ twins accepted (directory registrations, state writes).
 * ``one_way_order``: the one-way calls of one sender run in the order it
   sent them, within each activation (a lost call is allowed; a call that
   overtakes an earlier one is not).
+* ``one_way_delivered``: in a scenario without faults, no one-way call is lost
+  silently: every one that did not run was counted lost by a silo (shed past
+  the mailbox's bound, or its deadline passed); deactivations re-route.
 * ``no_fault_no_error``: in a scenario without faults, every call succeeds.
 * ``no_task_left``: a silo that stopped leaves no task running.
 """
@@ -69,6 +72,9 @@ class History:
     """When each entry of ``applied`` ran."""
     disruptions: list[float] = field(default_factory=list)
     """When a fault struck or a grain activated anew: the order of calls re-routed across one is not promised."""
+    one_way_counted: int = 0
+    """One-way calls the silos counted as lost (``one_way_failed``): shed past the mailbox's
+    bound, deadline passed, the method raised."""
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
     faults: int = 0
@@ -190,6 +196,22 @@ def no_fault_no_error(h: History) -> Violation | None:
     return None
 
 
+def one_way_delivered(h: History) -> Violation | None:
+    """Without a fault, no one-way call is lost silently: each runs, or its silo counted it
+    lost (``one_way_failed``: shed past the mailbox's bound, its deadline passed). A full
+    mailbox delays it, a deactivation re-routes it; neither drops it uncounted (issue 36's
+    first defect was such a drop)."""
+    if h.faults:
+        return None
+    ran = {(sender, seq) for _, _, sender, seq in h.applied}
+    lost = [(at, sender, seq) for (sender, seq), at in h.sent.items() if (sender, seq) not in ran]
+    if len(lost) > h.one_way_counted:
+        at, sender, seq = min(lost)
+        return Violation("one_way_delivered", f"{len(lost)} one-way calls never ran and {h.one_way_counted} were counted lost, "
+                         f"with no fault injected (the first: {seq} of {sender}, sent at t={at:.3f})")  # fmt: skip
+    return None
+
+
 def no_task_left(h: History) -> Violation | None:
     if h.leaks:
         silo, task = h.leaks[0]
@@ -202,6 +224,7 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     single_writer,
     linearizable,
     one_way_order,
+    one_way_delivered,
     deadline,
     no_fault_no_error,
     no_task_left,

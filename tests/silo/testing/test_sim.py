@@ -14,10 +14,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from silo.testing.sim.checks import History, Op, linearizable, one_way_order, single_writer
+from silo import errors
+from silo.testing.sim.checks import (
+    History,
+    Op,
+    linearizable,
+    one_way_delivered,
+    one_way_order,
+    single_writer,
+)
 from silo.testing.sim.runner import run_seed, scenario_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -134,6 +143,34 @@ def test_one_way_order_allows_an_overtaking_only_across_a_fault_or_a_new_activat
     assert one_way_order(h) is not None
     h.disruptions.append(1.5)
     assert one_way_order(h) is None
+
+
+def test_one_way_delivered_allows_only_counted_losses_and_only_without_faults() -> None:
+    h = History(applied=[("g", 1, "c", 1)], applied_at=[1.0], sent={("c", 1): 0.5, ("c", 2): 0.6, ("c", 3): 0.7})
+    found = one_way_delivered(h)
+    assert found is not None and "2 one-way calls never ran and 0 were counted lost" in found.detail
+    h.one_way_counted = 1
+    assert one_way_delivered(h) is not None  # one counted, two missing: one went silently
+    h.one_way_counted = 2
+    assert one_way_delivered(h) is None
+    assert one_way_delivered(History(sent={("c", 1): 0.5}, faults=1)) is None  # a fault may lose it uncounted
+
+
+def test_the_shed_scenario_finds_one_way_calls_shed_without_being_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 36's first defect, as a mutant: the callee sheds a one-way call and nobody counts it.
+    from silo.messaging import dispatcher
+
+    counted = dispatcher.Dispatcher.one_way_failed
+
+    def silent_on_shed(self: Any, label: str, peer: str, exc: BaseException) -> None:
+        if not isinstance(exc, errors.LoadShedError):
+            counted(self, label, peer, exc)
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "one_way_failed", silent_on_shed)
+    out = run_seed(9, scenario_for(9, "shed"))
+    assert out.violation is not None and out.violation.invariant == "one_way_delivered", out.violation
+    monkeypatch.undo()
+    assert run_seed(9, scenario_for(9, "shed")).violation is None
 
 
 # --- defects the simulator found, kept as seeds ------------------------------------------------
