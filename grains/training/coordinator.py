@@ -56,6 +56,7 @@ from grains.training.api.messages import (
 from grains.training.api.records import StageInfo
 from grains.training.data.position import DataSchedule, Segment
 from grains.training.evaluation import Evaluator
+from grains.training.loggers import JobLoggers
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot, group
 from grains.training.state.store import CheckpointStoreGrain
@@ -166,6 +167,9 @@ class CoordinatorGrain(Grain):
         """History points not yet written to the dashboard's stream (the next publish writes them)."""
         self._republish = False
         """The history lost points: the next publish rewrites the stream from it."""
+        self._loggers: JobLoggers | None = None
+        self._unlogged: list[HistoryPoint] = []
+        """History points not yet handed to the job's loggers."""
         self._step_points: dict[int, dict[int, StepPoint]] = {}
         """Trainers' points (by step done, then rank) of steps not every trainer has completed."""
 
@@ -179,6 +183,9 @@ class CoordinatorGrain(Grain):
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
         self._loop = None
+        loggers, self._loggers = self._loggers, None
+        if loggers is not None:
+            await loggers.close()
 
     # --- the client API -----------------------------------------------------
     async def start(self, spec: TrainingJob | dict[str, Any]) -> TrainingStatus:
@@ -236,7 +243,10 @@ class CoordinatorGrain(Grain):
         # A resumed job's earlier checkpoints were evaluated by the run that made them.
         self._last_eval_step = self.state.committed[-1] if self.state.committed else 0
         self._counted, self._count_from_now = {}, False
-        self._unpublished, self._step_points = [], {}
+        self._unpublished, self._unlogged, self._step_points = [], [], {}
+        if self._loggers is not None:
+            await self._loggers.close()
+        self._loggers = None  # the new run's own (its directory, its MLflow run)
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
         return await self.status()
@@ -428,7 +438,7 @@ class CoordinatorGrain(Grain):
         for point in self._completed_steps(ps, rate):
             last = history.last_training_step(s.history)
             if history.add_training(s.history, point):
-                self._unpublished.append(point)
+                self._recorded(point)
                 self._republish = self._republish or (last is not None and point.step < last)  # points dropped
         self._start_due_evaluation()
         self._live = self._status_from_state(
@@ -442,9 +452,44 @@ class CoordinatorGrain(Grain):
             shard_silos=[st.silo for st in statuses],
             skipped=max([p.skipped for p in ps] + [st.skipped for st in statuses] + [0]),
         )
+        await self._log()
         if await self._publish():
             log.info("%s: cancel requested through the dashboard", self.key)
             await self._finish("cancelled")
+
+    def _recorded(self, point: HistoryPoint) -> None:
+        """A point the history gained: for the dashboard's stream and the loggers."""
+        self._unpublished.append(point)
+        if self.state.spec is not None and self.state.spec.loggers:
+            self._unlogged.append(point)
+
+    def _job_loggers(self) -> JobLoggers | None:
+        s = self.state
+        if s.spec is None or not s.spec.loggers:
+            return None
+        if self._loggers is None:
+            self._loggers = JobLoggers(s.spec, self.key, s.run, s.mlflow_run_id or None, self.run_in_thread)
+        return self._loggers
+
+    async def _log(self, *, checkpoint: int | None = None, end: JobStatus | None = None) -> None:
+        """The history's new points to the loggers (and a checkpoint, or the job's end); a
+        logger's failure becomes a warning of the job's."""
+        loggers = self._job_loggers()
+        if loggers is None:
+            return
+        s = self.state
+        points, self._unlogged = self._unlogged, []
+        await loggers.points(points, s.total_steps)
+        if checkpoint is not None:
+            await loggers.checkpoint(checkpoint)
+        if end is not None:
+            await loggers.end(end, s.step)
+            self._loggers = None
+        s.mlflow_run_id = loggers.mlflow_run_id or s.mlflow_run_id
+        failed = loggers.take_failures()
+        if failed:
+            s.warnings = [*s.warnings, *failed][-20:]
+            self._live = self._live.model_copy(update={"warnings": list(s.warnings)})
 
     def _completed_steps(self, ps: list[TrainerProgress], rate: float) -> list[HistoryPoint]:
         """A training point for each step every trainer has completed since the last one: the
@@ -500,6 +545,7 @@ class CoordinatorGrain(Grain):
         # The job's state stays readable from its checkpoints: free the grains' memory.
         await driver.release()
         s.released = True
+        await self._log(end=status)
         await self._write()
         self._live = self._status_from_state(
             samples_per_s=self._live.samples_per_s,
@@ -561,7 +607,7 @@ class CoordinatorGrain(Grain):
         s.eval_silo, s.eval_device = done.silo, done.device
         point = HistoryPoint(step=done.step, eval_metrics=dict(done.metrics), at=time.time())
         history.add_evaluation(s.history, point)
-        self._unpublished.append(point)
+        self._recorded(point)
 
     # Mid-run evaluation reads a committed checkpoint: weights of one step (every holder's part
     # of the same step), labelled with it, every eval_every steps exactly (checkpoint_due makes
@@ -655,6 +701,7 @@ class CoordinatorGrain(Grain):
         spec = self.state.spec
         if spec is not None and spec.eval_every and step % spec.eval_every == 0 and step > self._last_eval_step:
             self.state.eval_pending = sorted({*self.state.eval_pending, step})
+        await self._log(checkpoint=step)
         await self._prune()
         if self.state.spec is not None and self.state.spec.callbacks:
             callbacks = await self._job_callbacks()
@@ -715,6 +762,7 @@ class CoordinatorGrain(Grain):
         s.total_steps = step
         s.eval_pending = []
         history.truncate(s.history, step)  # the steps trained past it were abandoned with their checkpoints
+        self._unlogged = [h for h in self._unlogged if h.step <= step]
         self._republish = True
         self._stop_evaluation()
         with contextlib.suppress(errors.RedgrainError):
@@ -747,7 +795,7 @@ class CoordinatorGrain(Grain):
             epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.trainers, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
             best_metric=(s.spec.keep_best or "").rpartition(":")[0] if s.spec is not None else "", best_value=s.best_value,
-            elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
+            elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error, warnings=list(s.warnings),
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
             mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,
         )  # fmt: skip

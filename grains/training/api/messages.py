@@ -272,6 +272,8 @@ class TrainingStatus(BaseModel):
     """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
     elapsed_s: float = 0.0
     error: str = ""
+    warnings: list[str] = Field(default_factory=list)
+    """What went wrong without failing the job (a logger turned off), oldest first (last 20)."""
     mode: str = ""
     changes: list[GroupChange] = Field(default_factory=list)
     """All-reduce group re-formings and elastic trainer additions, oldest first (last 20)."""
