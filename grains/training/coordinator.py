@@ -225,6 +225,7 @@ class CoordinatorGrain(Grain):
             s.committed_at = {c: t for c, t in old.committed_at.items() if c in s.committed}
             s.data_segments = _resumed_segments(old)
             s.best_step, s.best_value = old.best_step, old.best_value
+            s.mlflow_run_id = old.mlflow_run_id  # the run goes on: so does its MLflow run
             s.step = s.committed[-1]  # where it starts: its status never reads step 0 of a later epoch
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
@@ -468,7 +469,10 @@ class CoordinatorGrain(Grain):
         if s.spec is None or not s.spec.loggers:
             return None
         if self._loggers is None:
-            self._loggers = JobLoggers(s.spec, self.key, s.run, s.mlflow_run_id or None, self.run_in_thread)
+            # Steps past the history's newest were logged by no one who kept them (a resume from an
+            # older checkpoint, a silo that died before its state write): TensorBoard drops them.
+            after = history.last_training_step(s.history) or s.step
+            self._loggers = JobLoggers(s.spec, self.key, s.run, s.mlflow_run_id or None, self.run_in_thread, after)
         return self._loggers
 
     async def _log(self, *, checkpoint: int | None = None, end: JobStatus | None = None) -> None:

@@ -96,11 +96,12 @@ def _scalars(point: HistoryPoint, lr: float | None) -> dict[str, float]:
 class TensorBoardSink:
     """Event files of one run of the job (torch's SummaryWriter)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, after: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
-        self._writer = SummaryWriter(log_dir=str(directory))
+        # purge_step: TensorBoard hides what earlier writers logged from this step on.
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=after + 1 if after else None)
 
     def points(self, points: list[tuple[HistoryPoint, float | None]]) -> None:
         for point, lr in points:
@@ -198,8 +199,10 @@ class JobLoggers:
     """A run's loggers as the coordinator uses them: ``run`` is the grain's ``run_in_thread``."""
 
     def __init__(self, spec: TrainingJob, job: str, run: int, mlflow_run_id: str | None,
-                 run_in_thread: Callable[..., Awaitable[Any]]) -> None:  # fmt: skip
-        self._spec, self._job, self._run = spec, job, run
+                 run_in_thread: Callable[..., Awaitable[Any]], after: int = 0) -> None:  # fmt: skip
+        """``after``: the step this run's logging goes on from (0: a new run); what was logged
+        past it is superseded (a resume from an older checkpoint, a coordinator that moved)."""
+        self._spec, self._job, self._run, self._after = spec, job, run, after
         self._mlflow_run_id = mlflow_run_id
         self._in_thread = run_in_thread
         self._sinks: dict[str, _Sink] = {}
@@ -225,7 +228,7 @@ class JobLoggers:
         for name in self._spec.loggers:
             try:
                 if name == "tensorboard":
-                    self._sinks[name] = TensorBoardSink(log_root(self._spec) / self._job / f"run-{self._run}")
+                    self._sinks[name] = TensorBoardSink(log_root(self._spec) / self._job / f"run-{self._run}", self._after)
                 elif name == "mlflow":
                     self._sinks[name] = MlflowSink(mlflow_uri(self._spec), self._job, self._run, self._spec, self._mlflow_run_id)
             except Exception as exc:  # noqa: BLE001 - any failure of a logger is the logger's, not the job's

@@ -82,3 +82,36 @@ async def test_a_logger_that_fails_is_a_warning_and_the_job_completes(cluster, c
     assert st.status == "completed", st
     assert len(st.warnings) == 2, st.warnings
     assert "logger tensorboard failed" in st.warnings[0] and "logger mlflow failed" in st.warnings[1], st.warnings
+
+
+async def test_a_resumed_run_logs_on_in_the_same_places_and_its_steps_replace_the_abandoned_ones(
+    cluster, client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    common = {"loggers": ["tensorboard", "mlflow"], "log_dir": str(tmp_path), "eval_every": 0}
+    assert (await run_job(client, "again", _spec(**common, steps=8))).status == "completed"
+    st = await run_job(client, "again", _spec(**common, steps=12, resume_from_step=4))
+    assert st.status == "completed" and st.resumed_from == 4 and not st.warnings, st
+    history = await client.get_grain(CoordinatorGrain, "again").history()
+    second = {h.step: h.loss for h in history if h.eval_metrics is None}
+    assert sorted(second) == list(range(5, 13)), history
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = (tmp_path / "again").iterdir()  # the same run: the same directory
+    tb = EventAccumulator(str(run_dir))
+    tb.Reload()
+    scalars = tb.Scalars("train/loss")
+    assert [e.step for e in scalars] == list(range(1, 13)), scalars  # steps 5-8 once: the resumed run's
+    loss = {e.step: e.value for e in scalars}
+    assert [loss[s] for s in range(5, 13)] == pytest.approx([second[s] for s in range(5, 13)], rel=1e-6)
+
+    from mlflow.tracking import MlflowClient
+
+    ml = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    experiment = ml.get_experiment_by_name("again")
+    assert experiment is not None
+    (run,) = ml.search_runs([experiment.experiment_id])  # one MLflow run, gone on with
+    assert run.info.status == "FINISHED"
+    assert max(m.step for m in ml.get_metric_history(run.info.run_id, "train/loss")) == 12
