@@ -84,9 +84,9 @@ async def run_job(client: Any, name: str, model: dict[str, Any], steps: int, **k
         await asyncio.sleep(0.1)
     if st.status != "completed":
         raise RuntimeError(f"job {name} {st.status}: {st.error}")
-    # Step time from the coordinator's per-tick history (step, time), from 20% of the steps to the
+    # Step time from the coordinator's history (a training point per step), from 20% of the steps to the
     # last tick before the end: the job's final checkpoint, evaluation and release are not steps.
-    points = [h for h in await coord.history() if steps // 5 <= h.step < steps]
+    points = [h for h in await coord.history() if h.eval_metrics is None and steps // 5 <= h.step < steps]
     if len(points) >= 2 and points[-1].step > points[0].step:
         step_s = (points[-1].at - points[0].at) / (points[-1].step - points[0].step)
     else:

@@ -250,6 +250,10 @@ def create_app(
             except ValidationError:
                 continue
         progress = JobProgress.model_validate_json(raw)
+        if progress.status in ("completed", "failed", "cancelled"):
+            # The stream is append-only: an early stop publishes its end after points of the
+            # steps it then abandoned. The job's history ends at its last step; so do its curves.
+            history = [p for p in history if p.step <= progress.step]
         return m.JobDetail(
             progress=progress,
             history=history,

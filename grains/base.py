@@ -289,17 +289,24 @@ class Grain:
 
     # --- progress ------------------------------------------------------------
     async def publish_progress(
-        self, job: str, record: BaseModel, point: Mapping[str, Any] | None = None
+        self,
+        job: str,
+        record: BaseModel,
+        point: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        restart_history: bool = False,
     ) -> bool:
         """Publish the latest progress of a long-running ``job`` this grain drives.
 
         ``record`` (any pydantic model: the workload's own schema) is what the
-        dashboard and ``redgrain`` read back for the job; ``point`` (flat values)
-        is appended to the job's capped history, for curves. One round trip.
+        dashboard and ``redgrain`` read back for the job; ``point`` (flat values), or a list
+        of them, is appended to the job's capped history, for curves. One round trip.
+        ``restart_history``: the history holds these points alone (the job's own lost points).
         Returns True when someone asked to cancel the job (``silo.records.request_cancel``).
         """
-        fields = None if point is None else {k: repr(v) if isinstance(v, float) else str(v) for k, v in point.items() if v is not None}
-        return await self._rg_context.publish_progress(job, record.model_dump_json(), fields)
+        many = [point] if isinstance(point, Mapping) else list(point or ())
+        fields = [{k: repr(v) if isinstance(v, float) else str(v) for k, v in p.items() if v is not None} for p in many]
+        return await self._rg_context.publish_progress(job, record.model_dump_json(), fields, restart=restart_history)
 
     async def forget_progress(self, job: str) -> None:
         """Delete everything :meth:`publish_progress` wrote for ``job`` (record, history, its

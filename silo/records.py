@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,20 +382,32 @@ JOB_HISTORY_MAXLEN = 10_000
 
 
 async def publish_progress(
-    redis: aioredis.Redis, keys: Keys, job: str, record: str, point: Mapping[str, str] | None
+    redis: aioredis.Redis,
+    keys: Keys,
+    job: str,
+    record: str,
+    point: Mapping[str, str] | Sequence[Mapping[str, str]] | None,
+    *,
+    restart: bool = False,
 ) -> bool:
-    """Publish a job's latest record (JSON) and one history point; True if a cancel was asked.
+    """Publish a job's latest record (JSON) and history points; True if a cancel was asked.
 
     One pipelined round trip: SET the record under ``keys.job_progress``, XADD
-    the point to the capped ``keys.job_history`` stream, SADD the job to
+    the point (or points, in order) to the capped ``keys.job_history`` stream, SADD the job to
     ``keys.jobs``, and read the cancel flag :func:`request_cancel` sets. The
     record's schema is the workload's (``grains/training/api/records.py``).
+    ``restart``: the stream is deleted first, so it holds these points alone (the job's
+    history lost points: a stream is append-only).
     """
+    points = [point] if isinstance(point, Mapping) else list(point or ())
     with redis_errors(f"publish progress of job {job}"):
-        async with redis.pipeline(transaction=False) as pipe:
+        async with redis.pipeline(transaction=restart) as pipe:
             pipe.set(keys.job_progress(job), record)
-            if point:
-                pipe.xadd(keys.job_history(job), dict(point), maxlen=JOB_HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            if restart:
+                pipe.delete(keys.job_history(job))
+            for p in points:
+                if p:
+                    pipe.xadd(keys.job_history(job), dict(p), maxlen=JOB_HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
             pipe.sadd(keys.jobs, job)
             pipe.exists(keys.job_cancel(job))
             result = await pipe.execute()

@@ -237,6 +237,7 @@ def _print_table(st: Any) -> None:
         c = st.changes[-1]
         after = f"; first step {c.first_step_at - c.at:.2f} s after" if c.first_step_at else "; no step since"
         rows.append(("last recovery", f"from step {c.start_step}: {c.reason[:160]}{after}"))
+    rows += [("warning", w[:200]) for w in st.warnings[-3:]]
     from rich.markup import escape
 
     for k, v in rows:

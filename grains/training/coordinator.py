@@ -40,6 +40,7 @@ import torch
 
 from grains.base import DeactivationReason, Grain
 from grains.placement import hash_placement, keep_alive
+from grains.training import history
 from grains.training.api.callbacks import Callbacks
 from grains.training.api.job import TrainingJob, parse_job
 from grains.training.api.job_state import JobState
@@ -48,12 +49,14 @@ from grains.training.api.messages import (
     HistoryPoint,
     JobStatus,
     ShardStatus,
+    StepPoint,
     TrainerProgress,
     TrainingStatus,
 )
 from grains.training.api.records import StageInfo
 from grains.training.data.position import DataSchedule, Segment
 from grains.training.evaluation import Evaluator
+from grains.training.loggers import JobLoggers
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import TrainingSnapshot, group
 from grains.training.state.store import CheckpointStoreGrain
@@ -70,7 +73,6 @@ log = logging.getLogger("redgrain.training.coordinator")
 _TICK_S = 0.2
 EVALUATION_TIMEOUT_S = 600.0
 """The least a trainer is given to evaluate a checkpoint (read it, then the whole test split)."""
-_HISTORY = 2000
 _TERMINAL = ("completed", "failed", "cancelled")
 _FORGET = "forget"
 """The reminder that forgets an ended job ``ttl_after_finished_s`` after it ended."""
@@ -161,6 +163,15 @@ class CoordinatorGrain(Grain):
         """Steps already counted of each trainer run (activation/generation/rank -> steps_done)."""
         self._count_from_now = False
         """Re-activated: the runs found at the first tick were counted by the previous activation."""
+        self._unpublished: list[HistoryPoint] = []
+        """History points not yet written to the dashboard's stream (the next publish writes them)."""
+        self._republish = False
+        """The history lost points: the next publish rewrites the stream from it."""
+        self._loggers: JobLoggers | None = None
+        self._unlogged: list[HistoryPoint] = []
+        """History points not yet handed to the job's loggers."""
+        self._step_points: dict[int, dict[int, StepPoint]] = {}
+        """Trainers' points (by step done, then rank) of steps not every trainer has completed."""
 
     async def on_activate(self) -> None:
         self._live = self._status_from_state()
@@ -172,6 +183,9 @@ class CoordinatorGrain(Grain):
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
         self._loop = None
+        loggers, self._loggers = self._loggers, None
+        if loggers is not None:
+            await loggers.close()
 
     # --- the client API -----------------------------------------------------
     async def start(self, spec: TrainingJob | dict[str, Any]) -> TrainingStatus:
@@ -211,6 +225,7 @@ class CoordinatorGrain(Grain):
             s.committed_at = {c: t for c, t in old.committed_at.items() if c in s.committed}
             s.data_segments = _resumed_segments(old)
             s.best_step, s.best_value = old.best_step, old.best_value
+            s.mlflow_run_id = old.mlflow_run_id  # the run goes on: so does its MLflow run
             s.step = s.committed[-1]  # where it starts: its status never reads step 0 of a later epoch
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
         self._evaluator = None  # and its own model and test split (the last job's may differ)
@@ -229,6 +244,10 @@ class CoordinatorGrain(Grain):
         # A resumed job's earlier checkpoints were evaluated by the run that made them.
         self._last_eval_step = self.state.committed[-1] if self.state.committed else 0
         self._counted, self._count_from_now = {}, False
+        self._unpublished, self._unlogged, self._step_points = [], [], {}
+        if self._loggers is not None:
+            await self._loggers.close()
+        self._loggers = None  # the new run's own (its directory, its MLflow run)
         self._live = self._status_from_state()
         self._loop = self.start_task(self._drive(resume=False), name=f"{self.key} driver")
         return await self.status()
@@ -287,7 +306,8 @@ class CoordinatorGrain(Grain):
         return self.state.spec
 
     async def history(self) -> list[HistoryPoint]:
-        """Per-tick progress points since the job started."""
+        """The job's curves since it started, in step order: a training point per completed
+        step, an evaluation point per evaluated checkpoint (:mod:`grains.training.history`)."""
         return list(self.state.history)
 
     async def parameters(self) -> dict[str, torch.Tensor]:
@@ -398,25 +418,29 @@ class CoordinatorGrain(Grain):
         spec = s.spec
         assert spec is not None
         ps = list(progress.values())
+        # A trainer that has not stepped yet (a start, a restart) reports loss 0.0: not a figure.
+        stepped = [p for p in ps if p.steps_done]
         if ps:
             s.step = min(p.step for p in ps) if len(ps) == s.trainers else s.step
-            s.loss = sum(p.loss for p in ps) / len(ps)
-            s.metrics = _mean_metrics([p.points[-1].metrics for p in ps if p.points]) or s.metrics
+        if stepped:
+            s.loss = sum(p.loss for p in stepped) / len(stepped)
+            s.metrics = _mean_metrics([p.points[-1].metrics for p in stepped if p.points]) or s.metrics
         self._count(ps)
         rate = sum(p.samples_per_s for p in ps)
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
         waits = [p.exchange_s / p.steps_done for p in ps if p.steps_done]
         exchange_ms = 1000 * sum(waits) / len(waits) if waits else 0.0
         done = self._take_evaluation()
-        evaluated = done is not None
         if done is not None:
             stop = await self._after_evaluation(*done)
             if stop is not None:
                 await self._stop_early(done[0], stop)
                 return
-        s.history.append(HistoryPoint(step=s.step, loss=s.loss or 0.0, metrics=dict(s.metrics),
-                                      samples_per_s=rate, at=time.time()))  # fmt: skip
-        del s.history[:-_HISTORY]
+        for point in self._completed_steps(ps, rate):
+            last = history.last_training_step(s.history)
+            if history.add_training(s.history, point):
+                self._recorded(point)
+                self._republish = self._republish or (last is not None and point.step < last)  # points dropped
         self._start_due_evaluation()
         self._live = self._status_from_state(
             samples_per_s=rate,
@@ -429,9 +453,67 @@ class CoordinatorGrain(Grain):
             shard_silos=[st.silo for st in statuses],
             skipped=max([p.skipped for p in ps] + [st.skipped for st in statuses] + [0]),
         )
-        if await self._publish(evaluated=evaluated):
+        await self._log()
+        if await self._publish():
             log.info("%s: cancel requested through the dashboard", self.key)
             await self._finish("cancelled")
+
+    def _recorded(self, point: HistoryPoint) -> None:
+        """A point the history gained: for the dashboard's stream and the loggers."""
+        self._unpublished.append(point)
+        if self.state.spec is not None and self.state.spec.loggers:
+            self._unlogged.append(point)
+
+    def _job_loggers(self) -> JobLoggers | None:
+        s = self.state
+        if s.spec is None or not s.spec.loggers:
+            return None
+        if self._loggers is None:
+            # Steps past the history's newest were logged by no one who kept them (a resume from an
+            # older checkpoint, a silo that died before its state write): TensorBoard drops them.
+            after = history.last_training_step(s.history) or s.step
+            self._loggers = JobLoggers(s.spec, self.key, s.run, s.mlflow_run_id or None, self.run_in_thread, after)
+        return self._loggers
+
+    async def _log(self, *, checkpoint: int | None = None, end: JobStatus | None = None) -> None:
+        """The history's new points to the loggers (and a checkpoint, or the job's end); a
+        logger's failure becomes a warning of the job's."""
+        loggers = self._job_loggers()
+        if loggers is None:
+            return
+        s = self.state
+        points, self._unlogged = self._unlogged, []
+        await loggers.points(points, s.total_steps)
+        if checkpoint is not None:
+            await loggers.checkpoint(checkpoint)
+        if end is not None:
+            await loggers.end(end, s.step)
+            self._loggers = None
+        s.mlflow_run_id = loggers.mlflow_run_id or s.mlflow_run_id
+        failed = loggers.take_failures()
+        if failed:
+            s.warnings = [*s.warnings, *failed][-20:]
+            self._live = self._live.model_copy(update={"warnings": list(s.warnings)})
+
+    def _completed_steps(self, ps: list[TrainerProgress], rate: float) -> list[HistoryPoint]:
+        """A training point for each step every trainer has completed since the last one: the
+        mean of the trainers' points of that step (a trainer's reported points wait here until
+        the slowest trainer is past them). A point's step counts steps done, as ``state.step``."""
+        s = self.state
+        last = history.last_training_step(s.history) or 0
+        if s.step < last:  # went back (a rollback): what waits past it was abandoned
+            self._step_points = {k: v for k, v in self._step_points.items() if k <= s.step}
+            last = s.step
+        for p in ps:
+            for pt in p.points:
+                if pt.step + 1 > last:
+                    self._step_points.setdefault(pt.step + 1, {})[p.rank] = pt
+        out = []
+        for k in sorted(k for k in self._step_points if k <= s.step):
+            pts = list(self._step_points.pop(k).values())
+            out.append(HistoryPoint(step=k, loss=sum(pt.loss for pt in pts) / len(pts), samples_per_s=rate,
+                                    metrics=_mean_metrics([pt.metrics for pt in pts]), at=max(pt.at for pt in pts) or time.time()))  # fmt: skip
+        return out
 
     def _count(self, ps: list[TrainerProgress]) -> None:
         """Add the trainers' new steps since the last tick to the job's counters."""
@@ -467,6 +549,7 @@ class CoordinatorGrain(Grain):
         # The job's state stays readable from its checkpoints: free the grains' memory.
         await driver.release()
         s.released = True
+        await self._log(end=status)
         await self._write()
         self._live = self._status_from_state(
             samples_per_s=self._live.samples_per_s,
@@ -479,7 +562,7 @@ class CoordinatorGrain(Grain):
             shard_silos=self._live.shard_silos,
             skipped=self._live.skipped,
         )
-        await self._publish(evaluated=status == "completed")
+        await self._publish()
         ttl = s.spec.ttl_after_finished_s if s.spec is not None else None
         if ttl is not None:
             # A durable reminder, so the job is forgotten on time whatever becomes of this silo.
@@ -522,9 +605,13 @@ class CoordinatorGrain(Grain):
         return s.eval_metrics
 
     def _record_evaluation(self, done: Evaluation) -> None:
+        """An evaluation into the job's status and its history (at the evaluated step)."""
         s = self.state
         s.eval_metrics, s.eval_step, s.accuracy = done.metrics, done.step, done.metrics.get("accuracy")
         s.eval_silo, s.eval_device = done.silo, done.device
+        point = HistoryPoint(step=done.step, eval_metrics=dict(done.metrics), at=time.time())
+        history.add_evaluation(s.history, point)
+        self._recorded(point)
 
     # Mid-run evaluation reads a committed checkpoint: weights of one step (every holder's part
     # of the same step), labelled with it, every eval_every steps exactly (checkpoint_due makes
@@ -580,14 +667,8 @@ class CoordinatorGrain(Grain):
         done: Evaluation | None = task.result()
         if done is None:
             return None
-        step, metrics = done.step, done.metrics
-        s = self.state
         self._record_evaluation(done)
-        trained = [h for h in s.history if h.step <= step]
-        s.history.append(HistoryPoint(step=step, loss=trained[-1].loss if trained else s.loss or 0.0,
-                                      metrics=dict(trained[-1].metrics) if trained else {},
-                                      eval_metrics=dict(metrics), at=time.time()))  # fmt: skip
-        return step, metrics
+        return done.step, done.metrics
 
     async def _after_evaluation(self, step: int, metrics: dict[str, float]) -> str | None:
         """Keep the best checkpoint (``keep_best``) and tell the callbacks; the path of a callback
@@ -624,6 +705,7 @@ class CoordinatorGrain(Grain):
         spec = self.state.spec
         if spec is not None and spec.eval_every and step % spec.eval_every == 0 and step > self._last_eval_step:
             self.state.eval_pending = sorted({*self.state.eval_pending, step})
+        await self._log(checkpoint=step)
         await self._prune()
         if self.state.spec is not None and self.state.spec.callbacks:
             callbacks = await self._job_callbacks()
@@ -683,6 +765,9 @@ class CoordinatorGrain(Grain):
         s.committed_at = {c: s.committed_at.get(c, time.time()) for c in s.committed}
         s.total_steps = step
         s.eval_pending = []
+        history.truncate(s.history, step)  # the steps trained past it were abandoned with their checkpoints
+        self._unlogged = [h for h in self._unlogged if h.step <= step]
+        self._republish = True
         self._stop_evaluation()
         with contextlib.suppress(errors.RedgrainError):
             await checkpoint.drop_after(self, self.key, s.run, step)
@@ -714,20 +799,25 @@ class CoordinatorGrain(Grain):
             epoch=epochs, data_epoch=data_epoch, data_offset=data_offset, steps_run=s.steps_run, samples_run=s.samples_run, trainers=s.trainers, shards=len(s.shard_keys), generation=s.generation, run=s.run,
             checkpoints=list(s.committed), resumed_from=s.resumed_from, restarts=s.restarts, rollbacks=s.rollbacks, stopped_early=s.stopped_early, best_step=s.best_step,
             best_metric=(s.spec.keep_best or "").rpartition(":")[0] if s.spec is not None else "", best_value=s.best_value,
-            elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error,
+            elapsed_s=(end - s.started_at) if s.started_at else 0.0, error=s.error, warnings=list(s.warnings),
             trainer_keys=list(s.trainer_keys), shard_keys=list(s.shard_keys),
             mode=s.spec.mode if s.spec is not None else "", changes=list(s.changes), **live,
         )  # fmt: skip
 
-    async def _publish(self, *, evaluated: bool = False) -> bool:
-        """Write the dashboard's job record; True when an admin asked to cancel the job."""
+    async def _publish(self) -> bool:
+        """Write the dashboard's job record and the history's new points; True when an admin
+        asked to cancel the job."""
         from grains.training.progress import publish
 
+        s = self.state
+        restart, self._republish = self._republish, False
+        points, self._unpublished = (list(s.history) if restart else self._unpublished), []
         try:
-            s = self.state
-            return await publish(self, self._live, s.spec, s.trainer_keys, s.shard_keys, evaluated=evaluated,
-                                 checkpoint_at=s.committed_at)  # fmt: skip
+            return await publish(self, self._live, s.spec, s.trainer_keys, s.shard_keys, points=points,
+                                 restart=restart, checkpoint_at=s.committed_at)  # fmt: skip
         except errors.RedgrainError as exc:
+            # The next publish tries them again.
+            self._unpublished, self._republish = [*points, *self._unpublished][-history.LIMIT :], restart
             if not self._last_publish_failed:
                 log.warning("%s: publishing progress failed: %s", self.key, exc)
             self._last_publish_failed = True

@@ -1,25 +1,26 @@
 """A job's progress as the dashboard's records (grains/training/api/records.py).
 
 The coordinator calls :func:`publish` once a tick: it writes the job's
-``JobProgress`` and this tick's curve points, a training one always and an
-evaluation one when an evaluation finished at this tick, so training and
-evaluation figures never share a point (or a curve).
+``JobProgress`` and the points its history gained since the last publish
+(:mod:`grains.training.history`): the dashboard's curves are the job's history,
+a training point per completed step and an evaluation point at its checkpoint's
+step, so training and evaluation figures never share a point (or a curve).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from grains.base import Grain
 from grains.training.api.job import TrainingJob
-from grains.training.api.messages import TrainingStatus
+from grains.training.api.messages import HistoryPoint, TrainingStatus
 from grains.training.api.records import (
     CheckpointInfo,
+    JobPoint,
     JobProgress,
     Placement,
     RecoveryInfo,
-    job_points,
 )
 
 
@@ -74,6 +75,14 @@ def job_progress(
     )
 
 
+def history_point(point: HistoryPoint, bytes_per_step: int | None = None) -> JobPoint:
+    """A history point as a curve point of the dashboard's stream (its split: train or eval)."""
+    if point.eval_metrics is not None:
+        return JobPoint(step=point.step, split="eval", metrics=point.eval_metrics, at=point.at)
+    return JobPoint(step=point.step, split="train", loss=point.loss, metrics=point.metrics,
+                    samples_per_s=point.samples_per_s, bytes=bytes_per_step, at=point.at)  # fmt: skip
+
+
 async def publish(
     grain: Grain,
     st: TrainingStatus,
@@ -81,17 +90,16 @@ async def publish(
     trainer_keys: list[str],
     shard_keys: list[str],
     *,
-    evaluated: bool = False,
+    points: Sequence[HistoryPoint] = (),
+    restart: bool = False,
     checkpoint_at: Mapping[int, float] | None = None,
 ) -> bool:
-    """Publish the job's progress through the grain's silo; True when an admin asked to cancel.
+    """Publish the job's progress through the grain's silo, in one round trip; True when an
+    admin asked to cancel.
 
-    ``evaluated``: an evaluation finished at this tick (its figures are in
-    ``st.eval_metrics``, run at ``st.eval_step``), so an eval point is written too.
-    Each point is one ``publish_progress`` round trip (the record rides with each).
+    ``points``: what the job's history gained since the last publish (none: the record alone);
+    ``restart``: they are the whole history, which lost points (an early stop, a rollback).
     """
     progress = job_progress(st, spec, trainer_keys, shard_keys, checkpoint_at=checkpoint_at)
-    cancel = False
-    for point in job_points(progress, evaluated=evaluated):
-        cancel = await grain.publish_progress(progress.job, progress, point.fields()) or cancel
-    return cancel
+    fields = [history_point(p, progress.bytes_per_step).fields() for p in points]
+    return await grain.publish_progress(progress.job, progress, fields, restart_history=restart)

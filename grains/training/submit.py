@@ -15,6 +15,7 @@ from grains.training.api.callbacks import Callbacks
 from grains.training.api.job import TrainingJob
 from grains.training.data.batches import Batches, batch_samples, collate_function, job_batches
 from grains.training.datasets import dataset_size, load_dataset
+from grains.training.loggers import check_loggers
 from grains.training.loop.optim import (
     build_optimizer,
     build_schedule,
@@ -51,6 +52,7 @@ def check_job(spec: TrainingJob) -> ModelLayout:
         if spec.init_optimizer and opt is not None:
             read_init_optimizer(spec.init_from, model, opt)
     Callbacks(spec.callbacks)  # their import paths and constructors, at submit
+    check_loggers(spec)
     program = Program.of(spec)
     with torch.random.fork_rng(devices=[]):
         try:

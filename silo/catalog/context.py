@@ -11,7 +11,7 @@ the Redis the silo publishes through).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from grains.context import DeactivationReason, TimerHandle
@@ -175,11 +175,13 @@ class ActivationContext:
         return keys.rendezvous(name, generation)  # type: ignore[no-any-return]
 
     # --- progress ---------------------------------------------------------------------------
-    async def publish_progress(self, job: str, record: str, point: Mapping[str, str] | None) -> bool:
+    async def publish_progress(
+        self, job: str, record: str, point: Mapping[str, str] | Sequence[Mapping[str, str]] | None, *, restart: bool = False
+    ) -> bool:
         redis, keys = getattr(self._runtime, "redis", None), getattr(self._runtime, "keys", None)
         if redis is None or keys is None:  # a runtime without Redis (unit tests): nobody reads it
             return False
-        return await publish_progress(redis, keys, job, record, point)
+        return await publish_progress(redis, keys, job, record, point, restart=restart)
 
     async def forget_progress(self, job: str) -> None:
         redis, keys = getattr(self._runtime, "redis", None), getattr(self._runtime, "keys", None)

@@ -26,6 +26,8 @@ DEFAULT_STEP = "grains.training.steps:classification_step"
 DEFAULT_EVALUATE = "grains.training.steps:classification_metrics"
 DEFAULT_LOSS = "grains.training.steps:classification_loss"
 """Pipeline mode's loss when the job names none: cross-entropy on the last stage's output."""
+LOGGER_NAMES = ("tensorboard", "mlflow")
+"""What ``loggers`` may name (:mod:`grains.training.loggers`)."""
 
 
 class TrainingJob(BaseModel):
@@ -170,6 +172,31 @@ class TrainingJob(BaseModel):
         description="`eval.<metric>:max|min`: also keep the checkpoint whose mid-run evaluation was best"
         " (state_dict(best=True)), beside the newest ones.",
     )
+
+    loggers: list[str] = Field(
+        default_factory=list,
+        description="Where the job's metrics, learning rate and checkpoint events are also written: tensorboard"
+        " (event files in log_dir/<job>/run-<run>), mlflow (a run in mlflow_tracking_uri). Written by the"
+        " coordinator's silo; a logger that fails is turned off with a warning, the job goes on.",
+    )
+    log_dir: str = Field(
+        "runs", min_length=1,
+        description="The loggers' directory on the coordinator's silo; a relative one is resolved against"
+        " that silo process's working directory (give an absolute path on a shared disk in a cluster).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="The mlflow logger's tracking URI (a server, a file: URI); default: a file store in log_dir/mlruns."
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in LOGGER_NAMES:
+                raise ValueError(f"unknown logger {name!r}: use {' or '.join(map(repr, LOGGER_NAMES))}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"loggers {v} name a logger twice")
+        return v
 
     @field_validator("callbacks")
     @classmethod

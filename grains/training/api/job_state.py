@@ -79,4 +79,8 @@ class JobState(BaseModel):
     """``keep_best``: the step of the best evaluation, whose checkpoint is kept."""
     best_value: float | None = None
     error: str = ""
+    warnings: list[str] = Field(default_factory=list)
+    """What went wrong without failing the job (a logger turned off), last 20."""
+    mlflow_run_id: str = ""
+    """The mlflow logger's run of this run of the job (a re-activated coordinator logs on in it)."""
     history: list[HistoryPoint] = Field(default_factory=list)

@@ -128,7 +128,7 @@ class StepPoint(BaseModel):
     """What the job's step function returned beside the loss, on this trainer's batch
     (the default classification step: ``accuracy``)."""
     at: float = 0.0
-    """Wall-clock time the step was committed (all-reduce mode)."""
+    """Wall-clock time the step was committed."""
 
 
 class TrainerProgress(BaseModel):
@@ -193,15 +193,17 @@ class GroupChange(BaseModel):
 
 
 class HistoryPoint(BaseModel):
-    """One coordinator tick: training figures (mean over trainers), and evaluation ones when
-    an evaluation finished at this point (never mixed: separate fields, separate curves)."""
+    """One point of the job's curves (:mod:`grains.training.history`): a training point
+    (``loss``, ``metrics``: the trainers' mean at ``step``) or an evaluation point
+    (``eval_metrics``: the evaluation of checkpoint ``step``), never both."""
 
     step: int
-    loss: float
+    loss: float | None = None
+    """Training loss at ``step`` (None on an evaluation point)."""
     metrics: dict[str, float] = Field(default_factory=dict)
-    """Training metrics of the step function, averaged over the trainers' latest steps."""
+    """Training metrics of the step function, averaged over the trainers (empty on an evaluation point)."""
     eval_metrics: dict[str, float] | None = None
-    """The evaluation that finished at this point (None: none did)."""
+    """The evaluation of checkpoint ``step`` (None: a training point)."""
     samples_per_s: float = 0.0
     at: float = 0.0
 
@@ -270,6 +272,8 @@ class TrainingStatus(BaseModel):
     """Times every grain went back to the last checkpoint (a shard or the coordinator was lost)."""
     elapsed_s: float = 0.0
     error: str = ""
+    warnings: list[str] = Field(default_factory=list)
+    """What went wrong without failing the job (a logger turned off), oldest first (last 20)."""
     mode: str = ""
     changes: list[GroupChange] = Field(default_factory=list)
     """All-reduce group re-formings and elastic trainer additions, oldest first (last 20)."""

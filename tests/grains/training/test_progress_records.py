@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from grains.training import progress
-from grains.training.api.messages import GroupChange, TrainingStatus
+from grains.training.api.messages import GroupChange, HistoryPoint, TrainingStatus
 from grains.training.api.records import JobPoint, JobProgress, job_points
 from grains.training.console import metric_text, metrics_text
 
@@ -110,25 +110,29 @@ class FakeGrain:
     """What ``progress.publish`` needs of a grain: ``publish_progress`` (recorded here)."""
 
     def __init__(self, cancel: bool = False) -> None:
-        self.calls: list[tuple[str, BaseModel, dict[str, Any]]] = []
+        self.calls: list[tuple[str, BaseModel, list[dict[str, Any]], bool]] = []
         self.cancel = cancel
 
-    async def publish_progress(self, job: str, record: BaseModel, point: Mapping[str, Any] | None = None) -> bool:
-        self.calls.append((job, record, dict(point or {})))
+    async def publish_progress(
+        self, job: str, record: BaseModel, point: list[Mapping[str, Any]], *, restart_history: bool = False
+    ) -> bool:
+        self.calls.append((job, record, [dict(p) for p in point], restart_history))
         return self.cancel
 
 
-async def test_publish_writes_a_train_point_and_an_eval_point_when_evaluated() -> None:
+async def test_publish_writes_the_history_points_it_is_given_in_one_call() -> None:
     grain = FakeGrain()
     assert not await progress.publish(grain, status(), None, [], [])  # type: ignore[arg-type]
-    assert [c[2]["split"] for c in grain.calls] == ["train"]
+    assert [c[2] for c in grain.calls] == [[]]  # the record alone
     grain.calls.clear()
-    assert not await progress.publish(grain, status(), None, [], [], evaluated=True)  # type: ignore[arg-type]
-    (_, record, train), (_, _, ev) = grain.calls
-    assert isinstance(record, JobProgress) and record.eval_metrics == {"loss": 0.28, "accuracy": 0.961}
+    points = [HistoryPoint(step=30, loss=0.31, metrics={"acc": 0.91}, samples_per_s=5.0, at=7.0),
+              HistoryPoint(step=30, eval_metrics={"loss": 0.28, "accuracy": 0.961}, at=8.0)]  # fmt: skip
+    assert not await progress.publish(grain, status(), None, [], [], points=points)  # type: ignore[arg-type]
+    ((_, record, (train, ev), restart),) = grain.calls
+    assert isinstance(record, JobProgress) and record.eval_metrics == {"loss": 0.28, "accuracy": 0.961} and not restart
     assert JobPoint.from_fields(train).metrics == {"acc": 0.91} and JobPoint.from_fields(train).loss == 0.31
-    assert JobPoint.from_fields(ev) == JobPoint(step=30, split="eval", metrics={"loss": 0.28, "accuracy": 0.961}, at=record.updated_at)
-    assert await progress.publish(FakeGrain(cancel=True), status(), None, [], [], evaluated=True)  # type: ignore[arg-type]
+    assert JobPoint.from_fields(ev) == JobPoint(step=30, split="eval", metrics={"loss": 0.28, "accuracy": 0.961}, at=8.0)
+    assert await progress.publish(FakeGrain(cancel=True), status(), None, [], [], points=points, restart=True)  # type: ignore[arg-type]
 
 
 def test_the_status_line_names_each_metric_and_labels_evaluation() -> None:

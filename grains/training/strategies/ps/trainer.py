@@ -397,7 +397,7 @@ class TrainerGrain(Grain):
             p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
         p.mean_staleness = self._staleness_sum / max(1, self._replies)
         p.skipped += r.skip
-        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics))
+        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=time.time()))
 
     def statistics(self) -> TrainerStatistics:
         p = self._p
