@@ -250,7 +250,15 @@ class StreamSettings(_Section):
     )
     batch: int = Field(64, gt=0, description="Items read from one stream key at a time.")
     delivery_timeout_s: float = Field(
-        30.0, gt=0, description="Deadline of one on_stream_item delivery (it is retried until it runs)."
+        30.0, gt=0, description="Deadline of one attempt at delivering an item to an @subscribes grain."
+    )
+    max_attempts: int = Field(
+        5, ge=1, description="Attempts at one item (any failure counts: the grain raised, the attempt outlasted"
+        " delivery_timeout_s, no silo could run it) before it goes to the namespace's dead-letter stream"
+        " and the key's next item follows.",
+    )
+    dead_letter_maxlen: int = Field(
+        10_000, gt=0, description="Entries a namespace's dead-letter stream keeps, about (XADD MAXLEN ~)."
     )
 
 

@@ -33,11 +33,17 @@ keys uses one Redis connection for them). Each item is a call of the internal
 ``__stream__`` method (``silo/catalog/internal.py``), sent by the silo's router
 like any call (activating the grain where placement puts it, retried by the
 router's one policy until ``delivery_timeout_s``: a silo not serving, a
-mailbox shedding load), then ``XACK``-ed. Failures of the runtime that
-outlast that deadline (silo gone, timeout, Redis) are retried here, with
-backoff, until the item runs: order is kept rather than skipping. An exception raised by the grain's own
-``on_stream_item`` is logged, counted and acknowledged (a poison item must not
-stop its key), as is an item this silo cannot decode.
+mailbox shedding load), then ``XACK``-ed. An attempt that fails (the grain
+raised, the attempt outlasted its deadline and its turn was cancelled, no silo
+could run it) is made again, with backoff, up to ``max_attempts`` in all; then
+the item goes to the namespace's dead-letter stream (``keys.stream_dead_letters``:
+the item's blob, its key, token, the error and traceback) and is acknowledged,
+so one item holds its key up for at most ``max_attempts`` deadlines and the
+backoff between them, and is never dropped unseen. An item this silo cannot
+decode goes there at once. The dead letter is written before the ``XACK``: a
+silo dying between the two leaves the item pending, so it comes again (a
+second dead letter at worst, never none). Attempts are counted by the holder:
+a key that moves to another silo starts its count again.
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ RETRIED = (
     errors.OverloadedError,
     errors.StorageError,
 )
-"""Failures of the runtime, not of the grain: the item is delivered again until it runs."""
+"""Failures of the runtime, not of the grain: on a key being handed over they leave the item
+unacknowledged, for the next holder (not counted against its attempts here)."""
 
 # KEYS: leases.  ARGV: holder, ttl ms.  1 per lease still ours (TTL renewed), 0 per lost one.
 _RENEW = """
@@ -107,9 +114,11 @@ class StreamAgentStatistics:
     delivered: int
     """Items whose on_stream_item returned (acknowledged)."""
     failed: int
-    """Items acknowledged without a successful turn: the grain raised, or the item was undecodable."""
+    """Items acknowledged without a successful turn: every attempt failed, or the item was undecodable."""
+    dead_lettered: int
+    """Entries written to the namespace's dead-letter stream (``keys.stream_dead_letters``)."""
     retries: int
-    """Deliveries retried after a runtime failure (silo gone, timeout, Redis)."""
+    """Attempts made again after a failed one (the grain raised, a timeout, no silo could run it)."""
     claimed: int
     """Pending entries taken over from the group (another silo's, or our own earlier read)."""
     trimmed: int
@@ -141,6 +150,14 @@ def _owner(candidates: list[str], namespace: str, key: str) -> str | None:
         if best is None or score > best_score:
             best, best_score = c, score
     return best
+
+
+def _describe(exc: Exception) -> tuple[str, str]:
+    """One line naming the failure (the grain's own exception type, not the wrapper's), and the
+    remote traceback when there is one."""
+    if isinstance(exc, errors.RemoteGrainError):
+        return f"{exc.type_name}: {exc.message}", exc.traceback_text
+    return f"{type(exc).__name__}: {exc}", ""
 
 
 def _text(value: bytes | str) -> str:
@@ -179,6 +196,7 @@ class StreamAgent:
         self._renew_script = redis.register_script(_RENEW)
         self._release_script = redis.register_script(_RELEASE)
         self._delivered = self._failed = self._retries = self._claimed = self._trimmed = 0
+        self._dead_lettered = 0
 
     # --- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -374,28 +392,73 @@ class StreamAgent:
             item = self._codec.loads(blob)
         except errors.CodecError as exc:
             self._failed += 1
-            log.warning("streams: item %s of %s/%s cannot be decoded here, skipped: %s", token, self.namespace, k.key, exc)
+            log.warning("streams: item %s of %s/%s cannot be decoded here: %s", token, self.namespace, k.key, exc)
+            await self._dead_letter(k, token, blob, f"cannot be decoded on {self.me}: {exc}", 0)
             await self._ack(k, entry_id)
             return
+        call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
+        if await self._attempt(k, call, token, blob):
+            await self._ack(k, entry_id)
+
+    async def _attempt(self, k: _Key, call: Call, token: str, blob: bytes | None) -> bool:
+        """Run one internal call up to ``max_attempts`` times; after the last failure it goes to
+        the dead-letter stream. True: acknowledge it; False: the key is no longer ours (the next
+        holder delivers it again)."""
         delay = 0.05
-        while True:
+        for attempt in range(1, self._settings.max_attempts + 1):
             try:
-                call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
                 await self._caller.invoke(call)
                 self._delivered += 1
-                break
-            except RETRIED as exc:
+                return True
+            except Exception as exc:  # noqa: BLE001 - the grain's own error counts as a runtime one does
+                error, trace = _describe(exc)
+                if isinstance(exc, RETRIED) and (k.stopping or self._closed):
+                    return False  # not the item's fault: whoever holds the key next delivers it
+                if attempt == self._settings.max_attempts:
+                    self._failed += 1
+                    log.warning(
+                        "streams: %s of %s/%s failed %d times, the last: %s; moved to the dead letters",
+                        token, self.namespace, k.key, attempt, error,
+                    )  # fmt: skip
+                    await self._dead_letter(k, token, blob, error, attempt, trace)
+                    return True
                 if k.stopping or self._closed:
-                    return  # no ack: whoever holds the key next delivers it
+                    return False
                 self._retries += 1
-                log.info("streams: delivery of %s to %s failed (%s), retrying", token, k.grain, exc)
+                log.info("streams: attempt %d at %s of %s failed (%s), retrying", attempt, token, k.grain, error)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-            except Exception as exc:  # noqa: BLE001 - the grain's own error: skip the item, keep the key
-                self._failed += 1
-                log.warning("streams: %s.on_stream_item(%s) raised %s: %s", k.grain, token, type(exc).__name__, exc)
-                break
-        await self._ack(k, entry_id)
+        raise AssertionError("unreachable: max_attempts >= 1")
+
+    async def _dead_letter(
+        self, k: _Key, token: str, blob: bytes | None, error: str, attempts: int, trace: str = ""
+    ) -> None:
+        """Keep what no turn took, before its acknowledgement: a silo dying between the two leaves
+        the item pending, delivered again (a dead letter twice at worst, never none)."""
+        entry: dict[Any, Any] = {
+            "key": k.key, "group": self.group, "token": token, "error": error[:2000],
+            "attempts": attempts, "silo": self.me,
+        }  # fmt: skip
+        if blob is not None:
+            entry[ITEM_FIELD] = blob
+        if trace:
+            entry["traceback"] = trace[-8000:]
+        delay = 0.05
+        while not k.lost:
+            try:
+                with redis_errors(f"write a dead letter of stream {self.namespace}/{k.key}"):
+                    await self._redis.xadd(
+                        self._keys.stream_dead_letters(self.namespace), entry,
+                        maxlen=self._settings.dead_letter_maxlen, approximate=True,
+                    )  # fmt: skip
+                self._dead_lettered += 1
+                return
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                log.warning("streams: %s (retrying)", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _ack(self, k: _Key, entry_id: bytes) -> None:
         # Until it lands (or the key is no longer ours): a later item acknowledged before an
@@ -457,6 +520,7 @@ class StreamAgent:
             keys_held=len(self._held),
             delivered=self._delivered,
             failed=self._failed,
+            dead_lettered=self._dead_lettered,
             retries=self._retries,
             claimed=self._claimed,
             trimmed=self._trimmed,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pydantic import BaseModel
 
 from grains import Grain, random_placement, subscribes
@@ -72,3 +74,21 @@ class Publisher(Grain):
                 if len(out) == count:
                     break
         return out
+
+
+@subscribes("slow")
+class Stuck(Grain):
+    """Never returns from item 1 (each attempt outlasts its deadline and is cancelled); records
+    the others."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        if item == 1:
+            await asyncio.Event().wait()  # cancelled at the attempt's deadline
+        self.state.seen.append(item)
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)

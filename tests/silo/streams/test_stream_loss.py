@@ -1,0 +1,75 @@
+"""Streams without silent loss: an item no turn takes goes to the namespace's dead-letter stream
+after ``max_attempts`` (and its key goes on), trimming that overtakes a subscriber is counted and
+told to it, retention by age runs on the silos' timer, stale namespace entries are pruned."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from silo.client import ClusterClient
+from silo.keys import Keys
+from silo.settings import StreamSettings
+from tests.silo.streams.grains import Picky, Stuck
+
+GRAINS = ("tests.silo.streams.grains",)
+FAST = StreamSettings(lease_s=1.5, discover_interval_s=0.1, block_ms=100)
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not await check():
+            await asyncio.sleep(0.05)
+
+
+def _text(fields: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in fields.items() if k != b"v"}
+
+
+async def test_a_slow_item_goes_to_the_dead_letters_after_its_attempts_and_its_key_goes_on(
+    cluster: Any, client: ClusterClient, cluster_name: str
+) -> None:
+    settings = FAST.model_copy(update={"delivery_timeout_s": 0.3, "max_attempts": 3})
+    (silo,) = await cluster(1, grains=GRAINS, streams=settings)
+    stream = client.stream("slow", "s")
+    tokens = [await stream.publish(i) for i in range(5)]
+    stuck = client.get_grain(Stuck, "s")
+
+    async def the_rest() -> bool:
+        return list(await stuck.seen()) == [0, 2, 3, 4]
+
+    await _eventually(the_rest)
+    (stats,) = [a.statistics() for a in silo.stream_agents if a.namespace == "slow"]
+    assert (stats.delivered, stats.failed, stats.dead_lettered, stats.retries) == (4, 1, 1, 2)
+    dead = await client.redis.xrange(Keys(cluster_name).stream_dead_letters("slow"))
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert client.codec.loads(fields[b"v"]) == 1  # the item itself is kept
+    shown = _text(fields)
+    assert (shown["key"], shown["group"], shown["token"], shown["attempts"]) == ("s", "Stuck", tokens[1], "3")
+    assert shown["error"].startswith("GrainTimeoutError")
+    # Acknowledged: the group has nothing pending, so no silo delivers it again.
+    groups = await client.redis.xinfo_groups(Keys(cluster_name).stream("slow", "s"))
+    assert [(g["name"], g["pending"]) for g in groups] == [(b"Stuck", 0)]
+
+
+async def test_an_item_the_grain_raises_on_is_retried_then_kept_as_a_dead_letter(
+    cluster: Any, client: ClusterClient, cluster_name: str
+) -> None:
+    settings = FAST.model_copy(update={"max_attempts": 2})
+    (silo,) = await cluster(1, grains=GRAINS, streams=settings)
+    stream = client.stream("poison", "q")
+    for i in range(4):
+        await stream.publish(i)
+
+    async def all_dead() -> bool:
+        return int(await client.redis.xlen(Keys(cluster_name).stream_dead_letters("poison"))) == 2
+
+    await _eventually(all_dead)
+    assert list(await client.get_grain(Picky, "q").seen()) == [0, 2]
+    dead = await client.redis.xrange(Keys(cluster_name).stream_dead_letters("poison"))
+    assert [client.codec.loads(f[b"v"]) for _, f in dead] == [1, 3]
+    assert [_text(f)["error"] for _, f in dead] == ["ValueError: odd item 1", "ValueError: odd item 3"]
+    (stats,) = [a.statistics() for a in silo.stream_agents if a.namespace == "poison"]
+    assert (stats.failed, stats.dead_lettered, stats.retries) == (2, 2, 2)
