@@ -30,7 +30,9 @@ from typing import Any, Protocol, Self, TypeVar
 
 T = TypeVar("T", bound=type)
 
-__all__ = ["Stream", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions", "token_order"]
+__all__ = [
+    "Stream", "StreamGap", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions", "token_order",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,22 @@ class StreamItem:
 
     item: Any
     token: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamGap:
+    """Items of a stream that retention trimmed before they were delivered to a ``@subscribes``
+    grain (``Grain.on_stream_gap``): those published after token ``after`` and before token
+    ``before`` (None: up to the newest; nothing came after them yet)."""
+
+    namespace: str
+    key: str
+    after: str
+    """The last token delivered before the gap (``"0-0"``: none yet)."""
+    before: str | None
+    """The token delivered next, the first after the gap (None: none published yet)."""
+    lost: int | None
+    """How many items were lost (None: Redis could not tell, after ``XDEL`` or an old group)."""
 
 
 class Subscription(Protocol):

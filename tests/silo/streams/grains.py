@@ -6,7 +6,7 @@ import asyncio
 
 from pydantic import BaseModel
 
-from grains import Grain, random_placement, subscribes
+from grains import Grain, StreamGap, random_placement, subscribes
 
 
 class Tick(BaseModel):
@@ -92,3 +92,22 @@ class Stuck(Grain):
 
     async def seen(self) -> list[int]:
         return list(self.state.seen)
+
+
+@subscribes("gappy")
+class Gappy(Grain):
+    """Records the items it gets and the gaps it is told of, in the order they came."""
+
+    class State(BaseModel):
+        log: list[str] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        self.state.log.append(str(item))
+        await self.write_state()
+
+    async def on_stream_gap(self, gap: StreamGap) -> None:
+        self.state.log.append(f"gap {gap.namespace}/{gap.key} after={gap.after} before={gap.before} lost={gap.lost}")
+        await self.write_state()
+
+    async def log(self) -> list[str]:
+        return list(self.state.log)

@@ -10,8 +10,8 @@ from typing import Any
 
 from silo.client import ClusterClient
 from silo.keys import Keys
-from silo.settings import StreamSettings
-from tests.silo.streams.grains import Picky, Stuck
+from silo.settings import ClientSettings, StreamSettings
+from tests.silo.streams.grains import Gappy, Picky, Stuck
 
 GRAINS = ("tests.silo.streams.grains",)
 FAST = StreamSettings(lease_s=1.5, discover_interval_s=0.1, block_ms=100)
@@ -73,3 +73,39 @@ async def test_an_item_the_grain_raises_on_is_retried_then_kept_as_a_dead_letter
     assert [_text(f)["error"] for _, f in dead] == ["ValueError: odd item 1", "ValueError: odd item 3"]
     (stats,) = [a.statistics() for a in silo.stream_agents if a.namespace == "poison"]
     assert (stats.failed, stats.dead_lettered, stats.retries) == (2, 2, 2)
+
+
+async def test_trimming_that_overtakes_a_subscriber_is_counted_and_told_to_its_grain(
+    cluster: Any, redis_url: str, cluster_name: str
+) -> None:
+    retention = FAST.model_copy(update={"maxlen": 5, "approximate_trim": False})
+    settings = ClientSettings(redis_url=redis_url, cluster=cluster_name, streams=retention)
+    async with await ClusterClient.connect(settings=settings) as client:
+        stream = client.stream("gappy", "g")
+        gappy = client.get_grain(Gappy, "g")
+        (first,) = await cluster(1, grains=GRAINS, streams=retention)
+        tokens = [await stream.publish(i) for i in range(3)]
+
+        async def log_is(expected: list[str]) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return list(await gappy.log()) == expected
+
+            return check
+
+        await _eventually(await log_is(["0", "1", "2"]))
+        await first.stop()  # nobody delivers while 17 more are published, 12 of them trimmed unread
+        tokens += [await stream.publish(i) for i in range(3, 20)]
+        # And a key whose burst overran maxlen before any silo delivered it.
+        late = [await client.stream("gappy", "late").publish(i) for i in range(8)]
+        (second,) = await cluster(1, grains=GRAINS, streams=retention)
+        gap = f"gap gappy/g after={tokens[2]} before={tokens[15]} lost=12"
+        await _eventually(await log_is(["0", "1", "2", gap, "15", "16", "17", "18", "19"]))
+        (stats,) = [a.statistics() for a in second.stream_agents if a.namespace == "gappy"]
+        expected = [f"gap gappy/late after=0-0 before={late[3]} lost=3", "3", "4", "5", "6", "7"]
+
+        async def late_log() -> bool:
+            return list(await client.get_grain(Gappy, "late").log()) == expected
+
+        await _eventually(late_log)
+        (stats,) = [a.statistics() for a in second.stream_agents if a.namespace == "gappy"]
+        assert (stats.trimmed, stats.gaps, stats.delivered) == (12 + 3, 2, 5 + 5)
