@@ -24,6 +24,7 @@ resumes after ``t``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
@@ -123,10 +124,28 @@ def subscribes(*namespaces: str) -> Callable[[T], T]:
 
         if getattr(cls, "on_stream_item", None) in (None, Grain.on_stream_item):
             raise TypeError(f"{cls.__qualname__} is @subscribes but has no on_stream_item(item, token)")
+        # Refused here, at import, rather than failing every item at run time.
+        _check_handler(cls, "on_stream_item", "item, token")
+        _check_handler(cls, "on_stream_gap", "gap")
         type.__setattr__(cls, "__rg_subscribes__", checked)
         return cls
 
     return mark
+
+
+def _check_handler(cls: type, name: str, params: str) -> None:
+    """``cls.name`` must be a coroutine function the runtime can call with ``params`` positionally."""
+    fn = getattr(cls, name)
+    reason = ""
+    if not inspect.iscoroutinefunction(fn):
+        reason = "it is not a coroutine function"
+    else:
+        try:
+            inspect.signature(fn).bind(*(None for _ in range(1 + params.count(",") + 1)))
+        except TypeError as exc:
+            reason = str(exc)
+    if reason:
+        raise TypeError(f"{cls.__qualname__}.{name} must be `async def {name}(self, {params})`: {reason}")
 
 
 def subscriptions(cls: type) -> tuple[str, ...]:

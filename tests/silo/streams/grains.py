@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from pydantic import BaseModel
 
-from grains import Grain, StreamGap, random_placement, subscribes
+from grains import Grain, StreamGap, incoming_filter, random_placement, subscribes
 
 
 class Tick(BaseModel):
@@ -111,3 +112,35 @@ class Gappy(Grain):
 
     async def log(self) -> list[str]:
         return list(self.state.log)
+
+
+async def refuse_thirteen(ctx: Any, call_next: Any) -> Any:
+    """A class's incoming filter: sees each stream item as a call of ``__stream__`` with
+    ``(namespace, item, token)``, and refuses item 13 (the grain never runs it)."""
+    ctx.activation.instance.filtered.append(ctx.method)
+    if ctx.method == "__stream__" and ctx.args[1] == 13:
+        raise PermissionError("13 is refused by the filter")
+    return await call_next(ctx)
+
+
+@incoming_filter(refuse_thirteen)
+@subscribes("filtered")
+class Filtered(Grain):
+    """Records the items that got through its filter; ``filtered`` lists every method it saw."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filtered: list[str] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        self.state.seen.append(item)
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)
+
+    async def methods(self) -> list[str]:
+        return list(self.filtered)

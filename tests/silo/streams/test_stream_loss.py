@@ -8,10 +8,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
+from grains import Grain, subscribes
 from silo.client import ClusterClient
 from silo.keys import Keys
 from silo.settings import ClientSettings, StreamSettings
-from tests.silo.streams.grains import Gappy, Picky, Stuck
+from tests.silo.streams.grains import Filtered, Gappy, Picky, Stuck
 
 GRAINS = ("tests.silo.streams.grains",)
 FAST = StreamSettings(lease_s=1.5, discover_interval_s=0.1, block_ms=100)
@@ -109,3 +112,57 @@ async def test_trimming_that_overtakes_a_subscriber_is_counted_and_told_to_its_g
         await _eventually(late_log)
         (stats,) = [a.statistics() for a in second.stream_agents if a.namespace == "gappy"]
         assert (stats.trimmed, stats.gaps, stats.delivered) == (12 + 3, 2, 5 + 5)
+
+
+async def test_incoming_filters_see_stream_deliveries(cluster: Any, client: ClusterClient, cluster_name: str) -> None:
+    await cluster(1, grains=GRAINS, streams=FAST.model_copy(update={"max_attempts": 1}))
+    stream = client.stream("filtered", "f")
+    for i in (12, 13, 14):
+        await stream.publish(i)
+    grain = client.get_grain(Filtered, "f")
+
+    async def dead() -> bool:
+        return int(await client.redis.xlen(Keys(cluster_name).stream_dead_letters("filtered"))) == 1
+
+    async def the_others() -> bool:
+        return list(await grain.seen()) == [12, 14]
+
+    await _eventually(dead)
+    await _eventually(the_others)
+    (_, fields), = await client.redis.xrange(Keys(cluster_name).stream_dead_letters("filtered"))
+    assert _text(fields)["error"] == "PermissionError: 13 is refused by the filter"
+    assert list(await grain.methods())[:3] == ["__stream__"] * 3
+
+
+def test_a_subscribes_handler_with_the_wrong_signature_is_refused_at_class_definition() -> None:
+    with pytest.raises(TypeError, match=r"Bad\.on_stream_item must be `async def on_stream_item\(self, item, token\)`: too many positional"):
+
+        @subscribes("x")
+        class Bad(Grain):
+            async def on_stream_item(self, item: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"Sync\.on_stream_item must be `async def.*not a coroutine function"):
+
+        @subscribes("x")
+        class Sync(Grain):
+            def on_stream_item(self, item: int, token: str) -> None: ...  # type: ignore[override]
+
+    with pytest.raises(TypeError, match=r"Keyword\.on_stream_item must be.*missing a required argument: .extra."):
+
+        @subscribes("x")
+        class Keyword(Grain):
+            async def on_stream_item(self, item: int, token: str, *, extra: int) -> None: ...  # type: ignore[override]
+
+    with pytest.raises(TypeError, match=r"GapBad\.on_stream_gap must be `async def on_stream_gap\(self, gap\)`"):
+
+        @subscribes("x")
+        class GapBad(Grain):
+            async def on_stream_item(self, item: int, token: str) -> None: ...
+
+            async def on_stream_gap(self) -> None: ...  # type: ignore[override]
+
+    @subscribes("x")
+    class Fine(Grain):  # defaults and *args are fine: the runtime passes two positionals
+        async def on_stream_item(self, item: int, *rest: Any, flag: bool = False) -> None: ...
+
+    assert Fine.__rg_subscribes__ == ("x",)  # type: ignore[attr-defined]
