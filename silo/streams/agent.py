@@ -381,7 +381,14 @@ class StreamAgent:
             await self._recover(k)
             while not k.stopping:
                 if not k.queue:
-                    read = await self._read_new(k)
+                    try:
+                        read = await self._read_new(k)
+                    except errors.StorageError as exc:
+                        if "NOGROUP" not in str(exc):
+                            raise
+                        # Deleted by a retention sweep (empty, nothing owed) and published to again.
+                        await self._ensure_group(k)
+                        continue
                     if not read:
                         k.idle = True
                         self._wake.set()

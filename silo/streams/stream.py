@@ -6,10 +6,12 @@ wire's rules, never pickle), and whose entry id is the item's *token*. A
 publish is one pipeline: the namespace into ``keys.stream_namespaces``, the
 key into ``keys.stream_keys(namespace)`` (how silos find keys to deliver to
 ``@subscribes`` grains: ``agent.py``), the ``XADD`` with ``MAXLEN`` and, with
-a max age, an ``XTRIM MINID`` (retention: ``StreamSettings``). The sets come
-first, so a key is never in a stream without being findable; the pipeline is
-not a transaction, so a future Redis Cluster may put the stream in a slot of
-its own.
+a max age, an ``XTRIM MINID`` (retention: ``StreamSettings``; the silos also
+trim by age on a timer, ``retention.py``), then both sets again. The sets come
+first, so a key is never in a stream without being findable, and again last,
+so a retention sweep pruning them meanwhile cannot leave the key out; the
+pipeline is not a transaction, so a future Redis Cluster may put the stream in
+a slot of its own.
 
 An explicit subscription is a plain reader (``XREAD BLOCK`` from a position it
 keeps): no consumer group, nothing stored in Redis, nothing to clean up when
@@ -109,6 +111,10 @@ class RedisStream:
         if cfg.max_age_s is not None:
             oldest_ms = int((s.clock() - cfg.max_age_s) * 1000)
             pipe.xtrim(self._redis_key, minid=f"{max(oldest_ms, 0)}-0", approximate=cfg.approximate_trim)
+        # Again after the XADD: a retention sweep (retention.py) that removed them meanwhile,
+        # finding no stream yet, cannot leave this one out of its sets.
+        pipe.sadd(s.keys.stream_keys(self._namespace), self._key)
+        pipe.sadd(s.keys.stream_namespaces, self._namespace)
         with redis_errors(f"publish to stream {self._namespace}/{self._key}"):
             replies = await pipe.execute()
         token = replies[2]

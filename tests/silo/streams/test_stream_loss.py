@@ -5,6 +5,7 @@ told to it, retention by age runs on the silos' timer, stale namespace entries a
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -166,3 +167,45 @@ def test_a_subscribes_handler_with_the_wrong_signature_is_refused_at_class_defin
         async def on_stream_item(self, item: int, *rest: Any, flag: bool = False) -> None: ...
 
     assert Fine.__rg_subscribes__ == ("x",)  # type: ignore[attr-defined]
+
+
+async def test_silos_trim_by_age_on_a_timer_and_prune_what_streams_leave_behind(
+    cluster: Any, client: ClusterClient, cluster_name: str
+) -> None:
+    k = Keys(cluster_name)
+    now_ms = int(time.time() * 1000)
+
+    async def published(ns: str, key: str, *ages_ms: int) -> None:
+        """Items written as a publish would have written them that long ago (nobody publishes since)."""
+        await client.redis.sadd(k.stream_namespaces, ns)
+        await client.redis.sadd(k.stream_keys(ns), key)
+        for age in ages_ms:
+            await client.redis.xadd(k.stream(ns, key), {"v": client.codec.dumps(age)}, id=f"{now_ms - age}-0")
+
+    await published("metrics", "old", 180_000, 120_000)  # every item too old: the stream goes
+    await published("metrics", "mixed", 180_000, 1_000)  # one item kept
+    await published("quiet", "a", 300_000)  # the namespace's only key goes, and the namespace
+    await client.redis.sadd(k.stream_keys("metrics"), "never-written")  # a set entry with no stream
+    # A subscriber's group that has not read its stream keeps it (its gap is still owed to it).
+    await published("owed", "o", 200_000)
+    await client.redis.xgroup_create(k.stream("owed", "o"), "Someone", id="0", entries_read=0)
+
+    settings = FAST.model_copy(update={"max_age_s": 60.0, "retention_interval_s": 0.1})
+    (silo,) = await cluster(1, grains=GRAINS, streams=settings)
+
+    async def swept() -> bool:
+        return silo.stream_retention.statistics().sweeps >= 2
+
+    await _eventually(swept)
+    assert await client.redis.smembers(k.stream_namespaces) == {b"metrics", b"owed"}
+    assert await client.redis.smembers(k.stream_keys("metrics")) == {b"mixed"}
+    assert not await client.redis.exists(k.stream("metrics", "old"), k.stream("quiet", "a"))
+    # Approximate trimming (the default) drops whole nodes: an old item beside a young one may stay.
+    kept = await client.redis.xrange(k.stream("metrics", "mixed"))
+    assert [client.codec.loads(f[b"v"]) for _, f in kept] == [180_000, 1_000]
+    assert await client.redis.xlen(k.stream("owed", "o")) == 0 and await client.redis.exists(k.stream("owed", "o"))
+    stats = silo.stream_retention.statistics()
+    assert (stats.trimmed, stats.streams_deleted, stats.keys_pruned, stats.namespaces_pruned) == (4, 2, 3, 1)
+    # A publish after the sweep finds its stream again: sets and stream come back together.
+    await client.stream("quiet", "a").publish("again")
+    assert await client.redis.smembers(k.stream_keys("quiet")) == {b"a"}
