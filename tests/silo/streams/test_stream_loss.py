@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from grains import Grain, subscribes
+from silo import errors
 from silo.client import ClusterClient
 from silo.keys import Keys
 from silo.settings import ClientSettings, StreamSettings
@@ -209,3 +210,31 @@ async def test_silos_trim_by_age_on_a_timer_and_prune_what_streams_leave_behind(
     # A publish after the sweep finds its stream again: sets and stream come back together.
     await client.stream("quiet", "a").publish("again")
     assert await client.redis.smembers(k.stream_keys("quiet")) == {b"a"}
+
+
+async def test_trimming_that_overtakes_an_explicit_subscription_raises_the_gap_and_it_goes_on(
+    redis_url: str, cluster_name: str
+) -> None:
+    retention = StreamSettings(maxlen=5, approximate_trim=False, block_ms=100)
+    settings = ClientSettings(redis_url=redis_url, cluster=cluster_name, streams=retention)
+    async with await ClusterClient.connect(settings=settings) as client:
+        stream = client.stream("feed", "fast")
+        tokens = [await stream.publish(i) for i in range(3)]
+        sub = stream.subscribe(from_start=True)
+        assert [(await anext(sub)).item for _ in range(3)] == [0, 1, 2]
+        tokens += [await stream.publish(i) for i in range(3, 13)]  # keeps 8..12: 3..7 trimmed unread
+        with pytest.raises(errors.StreamGapError) as caught:
+            await anext(sub)
+        gap = caught.value
+        assert (gap.after, gap.before, gap.lost) == (tokens[2], tokens[8], 5)
+        assert str(gap) == f"stream feed/fast: 5 items after {tokens[2]} and before {tokens[8]} were trimmed unread"
+        assert [(await anext(sub)).item for _ in range(5)] == [8, 9, 10, 11, 12]  # and it goes on
+        # A subscription "from now" counts from its pin; "from the start" is owed only what is kept.
+        async with stream.subscribe() as later:
+            for i in range(13, 20):
+                await stream.publish(i)  # keeps 15..19
+            with pytest.raises(errors.StreamGapError, match="2 items after"):
+                await anext(later)
+            assert (await anext(later)).item == 15
+        fresh = stream.subscribe(from_start=True)
+        assert [(await anext(fresh)).item for _ in range(5)] == [15, 16, 17, 18, 19]
