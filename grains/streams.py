@@ -8,7 +8,8 @@ A stream is named by ``(namespace, key)`` and lives in Redis (the runtime's
   loop (or calls ``close()``);
 - **implicit**: a grain class marked ``@subscribes("chat")`` is activated per
   stream key of namespace ``chat`` (the grain's key is the stream key) and gets
-  each item as a turn, ``on_stream_item(item, token)``, in order, at least once.
+  each item as a turn, ``on_stream_item(item, token)``, in order, at least once
+  (items trimmed before delivery: ``on_stream_gap(StreamGap)``).
 
 ::
 
@@ -114,6 +115,10 @@ def subscribes(*namespaces: str) -> Callable[[T], T]:
     ``on_stream_item(item, token)`` as a turn for each item, in order per key,
     acknowledging it once the turn returned: at least once, even across a
     silo's death (the item may then come again; ``token`` tells duplicates).
+    An item that fails ``streams.max_attempts`` times goes to the namespace's
+    dead-letter stream; items retention trimmed before delivery are told to
+    ``on_stream_gap(gap)``. Both handlers are checked here: a ``TypeError`` if
+    one is not ``async`` or cannot take its arguments.
     """
     if not namespaces:
         raise ValueError("@subscribes needs at least one namespace")

@@ -45,7 +45,8 @@ class OrderLog(Grain):
 
 @subscribes("poison")
 class Picky(Grain):
-    """Raises on odd items: they are skipped (logged, counted), the even ones still arrive."""
+    """Raises on odd items: after ``max_attempts`` they go to the dead letters (logged, counted),
+    the even ones still arrive."""
 
     class State(BaseModel):
         seen: list[int] = []
