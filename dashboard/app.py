@@ -37,6 +37,7 @@ from silo.keys import Keys
 from silo.records import (
     LIVE,
     EventLog,
+    read_dead_letters,
     read_events,
     read_logs,
     read_reminders,
@@ -296,9 +297,12 @@ def create_app(
         limit: int = Query(200, ge=1, le=2000, description="Most streams listed."),
     ) -> m.StreamList:
         """Streams: items kept, the newest token, and per subscribing grain type (consumer group)
-        its lag, pending items, the silo delivering it and the group's consumers."""
+        its lag, pending items, the silo delivering it and the group's consumers; and each
+        namespace's dead letters (items no turn took after ``streams.max_attempts``)."""
         found, namespaces, truncated = await read_streams(r.redis, keys, namespace, limit)
-        return m.StreamList(streams=found, namespaces=namespaces, truncated=truncated)
+        wanted = [n for n in namespaces if namespace is None or n == namespace]
+        dead = await read_dead_letters(r.redis, keys, wanted)
+        return m.StreamList(streams=found, namespaces=namespaces, truncated=truncated, dead_letters=dead)
 
     @app.get("/api/logs", response_model=m.LogList, tags=["cluster"])
     async def logs(

@@ -21,6 +21,8 @@ from grains.training.api.records import (
 )
 from silo.records import (
     ClusterEvent,
+    DeadLetter,
+    DeadLetters,
     LoadPoint,
     LogEntry,
     ReminderInfo,
@@ -33,6 +35,8 @@ __all__ = [
     "CheckpointInfo",
     "ClusterEvent",
     "Config",
+    "DeadLetter",
+    "DeadLetters",
     "EventList",
     "GrainKeys",
     "GrainState",
@@ -244,6 +248,9 @@ class StreamList(BaseModel):
     streams: list[StreamInfo] = Field(description="By namespace and key.")
     namespaces: list[str] = Field(default_factory=list, description="Every stream namespace (for the filter).")
     truncated: bool = Field(default=False, description="More streams exist than `limit` listed.")
+    dead_letters: list[DeadLetters] = Field(
+        default_factory=list, description="Per namespace listed, items no subscriber's turn took (if any)."
+    )
 
 
 class LogList(BaseModel):

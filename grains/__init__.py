@@ -39,7 +39,7 @@ from grains.placement import (
 )
 from grains.ref import GrainRef, Ref
 from grains.startup import StartingSilo, on_silo_start
-from grains.streams import Stream, StreamItem, subscribes
+from grains.streams import Stream, StreamGap, StreamItem, subscribes
 
 __all__ = [
     "DeactivationReason",
@@ -55,6 +55,7 @@ __all__ = [
     "SiloAddress",
     "StartingSilo",
     "Stream",
+    "StreamGap",
     "StreamItem",
     "activation_count_placement",
     "deactivate_on",

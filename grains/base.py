@@ -37,7 +37,7 @@ from grains.observer import ObserverRef
 
 if TYPE_CHECKING:
     from grains.ref import GrainRef, Ref
-from grains.streams import Stream
+from grains.streams import Stream, StreamGap
 
 __all__ = ["DeactivationReason", "Grain"]
 
@@ -145,6 +145,12 @@ class Grain:
         """Override in a ``@subscribes`` class: one item of the stream keyed like this grain,
         as a turn, in order; acknowledged once it returns (at least once: see ``token``)."""
         raise NotImplementedError(f"{type(self).__qualname__} receives stream items but has no on_stream_item")
+
+    async def on_stream_gap(self, gap: StreamGap) -> None:
+        """Called (as a turn, in order, before the item after it) when retention trimmed items of
+        this grain's stream before they were delivered: ``gap.lost`` items between ``gap.after``
+        and ``gap.before``. The silo has logged and counted them already; override to act on it
+        (re-read a source, mark a view stale). Raising counts as a failed attempt, as for items."""
 
     # --- timers ------------------------------------------------------------
     def register_timer(

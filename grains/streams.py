@@ -8,7 +8,8 @@ A stream is named by ``(namespace, key)`` and lives in Redis (the runtime's
   loop (or calls ``close()``);
 - **implicit**: a grain class marked ``@subscribes("chat")`` is activated per
   stream key of namespace ``chat`` (the grain's key is the stream key) and gets
-  each item as a turn, ``on_stream_item(item, token)``, in order, at least once.
+  each item as a turn, ``on_stream_item(item, token)``, in order, at least once
+  (items trimmed before delivery: ``on_stream_gap(StreamGap)``).
 
 ::
 
@@ -24,13 +25,16 @@ resumes after ``t``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
 T = TypeVar("T", bound=type)
 
-__all__ = ["Stream", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions", "token_order"]
+__all__ = [
+    "Stream", "StreamGap", "StreamItem", "Subscription", "check_namespace", "subscribes", "subscriptions", "token_order",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,22 @@ class StreamItem:
 
     item: Any
     token: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamGap:
+    """Items of a stream that retention trimmed before they were delivered to a ``@subscribes``
+    grain (``Grain.on_stream_gap``): those published after token ``after`` and before token
+    ``before`` (None: up to the newest; nothing came after them yet)."""
+
+    namespace: str
+    key: str
+    after: str
+    """The last token delivered before the gap (``"0-0"``: none yet)."""
+    before: str | None
+    """The token delivered next, the first after the gap (None: none published yet)."""
+    lost: int | None
+    """How many items were lost (None: Redis could not tell, after ``XDEL`` or an old group)."""
 
 
 class Subscription(Protocol):
@@ -95,6 +115,10 @@ def subscribes(*namespaces: str) -> Callable[[T], T]:
     ``on_stream_item(item, token)`` as a turn for each item, in order per key,
     acknowledging it once the turn returned: at least once, even across a
     silo's death (the item may then come again; ``token`` tells duplicates).
+    An item that fails ``streams.max_attempts`` times goes to the namespace's
+    dead-letter stream; items retention trimmed before delivery are told to
+    ``on_stream_gap(gap)``. Both handlers are checked here: a ``TypeError`` if
+    one is not ``async`` or cannot take its arguments.
     """
     if not namespaces:
         raise ValueError("@subscribes needs at least one namespace")
@@ -105,10 +129,28 @@ def subscribes(*namespaces: str) -> Callable[[T], T]:
 
         if getattr(cls, "on_stream_item", None) in (None, Grain.on_stream_item):
             raise TypeError(f"{cls.__qualname__} is @subscribes but has no on_stream_item(item, token)")
+        # Refused here, at import, rather than failing every item at run time.
+        _check_handler(cls, "on_stream_item", "item, token")
+        _check_handler(cls, "on_stream_gap", "gap")
         type.__setattr__(cls, "__rg_subscribes__", checked)
         return cls
 
     return mark
+
+
+def _check_handler(cls: type, name: str, params: str) -> None:
+    """``cls.name`` must be a coroutine function the runtime can call with ``params`` positionally."""
+    fn = getattr(cls, name)
+    reason = ""
+    if not inspect.iscoroutinefunction(fn):
+        reason = "it is not a coroutine function"
+    else:
+        try:
+            inspect.signature(fn).bind(*(None for _ in range(1 + params.count(",") + 1)))
+        except TypeError as exc:
+            reason = str(exc)
+    if reason:
+        raise TypeError(f"{cls.__qualname__}.{name} must be `async def {name}(self, {params})`: {reason}")
 
 
 def subscriptions(cls: type) -> tuple[str, ...]:

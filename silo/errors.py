@@ -24,6 +24,7 @@
     ├── StorageError                 state could not be read or written (Redis down, slow)
     │   └── StateConflictError       etag or fencing check failed
     ├── CodecError                   bad frame / unknown type / oversized message
+    ├── StreamGapError               retention trimmed items before an explicit subscription read them
     └── ConfigError                  bad settings, bad job spec, bad import path
 
 Workloads add their own leaves under ``RedgrainError`` next to their code
@@ -229,6 +230,17 @@ class StateConflictError(StorageError):
 
 class CodecError(RedgrainError):
     """A frame or value could not be encoded or decoded."""
+
+
+class StreamGapError(RedgrainError):
+    """Retention trimmed items of a stream before this explicit subscription read them. The
+    subscription has moved past the gap: iterate it again for the items after it."""
+
+    def __init__(self, namespace: str, key: str, after: str, before: str | None, lost: int | None) -> None:
+        self.namespace, self.key, self.after, self.before, self.lost = namespace, key, after, before, lost
+        count = "items" if lost is None else f"{lost} item{'' if lost == 1 else 's'}"
+        upto = "the newest" if before is None else f"before {before}"
+        super().__init__(f"stream {namespace}/{key}: {count} after {after} and {upto} were trimmed unread")
 
 
 class ConfigError(RedgrainError):

@@ -324,6 +324,16 @@ class Keys:
         """Set of the stream keys of one namespace (how silos find keys to deliver)."""
         return self.prefix + f"streams:{namespace}"
 
+    @property
+    def stream_retention_lock(self) -> str:
+        """String with a TTL: the silo sweeping streams by age this interval (silo/streams/retention.py)."""
+        return self.prefix + "stream-retention"
+
+    def stream_dead_letters(self, namespace: str) -> str:
+        """Capped stream of the items of one namespace that no ``@subscribes`` turn took (fields
+        ``key``, ``group``, ``token``, ``v`` = the item's blob, ``error``, ``traceback``, ``attempts``, ``silo``)."""
+        return self.prefix + f"stream-dead:{namespace}"
+
 
 
 def chunk_key(base: str, version: str, index: int) -> str:

@@ -595,6 +595,55 @@ async def read_streams(
     return out, namespaces, truncated
 
 
+class DeadLetter(BaseModel):
+    """One item no ``@subscribes`` turn took (``keys.stream_dead_letters``, written by silo/streams/agent.py)."""
+
+    id: str = Field(description="The dead letter's own entry id (when it was written).")
+    key: str = Field(description="The stream key the item was published to.")
+    group: str = Field(description="The subscribing grain type that did not take it.")
+    token: str = Field(description="The item's token in its stream.")
+    error: str = Field(description="The last attempt's failure.")
+    attempts: int = Field(description="Attempts made (0: the item could not be decoded).")
+    silo: str = Field(description="The silo that gave up on it.")
+
+
+class DeadLetters(BaseModel):
+    """The dead-letter stream of one namespace: how many it keeps, and the newest."""
+
+    namespace: str
+    count: int = Field(description="Dead letters kept (the stream is capped at streams.dead_letter_maxlen).")
+    newest: list[DeadLetter] = Field(default_factory=list, description="Newest first.")
+
+
+async def read_dead_letters(
+    redis: aioredis.Redis, keys: Keys, namespaces: list[str], newest: int = 10
+) -> list[DeadLetters]:
+    """The dead letters of each namespace that has any: the count and the ``newest`` few."""
+    with redis_errors("read stream dead letters"):
+        async with redis.pipeline(transaction=False) as pipe:
+            for ns in namespaces:
+                pipe.xlen(keys.stream_dead_letters(ns))
+                pipe.xrevrange(keys.stream_dead_letters(ns), count=newest)
+            replies = await pipe.execute()
+    out = []
+    for i, ns in enumerate(namespaces):
+        count, entries = int(replies[2 * i]), replies[2 * i + 1]
+        if not count:
+            continue
+        letters = []
+        for entry_id, raw in entries:
+            f = {_text(k): _text(v) for k, v in raw.items() if k not in (b"v", "v")}
+            try:
+                letters.append(DeadLetter(
+                    id=_text(entry_id), key=f["key"], group=f["group"], token=f["token"],
+                    error=f.get("error", ""), attempts=int(f.get("attempts", 0)), silo=f.get("silo", ""),
+                ))  # fmt: skip
+            except (KeyError, ValueError):
+                continue  # an entry from another version: not ours to show
+        out.append(DeadLetters(namespace=ns, count=count, newest=letters))
+    return out
+
+
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
 

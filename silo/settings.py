@@ -231,7 +231,8 @@ class StreamSettings(_Section):
         100_000, gt=0, description="Items a stream keeps at most (trimmed on publish); None: no cap."
     )
     max_age_s: float | None = Field(
-        None, gt=0, description="Items older than this are trimmed on publish (by token time); None: no limit."
+        None, gt=0, description="Items older than this are trimmed on publish and by the silos every"
+        " retention_interval_s (by token time); None: no limit.",
     )
     approximate_trim: bool = Field(
         True,
@@ -250,7 +251,20 @@ class StreamSettings(_Section):
     )
     batch: int = Field(64, gt=0, description="Items read from one stream key at a time.")
     delivery_timeout_s: float = Field(
-        30.0, gt=0, description="Deadline of one on_stream_item delivery (it is retried until it runs)."
+        30.0, gt=0, description="Deadline of one attempt at delivering an item to an @subscribes grain."
+    )
+    max_attempts: int = Field(
+        5, ge=1, description="Attempts at one item (any failure counts: the grain raised, the attempt outlasted"
+        " delivery_timeout_s, no silo could run it) before it goes to the namespace's dead-letter stream"
+        " and the key's next item follows.",
+    )
+    retention_interval_s: float = Field(
+        30.0, gt=0, description="How often one silo of the cluster trims every stream to max_age_s (a stream"
+        " nobody publishes to is trimmed too), deletes empty streams no subscriber is owed anything from,"
+        " and prunes stream keys and namespaces left without a stream.",
+    )
+    dead_letter_maxlen: int = Field(
+        10_000, gt=0, description="Entries a namespace's dead-letter stream keeps, about (XADD MAXLEN ~)."
     )
 
 

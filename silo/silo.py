@@ -119,6 +119,7 @@ from silo.storage.checkpoint import Checkpoints
 from silo.storage.provider import REDIS, StorageProviders, directory_owner
 from silo.storage.store import RedisStateStore
 from silo.streams.agent import StreamAgent
+from silo.streams.retention import StreamRetention
 from silo.streams.stream import Streams
 from silo.tracing import Tracing
 
@@ -365,6 +366,9 @@ class Silo:
         )
         self._on_stop("observers", self.observers.close)
         self.streams = Streams(self.redis, self.keys, self.codec, s.streams, clock=self._clock)
+        self.stream_retention = StreamRetention(
+            redis=self.redis, keys=self.keys, settings=s.streams, me=str(me), clock=self._clock
+        )
         self.runtime = SiloRuntime(
             device=self.device,
             refs=self.refs,
@@ -552,6 +556,8 @@ class Silo:
         self.reminders.start(ticks_through(self.router, self.settings.reminders.delivery_timeout_s))
         self._on_stop("stream delivery", self._stop_stream_agents)
         self._start_stream_agents()
+        self._on_stop("stream retention", self.stream_retention.stop)
+        self.stream_retention.start()
 
     def _start_stream_agents(self) -> None:
         """Deliver the namespaces our ``@subscribes`` grain types subscribe to (last: it makes calls)."""
@@ -718,6 +724,7 @@ class Silo:
             "rebalancer": self.rebalancer.statistics(self.migrator),
             "housekeeping": self.housekeeper.statistics(),
             "streams": {f"{a.namespace}/{a.group}": dataclasses.asdict(a.statistics()) for a in self.stream_agents},
+            "stream_retention": self.stream_retention.statistics(),
         }
 
 

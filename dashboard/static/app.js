@@ -544,7 +544,16 @@ pages.streams = async () => {
       html += `<tr data-stream="${esc(x.namespace + "/" + x.key)}">${head}${tail}</tr>`;
     });
   }
-  return html + `</tbody></table></div>`;
+  html += `</tbody></table></div>`;
+  // Items no @subscribes turn took after streams.max_attempts: kept, never dropped unseen.
+  for (const d of r.dead_letters) {
+    html += `<h2 data-testid="dead-letters-${esc(d.namespace)}">Dead letters of ${esc(d.namespace)}: <span data-col="count">${num(d.count)}</span></h2>` +
+      `<div class="table-wrap"><table><thead><tr><th>Key</th><th>Subscriber</th><th>Token</th><th class="num">Attempts</th><th>Error</th><th>Given up by</th></tr></thead><tbody>` +
+      d.newest.map((x) => `<tr data-dead="${esc(d.namespace + "/" + x.key + "/" + x.token)}"><td>${esc(x.key)}</td><td>${link("/grains/" + enc(x.group), x.group)}</td>` +
+        `<td>${esc(x.token)}</td><td class="num">${num(x.attempts)}</td><td data-col="error">${esc(x.error)}</td><td>${esc(x.silo)}</td></tr>`).join("") +
+      `</tbody></table></div>`;
+  }
+  return html;
 };
 
 const LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"];

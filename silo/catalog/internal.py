@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from grains.streams import StreamGap
 from silo import errors
 
 if TYPE_CHECKING:
@@ -24,6 +25,9 @@ REMINDER_METHOD = "__reminder__"
 
 STREAM_METHOD = "__stream__"
 """A stream item; args: ``(namespace, item, token)``; runs ``on_stream_item(item, token)``."""
+
+STREAM_GAP_METHOD = "__stream_gap__"
+"""Items trimmed before delivery; args: ``(namespace, after, before, lost)``; runs ``on_stream_gap(gap)``."""
 
 Turn = Callable[[], Awaitable[Any]]
 TurnFactory = Callable[["Activation", tuple[Any, ...]], Turn]
@@ -53,7 +57,21 @@ def stream_turn(act: Activation, args: tuple[Any, ...]) -> Turn:
     return on_stream_item
 
 
+def stream_gap_turn(act: Activation, args: tuple[Any, ...]) -> Turn:
+    if (
+        len(args) != 4 or not isinstance(args[0], str) or not isinstance(args[1], str)
+        or not isinstance(args[2], str | None) or not isinstance(args[3], int | None)
+    ):  # fmt: skip
+        raise errors.CodecError(f"a stream gap carries (namespace, after, before, lost), got {args!r:.100}")
+    gap = StreamGap(args[0], act.grain_id.key, args[1], args[2], args[3])
+
+    async def on_stream_gap() -> None:
+        await act.instance.on_stream_gap(gap)
+
+    return on_stream_gap
+
+
 INTERNAL_TURNS: Mapping[str, TurnFactory] = MappingProxyType(
-    {REMINDER_METHOD: reminder_turn, STREAM_METHOD: stream_turn}
+    {REMINDER_METHOD: reminder_turn, STREAM_METHOD: stream_turn, STREAM_GAP_METHOD: stream_gap_turn}
 )
 """Every internal method and the turn it runs (no grain method starts with ``_``: never remote)."""

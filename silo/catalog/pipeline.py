@@ -8,7 +8,9 @@ Starlette builds its middleware stack, so a call walks a fixed list of
 closures rather than re-assembling it per call.
 
 Incoming filters run on the silo that hosts the grain, for calls from anywhere
-(the same silo, another, a client), outermost first: the silo's call stats,
+(the same silo, another, a client) and for the runtime's own calls, the
+internal turns (``internal.py``: a reminder tick is a call of ``__reminder__``,
+a stream item of ``__stream__``, with their arguments), outermost first: the silo's call stats,
 the filters passed to ``Silo(filters=...)``, ``incoming_filters`` from the
 settings, then the grain class's ``@incoming_filter`` ones (one chain per
 grain type, built on its first call). Outgoing filters run in the caller's
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from grains.call import Call
 from grains.ids import GrainId
 from grains.ref import Caller
+from silo.catalog.internal import INTERNAL_TURNS
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -127,7 +130,11 @@ def filtered_caller(inner: Caller, filters: Sequence[OutgoingFilter]) -> Caller:
 
 
 def invoke_method(ctx: CallContext) -> Awaitable[Any]:
-    """The innermost link: the grain method's own coroutine (one frame fewer than awaiting it here)."""
+    """The innermost link: the grain method's own coroutine (one frame fewer than awaiting it here),
+    or the turn an internal method names (a reminder tick, a stream item: ``internal.py``)."""
+    internal = INTERNAL_TURNS.get(ctx.method)
+    if internal is not None:
+        return internal(ctx.activation, ctx.args)()
     fn = getattr(ctx.activation.instance, ctx.method)
     if ctx.kwargs:
         return fn(*ctx.args, **ctx.kwargs)  # type: ignore[no-any-return]

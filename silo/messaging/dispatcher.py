@@ -396,11 +396,11 @@ class Dispatcher:
                 if kwargs:
                     kwargs = self._codec.copy(kwargs)
             fut: asyncio.Future[Any] = loop.create_future()
-            turn: Callable[[], Awaitable[Any]] | None
             if internal is not None:
-                turn = internal(act, args)
-            else:
-                turn = None if self.tracing is None else self._traced_turn(act, call, trace)
+                internal(act, args)  # its arguments checked now (CodecError), not in the turn
+            # An internal turn runs through the incoming filters like any call: the chain's last
+            # link (invoke_method) turns its method name into the turn it names.
+            turn = None if self.tracing is None else self._traced_turn(act, call, trace)
             inv = Invocation(  # positional, as in _serve_nowait
                 method, args, kwargs, chain, deadline, fut, turn,
                 method in options.interleave, method in options.read_only,
@@ -484,7 +484,7 @@ class Dispatcher:
         """The call's turn inside a SERVER span (the turn's own body: the pipeline, as untraced)."""
         assert self.tracing is not None
         grain, method, args, kwargs, _, chain, _ = call
-        pipeline = self._catalog.pipeline
+        pipeline = act.pipeline  # the grain type's chain (its class's own filters included)
 
         def run() -> Awaitable[Any]:
             return pipeline(CallContext(grain, method, args, kwargs, chain, act))

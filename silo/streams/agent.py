@@ -27,17 +27,34 @@ order), so the grain sees its items in order, resuming after the last one
 acknowledged: a turn that ran but whose ``XACK`` was lost runs again.
 
 **Delivering.** One task per held key: read (``XREADGROUP >``, a batch, no
-block) while there is a backlog, else go idle; one shared blocking read per
-agent waits on every idle key at once (so a silo holding thousands of quiet
-keys uses one Redis connection for them). Each item is a call of the internal
+block, in the ``_READ_NEW`` script) while there is a backlog, else go idle;
+one shared blocking read per agent (``XREAD``, a wake-up only) waits on every
+idle key at once (so a silo holding thousands of quiet keys uses one Redis
+connection for them).
+
+**Gaps.** Retention (``maxlen``, ``max_age_s``) may trim items the group has
+not read yet; ``XREADGROUP >`` would silently start after them. So every read
+first compares what the stream ever had (``entries-added``) less what it keeps
+with what the group has read (``entries-read``, which the group is created
+with at 0): when the stream's first entry lies beyond the group's position,
+the difference is lost. It is counted (``trimmed``, ``gaps``), logged, and
+told to the grain as a turn before the next item, ``on_stream_gap(StreamGap)``
+with the tokens either side and the count; the group's counter is then set
+past the gap, so it is told once. Each item is a call of the internal
 ``__stream__`` method (``silo/catalog/internal.py``), sent by the silo's router
 like any call (activating the grain where placement puts it, retried by the
 router's one policy until ``delivery_timeout_s``: a silo not serving, a
-mailbox shedding load), then ``XACK``-ed. Failures of the runtime that
-outlast that deadline (silo gone, timeout, Redis) are retried here, with
-backoff, until the item runs: order is kept rather than skipping. An exception raised by the grain's own
-``on_stream_item`` is logged, counted and acknowledged (a poison item must not
-stop its key), as is an item this silo cannot decode.
+mailbox shedding load), then ``XACK``-ed. An attempt that fails (the grain
+raised, the attempt outlasted its deadline and its turn was cancelled, no silo
+could run it) is made again, with backoff, up to ``max_attempts`` in all; then
+the item goes to the namespace's dead-letter stream (``keys.stream_dead_letters``:
+the item's blob, its key, token, the error and traceback) and is acknowledged,
+so one item holds its key up for at most ``max_attempts`` deadlines and the
+backoff between them, and is never dropped unseen. An item this silo cannot
+decode goes there at once. The dead letter is written before the ``XACK``: a
+silo dying between the two leaves the item pending, so it comes again (a
+second dead letter at worst, never none). Attempts are counted by the holder:
+a key that moves to another silo starts its count again.
 """
 
 from __future__ import annotations
@@ -57,7 +74,7 @@ from grains.call import Call
 from grains.ids import GrainId
 from grains.ref import Caller
 from silo import errors
-from silo.catalog.internal import STREAM_METHOD
+from silo.catalog.internal import STREAM_GAP_METHOD, STREAM_METHOD
 from silo.codec import Codec
 from silo.keys import Keys
 from silo.redis_util import redis_errors
@@ -74,7 +91,8 @@ RETRIED = (
     errors.OverloadedError,
     errors.StorageError,
 )
-"""Failures of the runtime, not of the grain: the item is delivered again until it runs."""
+"""Failures of the runtime, not of the grain: on a key being handed over they leave the item
+unacknowledged, for the next holder (not counted against its attempts here)."""
 
 # KEYS: leases.  ARGV: holder, ttl ms.  1 per lease still ours (TTL renewed), 0 per lost one.
 _RENEW = """
@@ -88,6 +106,49 @@ for i, k in ipairs(KEYS) do
   end
 end
 return out
+"""
+
+# KEYS: stream.  ARGV: group, consumer, count.  Returns {lost, last, entries}: XREADGROUP '>'
+# for the group, after measuring what trimming took from under it. Entries the stream ever had,
+# less those it keeps, were trimmed ("removed"); the group's entries-read counts those it read.
+# When the stream's first entry lies beyond the group's last-delivered id (or it is empty),
+# every trimmed entry the group did not read is lost: removed - entries-read (-1: Redis lost
+# count, after XDEL or in an old group). The group's counter is then set past the gap, so it
+# is counted once. Atomic, so a publish or trim cannot fall between measuring and reading.
+_READ_NEW = """
+local function map(flat)
+  local t = {}
+  for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
+  return t
+end
+local function beyond(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+local s = map(redis.call('XINFO', 'STREAM', KEYS[1]))
+local g = nil
+for _, row in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local r = map(row)
+  if r['name'] == ARGV[1] then g = r end
+end
+if not g then
+  return redis.error_reply('NOGROUP no consumer group ' .. ARGV[1] .. ' on ' .. KEYS[1])
+end
+local last = g['last-delivered-id']
+local removed = s['entries-added'] - s['length']
+local lost = 0
+if removed > 0 and (s['length'] == 0 or beyond(s['recorded-first-entry-id'], last)) then
+  local read = g['entries-read']
+  if not read and last == '0-0' then read = 0 end
+  if read then lost = math.max(removed - read, 0) else lost = -1 end
+  if lost ~= 0 then
+    redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], last, 'ENTRIESREAD', removed)
+  end
+end
+local entries = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+return {lost, last, entries}
 """
 
 # KEYS: lease.  ARGV: holder.  Deletes the lease only if it is the holder's.
@@ -107,19 +168,24 @@ class StreamAgentStatistics:
     delivered: int
     """Items whose on_stream_item returned (acknowledged)."""
     failed: int
-    """Items acknowledged without a successful turn: the grain raised, or the item was undecodable."""
+    """Items acknowledged without a successful turn: every attempt failed, or the item was undecodable."""
+    dead_lettered: int
+    """Entries written to the namespace's dead-letter stream (``keys.stream_dead_letters``)."""
     retries: int
-    """Deliveries retried after a runtime failure (silo gone, timeout, Redis)."""
+    """Attempts made again after a failed one (the grain raised, a timeout, no silo could run it)."""
     claimed: int
     """Pending entries taken over from the group (another silo's, or our own earlier read)."""
     trimmed: int
-    """Pending entries gone from the stream (trimmed) before they could be delivered."""
+    """Items trimmed before delivery: those lost in gaps (never read) and those read but gone
+    before their turn (pending when the key was taken over)."""
+    gaps: int
+    """Gap notices (``on_stream_gap``): times trimming overtook the subscriber of a key."""
 
 
 class _Key:
     """One held stream key: its delivery task and what was read ahead."""
 
-    __slots__ = ("fed", "grain", "idle", "key", "lost", "queue", "redis_key", "stopping", "task")
+    __slots__ = ("fed", "grain", "idle", "key", "last", "lost", "queue", "redis_key", "stopping", "task")
 
     def __init__(self, key: str, redis_key: str, grain: GrainId) -> None:
         self.key, self.redis_key, self.grain = key, redis_key, grain
@@ -131,6 +197,8 @@ class _Key:
         self.lost = False
         """The lease was lost (not released by us): touch nothing of this key any more."""
         self.task: asyncio.Task[None] | None = None
+        self.last: bytes | str = "0-0"
+        """The group's last-delivered id as of our last read: where the shared wait watches from."""
 
 
 def _owner(candidates: list[str], namespace: str, key: str) -> str | None:
@@ -141,6 +209,21 @@ def _owner(candidates: list[str], namespace: str, key: str) -> str | None:
         if best is None or score > best_score:
             best, best_score = c, score
     return best
+
+
+def _describe(exc: Exception) -> tuple[str, str]:
+    """One line naming the failure (the grain's own exception type, not the wrapper's), and the
+    remote traceback when there is one."""
+    if isinstance(exc, errors.RemoteGrainError):
+        return f"{exc.type_name}: {exc.message}", exc.traceback_text
+    return f"{type(exc).__name__}: {exc}", ""
+
+
+def _fields(flat: list[bytes] | dict[bytes, bytes] | None) -> dict[bytes, bytes] | None:
+    """An entry's fields as a dict (a script returns them flat)."""
+    if flat is None or isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _text(value: bytes | str) -> str:
@@ -178,7 +261,9 @@ class StreamAgent:
         self._closed = False
         self._renew_script = redis.register_script(_RENEW)
         self._release_script = redis.register_script(_RELEASE)
+        self._read_script = redis.register_script(_READ_NEW)
         self._delivered = self._failed = self._retries = self._claimed = self._trimmed = 0
+        self._dead_lettered = self._gaps = 0
 
     # --- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -296,7 +381,14 @@ class StreamAgent:
             await self._recover(k)
             while not k.stopping:
                 if not k.queue:
-                    read = await self._read(k, ">")
+                    try:
+                        read = await self._read_new(k)
+                    except errors.StorageError as exc:
+                        if "NOGROUP" not in str(exc):
+                            raise
+                        # Deleted by a retention sweep (empty, nothing owed) and published to again.
+                        await self._ensure_group(k)
+                        continue
                     if not read:
                         k.idle = True
                         self._wake.set()
@@ -321,7 +413,9 @@ class StreamAgent:
         with redis_errors(f"create consumer group {self.group} on stream {self.namespace}/{k.key}"):
             try:
                 # From the stream's start: an implicit subscriber gets every item the stream keeps.
-                await self._redis.xgroup_create(k.redis_key, self.group, id="0", mkstream=True)
+                # Having read none of them: items trimmed before the group existed count as
+                # lost to it too (delivery may start after a burst has overrun maxlen).
+                await self._redis.xgroup_create(k.redis_key, self.group, id="0", mkstream=True, entries_read=0)
             except redis.exceptions.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -363,6 +457,32 @@ class StreamAgent:
             )
         return [(e, f) for _, entries in reply or () for e, f in entries]
 
+    async def _read_new(self, k: _Key) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        """The next batch never read by the group; a gap trimming left before it is told first."""
+        with redis_errors(f"read stream {self.namespace}/{k.key}"):
+            lost, last, reply = await self._read_script(
+                keys=[k.redis_key], args=[self.group, self.me, self._settings.batch]
+            )
+        entries = [(e, _fields(f)) for _, es in reply or () for e, f in es]
+        k.last = entries[-1][0] if entries else last
+        if lost:
+            await self._deliver_gap(k, _text(last), _text(entries[0][0]) if entries else None, int(lost))
+        return entries
+
+    async def _deliver_gap(self, k: _Key, after: str, before: str | None, lost: int) -> None:
+        self._gaps += 1
+        self._trimmed += max(lost, 0)
+        log.warning(
+            "streams: %s items of %s/%s after %s were trimmed before %s could have them",
+            "some" if lost < 0 else lost, self.namespace, k.key, after, self.group,
+        )  # fmt: skip
+        args = (self.namespace, after, before, None if lost < 0 else lost)
+        call = Call(k.grain, STREAM_GAP_METHOD, args, None, self._settings.delivery_timeout_s)
+        what = f"gap after {after}"
+        if not await self._attempt(k, call, what, None):
+            # The group's counter is past the gap already: the next holder would not see it.
+            await self._dead_letter(k, what, None, "the key moved before its gap notice ran", 0)
+
     async def _deliver_entry(self, k: _Key, entry_id: bytes, fields: dict[bytes, bytes] | None) -> None:
         token = _text(entry_id)
         blob = (fields or {}).get(ITEM_FIELD)
@@ -374,28 +494,73 @@ class StreamAgent:
             item = self._codec.loads(blob)
         except errors.CodecError as exc:
             self._failed += 1
-            log.warning("streams: item %s of %s/%s cannot be decoded here, skipped: %s", token, self.namespace, k.key, exc)
+            log.warning("streams: item %s of %s/%s cannot be decoded here: %s", token, self.namespace, k.key, exc)
+            await self._dead_letter(k, token, blob, f"cannot be decoded on {self.me}: {exc}", 0)
             await self._ack(k, entry_id)
             return
+        call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
+        if await self._attempt(k, call, token, blob):
+            await self._ack(k, entry_id)
+
+    async def _attempt(self, k: _Key, call: Call, token: str, blob: bytes | None) -> bool:
+        """Run one internal call up to ``max_attempts`` times; after the last failure it goes to
+        the dead-letter stream. True: acknowledge it; False: the key is no longer ours (the next
+        holder delivers it again)."""
         delay = 0.05
-        while True:
+        for attempt in range(1, self._settings.max_attempts + 1):
             try:
-                call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
                 await self._caller.invoke(call)
-                self._delivered += 1
-                break
-            except RETRIED as exc:
+                self._delivered += call.method == STREAM_METHOD
+                return True
+            except Exception as exc:  # noqa: BLE001 - the grain's own error counts as a runtime one does
+                error, trace = _describe(exc)
+                if isinstance(exc, RETRIED) and (k.stopping or self._closed):
+                    return False  # not the item's fault: whoever holds the key next delivers it
+                if attempt == self._settings.max_attempts:
+                    self._failed += 1
+                    log.warning(
+                        "streams: %s of %s/%s failed %d times, the last: %s; moved to the dead letters",
+                        token, self.namespace, k.key, attempt, error,
+                    )  # fmt: skip
+                    await self._dead_letter(k, token, blob, error, attempt, trace)
+                    return True
                 if k.stopping or self._closed:
-                    return  # no ack: whoever holds the key next delivers it
+                    return False
                 self._retries += 1
-                log.info("streams: delivery of %s to %s failed (%s), retrying", token, k.grain, exc)
+                log.info("streams: attempt %d at %s of %s failed (%s), retrying", attempt, token, k.grain, error)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-            except Exception as exc:  # noqa: BLE001 - the grain's own error: skip the item, keep the key
-                self._failed += 1
-                log.warning("streams: %s.on_stream_item(%s) raised %s: %s", k.grain, token, type(exc).__name__, exc)
-                break
-        await self._ack(k, entry_id)
+        raise AssertionError("unreachable: max_attempts >= 1")
+
+    async def _dead_letter(
+        self, k: _Key, token: str, blob: bytes | None, error: str, attempts: int, trace: str = ""
+    ) -> None:
+        """Keep what no turn took, before its acknowledgement: a silo dying between the two leaves
+        the item pending, delivered again (a dead letter twice at worst, never none)."""
+        entry: dict[Any, Any] = {
+            "key": k.key, "group": self.group, "token": token, "error": error[:2000],
+            "attempts": attempts, "silo": self.me,
+        }  # fmt: skip
+        if blob is not None:
+            entry[ITEM_FIELD] = blob
+        if trace:
+            entry["traceback"] = trace[-8000:]
+        delay = 0.05
+        while not k.lost:
+            try:
+                with redis_errors(f"write a dead letter of stream {self.namespace}/{k.key}"):
+                    await self._redis.xadd(
+                        self._keys.stream_dead_letters(self.namespace), entry,
+                        maxlen=self._settings.dead_letter_maxlen, approximate=True,
+                    )  # fmt: skip
+                self._dead_lettered += 1
+                return
+            except errors.StorageError as exc:
+                if self._closed:
+                    return
+                log.warning("streams: %s (retrying)", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _ack(self, k: _Key, entry_id: bytes) -> None:
         # Until it lands (or the key is no longer ours): a later item acknowledged before an
@@ -426,18 +591,15 @@ class StreamAgent:
                     pass
                 continue
             try:
+                # A wake-up only: XREAD (no group) from where the group is; the pump reads the
+                # items itself, through the script that measures what trimming took first.
                 with redis_errors(f"wait on streams of {self.namespace!r}"):
-                    reply: Any = await self._redis.xreadgroup(
-                        self.group, self.me, dict.fromkeys(idle, ">"), count=s.batch, block=s.block_ms
+                    reply: Any = await self._redis.xread(
+                        {name: k.last for name, k in idle.items()}, count=1, block=s.block_ms
                     )
             except errors.StorageError as exc:
                 if self._closed:
                     return
-                if "NOGROUP" in str(exc):  # a stream deleted under us: its pump makes the group again
-                    for k in idle.values():
-                        k.idle = False
-                        k.fed.set()
-                    continue
                 log.warning("streams: %s", exc)
                 await asyncio.sleep(s.block_ms / 1000)
                 continue
@@ -446,7 +608,6 @@ class StreamAgent:
                 fed = idle.get(_text(name))
                 if fed is None or not entries:
                     continue
-                fed.queue.extend(entries)
                 fed.idle = False
                 fed.fed.set()
 
@@ -457,7 +618,9 @@ class StreamAgent:
             keys_held=len(self._held),
             delivered=self._delivered,
             failed=self._failed,
+            dead_lettered=self._dead_lettered,
             retries=self._retries,
             claimed=self._claimed,
             trimmed=self._trimmed,
+            gaps=self._gaps,
         )

@@ -6,10 +6,12 @@ wire's rules, never pickle), and whose entry id is the item's *token*. A
 publish is one pipeline: the namespace into ``keys.stream_namespaces``, the
 key into ``keys.stream_keys(namespace)`` (how silos find keys to deliver to
 ``@subscribes`` grains: ``agent.py``), the ``XADD`` with ``MAXLEN`` and, with
-a max age, an ``XTRIM MINID`` (retention: ``StreamSettings``). The sets come
-first, so a key is never in a stream without being findable; the pipeline is
-not a transaction, so a future Redis Cluster may put the stream in a slot of
-its own.
+a max age, an ``XTRIM MINID`` (retention: ``StreamSettings``; the silos also
+trim by age on a timer, ``retention.py``), then both sets again. The sets come
+first, so a key is never in a stream without being findable, and again last,
+so a retention sweep pruning them meanwhile cannot leave the key out; the
+pipeline is not a transaction, so a future Redis Cluster may put the stream in
+a slot of its own.
 
 An explicit subscription is a plain reader (``XREAD BLOCK`` from a position it
 keeps): no consumer group, nothing stored in Redis, nothing to clean up when
@@ -27,7 +29,7 @@ from typing import Any, Self
 import redis.asyncio as aioredis
 
 from grains.ids import _key_str
-from grains.streams import StreamItem, check_namespace
+from grains.streams import StreamItem, check_namespace, token_order
 from silo import errors
 from silo.codec import Codec
 from silo.keys import Keys
@@ -36,6 +38,41 @@ from silo.settings import StreamSettings
 
 ITEM_FIELD = b"v"
 """The entry field holding the item's codec blob."""
+
+# KEYS: stream.  ARGV: position, count.  {entries-added, length, first id, XREAD reply}, in one
+# step, so the counters describe the stream the entries were read from (see RedisSubscription).
+_READ_COUNTED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, '0-0', false} end
+local flat = redis.call('XINFO', 'STREAM', KEYS[1])
+local s = {}
+for i = 1, #flat, 2 do s[flat[i]] = flat[i + 1] end
+local got = redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1])
+return {s['entries-added'], s['length'], s['recorded-first-entry-id'], got}
+"""
+
+# KEYS: stream.  {last entry id or '0-0', entries-added}: "from now", and how many came before it.
+_PIN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'0-0', 0} end
+local flat = redis.call('XINFO', 'STREAM', KEYS[1])
+local s = {}
+for i = 1, #flat, 2 do s[flat[i]] = flat[i + 1] end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 then return {'0-0', s['entries-added']} end
+return {last[1][1], s['entries-added']}
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(flat: list[bytes] | dict[bytes, bytes] | None) -> dict[bytes, bytes]:
+    """An entry's fields as a dict (a script returns them flat)."""
+    if flat is None:
+        return {}
+    if isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def stream_key_str(key: Any) -> str:
@@ -69,6 +106,8 @@ class Streams:
         self.redis, self.keys, self.codec, self.settings = redis, keys, codec, settings
         self.clock = clock
         """Wall clock for max-age trimming (injected by tests)."""
+        self.read_script = redis.register_script(_READ_COUNTED)
+        self.pin_script = redis.register_script(_PIN)
 
     def stream(self, namespace: str, key: Any) -> RedisStream:
         return RedisStream(self, check_namespace(namespace), stream_key_str(key))
@@ -109,6 +148,10 @@ class RedisStream:
         if cfg.max_age_s is not None:
             oldest_ms = int((s.clock() - cfg.max_age_s) * 1000)
             pipe.xtrim(self._redis_key, minid=f"{max(oldest_ms, 0)}-0", approximate=cfg.approximate_trim)
+        # Again after the XADD: a retention sweep (retention.py) that removed them meanwhile,
+        # finding no stream yet, cannot leave this one out of its sets.
+        pipe.sadd(s.keys.stream_keys(self._namespace), self._key)
+        pipe.sadd(s.keys.stream_namespaces, self._namespace)
         with redis_errors(f"publish to stream {self._namespace}/{self._key}"):
             replies = await pipe.execute()
         token = replies[2]
@@ -130,11 +173,22 @@ class RedisSubscription:
     """Items of one stream after a position, in order, as :class:`~grains.streams.StreamItem`.
 
     ``async for ev in sub`` waits for new items (``XREAD BLOCK``, at most
-    ``StreamSettings.block_ms`` per read). Without a start, "from now" means
+    ``StreamSettings.block_ms`` per wait). Without a start, "from now" means
     from ``async with`` (or the first read); leaving the loop stops it, and
     ``close()`` from another task ends the loop after the read in progress. An
     item this process cannot decode raises ``CodecError`` naming its token (a
     new subscription ``from_token=`` it goes on after it).
+
+    **Gaps.** Items that retention trimmed before the subscription read them
+    raise ``StreamGapError`` (the tokens either side, and how many) where they
+    were; iterating again goes on after them. Each read takes the stream's
+    counters with the entries, in one script: the items ever added less those
+    kept were trimmed, and the subscription counts the items up to its
+    position (from the pin for "from now", from what was kept at the first read
+    for ``from_start``), so what was trimmed beyond it is the gap. Resumed
+    ``from_token`` it has no such count until its first gap: then the error says
+    items were trimmed past the token without a number (possibly none, if
+    trimming stopped exactly there).
     """
 
     def __init__(self, streams: Streams, namespace: str, key: str, position: str | None) -> None:
@@ -143,7 +197,9 @@ class RedisSubscription:
         self._redis_key = streams.keys.stream(namespace, key)
         self._position = position
         """Token of the last item handed out (None: not pinned yet, 'from now')."""
-        self._ready: collections.deque[tuple[str, bytes | None]] = collections.deque()
+        self._counted: int | None = None
+        """Items the stream ever had up to ``_position`` (None: not known, resumed from a token)."""
+        self._ready: collections.deque[tuple[str, bytes | None] | errors.StreamGapError] = collections.deque()
         self._closed = False
 
     @property
@@ -159,7 +215,10 @@ class RedisSubscription:
             if self._closed:
                 raise StopAsyncIteration
             await self._read()
-        token, blob = self._ready.popleft()
+        ready = self._ready.popleft()
+        if isinstance(ready, errors.StreamGapError):
+            raise ready
+        token, blob = ready
         self._position = token
         if blob is None:
             raise errors.CodecError(f"stream {self._namespace}/{self._key} item {token} has no {ITEM_FIELD!r} field")
@@ -173,21 +232,41 @@ class RedisSubscription:
         """Fix "from now" to the stream's last item (done by ``async with`` and the first read)."""
         if self._position is None:
             with redis_errors(f"read stream {self._namespace}/{self._key}"):
-                last: Any = await self._streams.redis.xrevrange(self._redis_key, count=1)
-            self._position = last[0][0].decode() if last else "0-0"
+                last, added = await self._streams.pin_script(keys=[self._redis_key])
+            self._position, self._counted = _text(last), int(added)
 
     async def _read(self) -> None:
+        """Read what came after our position (and any gap before it); else wait for an item."""
         s = self._streams
         await self.pin()  # two reads never skip what was published between them
         assert self._position is not None
         with redis_errors(f"read stream {self._namespace}/{self._key}"):
-            reply: Any = await s.redis.xread(
-                {self._redis_key: self._position}, count=s.settings.batch, block=s.settings.block_ms
+            added, length, first, reply = await s.read_script(
+                keys=[self._redis_key], args=[self._position, s.settings.batch]
             )
-        for _, entries in reply or ():
-            for entry_id, fields in entries:
-                token = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                self._ready.append((token, (fields or {}).get(ITEM_FIELD)))
+        entries = [(_text(e), _fields(f).get(ITEM_FIELD)) for _, es in reply or () for e, f in es]
+        self._note_gap(int(added), int(length), _text(first), entries[0][0] if entries else None)
+        if self._counted is not None:
+            self._counted += len(entries)
+        self._ready.extend(entries)
+        if not self._ready:
+            # Caught up: a wake-up only (no count comes with it); the next read takes the items.
+            with redis_errors(f"read stream {self._namespace}/{self._key}"):
+                await s.redis.xread({self._redis_key: self._position}, count=1, block=s.settings.block_ms)
+
+    def _note_gap(self, added: int, length: int, first: str, before: str | None) -> None:
+        assert self._position is not None
+        trimmed = added - length
+        if self._counted is not None and added < self._counted:
+            self._counted = trimmed  # the stream was deleted (empty) and made again
+        if self._counted is None and self._position == "0-0":
+            self._counted = trimmed  # from the start: what the stream keeps now is what we are owed
+        if trimmed <= 0 or (length and token_order(first) <= token_order(self._position)):
+            return  # nothing trimmed, or trimming has not passed our position
+        lost = None if self._counted is None else trimmed - self._counted
+        if lost is None or lost > 0:
+            self._ready.append(errors.StreamGapError(self._namespace, self._key, self._position, before, lost))
+        self._counted = trimmed
 
     async def close(self) -> None:
         self._closed = True

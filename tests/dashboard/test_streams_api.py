@@ -54,6 +54,21 @@ async def test_streams_list_items_lag_and_the_silo_delivering_each_key(
         assert len(limited.streams) == 1 and limited.truncated
 
 
+async def test_streams_list_each_namespaces_dead_letters(cluster, redis_url: str, cluster_name: str, api: TestClient) -> None:
+    await cluster(1, grains=GRAINS, membership=CALM, streams=FAST.model_copy(update={"max_attempts": 1}))
+    async with await ClusterClient.connect(redis_url, cluster=cluster_name) as client:
+        tokens = [await client.stream("poison", "p").publish(n) for n in range(4)]
+        body = await until(api, "/api/streams", lambda b: any(d["count"] == 2 for d in b.get("dead_letters", [])))
+        (dead,) = m.StreamList.model_validate(body).dead_letters
+        assert (dead.namespace, dead.count) == ("poison", 2)
+        assert [(d.key, d.group, d.token, d.attempts, d.error) for d in dead.newest] == [
+            ("p", "Picky", tokens[3], 1, "ValueError: odd item 3"),
+            ("p", "Picky", tokens[1], 1, "ValueError: odd item 1"),
+        ]
+        other = m.StreamList.model_validate(api.get("/api/streams", params={"namespace": "orders"}).json())
+        assert other.dead_letters == []
+
+
 async def test_the_streams_page_shows_each_subscriber_and_filters_by_namespace(
     cluster, redis_url: str, cluster_name: str
 ) -> None:
@@ -61,11 +76,12 @@ async def test_the_streams_page_shows_each_subscriber_and_filters_by_namespace(
     from tests.browser import ARTIFACTS, browser_page
     from tests.helpers import free_port
 
-    (silo,) = await cluster(1, grains=GRAINS, membership=CALM, streams=FAST)
+    (silo,) = await cluster(1, grains=GRAINS, membership=CALM, streams=FAST.model_copy(update={"max_attempts": 1}))
     async with await ClusterClient.connect(redis_url, cluster=cluster_name, types=[Tick]) as client:
         for n in range(3):
             await client.stream("orders", "acct-9").publish(Tick(n=n))
         await client.stream("feed", "lobby").publish("hello")
+        await client.stream("poison", "p").publish(1)  # Picky raises on it: a dead letter
         board = DashboardThread(redis_url, cluster_name, port=free_port()).start()
         try:
             async with browser_page(700) as page:
@@ -77,6 +93,10 @@ async def test_the_streams_page_shows_each_subscriber_and_filters_by_namespace(
                 assert await page.text_content(row.format("orders/acct-9") + " [data-col=group]") == "OrderLog"
                 assert await page.text_content(row.format("orders/acct-9") + " [data-col=length]") == "3"
                 assert "no implicit subscriber" in (await page.text_content(row.format("feed/lobby")) or "")
+                dead = page.locator("[data-testid=dead-letters-poison] [data-col=count]")
+                await dead.wait_for()
+                assert await dead.text_content() == "1"
+                assert "ValueError: odd item 1" in (await page.text_content("[data-dead^='poison/p/'] [data-col=error]") or "")
                 await page.screenshot(path=str(ARTIFACTS / "dashboard-streams.png"), full_page=True)
                 await page.select_option("[data-testid=stream-namespace]", "feed")
                 await page.locator(row.format("orders/acct-9")).wait_for(state="detached")

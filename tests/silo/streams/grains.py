@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from pydantic import BaseModel
 
-from grains import Grain, random_placement, subscribes
+from grains import Grain, StreamGap, incoming_filter, random_placement, subscribes
 
 
 class Tick(BaseModel):
@@ -42,7 +45,8 @@ class OrderLog(Grain):
 
 @subscribes("poison")
 class Picky(Grain):
-    """Raises on odd items: they are skipped (logged, counted), the even ones still arrive."""
+    """Raises on odd items: after ``max_attempts`` they go to the dead letters (logged, counted),
+    the even ones still arrive."""
 
     class State(BaseModel):
         seen: list[int] = []
@@ -72,3 +76,72 @@ class Publisher(Grain):
                 if len(out) == count:
                     break
         return out
+
+
+@subscribes("slow")
+class Stuck(Grain):
+    """Never returns from item 1 (each attempt outlasts its deadline and is cancelled); records
+    the others."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        if item == 1:
+            await asyncio.Event().wait()  # cancelled at the attempt's deadline
+        self.state.seen.append(item)
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)
+
+
+@subscribes("gappy")
+class Gappy(Grain):
+    """Records the items it gets and the gaps it is told of, in the order they came."""
+
+    class State(BaseModel):
+        log: list[str] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        self.state.log.append(str(item))
+        await self.write_state()
+
+    async def on_stream_gap(self, gap: StreamGap) -> None:
+        self.state.log.append(f"gap {gap.namespace}/{gap.key} after={gap.after} before={gap.before} lost={gap.lost}")
+        await self.write_state()
+
+    async def log(self) -> list[str]:
+        return list(self.state.log)
+
+
+async def refuse_thirteen(ctx: Any, call_next: Any) -> Any:
+    """A class's incoming filter: sees each stream item as a call of ``__stream__`` with
+    ``(namespace, item, token)``, and refuses item 13 (the grain never runs it)."""
+    ctx.activation.instance.filtered.append(ctx.method)
+    if ctx.method == "__stream__" and ctx.args[1] == 13:
+        raise PermissionError("13 is refused by the filter")
+    return await call_next(ctx)
+
+
+@incoming_filter(refuse_thirteen)
+@subscribes("filtered")
+class Filtered(Grain):
+    """Records the items that got through its filter; ``filtered`` lists every method it saw."""
+
+    class State(BaseModel):
+        seen: list[int] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filtered: list[str] = []
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        self.state.seen.append(item)
+        await self.write_state()
+
+    async def seen(self) -> list[int]:
+        return list(self.state.seen)
+
+    async def methods(self) -> list[str]:
+        return list(self.filtered)
