@@ -198,3 +198,20 @@ async def test_misses_of_one_method_share_one_read_and_another_read_waits_a_peri
     with pytest.raises(errors.UnknownMethodError):
         await m.with_method("T", "zzz")
     assert m.refreshes == 4  # a period later: read again
+
+
+async def test_a_v1_silo_serving_a_write_keeps_the_field_v2_set(cluster, client: ClusterClient) -> None:
+    await cluster(1, grains=V1)
+    (b,) = await cluster(1, grains=V2)
+    await client.refresh()
+    ledger = client.get_grain(LedgerV2, "kept")
+    await ledger.relabel("gold")  # one-way: read back to know it ran
+    async with asyncio.timeout(5):
+        while (await ledger.summary())["label"] != "gold":
+            await asyncio.sleep(0.01)
+    await b.stop()  # a rollback: v1 serves the grain now, and writes it
+    await client.refresh()
+    assert await client.get_grain(LedgerV1, "kept").add(1) == (1, 1)
+    await cluster(1, grains=V2)
+    await client.refresh()
+    assert await ledger.summary() == {"total": 1, "entries": 1, "label": "gold", "version": 2}
