@@ -10,6 +10,7 @@
     │   ├── DeadlockError            a non-reentrant call chain came back to a grain already in it
     │   ├── UnknownGrainError        no such grain type (or not allowed on this silo)
     │   ├── UnknownMethodError       the grain type (or observer) has no such public async method
+    │   │   └── MethodRemovedError   only versions older than the grain's active one have it: it never moves back
     │   ├── ObserverGoneError        the observer's process is gone, or it was disposed: drop it
     │   └── OverloadedError          back-pressure: too many calls in flight or queued
     │       └── LoadShedError        a silo turned the call away unrun (over a limit): routers retry it with backoff
@@ -107,6 +108,31 @@ class UnknownMethodError(GrainCallError):
             known = ", ".join(map(str, self.versions))
             msg += f" in any version the cluster publishes (versions known: {known})"
         super().__init__(msg)
+
+
+class MethodRemovedError(UnknownMethodError):
+    """The grain is active on a version that removed the method, and only older versions have
+    it. A grain never moves back to an older version while its own is hosted (else callers of
+    the removed method and of a new one would move it back and forth, one activation per
+    call); the call did not run. Upgrade the caller, or call a method its version has."""
+
+    def __init__(
+        self, grain: str = "", method: str = "", version: int = 0, versions: list[int] | None = None
+    ) -> None:
+        self.type_name = grain.split("/", 1)[0]
+        self.method = method
+        self.versions = list(versions or [])
+        """The versions that have the method (all older than ``version``)."""
+        self.grain = grain
+        self.version = version
+        """The version the grain is active on."""
+        with_it = ", ".join(map(str, self.versions))
+        GrainCallError.__init__(
+            self,
+            f"grain {grain} is active on {self.type_name} version {version}, which has no method {method!r}"
+            f" (versions with it: {with_it}); a grain never moves back to an older version while its"
+            " own is hosted: upgrade the caller",
+        )
 
 
 class ObserverGoneError(GrainCallError):
@@ -243,6 +269,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "deadlock": DeadlockError,
     "unknown_grain": UnknownGrainError,
     "unknown_method": UnknownMethodError,
+    "method_removed": MethodRemovedError,
     "observer_gone": ObserverGoneError,
     "overloaded": OverloadedError,
     "shed": LoadShedError,
@@ -271,6 +298,7 @@ __all__ = [
     "GrainTimeoutError",
     "LoadShedError",
     "MembershipError",
+    "MethodRemovedError",
     "ObserverGoneError",
     "OverloadedError",
     "RedgrainError",

@@ -215,3 +215,30 @@ async def test_a_v1_silo_serving_a_write_keeps_the_field_v2_set(cluster, client:
     await cluster(1, grains=V2)
     await client.refresh()
     assert await ledger.summary() == {"total": 1, "entries": 1, "label": "gold", "version": 2}
+
+
+V3 = ("tests.silo.ledger_v3",)
+
+
+async def test_callers_of_a_removed_and_a_new_method_alternating_never_bounce_the_grain(
+    cluster, client: ClusterClient
+) -> None:
+    # v3 removed `total` and added `audit`. Old callers (total) and new ones (audit) alternate:
+    # the grain moves forward to v3 once and stays; the old callers are told why, unrun.
+    silos = [*await cluster(1, grains=V2), *await cluster(1, grains=V3)]
+    await client.refresh()
+    old, new = client.get_grain(LedgerV2, "b"), client.get_grain("Ledger", "b")
+    results: list[Any] = []
+    for i in range(20):
+        try:
+            results.append(await (old.total() if i % 2 == 0 else new.audit()))
+        except errors.UnknownMethodError as exc:
+            results.append(exc)
+    activated = sum(s.catalog.statistics().activated_total for s in silos)
+    assert activated == 2, activated  # once on v2 (the first call, total), once on v3 (audit)
+    assert results[:2] == [0, 0] and results[3::2] == [0] * 9
+    removed = results[2::2]
+    assert all(isinstance(e, errors.MethodRemovedError) for e in removed), removed
+    text = str(removed[0])
+    assert "Ledger/b" in text and "version 3" in text and "'total'" in text and "versions with it: 2" in text
+    assert removed[0].versions == [2] and removed[0].version == 3
