@@ -242,3 +242,27 @@ async def test_callers_of_a_removed_and_a_new_method_alternating_never_bounce_th
     text = str(removed[0])
     assert "Ledger/b" in text and "version 3" in text and "'total'" in text and "versions with it: 2" in text
     assert removed[0].versions == [2] and removed[0].version == 3
+
+
+async def test_a_by_name_reference_learns_a_type_and_a_version_published_after_it_was_made(
+    cluster, redis_url: str, cluster_name: str
+) -> None:
+    async with await ClusterClient.connect(redis_url, cluster=cluster_name) as client:
+        ledger = client.get_grain("Ledger", "late")  # no silo hosts the type yet: still a reference
+        with pytest.raises(errors.UnknownGrainError, match="'Ledger'"):
+            await ledger.total()
+        with pytest.raises(AttributeError):
+            ledger._private  # noqa: B018
+        await cluster(1, grains=V1)
+        # The same reference, the next call: the manifests are read again and the type is there.
+        assert await ledger.add(2) == (2, 1)
+        assert await ledger.total() == 2
+        with pytest.raises(errors.UnknownMethodError, match="'nope'"):
+            await ledger.nope()
+        await cluster(1, grains=V2)
+        # A method of a version published after the reference was made: found when called.
+        assert (await ledger.with_timeout(5).summary())["total"] == 2
+        assert await ledger.relabel("gold") is None  # one-way in v2: the reference learns that too
+        async with asyncio.timeout(5):
+            while (await ledger.summary())["label"] != "gold":
+                await asyncio.sleep(0.01)
