@@ -16,7 +16,7 @@
     │       └── LoadShedError        a silo turned the call away unrun (over a limit): routers retry it with backoff
     ├── SiloError
     │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
-    │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
+    │   │   └── SiloNotServingError  the call never ran: refused (draining, fenced) or never sent: retry elsewhere
     │   │       └── VersionMismatchError  its version of the grain type must not serve the call: retry re-places it
     │   ├── SiloClosedError          we closed it: the local silo or client is stopping
     │   ├── MembershipError          the membership table refused or lost us
@@ -180,7 +180,8 @@ class SiloUnavailableError(SiloError):
 
 
 class SiloNotServingError(SiloUnavailableError):
-    """The silo turned the call away before any grain code ran (it is draining or fenced).
+    """The silo turned the call away before any grain code ran (it is draining or fenced), or
+    the call never left this process (its connection broke before or in its own write).
 
     Never delivered, so routers retry it elsewhere even though it is a
     SiloUnavailableError (which, in general, may have run).
