@@ -266,3 +266,17 @@ async def test_a_by_name_reference_learns_a_type_and_a_version_published_after_i
         async with asyncio.timeout(5):
             while (await ledger.summary())["label"] != "gold":
                 await asyncio.sleep(0.01)
+
+
+async def test_redgrain_call_by_name_reaches_a_method_and_names_an_unknown_one(
+    cluster, redis_url: str, cluster_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grains.cli import main as cli
+
+    await cluster(1, grains=V2)
+    base = ["call", "--redis", redis_url, "--cluster", cluster_name, "Ledger", "cli"]
+    assert await asyncio.to_thread(cli.main, [*base, "add", "4"]) == 0
+    assert await asyncio.to_thread(cli.main, [*base, "summary"]) == 0
+    assert '"total": 4' in capsys.readouterr().out
+    assert await asyncio.to_thread(cli.main, [*base, "nope"]) != 0
+    assert "'nope'" in capsys.readouterr().err
