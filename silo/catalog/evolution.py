@@ -8,8 +8,9 @@ whole tree, so at every nesting level:
 * a field added since takes its default;
 * a field renamed since keeps its value through a declared alias
   (``Field(validation_alias=AliasChoices("new", "old"))``, pydantic's own);
-  the field's own name is always accepted too (``by_name``), so a value
-  written after the rename loads whatever the alias says;
+  the field's own name is always accepted too (``by_name``), and where both
+  are stored (an older version kept the new name unread and wrote its old
+  one beside it) the field's own name wins, whatever the alias order says;
 * a nested class renamed since loads: the field's annotation, not the name
   the value was written under, says what it becomes;
 * a value that no longer fits its field fails with a StorageError naming
@@ -107,6 +108,15 @@ class StateLoader:
             for name, info in fields.items():
                 key = _source_key(name, info.validation_alias, info.alias, stored)
                 taken.update(_accepted(name, info.validation_alias, info.alias))
+                if key is not None and key != name and name in stored:
+                    # Both the field's name and an old one it is aliased from are stored: an older
+                    # version wrote the old name back beside the new one it kept unread. The new
+                    # name holds what this version wrote; pydantic took the alias first.
+                    try:
+                        type(value).__pydantic_validator__.validate_assignment(value, name, stored[name])
+                        key = name
+                    except ValidationError:
+                        pass  # (a frozen model) the alias's value stays
                 if key is not None and key in stored:
                     child = getattr(value, name)
                     settled = self._settle(child, stored[key], _join(path, name), dropped, kept)

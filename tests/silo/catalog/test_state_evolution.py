@@ -107,6 +107,7 @@ class ProfileV2(Grain):
     async def join(self, when: str, country: str) -> None:
         self.state.joined = when
         self.state.address.country = country
+        self.state.address.postcode = "9999 ZZ"  # renamed from zip: v1 writes its zip back beside it
         self.state.anything = Tag(name="gold")
         await self.write_state()
 
@@ -240,6 +241,7 @@ async def test_an_older_version_writes_back_the_fields_of_a_newer_one_unchanged_
     assert await world.run(ProfileV1, "visit", "a") == 4
     state = await world.run(ProfileV2, "get", "a")
     assert state["joined"] == "2024-05-01" and state["address"]["country"] == "BE"
+    assert state["address"]["postcode"] == "9999 ZZ"  # its own name wins over v1's zip
     assert state["visits"] == 4 and state["address"]["street"] == "Side 2"  # v1's own change too
     assert state["places"][0]["lat"] == 50.0 and state["anything"] == {"name": "gold"}
     assert await world.run(ProfileV2, "anything_type", "a") == "Tag"
