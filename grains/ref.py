@@ -10,13 +10,16 @@ Statically, ``get_grain(Counter, key)`` is a :class:`Ref` ``[Counter]``; the myp
 grains/mypy_plugin.py gives it exactly the methods :func:`public_methods` picks, with their
 signatures. A by-name reference (``get_grain("Counter", key)``) is a plain :class:`GrainRef`:
 the type is not known before run time, so any attribute is an awaitable returning ``Any``.
+At run time it has the methods its caller knew of the type when it was made, and any other
+public name is looked up when it is called (:func:`build_by_name_ref_class`): a type or a
+version published after the reference was made is found then, not refused for good.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from grains.call import CALL_CHAIN, Call
@@ -160,6 +163,44 @@ def build_ref_class(
     for name in names:
         ns[name] = _remote_method(name, (docs or {}).get(name), name in sent)
     return type(f"{type_name}Ref", (Ref,), ns)
+
+
+Resolver = Callable[[str, str], Awaitable[bool]]
+"""``resolve(type_name, method)``: whether ``method`` is one-way, once some version of the type
+has it (the caller's manifests, read again if need be); raises UnknownGrainError or
+UnknownMethodError when none has."""
+
+
+def _late_method(name: str, resolve: Resolver) -> Callable[..., Any]:
+    async def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        one_way = await resolve(self._grain_id.type_name, name)
+        return await self._caller.invoke(
+            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), one_way
+        )
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def build_by_name_ref_class(
+    type_name: str, methods: Iterable[str], one_way: Iterable[str], resolve: Resolver
+) -> type[Ref[Any]]:
+    """The reference class of a type known only by name: ``methods`` as :func:`build_ref_class`
+    makes them (what the caller knows now), and any other public name a method that asks
+    ``resolve`` when called (a type or version published since; an unknown one fails then,
+    with UnknownGrainError or UnknownMethodError, as a call of a known method would)."""
+    base = build_ref_class(type_name, methods, one_way=one_way)
+    late: dict[str, Callable[..., Any]] = {}
+
+    def __getattr__(self: GrainRef, name: str) -> Any:
+        if never_remote(name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        fn = late.get(name)
+        if fn is None:
+            fn = late[name] = _late_method(name, resolve)
+        return fn.__get__(self, type(self))
+
+    return type(base.__name__, (base,), {"__slots__": (), "__getattr__": __getattr__})
 
 
 def ref_class_for(cls: type[GrainT]) -> type[Ref[GrainT]]:

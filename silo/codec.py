@@ -470,6 +470,10 @@ class Codec:
         name = self.registry._by_class.get(t)
         if name is not None:
             enc = self._object_encoder(t, name)
+        elif t is StoredObject:
+            # A stored value kept unread (a field this version of a state does not know): written
+            # back under the name it was stored as, so the version that knows it reads it the same.
+            enc = lambda v, b: _ext(_OBJECT, self._pack([v.wire_name, self._walk(dict(v), b)]))
         elif torch is not None and isinstance(v, torch.Tensor):
             enc = self._encode_tensor
         elif np is not None and (t is np.ndarray or isinstance(v, np.memmap)):

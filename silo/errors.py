@@ -10,12 +10,13 @@
     │   ├── DeadlockError            a non-reentrant call chain came back to a grain already in it
     │   ├── UnknownGrainError        no such grain type (or not allowed on this silo)
     │   ├── UnknownMethodError       the grain type (or observer) has no such public async method
+    │   │   └── MethodRemovedError   only versions older than the grain's active one have it: it never moves back
     │   ├── ObserverGoneError        the observer's process is gone, or it was disposed: drop it
     │   └── OverloadedError          back-pressure: too many calls in flight or queued
     │       └── LoadShedError        a silo turned the call away unrun (over a limit): routers retry it with backoff
     ├── SiloError
     │   ├── SiloUnavailableError     a peer broke it: connection refused / reset, silo dead
-    │   │   └── SiloNotServingError  the silo refused the call before running it (draining, fenced): retry elsewhere
+    │   │   └── SiloNotServingError  the call never ran: refused (draining, fenced) or never sent: retry elsewhere
     │   │       └── VersionMismatchError  its version of the grain type must not serve the call: retry re-places it
     │   ├── SiloClosedError          we closed it: the local silo or client is stopping
     │   ├── MembershipError          the membership table refused or lost us
@@ -110,6 +111,31 @@ class UnknownMethodError(GrainCallError):
         super().__init__(msg)
 
 
+class MethodRemovedError(UnknownMethodError):
+    """The grain is active on a version that removed the method, and only older versions have
+    it. A grain never moves back to an older version while its own is hosted (else callers of
+    the removed method and of a new one would move it back and forth, one activation per
+    call); the call did not run. Upgrade the caller, or call a method its version has."""
+
+    def __init__(
+        self, grain: str = "", method: str = "", version: int = 0, versions: list[int] | None = None
+    ) -> None:
+        self.type_name = grain.split("/", 1)[0]
+        self.method = method
+        self.versions = list(versions or [])
+        """The versions that have the method (all older than ``version``)."""
+        self.grain = grain
+        self.version = version
+        """The version the grain is active on."""
+        with_it = ", ".join(map(str, self.versions))
+        GrainCallError.__init__(
+            self,
+            f"grain {grain} is active on {self.type_name} version {version}, which has no method {method!r}"
+            f" (versions with it: {with_it}); a grain never moves back to an older version while its"
+            " own is hosted: upgrade the caller",
+        )
+
+
 class ObserverGoneError(GrainCallError):
     """The observer cannot be called any more: its client closed or died (its connection is
     gone), its process was replaced, or it was disposed. Not worth retrying: ``ObserverSet``
@@ -155,7 +181,8 @@ class SiloUnavailableError(SiloError):
 
 
 class SiloNotServingError(SiloUnavailableError):
-    """The silo turned the call away before any grain code ran (it is draining or fenced).
+    """The silo turned the call away before any grain code ran (it is draining or fenced), or
+    the call never left this process (its connection broke before or in its own write).
 
     Never delivered, so routers retry it elsewhere even though it is a
     SiloUnavailableError (which, in general, may have run).
@@ -255,6 +282,7 @@ WIRE_CODES: dict[str, type[RedgrainError]] = {
     "deadlock": DeadlockError,
     "unknown_grain": UnknownGrainError,
     "unknown_method": UnknownMethodError,
+    "method_removed": MethodRemovedError,
     "observer_gone": ObserverGoneError,
     "overloaded": OverloadedError,
     "shed": LoadShedError,
@@ -283,6 +311,7 @@ __all__ = [
     "GrainTimeoutError",
     "LoadShedError",
     "MembershipError",
+    "MethodRemovedError",
     "ObserverGoneError",
     "OverloadedError",
     "RedgrainError",

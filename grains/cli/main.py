@@ -210,11 +210,12 @@ async def cmd_call(args: argparse.Namespace) -> int:
             raise errors.ConfigError(f"argument {a!r} is not JSON: {exc}") from exc
     settings = ClientSettings(cluster_secret=kw["cluster_secret"]) if "cluster_secret" in kw else None
     async with await ClusterClient.connect(kw.get("redis_url"), cluster=kw.get("cluster"), settings=settings) as client:
-        ref = client.get_grain(args.type, args.key)
-        fn = getattr(ref, args.method, None)
+        # A by-name reference looks a method it does not know up when called (the call raises
+        # UnknownGrainError / UnknownMethodError); only names never remote are refused here.
+        fn = getattr(client.get_grain(args.type, args.key).with_timeout(args.timeout), args.method, None)
         if fn is None:
             raise errors.UnknownMethodError(args.type, args.method)
-        result = await ref.with_timeout(args.timeout).__getattribute__(args.method)(*values)
+        result = await fn(*values)
     print(json.dumps(result, default=str, indent=2))
     return 0
 

@@ -12,7 +12,7 @@ from grains.base import Grain
 from grains.ids import GrainId
 from grains.observer import ObserverRef
 from grains.placement import grain_options
-from grains.ref import GrainRef, Ref, build_ref_class, ref_class_for
+from grains.ref import GrainRef, Ref, build_by_name_ref_class, ref_class_for
 from silo import errors
 from silo.catalog.evolution import StateLoader
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
@@ -54,24 +54,33 @@ class RefFactory:
         """The same factory sending through another caller (outgoing filters wrapped around it)."""
         return RefFactory(caller, self._manifests, self._codec)
 
+    async def _resolve(self, type_name: str, method: str) -> bool:
+        """A by-name reference's method it did not know when it was made: whether it is one-way,
+        once the manifests (read again, bounded, if need be) have it."""
+        info = await self._manifests.with_method(type_name, method)
+        return method in info.one_way
+
     @overload
     def get_grain(self, grain: type[G], key: Any) -> Ref[G]: ...
     @overload
     def get_grain(self, grain: str, key: Any) -> GrainRef: ...
     def get_grain(self, grain: type[Grain] | str, key: Any) -> GrainRef:
         """``Ref[G]`` for a grain class; a plain ``GrainRef`` for a type name, whose methods
-        are those the silos published for it (the static type cannot know them)."""
+        are those the silos published for it (the static type cannot know them), looked up
+        again when a name it lacks is called: a type published after it was made works then."""
         if isinstance(grain, str):
             info = self._manifests.get_nowait(grain)
-            if info is None:
-                known = self._classes.get(grain)  # a class of that name was used here already
-                if known is None:
-                    raise errors.UnknownGrainError(grain, "no silo has published it yet")
-                return ref_class_for(known)(self._caller, GrainId.of(grain, key))
+            methods: frozenset[str] = frozenset()
+            one_way: frozenset[str] = frozenset()
+            if info is not None:
+                methods, one_way = info.methods, info.one_way
+            elif (known := self._classes.get(grain)) is not None:  # a class of that name used here
+                methods, one_way = ref_class_for(known)._methods, frozenset(grain_options(known).one_way)
             ref_cls = self._by_name.get(grain)
-            # Rebuilt when the manifests changed: a version that joined since may add methods.
-            if ref_cls is None or ref_cls._methods != info.methods:
-                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way)
+            # Rebuilt when what we know changed (the known methods are the fast path); a name
+            # the class lacks is looked up when called (a type or version published since).
+            if ref_cls is None or ref_cls._methods != methods:
+                ref_cls = self._by_name[grain] = build_by_name_ref_class(grain, methods, one_way, self._resolve)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")

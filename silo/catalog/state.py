@@ -11,8 +11,9 @@ memory.
 The state is stored as a map of the model's fields (not as the registered
 model) and loaded by :mod:`silo.catalog.evolution`: at every nesting level
 added fields take their defaults, renamed fields keep their values through
-declared aliases, renamed nested classes load, a dropped field is logged, and
-a field whose value no longer fits fails with a StorageError naming it.
+declared aliases, renamed nested classes load, a field the model does not have
+(a newer version's) is kept and written back unchanged, and a field whose value
+no longer fits fails with a StorageError naming it.
 
 With ``@write_behind(ms)`` ``write_state`` only marks the state dirty and
 returns; a flush runs as a turn of the activation at most ``ms`` later and
@@ -71,6 +72,8 @@ class StateHandle:
         self._loader = loader if loader is not None else StateLoader(codec)
         """Shared by the silo's handles: it logs each dropped field once per grain type."""
         self.value: Any = model()
+        self._unknown: dict[str, Any] | None = None
+        """Top-level stored fields the model does not have, as last read (evolution.py keeps them)."""
         self.etag: str | None = None
         self.loaded = False
         wb = activation.options.write_behind_ms
@@ -91,6 +94,10 @@ class StateHandle:
         extra = getattr(value, "__pydantic_extra__", None)
         if extra:
             fields.update(extra)
+        elif extra is None and self._unknown:
+            # The state was replaced (`self.state = State(...)`): the fields a newer version stored
+            # still go back, as they would have with the object they were loaded into.
+            fields = {**self._unknown, **fields}
         return self._codec.encode(fields)
 
     def decode(self, stored: StoredState) -> Any:
@@ -117,6 +124,8 @@ class StateHandle:
             self.value, self.etag = self._model(), None
         else:
             self.value, self.etag = self.decode(stored), stored.etag
+        allow = self._model.model_config.get("extra") == "allow"  # its extras are the user's to edit
+        self._unknown = None if allow else dict(self.value.__pydantic_extra__ or {})
         self.loaded = True
 
     async def write(self) -> None:
@@ -197,7 +206,7 @@ class StateHandle:
             self._refused = exc
             self._act.request_deactivation(DeactivationReason.STATE_CONFLICT)
             raise
-        self.value, self.etag, self._dirty = self._model(), None, False
+        self.value, self.etag, self._dirty, self._unknown = self._model(), None, False, None
         self.loaded = True
 
     def adopt(self, value: Any) -> None:

@@ -15,6 +15,13 @@ simplified to method lists:
   again); an activation it already has keeps serving the methods its version
   has, until it is collected, drained or re-placed.
 
+* an activation moves only to a newer version: a call of a method that only
+  versions older than its own have fails there (MethodRemovedError, unrun).
+  Otherwise callers of a removed method and of a new one, alternating, would
+  move the grain back and forth, one activation per call; this way a grain
+  has at most one activation per version hosted (while none is collected or
+  lost), and calls that need a newer version stay on it.
+
 So in a rolling upgrade new activations go to the new silos as soon as they
 are active, the old ones keep what they have until they drain, and a call of
 a method only the new version has moves its grain over. A rollback (the newer

@@ -444,18 +444,46 @@ class Connection(FrameReceiver):
         req_id = next(self._ids)
         header[1] = req_id
         encoded = self.codec.encode(body)
+        self._check_sendable()
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[req_id] = (fut, label)
         if timeout_s is not None:
             self._arm(req_id, timeout_s)
         self._send_frame(header, encoded)
+        if self._failed_in_write():
+            # Its own write failed: not one byte of it left this process, so it never ran.
+            self._pending.pop(req_id, None)
+            fut.cancel()
+            raise self._never_sent()
         return fut
 
     def send_one_way(self, header: list[Any], body: Any) -> None:
         """Send a ONEWAY frame: a request nobody answers (``@one_way`` methods)."""
         if self.closed:
             raise errors.SiloUnavailableError(self.peer, "connection closed")
+        self._check_sendable()
         self._send_frame(header, self.codec.encode(body))
+        if self._failed_in_write():
+            raise self._never_sent()
+
+    def _check_sendable(self) -> None:
+        """SiloNotServingError if an earlier write already failed (the transport is closing and
+        connection_lost has not run yet): a frame sent now would never leave."""
+        if self._transport is not None and self._transport.is_closing():
+            raise self._never_sent()
+
+    def _failed_in_write(self) -> bool:
+        """Whether the transport started closing during the send just made: only the write
+        syscall failing does that synchronously (asyncio and uvloop write at once when nothing
+        is buffered, and a failed syscall sent nothing; with data buffered a write only queues,
+        so a later failure is reported by connection_lost, as may-have-run)."""
+        return self._transport is not None and self._transport.is_closing()
+
+    def _never_sent(self) -> errors.SiloNotServingError:
+        # The peer is gone (SIGKILL: the write fails with EPIPE or ECONNRESET) and we know it
+        # before the call left, so it cannot have run: the router retries it (the first call
+        # after a silo is killed, before its death is noticed, is retried, not failed).
+        return errors.SiloNotServingError(self.peer, "connection broken before the call was sent")
 
     def identify(self, client_id: str) -> None:
         """Name this (client's) end to the silo: calls to the client's observers may come back on it."""

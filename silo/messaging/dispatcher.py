@@ -8,7 +8,9 @@ dropped. A call this silo's ``@version`` of the grain type must not serve (its
 version lacks the method, or a newer version is active elsewhere and the grain
 has no activation here) is turned away unrun with ``VersionMismatchError``,
 after deactivating the activation here if it lacks the method, and the caller
-places it again (silo/cluster/versions.py).
+places it again (silo/cluster/versions.py); except that an activation is never
+moved back to an older version: a call of a method only older versions have
+fails with ``MethodRemovedError`` there.
 
 Each request becomes one :class:`~grains.call.Call` (rebuilt from the frame
 header, or handed over by the router) and a deadline on this silo's clock,
@@ -501,12 +503,18 @@ class Dispatcher:
     async def _not_in_this_version(self, grain: GrainId, method: str, options: GrainOptions) -> errors.RedgrainError:
         """The error for a call of a method this silo's version of the type lacks.
 
-        No version has it: UnknownMethodError. Another version has it: this silo's
+        No version has it: UnknownMethodError. Only older versions have it and the grain is
+        active here: MethodRemovedError (a grain moves only to newer versions, so it never
+        bounces between versions). Another version has it: this silo's
         activation of the grain (if any) is deactivated and waited for, so its
         directory entry is gone, and the caller is told to place the call again
         (VersionMismatchError), where the rule sends it to a version that has it.
         """
-        await self._router.versions_with(grain.type_name, method)  # UnknownMethodError if none
+        versions = await self._router.versions_with(grain.type_name, method)  # UnknownMethodError if none
+        if max(versions) < options.version and self._has_activation(grain, options):
+            # Only older versions have it: moving the grain back would let callers of this method
+            # and of a newer one move it to and fro, one activation per call. It stays.
+            return errors.MethodRemovedError(str(grain), method, options.version, versions)
         wanted = await self._router.newest_version(grain.type_name, method)
         if wanted is None:
             # The silo of that version may have joined a moment ago: look once more.

@@ -165,9 +165,11 @@ class Manifests:
     async def with_method(self, name: str, method: str) -> TypeInfo:
         """The type's info once some version of it has ``method`` (see the module docstring)."""
         info = self._types.get(name)
-        if info is None or method not in info.methods:
+        if info is None:
+            info = await self.get(name)  # a type not seen yet: read now (UnknownGrainError if none)
+        if method not in info.methods:
             await self._read_for((name, method))
-            info = await self.get(name)
+            info = self._types[name]
         if method not in info.methods:
             raise errors.UnknownMethodError(name, method, sorted(info.versions))
         return info

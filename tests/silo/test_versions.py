@@ -198,3 +198,85 @@ async def test_misses_of_one_method_share_one_read_and_another_read_waits_a_peri
     with pytest.raises(errors.UnknownMethodError):
         await m.with_method("T", "zzz")
     assert m.refreshes == 4  # a period later: read again
+
+
+async def test_a_v1_silo_serving_a_write_keeps_the_field_v2_set(cluster, client: ClusterClient) -> None:
+    await cluster(1, grains=V1)
+    (b,) = await cluster(1, grains=V2)
+    await client.refresh()
+    ledger = client.get_grain(LedgerV2, "kept")
+    await ledger.relabel("gold")  # one-way: read back to know it ran
+    async with asyncio.timeout(5):
+        while (await ledger.summary())["label"] != "gold":
+            await asyncio.sleep(0.01)
+    await b.stop()  # a rollback: v1 serves the grain now, and writes it
+    await client.refresh()
+    assert await client.get_grain(LedgerV1, "kept").add(1) == (1, 1)
+    await cluster(1, grains=V2)
+    await client.refresh()
+    assert await ledger.summary() == {"total": 1, "entries": 1, "label": "gold", "version": 2}
+
+
+V3 = ("tests.silo.ledger_v3",)
+
+
+async def test_callers_of_a_removed_and_a_new_method_alternating_never_bounce_the_grain(
+    cluster, client: ClusterClient
+) -> None:
+    # v3 removed `total` and added `audit`. Old callers (total) and new ones (audit) alternate:
+    # the grain moves forward to v3 once and stays; the old callers are told why, unrun.
+    silos = [*await cluster(1, grains=V2), *await cluster(1, grains=V3)]
+    await client.refresh()
+    old, new = client.get_grain(LedgerV2, "b"), client.get_grain("Ledger", "b")
+    results: list[Any] = []
+    for i in range(20):
+        try:
+            results.append(await (old.total() if i % 2 == 0 else new.audit()))
+        except errors.UnknownMethodError as exc:
+            results.append(exc)
+    activated = sum(s.catalog.statistics().activated_total for s in silos)
+    assert activated == 2, activated  # once on v2 (the first call, total), once on v3 (audit)
+    assert results[:2] == [0, 0] and results[3::2] == [0] * 9
+    removed = results[2::2]
+    assert all(isinstance(e, errors.MethodRemovedError) for e in removed), removed
+    text = str(removed[0])
+    assert "Ledger/b" in text and "version 3" in text and "'total'" in text and "versions with it: 2" in text
+    assert removed[0].versions == [2] and removed[0].version == 3
+
+
+async def test_a_by_name_reference_learns_a_type_and_a_version_published_after_it_was_made(
+    cluster, redis_url: str, cluster_name: str
+) -> None:
+    async with await ClusterClient.connect(redis_url, cluster=cluster_name) as client:
+        ledger = client.get_grain("Ledger", "late")  # no silo hosts the type yet: still a reference
+        with pytest.raises(errors.UnknownGrainError, match="'Ledger'"):
+            await ledger.total()
+        with pytest.raises(AttributeError):
+            ledger._private  # noqa: B018
+        await cluster(1, grains=V1)
+        # The same reference, the next call: the manifests are read again and the type is there.
+        assert await ledger.add(2) == (2, 1)
+        assert await ledger.total() == 2
+        with pytest.raises(errors.UnknownMethodError, match="'nope'"):
+            await ledger.nope()
+        await cluster(1, grains=V2)
+        # A method of a version published after the reference was made: found when called.
+        assert (await ledger.with_timeout(5).summary())["total"] == 2
+        assert await ledger.relabel("gold") is None  # one-way in v2: the reference learns that too
+        async with asyncio.timeout(5):
+            while (await ledger.summary())["label"] != "gold":
+                await asyncio.sleep(0.01)
+
+
+async def test_redgrain_call_by_name_reaches_a_method_and_names_an_unknown_one(
+    cluster, redis_url: str, cluster_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grains.cli import main as cli
+
+    await cluster(1, grains=V2)
+    base = ["call", "--redis", redis_url, "--cluster", cluster_name, "Ledger", "cli"]
+    assert await asyncio.to_thread(cli.main, [*base, "add", "4"]) == 0
+    assert await asyncio.to_thread(cli.main, [*base, "summary"]) == 0
+    assert '"total": 4' in capsys.readouterr().out
+    assert await asyncio.to_thread(cli.main, [*base, "nope"]) != 0
+    assert "'nope'" in capsys.readouterr().err

@@ -71,6 +71,14 @@ class ProfileV1(Grain):
     async def tag(self) -> Tag:  # a registered type (annotations are), kept in an Any field
         return self.state.anything  # type: ignore[no-any-return]
 
+    async def visit(self) -> int:
+        """Changes the state in place: what v1 code does to a state v2 wrote."""
+        self.state.visits += 1
+        self.state.address.street = "Side 2"
+        self.state.places[0].lat = 50.0
+        await self.write_state()
+        return self.state.visits  # type: ignore[no-any-return]
+
 
 @version(2)
 @grain_type("Profile")
@@ -94,6 +102,13 @@ class ProfileV2(Grain):
 
     async def rename(self, name: str) -> None:
         self.state.full_name = name
+        await self.write_state()
+
+    async def join(self, when: str, country: str) -> None:
+        self.state.joined = when
+        self.state.address.country = country
+        self.state.address.postcode = "9999 ZZ"  # renamed from zip: v1 writes its zip back beside it
+        self.state.anything = Tag(name="gold")
         await self.write_state()
 
 
@@ -140,6 +155,19 @@ class ProfileOpen(Grain):
         return dict(self.state.__pydantic_extra__ or {})
 
 
+@grain_type("Profile")
+class ProfileStrict(Grain):
+    """Says ``extra="ignore"`` itself: fields it does not declare are dropped, and logged."""
+
+    class State(BaseModel):
+        model_config: ClassVar[Any] = {"extra": "ignore"}
+        visits: int = 0
+
+    async def visit(self) -> None:
+        self.state.visits += 1
+        await self.write_state()
+
+
 class World:
     """One directory and store outliving the silos: each version's silo in turn."""
 
@@ -183,18 +211,56 @@ async def test_a_renamed_nested_class_loads_and_an_any_field_keeps_its_registere
     assert await world.run(ProfileV2, "anything_type", "a") == "Tag"
 
 
-async def test_removed_fields_are_ignored_at_every_level_and_logged_once_per_type(
+async def test_removed_fields_are_kept_at_every_level_and_logged_once_per_type(
     world: World, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="redgrain.state")
+    caplog.set_level(logging.INFO, logger="redgrain.state")
     async with InProcessSilo([ProfileV2], directory=world.directory, store=world.store) as silo:
         assert (await silo.get_grain(ProfileV2, "a").get())["visits"] == 3
         assert (await silo.get_grain(ProfileV2, "b").get())["visits"] == 3  # a second grain: no new lines
-    dropped = [r.getMessage() for r in caplog.records if "is not in" in r.getMessage()]
-    assert len(dropped) == 3, dropped
+        await silo.get_grain(ProfileV2, "a").rename("ada lovelace")  # written by v2, which lacks them
+    kept = [r.getMessage() for r in caplog.records if "is not in" in r.getMessage()]
+    assert len(kept) == 3, kept
     for path in ("'nickname'", "'address.fax'", "'places[].source'"):
-        assert any(path in m for m in dropped), (path, dropped)
-    assert all("Profile" in m for m in dropped)
+        assert any(path in m for m in kept), (path, kept)
+    assert all("Profile" in m and "kept" in m for m in kept)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # Nothing dropped: v1 reads back what it wrote, after v2 wrote the state.
+    async with InProcessSilo([ProfileOpen], directory=world.directory, store=world.store) as silo:
+        extras = await silo.get_grain(ProfileOpen, "a").extras()
+    assert extras["nickname"] == "countess" and extras["full_name"] == "ada lovelace"
+    assert extras["address"]["fax"] == "555" and [p["source"] for p in extras["places"]] == ["gps", "gps"]
+
+
+async def test_an_older_version_writes_back_the_fields_of_a_newer_one_unchanged_at_every_level(
+    world: World,
+) -> None:
+    # v2 sets fields v1 lacks (top level, nested, a registered type in an Any field); a v1 silo
+    # then serves a write of that grain (a rolling upgrade, or a rollback): they survive it.
+    await world.run(ProfileV2, "join", "a", "2024-05-01", "BE")
+    assert await world.run(ProfileV1, "visit", "a") == 4
+    state = await world.run(ProfileV2, "get", "a")
+    assert state["joined"] == "2024-05-01" and state["address"]["country"] == "BE"
+    assert state["address"]["postcode"] == "9999 ZZ"  # its own name wins over v1's zip
+    assert state["visits"] == 4 and state["address"]["street"] == "Side 2"  # v1's own change too
+    assert state["places"][0]["lat"] == 50.0 and state["anything"] == {"name": "gold"}
+    assert await world.run(ProfileV2, "anything_type", "a") == "Tag"
+    # v1 code that replaces the whole state keeps the top level's unknown fields; a nested model
+    # it replaced starts without them (they went with the object that held them).
+    await world.run(ProfileV1, "put", "a")
+    state = await world.run(ProfileV2, "get", "a")
+    assert state["joined"] == "2024-05-01" and state["address"]["country"] == "NL"
+
+
+async def test_a_model_that_says_extra_ignore_drops_unknown_fields_and_logs_them(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="redgrain.state")
+    await world.run(ProfileStrict, "visit", "a")
+    dropped = [r.getMessage() for r in caplog.records if "is dropped at the next write" in r.getMessage()]
+    assert any("'nickname'" in m for m in dropped), dropped
+    extras = await world.run(ProfileOpen, "extras", "a")
+    assert "nickname" not in extras and "name" not in extras and extras == {}
 
 
 async def test_a_model_that_allows_extra_fields_keeps_them_and_logs_nothing(

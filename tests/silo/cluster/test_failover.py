@@ -218,3 +218,20 @@ async def test_silo_paused_past_death_timeout_stops_itself_and_does_not_serve(
     assert code == 3, victim.output()[-2000:]
     assert "declared dead" in victim.output()
     print(f"\nSIGSTOP: grain served elsewhere {failover_s:.3f}s after the pause; resumed silo exited {code}")
+
+
+async def test_the_first_call_after_a_silo_is_killed_is_never_sent_to_it_and_is_retried(
+    silo_processes, client: ClusterClient
+) -> None:
+    procs = silo_processes(2, grains=GRAINS, env=ENV)
+    await client.refresh()
+    where, _ = await client.get_grain(Tracked, "f").hit()
+    victim = next(p for p in procs if str(p.address) == where)
+    victim.kill()  # returns once the process is gone; our loop has not run since, so the
+    # client still holds its connection to the dead silo and writes the next call to it.
+    retries = client.router.statistics().retries
+    # That write fails (the peer is gone): the call never left this process, so it is retried
+    # (docs/concepts.md, Failure semantics: not delivered) and the survivor serves it.
+    served_by, _ = await client.get_grain(Tracked, "f").with_timeout(CALL_TIMEOUT_S).hit()
+    assert served_by != where
+    assert client.router.statistics().retries > retries
