@@ -71,7 +71,7 @@ class RefFactory:
             ref_cls = self._by_name.get(grain)
             # Rebuilt when the manifests changed: a version that joined since may add methods.
             if ref_cls is None or ref_cls._methods != info.methods:
-                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way)
+                ref_cls = self._by_name[grain] = build_ref_class(grain, info.methods, one_way=info.one_way, streams=info.streams)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from grains.result_stream import StreamChannel
 from silo import errors
 from silo.codec import Codec, Encoded
 from silo.messaging import frame as _frame
@@ -44,14 +45,17 @@ from silo.messaging.frame import (
     AUTH_OK,
     CANCEL,
     CLIENT,
+    CREDIT,
     DIRECT_MIN,
     ERROR,
     HELLO,
+    ITEM,
     ONEWAY,
     PING,
     PONG,
     REQUEST,
     RESPONSE,
+    STREAM,
     Frame,
 )
 from silo.messaging.frame import packb as _packb
@@ -110,6 +114,8 @@ class Connection(FrameReceiver):
         self._ids = itertools.count(1)
         # label: "grain.method", or (grain, method) so a call need not format it.
         self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
+        self._streams: dict[int, StreamChannel] = {}
+        """Our streamed calls still open, by request id (each also in _pending, for its end)."""
         self._serving = 0
         """Requests from the peer being served now (bounded by max_in_flight)."""
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -202,11 +208,13 @@ class Connection(FrameReceiver):
             return
         if kind == RESPONSE or kind == ERROR:
             self._on_response(frame)
-        elif kind in (REQUEST, ONEWAY, CANCEL):
+        elif kind == ITEM:
+            self._on_item(frame)
+        elif kind in (REQUEST, ONEWAY, CANCEL, STREAM, CREDIT):
             if self._handler is None:
                 self._n.bad_frames += 1
                 return
-            if kind == REQUEST:
+            if kind == REQUEST or kind == STREAM:
                 # The serving side's own bound: a peer that ignores its
                 # max_in_flight still cannot make us hold unbounded calls.
                 if self._serving >= self._settings.max_in_flight:
@@ -299,6 +307,19 @@ class Connection(FrameReceiver):
             fut.set_exception(error_from_body(value, self.codec.registry))
         else:
             fut.set_result(value)
+
+    def _on_item(self, frame: Frame) -> None:
+        req_id = frame.header[1] if len(frame.header) > 1 else None
+        stream = self._streams.get(req_id) if isinstance(req_id, int) else None
+        if stream is None:
+            return  # the caller left the stream; its CANCEL is on the way
+        try:
+            item = self.codec.decode(frame.meta, frame.buffers)
+        except errors.CodecError as exc:
+            self.cancel(req_id)  # type: ignore[arg-type]
+            stream.finish(exc)
+            return
+        stream.push(item)
 
     # --- send --------------------------------------------------------------
     def _send_frame(self, header: list[Any], encoded: Encoded | None = None) -> None:
@@ -451,6 +472,49 @@ class Connection(FrameReceiver):
         self._send_frame(header, encoded)
         return fut
 
+    def open_stream(
+        self, header: list[Any], body: Any, stream: StreamChannel, label: tuple[object, str]
+    ) -> int:
+        """Send a STREAM request and its first credit (``stream.window``); its items go to
+        ``stream`` as they come, its end (RESPONSE, ERROR, a lost connection) finishes it.
+
+        No deadline is armed here: a stream's deadline is per item, kept by the stream itself
+        (and by the router while it opens). Returns the request id. Over ``max_in_flight`` this
+        raises OverloadedError, as :meth:`request` does."""
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        if len(self._pending) + self._handed >= self._settings.max_in_flight:
+            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
+        req_id = next(self._ids)
+        header[1] = req_id
+        encoded = self.codec.encode(body)
+        end: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[req_id] = (end, label)
+        self._streams[req_id] = stream
+
+        def ended(fut: asyncio.Future[Any]) -> None:
+            # After every ITEM read before the end (this runs a loop step later): order holds.
+            self._streams.pop(req_id, None)
+            stream.finish(None if fut.cancelled() else fut.exception())
+
+        end.add_done_callback(ended)
+        stream.attach(_RemoteLink(self, req_id, label))
+        self._send_frame(header, encoded)
+        self._send_frame([CREDIT, req_id, stream.window])
+        return req_id
+
+    def send_credit(self, req_id: int, n: int) -> None:
+        """Let the callee of our stream ``req_id`` send ``n`` more items."""
+        if req_id in self._streams and not self.closed:
+            self._send_frame([CREDIT, req_id, n])
+
+    def send_item(self, req_id: int, item: Any) -> None:
+        """One item of a stream we serve (CodecError, before anything is sent, for one the wire
+        cannot carry)."""
+        encoded = self.codec.encode(item)
+        if not self.closed:
+            self._send_frame([ITEM, req_id], encoded)
+
     def send_one_way(self, header: list[Any], body: Any) -> None:
         """Send a ONEWAY frame: a request nobody answers (``@one_way`` methods)."""
         if self.closed:
@@ -516,6 +580,7 @@ class Connection(FrameReceiver):
     def cancel(self, req_id: int) -> None:
         """The caller gave up on a request before its answer: forget it and send the peer a CANCEL,
         as its deadline does (the callee's turn is cancelled, or its queued call dropped)."""
+        self._streams.pop(req_id, None)
         if self._pending.pop(req_id, None) is None:
             return  # answered (or expired) already
         if self._waiters:
@@ -571,3 +636,25 @@ class Connection(FrameReceiver):
         """The TLS version this connection runs ("TLSv1.3"), or None on a plain socket."""
         ssl_object = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
         return ssl_object.version() if ssl_object is not None else None
+
+
+class _RemoteLink:
+    """A streamed call's request on a connection, as its :class:`~grains.result_stream.StreamChannel` sees it."""
+
+    __slots__ = ("_conn", "_label", "_req_id")
+
+    def __init__(self, conn: Connection, req_id: int, label: tuple[object, str]) -> None:
+        self._conn, self._req_id, self._label = conn, req_id, label
+
+    def grant(self, n: int) -> None:
+        self._conn.send_credit(self._req_id, n)
+
+    def cancel(self) -> None:
+        try:
+            self._conn.cancel(self._req_id)
+        except RuntimeError:
+            pass  # the loop is closed: so is the connection
+
+    def timed_out(self, timeout_s: float) -> Exception:
+        target, method = self._label
+        return errors.GrainTimeoutError(str(target), method, timeout_s)

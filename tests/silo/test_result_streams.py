@@ -1,0 +1,134 @@
+"""Streamed results (an async-generator grain method) mean the same at every distance: the
+producer on the caller's silo, on another silo, called from a client, and in the in-process
+harness (alone, and two silos over the transport twin).
+
+- Items arrive in order, as copies; an error ends the stream and is caught by its type.
+- The activation is busy while it streams (an ordinary call waits; an @interleave one does not).
+- ``break``, ``aclose()``, a cancelled consumer and a per-item deadline stop the generator
+  (its ``finally`` runs: GeneratorExit at a yield, CancelledError inside an await).
+- Back-pressure: the producer never runs more than the window ahead of its consumer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from silo.messaging.router import Router
+from silo.testing import InProcessCluster, InProcessSilo
+from tests.stream_grains import (
+    STOP_CHECKS,
+    STREAM_CHECKS,
+    Consumer,
+    Producer,
+    back_pressure,
+    stop_checks,
+    stream_checks,
+)
+
+GRAINS = ("tests.stream_grains",)
+CLASSES = [Producer, Consumer]
+WINDOW = 16  # TransportSettings.stream_window's default
+ITEMS = 10_000
+
+
+async def _place(two: InProcessCluster, consumer: Any, producer: Any) -> None:
+    """``consumer`` on the first in-process silo, ``producer`` on the second."""
+    a, b = two.silos
+    assert isinstance(a.router, Router)
+    await a.router.activate(consumer.grain_id, a.address)
+    await a.router.activate(producer.grain_id, b.address)
+
+
+# --- items, errors, copies, a busy activation ------------------------------------------------------
+
+
+async def test_a_stream_from_a_grain_on_the_same_silo(cluster, client) -> None:
+    (silo,) = await cluster(1, grains=GRAINS)
+    assert await client.get_grain(Consumer, "c").run("p") == STREAM_CHECKS
+    assert silo.router.statistics().local_calls >= 8
+
+
+async def test_a_stream_from_a_grain_on_another_silo(cluster, client) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    consumer, producer = client.get_grain(Consumer, "c"), client.get_grain(Producer, "p")
+    await client.router.activate(consumer.grain_id, a.address)
+    await client.router.activate(producer.grain_id, b.address)
+    assert await consumer.run("p") == STREAM_CHECKS
+    assert a.router.statistics().local_calls == 0
+
+
+async def test_a_stream_to_a_client(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    assert await stream_checks(client.get_grain(Producer, "p")) == STREAM_CHECKS
+
+
+async def test_the_in_process_harness_streams_the_same() -> None:
+    async with InProcessSilo(CLASSES) as silo:
+        assert await stream_checks(silo.get_grain(Producer, "p")) == STREAM_CHECKS
+        assert await silo.get_grain(Consumer, "c").run("q") == STREAM_CHECKS
+    async with InProcessCluster(CLASSES, silos=2) as two:
+        a = two.silos[0]
+        consumer = a.get_grain(Consumer, "c")
+        await _place(two, consumer, a.get_grain(Producer, "p"))
+        assert await consumer.run("p") == STREAM_CHECKS
+        assert await stream_checks(a.get_grain(Producer, "p")) == STREAM_CHECKS
+
+
+# --- leaving early: break, aclose, cancel, the deadline -------------------------------------------
+
+
+async def test_leaving_a_stream_stops_the_generator_on_the_same_silo(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    assert await client.get_grain(Consumer, "c").stop("p", WINDOW) == STOP_CHECKS
+
+
+async def test_leaving_a_stream_stops_the_generator_on_another_silo(cluster, client) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    consumer, producer = client.get_grain(Consumer, "c"), client.get_grain(Producer, "p")
+    await client.router.activate(consumer.grain_id, a.address)
+    await client.router.activate(producer.grain_id, b.address)
+    assert await consumer.stop("p", WINDOW) == STOP_CHECKS
+
+
+async def test_a_client_leaving_a_stream_stops_the_generator(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    assert await stop_checks(client.get_grain(Producer, "p"), WINDOW) == STOP_CHECKS
+
+
+async def test_the_in_process_harness_stops_the_generator_the_same_way() -> None:
+    async with InProcessSilo(CLASSES) as silo:
+        assert await stop_checks(silo.get_grain(Producer, "p"), WINDOW) == STOP_CHECKS
+        assert await silo.get_grain(Consumer, "c").stop("q", WINDOW) == STOP_CHECKS
+    async with InProcessCluster(CLASSES, silos=2) as two:
+        a = two.silos[0]
+        consumer = a.get_grain(Consumer, "c")
+        await _place(two, consumer, a.get_grain(Producer, "p"))
+        assert await consumer.stop("p", WINDOW) == STOP_CHECKS
+
+
+# --- back-pressure ------------------------------------------------------------------------------------
+
+
+async def test_a_slow_client_holds_the_producer_within_the_window(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    assert client.router.stream_window == WINDOW
+    assert await back_pressure(client.get_grain(Producer, "p"), ITEMS, WINDOW) == [ITEMS, WINDOW, WINDOW]
+
+
+async def test_a_slow_grain_holds_the_producer_within_the_window_across_silos(cluster, client) -> None:
+    a, b = await cluster(2, grains=GRAINS)
+    consumer, producer = client.get_grain(Consumer, "c"), client.get_grain(Producer, "p")
+    await client.router.activate(consumer.grain_id, a.address)
+    await client.router.activate(producer.grain_id, b.address)
+    assert await consumer.back_pressure("p", ITEMS, WINDOW) == [ITEMS, WINDOW, WINDOW]
+
+
+async def test_the_in_process_harness_holds_the_producer_within_the_window() -> None:
+    async with InProcessSilo(CLASSES) as silo:
+        # Same silo: the items are handed over without a connection, under the same credit.
+        assert await back_pressure(silo.get_grain(Producer, "p"), ITEMS, WINDOW) == [ITEMS, WINDOW, WINDOW]
+    async with InProcessCluster(CLASSES, silos=2) as two:
+        a = two.silos[0]
+        consumer = a.get_grain(Consumer, "c")
+        await _place(two, consumer, a.get_grain(Producer, "p"))
+        assert await consumer.back_pressure("p", ITEMS, WINDOW) == [ITEMS, WINDOW, WINDOW]
