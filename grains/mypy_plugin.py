@@ -32,7 +32,16 @@ from mypy.errorcodes import ATTR_DEFINED
 from mypy.expandtype import expand_type_by_instance
 from mypy.maptype import map_instance_to_supertype
 from mypy.messages import format_type_bare
-from mypy.nodes import ARG_STAR, ARG_STAR2, Decorator, FuncDef, OverloadedFuncDef, RefExpr, TypeInfo
+from mypy.nodes import (
+    ARG_STAR,
+    ARG_STAR2,
+    Decorator,
+    FuncDef,
+    MypyFile,
+    OverloadedFuncDef,
+    RefExpr,
+    TypeInfo,
+)
 from mypy.plugin import AttributeContext, Plugin
 from mypy.typeops import bind_self, function_type
 from mypy.types import (
@@ -50,11 +59,16 @@ from mypy.types import (
 from grains.ref import never_remote
 
 REF = "grains.ref.Ref"
-RESULT_STREAM = "grains.result_stream.ResultStream"
+RESULT_STREAM = "grains.ResultStream"  # looked up through the package, which re-exports it
 ONE_WAY = "grains.placement.one_way"
 
 
 class GrainsPlugin(Plugin):
+    def get_additional_deps(self, file: MypyFile) -> list[tuple[int, str, int]]:
+        # A streamed method's call is typed ResultStream[T]: the package that exports it must be
+        # loaded wherever a reference may be used, which mypy does not know before this hook runs.
+        return [] if file.fullname.startswith("grains") else [(10, "grains", -1)]
+
     def get_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
         owner, _, name = fullname.rpartition(".")
         if owner != REF:

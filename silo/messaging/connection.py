@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -60,6 +61,7 @@ from silo.messaging.frame import (
 )
 from silo.messaging.frame import packb as _packb
 from silo.messaging.receive import Counters, FrameReceiver
+from silo.messaging.results import Sink
 from silo.messaging.wire_errors import error_body, error_from_body
 from silo.settings import TransportSettings
 
@@ -116,6 +118,8 @@ class Connection(FrameReceiver):
         self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
         self._streams: dict[int, StreamChannel] = {}
         """Our streamed calls still open, by request id (each also in _pending, for its end)."""
+        self._served: dict[int, Sink] = {}
+        """Streamed calls from the peer that we serve, by its request id: where its CREDIT goes."""
         self._serving = 0
         """Requests from the peer being served now (bounded by max_in_flight)."""
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -190,6 +194,9 @@ class Connection(FrameReceiver):
             self.ready.exception()
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
+        for sink in self._served.values():
+            sink.stop()  # nobody takes the items any more: the generators stop (their finally runs)
+        self._served.clear()
         if self._on_close is not None:
             self._on_close(self)
 
@@ -210,10 +217,18 @@ class Connection(FrameReceiver):
             self._on_response(frame)
         elif kind == ITEM:
             self._on_item(frame)
-        elif kind in (REQUEST, ONEWAY, CANCEL, STREAM, CREDIT):
+        elif kind == CREDIT:
+            sink = self._served.get(frame.header[1]) if len(frame.header) > 2 else None
+            if sink is not None and isinstance(frame.header[2], int):
+                sink.grant(frame.header[2])
+        elif kind in (REQUEST, ONEWAY, CANCEL, STREAM):
             if self._handler is None:
                 self._n.bad_frames += 1
                 return
+            if kind == CANCEL and self._served:
+                sink = self._served.get(frame.header[1]) if len(frame.header) > 1 else None
+                if sink is not None:
+                    sink.stop()  # (a stream relayed to another silo waits on nothing else)
             if kind == REQUEST or kind == STREAM:
                 # The serving side's own bound: a peer that ignores its
                 # max_in_flight still cannot make us hold unbounded calls.
@@ -507,6 +522,17 @@ class Connection(FrameReceiver):
         """Let the callee of our stream ``req_id`` send ``n`` more items."""
         if req_id in self._streams and not self.closed:
             self._send_frame([CREDIT, req_id, n])
+
+    def serve_stream(self, req_id: int) -> Sink:
+        """Where the items of the peer's streamed call ``req_id`` go (as ITEM frames), against the
+        credit its CREDIT frames grant; stopped by its CANCEL or by this connection's loss."""
+        sink = self._served[req_id] = Sink(functools.partial(self.send_item, req_id))
+        if self.closed:
+            sink.stop()
+        return sink
+
+    def end_stream(self, req_id: int) -> None:
+        self._served.pop(req_id, None)
 
     def send_item(self, req_id: int, item: Any) -> None:
         """One item of a stream we serve (CodecError, before anything is sent, for one the wire

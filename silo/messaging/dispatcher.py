@@ -21,7 +21,6 @@ a SERVER span; a silo without it still forwards the context it received.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from silo.catalog.pipeline import CallContext
 from silo.codec import SCALARS as _SCALARS
 from silo.codec import Codec
 from silo.messaging.connection import Connection
-from silo.messaging.frame import CANCEL, CREDIT, ONEWAY, REQUEST, STREAM, Frame
+from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, STREAM, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
 from silo.messaging.results import LocalLink, Sink, open_generator, run_generator
@@ -146,8 +145,6 @@ class Dispatcher:
         """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
         self._recalled: set[tuple[int, int]] = set()
         """Of those, the ones whose caller gave up before they were queued: never queued."""
-        self._sinks: dict[tuple[int, int], Sink] = {}
-        """Streamed calls from the network being served, by request: where their CREDIT goes."""
         self._waiting: set[Invocation] = set()
         """Calls from this silo waiting for an answer (their deadlines: see _watch)."""
         self._sweep_at = float("inf")
@@ -190,14 +187,6 @@ class Dispatcher:
                 inv.cancelled = True
                 if inv.activation is not None:
                     inv.activation.cancel_call(inv)
-            sink = self._sinks.get(track)
-            if sink is not None:
-                sink.stop()  # a streamed call relayed to another silo: the relay ends too
-            return
-        if kind == CREDIT:
-            sink = self._sinks.get((id(conn), header[1]))
-            if sink is not None and len(header) > 2 and isinstance(header[2], int):
-                sink.grant(header[2])
             return
         if kind not in (REQUEST, ONEWAY, STREAM):
             return
@@ -219,7 +208,7 @@ class Dispatcher:
         deadline = asyncio.get_running_loop().time() + (call.timeout_s or 0.0)
         if kind == STREAM:
             # Known now, before the CREDIT that follows it on this connection is read.
-            sink = self._sinks[(id(conn), req_id)] = Sink(functools.partial(conn.send_item, req_id))
+            sink = conn.serve_stream(req_id)
             self._spawn_serve(conn, req_id, call, deadline, trace, sink)
             return
         if not self._serve_nowait(conn, req_id, call, deadline, trace):
@@ -363,7 +352,7 @@ class Dispatcher:
             self._arriving.discard(track)
             self._recalled.discard(track)
             if sink is not None:
-                self._sinks.pop(track, None)
+                conn.end_stream(req_id)
 
     # --- the local entry point (router calls this for grains on this silo) --
     async def dispatch(

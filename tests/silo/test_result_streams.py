@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from silo import errors
+from silo.client import ClusterClient
 from silo.messaging.router import Router
 from silo.testing import InProcessCluster, InProcessSilo
 from tests.stream_grains import (
@@ -132,3 +136,19 @@ async def test_the_in_process_harness_holds_the_producer_within_the_window() -> 
         consumer = a.get_grain(Consumer, "c")
         await _place(two, consumer, a.get_grain(Producer, "p"))
         assert await consumer.back_pressure("p", ITEMS, WINDOW) == [ITEMS, WINDOW, WINDOW]
+
+
+async def test_a_client_gone_mid_stream_stops_the_generator(cluster, client, redis_url, cluster_name) -> None:
+    """Nobody will grant credit again: the generator must not wait for it forever (its activation
+    would take no other call)."""
+    await cluster(1, grains=GRAINS)
+    leaving = await ClusterClient.connect(redis_url, cluster=cluster_name)
+    stream = leaving.get_grain(Producer, "p").count(1000)
+    assert await anext(stream) == 0
+    await leaving.close()
+    producer = client.get_grain(Producer, "p")
+    assert await producer.with_timeout(10).wait_ended() == "closed"
+    assert [x async for x in producer.count(2)] == [0, 1]
+    with pytest.raises(errors.SiloUnavailableError):  # what came before the loss, then its error
+        async for _ in stream:
+            pass
