@@ -152,3 +152,31 @@ async def test_a_client_gone_mid_stream_stops_the_generator(cluster, client, red
     with pytest.raises(errors.SiloUnavailableError):  # what came before the loss, then its error
         async for _ in stream:
             pass
+
+
+async def test_a_stream_that_reaches_a_silo_not_owning_the_grain_is_relayed_from_the_owner() -> None:
+    """The caller's router still names b; the grain lives on c now: b relays the stream, its
+    items under the caller's credit (b's relay holds a window of its own, so the producer runs
+    at most two windows ahead), and the caller leaving stops the generator on c."""
+    async with InProcessCluster(CLASSES, silos=3) as three:
+        a, b, c = three.silos
+        producer = a.get_grain(Producer, "p")
+        assert isinstance(a.router, Router)
+        await a.router.activate(producer.grain_id, b.address)
+        assert [x async for x in producer.count(3)] == [0, 1, 2]  # a's router remembers b
+        await b.deactivate(producer)
+        assert isinstance(c.router, Router)
+        await c.router.activate(producer.grain_id, c.address)
+        taken = 0
+        async for x in producer.count(1000):
+            assert x == taken
+            taken += 1
+            if taken % 50 == 0:
+                assert await producer.progress() <= taken + 2 * WINDOW
+        assert taken == 1000 and await producer.wait_ended() == "finished"
+        assert b.dispatcher.statistics().forwarded >= 1 and three.silo_of(producer) is c
+        async for x in producer.count(1000):
+            if x == 2:
+                break
+        assert await producer.wait_ended() == "closed"
+        assert [x async for x in producer.count(2)] == [0, 1]
