@@ -76,6 +76,12 @@ class Producer(Grain):
         yield 1
         yield object()
 
+    @interleave
+    async def beside(self, n: int) -> AsyncIterator[int]:
+        """An @interleave generator: other calls run between its items."""
+        for i in range(n):
+            yield i
+
     async def ordinary(self) -> str:
         self.log.append("ordinary")
         return "ok"

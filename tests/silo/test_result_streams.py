@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from grains.call import Call
+from grains.result_stream import ResultStream
 from silo import errors
 from silo.client import ClusterClient
 from silo.messaging.router import Router
@@ -180,3 +182,24 @@ async def test_a_stream_that_reaches_a_silo_not_owning_the_grain_is_relayed_from
                 break
         assert await producer.wait_ended() == "closed"
         assert [x async for x in producer.count(2)] == [0, 1]
+
+
+async def test_an_interleaving_generator_lets_other_calls_run_between_its_items() -> None:
+    async with InProcessSilo(CLASSES) as silo:
+        producer = silo.get_grain(Producer, "p")
+        stream = producer.beside(100)
+        assert await anext(stream) == 0
+        assert await producer.ordinary() == "ok"  # not queued behind the open stream
+        assert [x async for x in stream] == list(range(1, 100))
+
+
+async def test_a_by_name_reference_streams_and_a_mismatched_call_is_refused_clearly(cluster, client) -> None:
+    await cluster(1, grains=GRAINS)
+    await client.refresh()  # the manifests the silo published after the client connected
+    by_name = client.get_grain("Producer", "p")  # methods and stream markers from the manifest
+    assert [x async for x in by_name.count(3)] == [0, 1, 2]
+    with pytest.raises(TypeError, match="is an async generator: iterate it"):
+        await client.router.invoke(Call(by_name.grain_id, "count", (3,)))
+    with pytest.raises(TypeError, match="is no async generator: await it"):
+        async for _ in ResultStream(client.router, Call(by_name.grain_id, "ordinary", ())):
+            pass
