@@ -218,15 +218,18 @@ class Connection(FrameReceiver):
         elif kind == ITEM:
             self._on_item(frame)
         elif kind == CREDIT:
-            sink = self._served.get(frame.header[1]) if len(frame.header) > 2 else None
-            if sink is not None and isinstance(frame.header[2], int):
-                sink.grant(frame.header[2])
+            header = frame.header
+            if len(header) < 3 or not isinstance(header[1], int) or not isinstance(header[2], int):
+                raise errors.CodecError(f"malformed CREDIT frame: {header!r:.100}")
+            sink = self._served.get(header[1])
+            if sink is not None:
+                sink.grant(header[2])
         elif kind in (REQUEST, ONEWAY, CANCEL, STREAM):
             if self._handler is None:
                 self._n.bad_frames += 1
                 return
-            if kind == CANCEL and self._served:
-                sink = self._served.get(frame.header[1]) if len(frame.header) > 1 else None
+            if kind == CANCEL and self._served and len(frame.header) > 1 and isinstance(frame.header[1], int):
+                sink = self._served.get(frame.header[1])
                 if sink is not None:
                     sink.stop()  # (a stream relayed to another silo waits on nothing else)
             if kind == REQUEST or kind == STREAM:
@@ -526,7 +529,7 @@ class Connection(FrameReceiver):
     def serve_stream(self, req_id: int) -> Sink:
         """Where the items of the peer's streamed call ``req_id`` go (as ITEM frames), against the
         credit its CREDIT frames grant; stopped by its CANCEL or by this connection's loss."""
-        sink = self._served[req_id] = Sink(functools.partial(self.send_item, req_id))
+        sink = self._served[req_id] = Sink(functools.partial(self.send_item, req_id), self.drain)
         if self.closed:
             sink.stop()
         return sink

@@ -32,13 +32,20 @@ if TYPE_CHECKING:
     from silo.catalog.invocation import Invocation
 
 
+MAX_CREDIT = 1 << 20
+"""Credit a sink holds at most, whatever a peer grants (a window is far below it)."""
+
+
 class Sink:
     """Where one streamed call's items go, no faster than its caller's credit."""
 
-    __slots__ = ("_credit", "_deliver", "_stopped", "_waiter", "sent")
+    __slots__ = ("_credit", "_deliver", "_drain", "_stopped", "_waiter", "sent")
 
-    def __init__(self, deliver: Callable[[Any], None]) -> None:
+    def __init__(self, deliver: Callable[[Any], None], drain: Callable[[], Awaitable[None]] | None = None) -> None:
         self._deliver = deliver
+        self._drain = drain
+        """Waits while the connection's send buffer is full: credit a caller grants but does not
+        read off its socket must not pile items up in this process."""
         self._credit = 0
         self._stopped = False
         self._waiter: asyncio.Future[None] | None = None
@@ -49,7 +56,7 @@ class Sink:
         """The caller took items: ``n`` more may be produced."""
         if n <= 0:
             return
-        self._credit += n
+        self._credit = min(self._credit + n, MAX_CREDIT)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -70,6 +77,8 @@ class Sink:
                 await waiter
             finally:
                 self._waiter = None
+        if self._drain is not None:
+            await self._drain()
 
     def deliver(self, item: Any) -> None:
         self._credit -= 1

@@ -19,6 +19,8 @@ from grains.call import Call
 from grains.result_stream import ResultStream
 from silo import errors
 from silo.client import ClusterClient
+from silo.codec import Codec
+from silo.messaging.frame import CREDIT, ITEM, STREAM
 from silo.messaging.router import Router
 from silo.testing import InProcessCluster, InProcessSilo
 from tests.stream_grains import (
@@ -203,3 +205,29 @@ async def test_a_by_name_reference_streams_and_a_mismatched_call_is_refused_clea
     with pytest.raises(TypeError, match="is no async generator: await it"):
         async for _ in ResultStream(client.router, Call(by_name.grain_id, "ordinary", ())):
             pass
+
+
+async def test_on_the_wire_items_go_only_against_credit_and_a_bad_credit_frame_drops_the_caller() -> None:
+    async with InProcessCluster(CLASSES, silos=2) as two:
+        a, b = two.silos
+        producer = a.get_grain(Producer, "p")
+        assert isinstance(a.router, Router)
+        await a.router.activate(producer.grain_id, b.address)
+        codec = Codec()
+        peer = two.network.open_raw(b.address.endpoint)
+        peer.write_frame([STREAM, 1, "Producer", "p", "count", 30_000, [], 0], codec.encode([100]).meta)
+
+        def items() -> list[int]:
+            return [codec.decode(f.meta) for f in peer.frames if f.header[:2] == [ITEM, 1]]
+
+        for _ in range(10):  # round trips through b's loop: the generator gets no credit
+            assert await producer.progress() == 0
+        peer.write_frame([CREDIT, 1, 5])
+        while len(items()) < 5:
+            await producer.progress()
+        for _ in range(10):
+            assert await producer.progress() == 5
+        assert items() == [0, 1, 2, 3, 4]
+        peer.write_frame([CREDIT, 1, "many"])  # malformed: that connection is dropped ...
+        assert await producer.wait_ended() == "closed"  # ... and with it the stream it opened
+        assert peer.closed and [x async for x in producer.count(3)] == [0, 1, 2]
