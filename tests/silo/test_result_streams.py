@@ -11,10 +11,12 @@ harness (alone, and two silos over the transport twin).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from grains import Grain, one_way
 from grains.call import Call
 from grains.result_stream import ResultStream
 from silo import errors
@@ -231,3 +233,12 @@ async def test_on_the_wire_items_go_only_against_credit_and_a_bad_credit_frame_d
         peer.write_frame([CREDIT, 1, "many"])  # malformed: that connection is dropped ...
         assert await producer.wait_ended() == "closed"  # ... and with it the stream it opened
         assert peer.closed and [x async for x in producer.count(3)] == [0, 1, 2]
+
+
+def test_a_generator_cannot_be_one_way() -> None:
+    with pytest.raises(TypeError, match="streams its results"):
+
+        class Bad(Grain):
+            @one_way
+            async def items(self) -> AsyncIterator[int]:
+                yield 1
