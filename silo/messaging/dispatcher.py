@@ -87,6 +87,8 @@ class DispatcherStatistics:
     """``@one_way`` calls received (over the network or from this silo)."""
     one_way_failed: int = 0
     """Of those, the ones that failed (logged here: their callers never hear of it)."""
+    streams: int = 0
+    """Streamed calls (async-generator methods) that reached an activation here, from anywhere."""
     version_mismatches: int = 0
     """Calls turned away because this silo's version of the type must not serve them
     (VersionMismatchError: the caller placed them again)."""
@@ -140,6 +142,7 @@ class Dispatcher:
         self._requests = self._forwarded = self._rerouted = self._errors = 0
         self._one_way = self._one_way_failed = 0
         self._version_mismatches = 0
+        self._streams = 0
         self._posts = 0
         self._arriving: set[tuple[int, int]] = set()
         """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
@@ -428,6 +431,7 @@ class Dispatcher:
             if internal is not None:
                 turn = internal(act, args)
             elif streamed:
+                self._streams += 1
                 if stream is not None:
                     link = LocalLink(stream, self._codec if local else None, act, method)
                     stream.attach(link)
@@ -664,6 +668,7 @@ class Dispatcher:
             one_way=self._one_way,
             one_way_failed=self._one_way_failed,
             version_mismatches=self._version_mismatches,
+            streams=self._streams,
         )
 
     # --- one-way calls -------------------------------------------------------

@@ -233,6 +233,7 @@ async def test_on_the_wire_items_go_only_against_credit_and_a_bad_credit_frame_d
         peer.write_frame([CREDIT, 1, "many"])  # malformed: that connection is dropped ...
         assert await producer.wait_ended() == "closed"  # ... and with it the stream it opened
         assert peer.closed and [x async for x in producer.count(3)] == [0, 1, 2]
+        assert b.dispatcher.statistics().streams == 2
 
 
 def test_a_generator_cannot_be_one_way() -> None:
