@@ -16,6 +16,13 @@ kernel's back-pressure. Deadlines share one timer per connection, for the
 earliest one in a heap (a timer per call costs more than the call itself); an
 expired request fails with GrainTimeoutError and a CANCEL goes to the peer.
 
+A streamed call (an async-generator method: :mod:`silo.messaging.results`) is a request
+whose items come as ITEM frames before its answer: the caller's side puts them into the
+call's :class:`~grains.result_stream.StreamChannel` and sends CREDIT as it takes them
+(:meth:`Connection.open_stream`); the serving side keeps each such call's :class:`Sink`
+(:meth:`Connection.serve_stream`), which CREDIT frames feed, and stops it when the call is
+cancelled or the connection is lost, so no generator waits for credit that cannot come.
+
 Until the handshake (:mod:`silo.messaging.handshake`) is done, a connection
 takes only handshake frames. A client that has observers names itself with a
 CLIENT frame (``client_id``) on the connections it opens, before any request
