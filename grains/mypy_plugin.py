@@ -37,7 +37,6 @@ from mypy.nodes import (
     ARG_STAR2,
     Decorator,
     FuncDef,
-    MypyFile,
     OverloadedFuncDef,
     RefExpr,
     TypeInfo,
@@ -59,16 +58,13 @@ from mypy.types import (
 from grains.ref import never_remote
 
 REF = "grains.ref.Ref"
-RESULT_STREAM = "grains.ResultStream"  # looked up through the package, which re-exports it
+# Looked up through the package, which re-exports it: mypy loads a package with any of its
+# modules (grains.ref among them), not a submodule no one imports by name.
+RESULT_STREAM = "grains.ResultStream"
 ONE_WAY = "grains.placement.one_way"
 
 
 class GrainsPlugin(Plugin):
-    def get_additional_deps(self, file: MypyFile) -> list[tuple[int, str, int]]:
-        # A streamed method's call is typed ResultStream[T]: the package that exports it must be
-        # loaded wherever a reference may be used, which mypy does not know before this hook runs.
-        return [] if file.fullname.startswith("grains") else [(10, "grains", -1)]
-
     def get_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
         owner, _, name = fullname.rpartition(".")
         if owner != REF:
