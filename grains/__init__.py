@@ -38,6 +38,7 @@ from grains.placement import (
     write_behind,
 )
 from grains.ref import GrainRef, Ref
+from grains.result_stream import ResultStream
 from grains.startup import StartingSilo, on_silo_start
 from grains.streams import Stream, StreamGap, StreamItem, subscribes
 
@@ -52,6 +53,7 @@ __all__ = [
     "ObserverSet",
     "PersistentState",
     "Ref",
+    "ResultStream",
     "SiloAddress",
     "StartingSilo",
     "Stream",

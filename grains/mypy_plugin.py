@@ -14,7 +14,10 @@ Enable it in the project's mypy configuration::
     [tool.mypy]
     plugins = ["grains.mypy_plugin"]
 
-A ``@one_way`` method returns ``None`` to its caller whatever it declares, and is typed so.
+A ``@one_way`` method returns ``None`` to its caller whatever it declares, and is typed so. A
+method written as an async generator (``async def m(self) -> AsyncIterator[T]: ... yield``) is
+remote too; its call is iterated, not awaited, and is typed as what the reference returns,
+:class:`grains.result_stream.ResultStream` ``[T]`` (an ``AsyncIterator[T]`` with ``aclose``).
 Where G is not known (``Ref[Any]``), the attribute keeps ``Ref.__getattr__``'s type: any
 arguments, an awaitable of ``Any`` (as a by-name ``GrainRef`` is typed).
 """
@@ -29,7 +32,15 @@ from mypy.errorcodes import ATTR_DEFINED
 from mypy.expandtype import expand_type_by_instance
 from mypy.maptype import map_instance_to_supertype
 from mypy.messages import format_type_bare
-from mypy.nodes import ARG_STAR, ARG_STAR2, Decorator, FuncDef, OverloadedFuncDef, RefExpr, TypeInfo
+from mypy.nodes import (
+    ARG_STAR,
+    ARG_STAR2,
+    Decorator,
+    FuncDef,
+    OverloadedFuncDef,
+    RefExpr,
+    TypeInfo,
+)
 from mypy.plugin import AttributeContext, Plugin
 from mypy.typeops import bind_self, function_type
 from mypy.types import (
@@ -47,6 +58,9 @@ from mypy.types import (
 from grains.ref import never_remote
 
 REF = "grains.ref.Ref"
+# Looked up through the package, which re-exports it: mypy loads a package with any of its
+# modules (grains.ref among them), not a submodule no one imports by name.
+RESULT_STREAM = "grains.ResultStream"
 ONE_WAY = "grains.placement.one_way"
 
 
@@ -82,7 +96,14 @@ def _remote_attribute(name: str, ctx: AttributeContext) -> Type:
     if found.binds_self:
         typ = bind_self(typ, grain, is_classmethod=found.classmethod)
     bound = get_proper_type(expand_type_by_instance(typ, map_instance_to_supertype(grain, found.owner)))
-    if found.one_way and isinstance(bound, CallableType):
+    if found.stream and isinstance(bound, CallableType):
+        # The reference returns its ResultStream[T] at once (grains/ref.py), T the item type.
+        declared = get_proper_type(bound.ret_type)
+        item: Type = AnyType(TypeOfAny.implementation_artifact)
+        if isinstance(declared, Instance) and declared.args:
+            item = declared.args[0]
+        bound = bound.copy_modified(ret_type=ctx.api.named_generic_type(RESULT_STREAM, [item]))
+    elif found.one_way and isinstance(bound, CallableType):
         # The caller's await ends once the message is sent, with None (grains/placement.py).
         any_ = AnyType(TypeOfAny.implementation_artifact)
         bound = bound.copy_modified(
@@ -116,10 +137,12 @@ class _Method(NamedTuple):
     binds_self: bool
     classmethod: bool
     one_way: bool
+    stream: bool = False
 
 
 def _async_method(node: object, ctx: AttributeContext) -> _Method | None:
-    """The grain's method ``node``, if it is an ``async def`` (not a generator or property)."""
+    """The grain's method ``node``, if it is an ``async def`` (a coroutine or an async generator,
+    not a property)."""
     decorators: Sequence[object] = ()
     if isinstance(node, Decorator):
         func, typ, decorators = node.func, node.var.type or node.func.type, node.original_decorators
@@ -133,7 +156,7 @@ def _async_method(node: object, ctx: AttributeContext) -> _Method | None:
         typ = node.type
     else:  # a variable, a nested class: never remote
         return None
-    if not func.is_coroutine or func.is_async_generator or func.is_property:
+    if not (func.is_coroutine or func.is_async_generator) or func.is_property:
         return None
     function = ctx.api.named_generic_type("builtins.function", [])
     if typ is None:  # an unannotated def: any arguments, result Any
@@ -145,7 +168,7 @@ def _async_method(node: object, ctx: AttributeContext) -> _Method | None:
     if not isinstance(proper, FunctionLike):  # a decorator made it something else
         return None
     one_way = any(isinstance(d, RefExpr) and d.fullname == ONE_WAY for d in decorators)
-    return _Method(proper, func.info, not func.is_static, func.is_class, one_way)
+    return _Method(proper, func.info, not func.is_static, func.is_class, one_way, func.is_async_generator)
 
 
 def _fail(ctx: AttributeContext, message: str) -> Type:

@@ -7,6 +7,7 @@ sees the class.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +192,8 @@ def one_way(fn: F) -> F:
     caller's calls to a grain run in the order sent; past a full mailbox a one-way call waits
     (in order, within a bound) instead of being shed. It runs at most once: not at-least-once
     (docs/concepts.md, One-way calls)."""
+    if inspect.isasyncgenfunction(fn):
+        raise TypeError(f"@one_way on {fn.__qualname__}: an async generator streams its results to its caller")
     fn.__rg_one_way__ = True  # type: ignore[attr-defined]
     return fn
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from grains.call import CALL_CHAIN, Call
 from grains.ids import GrainId
+from grains.result_stream import ResultStream, StreamChannel
 
 if TYPE_CHECKING:
     from grains.base import Grain
@@ -39,8 +40,10 @@ _NOT_REMOTE = frozenset({"on_activate", "on_deactivate", "receive_reminder"})
 class Caller(Protocol):
     """What a reference sends its calls through."""
 
-    async def invoke(self, call: Call, one_way: bool = False) -> Any:
-        """Deliver ``call`` and return its result; with ``one_way``, return once it is sent."""
+    async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
+        """Deliver ``call`` and return its result; with ``one_way``, return once it is sent; with
+        ``stream`` (a call of an async-generator method), return once it has its first item or
+        its end, which go to ``stream`` (grains/result_stream.py), as do the later ones."""
         ...
 
 
@@ -59,15 +62,22 @@ def _grain_members() -> frozenset[str]:
 
 
 def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
-    """The grain's remote interface: public coroutine functions not from ``Grain`` itself."""
+    """The grain's remote interface: public coroutine functions and async generator functions
+    (streamed results, :func:`stream_methods`) not from ``Grain`` itself."""
     out: dict[str, Callable[..., Any]] = {}
     for name in dir(cls):
         if never_remote(name):
             continue
         fn = getattr(cls, name, None)
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
             out[name] = fn
     return out
+
+
+def stream_methods(cls: type) -> frozenset[str]:
+    """The remote methods written as async generators: a reference's call of one is iterated
+    (``async for``), not awaited (grains/result_stream.py)."""
+    return frozenset(name for name, fn in public_methods(cls).items() if inspect.isasyncgenfunction(fn))
 
 
 class GrainRef:
@@ -129,7 +139,7 @@ _chain = CALL_CHAIN.get
 _new_call = tuple.__new__
 
 
-def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callable[..., Any]:
+def _remote_method(name: str, doc: str | None, one_way: bool = False, stream: bool = False) -> Callable[..., Any]:
     # The chain is read when the call starts, in the task that runs it, not when the coroutine
     # is made: ``self.start_task(ref.m())`` makes it inside a turn, but it runs outside the
     # turn (start_task clears the chain), so it must not carry the turn's chain (a call back
@@ -146,8 +156,17 @@ def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callabl
             _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), True
         )
 
+    def iterate(self: GrainRef, *args: Any, **kwargs: Any) -> ResultStream[Any]:
+        # A plain function: ``async for`` needs the iterator itself, not an awaitable of it. The
+        # chain is read now, in the task that will iterate it (a stream is not handed to start_task).
+        return ResultStream(
+            self._caller, _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0))
+        )
+
     if one_way:
         call = send
+    elif stream:
+        call = iterate  # type: ignore[assignment]
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc
@@ -155,13 +174,17 @@ def _remote_method(name: str, doc: str | None, one_way: bool = False) -> Callabl
 
 
 def build_ref_class(
-    type_name: str, methods: Iterable[str], docs: dict[str, str | None] | None = None, one_way: Iterable[str] = ()
+    type_name: str,
+    methods: Iterable[str],
+    docs: dict[str, str | None] | None = None,
+    one_way: Iterable[str] = (),
+    streams: Iterable[str] = (),
 ) -> type[Ref[Any]]:
     names = sorted(methods)
-    sent = frozenset(one_way)
+    sent, streamed = frozenset(one_way), frozenset(streams)
     ns: dict[str, Any] = {"__slots__": (), "_methods": frozenset(names)}
     for name in names:
-        ns[name] = _remote_method(name, (docs or {}).get(name), name in sent)
+        ns[name] = _remote_method(name, (docs or {}).get(name), name in sent, name in streamed)
     return type(f"{type_name}Ref", (Ref,), ns)
 
 
@@ -183,13 +206,15 @@ def _late_method(name: str, resolve: Resolver) -> Callable[..., Any]:
 
 
 def build_by_name_ref_class(
-    type_name: str, methods: Iterable[str], one_way: Iterable[str], resolve: Resolver
+    type_name: str, methods: Iterable[str], one_way: Iterable[str], resolve: Resolver, streams: Iterable[str] = ()
 ) -> type[Ref[Any]]:
     """The reference class of a type known only by name: ``methods`` as :func:`build_ref_class`
     makes them (what the caller knows now), and any other public name a method that asks
     ``resolve`` when called (a type or version published since; an unknown one fails then,
-    with UnknownGrainError or UnknownMethodError, as a call of a known method would)."""
-    base = build_ref_class(type_name, methods, one_way=one_way)
+    with UnknownGrainError or UnknownMethodError, as a call of a known method would). A name
+    looked up late is called as a plain call: an async-generator method published after the
+    reference was made streams through a reference made again."""
+    base = build_ref_class(type_name, methods, one_way=one_way, streams=streams)
     late: dict[str, Callable[..., Any]] = {}
 
     def __getattr__(self: GrainRef, name: str) -> Any:
@@ -212,6 +237,8 @@ def ref_class_for(cls: type[GrainT]) -> type[Ref[GrainT]]:
 
     methods = public_methods(cls)
     opts = grain_options(cls)
-    ref_cls = build_ref_class(opts.type_name, methods, {n: f.__doc__ for n, f in methods.items()}, opts.one_way)
+    ref_cls = build_ref_class(
+        opts.type_name, methods, {n: f.__doc__ for n, f in methods.items()}, opts.one_way, stream_methods(cls)
+    )
     type.__setattr__(cls, "__rg_ref_class__", ref_cls)
     return ref_cls

@@ -153,6 +153,7 @@ class ClusterClient:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            stream_window=s.transport.stream_window,
             cache_size=s.directory.cache_size,
             tracing=self.tracing,
         )

@@ -29,6 +29,12 @@ class TransportSettings(_Section):
     max_in_flight: int = Field(
         10_000, gt=0, description="Calls one connection may have outstanding; more wait for a slot within their deadline."
     )
+    stream_window: int = Field(
+        16,
+        gt=0,
+        description="Items a streamed call's callee (an async-generator grain method) may produce ahead of"
+        " the caller's loop; it waits for the caller past that (back-pressure).",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection.")
     cluster_secret: SecretStr | None = Field(
         None, description="Shared secret; when set every connection starts with an HMAC challenge both ways."

@@ -334,7 +334,10 @@ class Silo:
         for name in self.types.names():
             opts = self.types.options(name)
             self.manifests.add_local(
-                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+                TypeInfo(
+                    name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version,
+                    streams=self.types.streams(name),
+                )
             )
         if self._tracing is None and s.tracing.enabled:
             self._tracing = Tracing.from_settings(s.tracing)
@@ -348,6 +351,7 @@ class Silo:
             manifests=self.manifests,
             placer=Placer(),
             call_timeout_s=s.transport.call_timeout_s,
+            stream_window=s.transport.stream_window,
             cache_size=s.directory.cache_size,
             tracing=self._tracing,
         )

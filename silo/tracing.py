@@ -229,7 +229,9 @@ class TracedCaller:
         self._inner = inner
         self._tracing = tracing
 
-    def invoke(self, call: Call, one_way: bool = False) -> Coroutine[Any, Any, Any]:
+    def invoke(self, call: Call, one_way: bool = False, stream: Any = None) -> Coroutine[Any, Any, Any]:
         if one_way:
             return self._tracing.client_call(call, lambda c: self._inner.invoke(c, True))
+        if stream is not None:  # the span covers the opening: the call until its first item
+            return self._tracing.client_call(call, lambda c: self._inner.invoke(c, False, stream))
         return self._tracing.client_call(call, self._inner.invoke)

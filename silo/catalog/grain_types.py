@@ -13,7 +13,7 @@ from typing import Any
 
 from grains.base import Grain
 from grains.placement import GrainOptions, grain_options
-from grains.ref import public_methods
+from grains.ref import public_methods, stream_methods
 from silo import errors
 
 
@@ -23,6 +23,8 @@ class GrainTypes:
     def __init__(self, classes: Iterable[type[Grain]] = ()) -> None:
         self._classes: dict[str, type[Grain]] = {}
         self._methods: dict[str, frozenset[str]] = {}
+        self._streams: dict[str, frozenset[str]] = {}
+        self._awaited: dict[str, frozenset[str]] = {}
         for cls in classes:
             self.add(cls)
 
@@ -79,6 +81,21 @@ class GrainTypes:
             cached = self._methods[type_name] = frozenset(public_methods(self.resolve(type_name)))
         return cached
 
+    def awaited(self, type_name: str) -> frozenset[str]:
+        """The type's methods that are awaited (all but the streamed ones): a silo's fast path
+        takes these, a streamed call goes the full way."""
+        cached = self._awaited.get(type_name)
+        if cached is None:
+            cached = self._awaited[type_name] = self.methods(type_name) - self.streams(type_name)
+        return cached
+
+    def streams(self, type_name: str) -> frozenset[str]:
+        """The type's methods written as async generators (their results are streamed)."""
+        cached = self._streams.get(type_name)
+        if cached is None:
+            cached = self._streams[type_name] = stream_methods(self.resolve(type_name))
+        return cached
+
     def names(self) -> list[str]:
         return sorted(self._classes)
 
@@ -102,6 +119,7 @@ class GrainTypes:
             "class": f"{cls.__module__}:{cls.__qualname__}",
             "methods": sorted(public_methods(cls)),
             "one_way": sorted(opts.one_way),
+            "streams": sorted(self.streams(type_name)),
             "placement": opts.placement.strategy,
             "role": opts.placement.role,
             "reentrant": opts.reentrant,

@@ -28,13 +28,15 @@ with no filters a turn awaits the method directly, one coroutine frame in all.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from types import AsyncGeneratorType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from grains.call import Call
 from grains.ids import GrainId
 from grains.ref import Caller
+from grains.result_stream import StreamChannel
 from silo.catalog.internal import INTERNAL_TURNS
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ class OutgoingContext:
     """The call as the reference built it (target, method, arguments, timeout, chain)."""
     one_way: bool
     """A ``@one_way`` call: the send returns None once it is on its way."""
+    stream: StreamChannel | None = None
+    """A streamed call (an async-generator method): the send returns None once the stream has its
+    first item or its end; the items go to this stream, past the filters."""
 
     @property
     def grain_id(self) -> GrainId:
@@ -118,10 +123,10 @@ class FilteredCaller:
         self._chain = build_pipeline(filters, self._send)
 
     def _send(self, ctx: OutgoingContext) -> Awaitable[Any]:
-        return self.inner.invoke(ctx.call, ctx.one_way)
+        return self.inner.invoke(ctx.call, ctx.one_way, ctx.stream)
 
-    async def invoke(self, call: Call, one_way: bool = False) -> Any:
-        return await self._chain(OutgoingContext(call, one_way))
+    async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
+        return await self._chain(OutgoingContext(call, one_way, stream))
 
 
 def filtered_caller(inner: Caller, filters: Sequence[OutgoingFilter]) -> Caller:
@@ -130,15 +135,22 @@ def filtered_caller(inner: Caller, filters: Sequence[OutgoingFilter]) -> Caller:
 
 
 def invoke_method(ctx: CallContext) -> Awaitable[Any]:
-    """The innermost link: the grain method's own coroutine (one frame fewer than awaiting it here),
-    or the turn an internal method names (a reminder tick, a stream item: ``internal.py``)."""
+    """The innermost link: the grain method's own coroutine (one frame fewer than awaiting it
+    here), or the turn an internal method names (a reminder tick, a stream item: ``internal.py``);
+    for an async-generator method, an awaitable of the generator, which the streamed call's
+    turn then runs (silo/messaging/results.py): filters see such a call open."""
     internal = INTERNAL_TURNS.get(ctx.method)
     if internal is not None:
         return internal(ctx.activation, ctx.args)()
     fn = getattr(ctx.activation.instance, ctx.method)
-    if ctx.kwargs:
-        return fn(*ctx.args, **ctx.kwargs)  # type: ignore[no-any-return]
-    return fn(*ctx.args)  # type: ignore[no-any-return]
+    result = fn(*ctx.args, **ctx.kwargs) if ctx.kwargs else fn(*ctx.args)
+    if type(result) is AsyncGeneratorType:
+        return _opened(result)
+    return result  # type: ignore[no-any-return]
+
+
+async def _opened(generator: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    return generator
 
 
 def format_remote_traceback(exc: BaseException) -> str:

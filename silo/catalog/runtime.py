@@ -12,7 +12,7 @@ from grains.base import Grain
 from grains.ids import GrainId
 from grains.observer import ObserverRef
 from grains.placement import grain_options
-from grains.ref import GrainRef, Ref, build_by_name_ref_class, ref_class_for
+from grains.ref import GrainRef, Ref, build_by_name_ref_class, ref_class_for, stream_methods
 from silo import errors
 from silo.catalog.evolution import StateLoader
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
@@ -72,15 +72,17 @@ class RefFactory:
             info = self._manifests.get_nowait(grain)
             methods: frozenset[str] = frozenset()
             one_way: frozenset[str] = frozenset()
+            streams: frozenset[str] = frozenset()
             if info is not None:
-                methods, one_way = info.methods, info.one_way
+                methods, one_way, streams = info.methods, info.one_way, info.streams
             elif (known := self._classes.get(grain)) is not None:  # a class of that name used here
                 methods, one_way = ref_class_for(known)._methods, frozenset(grain_options(known).one_way)
+                streams = frozenset(stream_methods(known))
             ref_cls = self._by_name.get(grain)
             # Rebuilt when what we know changed (the known methods are the fast path); a name
             # the class lacks is looked up when called (a type or version published since).
             if ref_cls is None or ref_cls._methods != methods:
-                ref_cls = self._by_name[grain] = build_by_name_ref_class(grain, methods, one_way, self._resolve)
+                ref_cls = self._by_name[grain] = build_by_name_ref_class(grain, methods, one_way, self._resolve, streams)
             return ref_cls(self._caller, GrainId.of(grain, key))
         if not (isinstance(grain, type) and issubclass(grain, Grain)):
             raise TypeError(f"get_grain wants a Grain subclass or a type name, not {grain!r}")

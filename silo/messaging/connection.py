@@ -16,6 +16,13 @@ kernel's back-pressure. Deadlines share one timer per connection, for the
 earliest one in a heap (a timer per call costs more than the call itself); an
 expired request fails with GrainTimeoutError and a CANCEL goes to the peer.
 
+A streamed call (an async-generator method: :mod:`silo.messaging.results`) is a request
+whose items come as ITEM frames before its answer: the caller's side puts them into the
+call's :class:`~grains.result_stream.StreamChannel` and sends CREDIT as it takes them
+(:meth:`Connection.open_stream`); the serving side keeps each such call's :class:`Sink`
+(:meth:`Connection.serve_stream`), which CREDIT frames feed, and stops it when the call is
+cancelled or the connection is lost, so no generator waits for credit that cannot come.
+
 Until the handshake (:mod:`silo.messaging.handshake`) is done, a connection
 takes only handshake frames. A client that has observers names itself with a
 CLIENT frame (``client_id``) on the connections it opens, before any request
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -36,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from grains.result_stream import StreamChannel
 from silo import errors
 from silo.codec import Codec, Encoded
 from silo.messaging import frame as _frame
@@ -44,18 +53,22 @@ from silo.messaging.frame import (
     AUTH_OK,
     CANCEL,
     CLIENT,
+    CREDIT,
     DIRECT_MIN,
     ERROR,
     HELLO,
+    ITEM,
     ONEWAY,
     PING,
     PONG,
     REQUEST,
     RESPONSE,
+    STREAM,
     Frame,
 )
 from silo.messaging.frame import packb as _packb
 from silo.messaging.receive import Counters, FrameReceiver
+from silo.messaging.results import Sink
 from silo.messaging.wire_errors import error_body, error_from_body
 from silo.settings import TransportSettings
 
@@ -110,6 +123,10 @@ class Connection(FrameReceiver):
         self._ids = itertools.count(1)
         # label: "grain.method", or (grain, method) so a call need not format it.
         self._pending: dict[int, tuple[asyncio.Future[Any], str | tuple[object, str]]] = {}
+        self._streams: dict[int, StreamChannel] = {}
+        """Our streamed calls still open, by request id (each also in _pending, for its end)."""
+        self._served: dict[int, Sink] = {}
+        """Streamed calls from the peer that we serve, by its request id: where its CREDIT goes."""
         self._serving = 0
         """Requests from the peer being served now (bounded by max_in_flight)."""
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -184,6 +201,9 @@ class Connection(FrameReceiver):
             self.ready.exception()
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
+        for sink in self._served.values():
+            sink.stop()  # nobody takes the items any more: the generators stop (their finally runs)
+        self._served.clear()
         if self._on_close is not None:
             self._on_close(self)
 
@@ -202,11 +222,24 @@ class Connection(FrameReceiver):
             return
         if kind == RESPONSE or kind == ERROR:
             self._on_response(frame)
-        elif kind in (REQUEST, ONEWAY, CANCEL):
+        elif kind == ITEM:
+            self._on_item(frame)
+        elif kind == CREDIT:
+            header = frame.header
+            if len(header) < 3 or not isinstance(header[1], int) or not isinstance(header[2], int):
+                raise errors.CodecError(f"malformed CREDIT frame: {header!r:.100}")
+            sink = self._served.get(header[1])
+            if sink is not None:
+                sink.grant(header[2])
+        elif kind in (REQUEST, ONEWAY, CANCEL, STREAM):
             if self._handler is None:
                 self._n.bad_frames += 1
                 return
-            if kind == REQUEST:
+            if kind == CANCEL and self._served and len(frame.header) > 1 and isinstance(frame.header[1], int):
+                sink = self._served.get(frame.header[1])
+                if sink is not None:
+                    sink.stop()  # (a stream relayed to another silo waits on nothing else)
+            if kind == REQUEST or kind == STREAM:
                 # The serving side's own bound: a peer that ignores its
                 # max_in_flight still cannot make us hold unbounded calls.
                 if self._serving >= self._settings.max_in_flight:
@@ -299,6 +332,19 @@ class Connection(FrameReceiver):
             fut.set_exception(error_from_body(value, self.codec.registry))
         else:
             fut.set_result(value)
+
+    def _on_item(self, frame: Frame) -> None:
+        req_id = frame.header[1] if len(frame.header) > 1 else None
+        stream = self._streams.get(req_id) if isinstance(req_id, int) else None
+        if stream is None:
+            return  # the caller left the stream; its CANCEL is on the way
+        try:
+            item = self.codec.decode(frame.meta, frame.buffers)
+        except errors.CodecError as exc:
+            self.cancel(req_id)  # type: ignore[arg-type]
+            stream.finish(exc)
+            return
+        stream.push(item)
 
     # --- send --------------------------------------------------------------
     def _send_frame(self, header: list[Any], encoded: Encoded | None = None) -> None:
@@ -457,6 +503,60 @@ class Connection(FrameReceiver):
             raise self._never_sent()
         return fut
 
+    def open_stream(
+        self, header: list[Any], body: Any, stream: StreamChannel, label: tuple[object, str]
+    ) -> int:
+        """Send a STREAM request and its first credit (``stream.window``); its items go to
+        ``stream`` as they come, its end (RESPONSE, ERROR, a lost connection) finishes it.
+
+        No deadline is armed here: a stream's deadline is per item, kept by the stream itself
+        (and by the router while it opens). Returns the request id. Over ``max_in_flight`` this
+        raises OverloadedError, as :meth:`request` does."""
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        if len(self._pending) + self._handed >= self._settings.max_in_flight:
+            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
+        req_id = next(self._ids)
+        header[1] = req_id
+        encoded = self.codec.encode(body)
+        end: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[req_id] = (end, label)
+        self._streams[req_id] = stream
+
+        def ended(fut: asyncio.Future[Any]) -> None:
+            # After every ITEM read before the end (this runs a loop step later): order holds.
+            self._streams.pop(req_id, None)
+            stream.finish(None if fut.cancelled() else fut.exception())
+
+        end.add_done_callback(ended)
+        stream.attach(_RemoteLink(self, req_id, label))
+        self._send_frame(header, encoded)
+        self._send_frame([CREDIT, req_id, stream.window])
+        return req_id
+
+    def send_credit(self, req_id: int, n: int) -> None:
+        """Let the callee of our stream ``req_id`` send ``n`` more items."""
+        if req_id in self._streams and not self.closed:
+            self._send_frame([CREDIT, req_id, n])
+
+    def serve_stream(self, req_id: int) -> Sink:
+        """Where the items of the peer's streamed call ``req_id`` go (as ITEM frames), against the
+        credit its CREDIT frames grant; stopped by its CANCEL or by this connection's loss."""
+        sink = self._served[req_id] = Sink(functools.partial(self.send_item, req_id), self.drain)
+        if self.closed:
+            sink.stop()
+        return sink
+
+    def end_stream(self, req_id: int) -> None:
+        self._served.pop(req_id, None)
+
+    def send_item(self, req_id: int, item: Any) -> None:
+        """One item of a stream we serve (CodecError, before anything is sent, for one the wire
+        cannot carry)."""
+        encoded = self.codec.encode(item)
+        if not self.closed:
+            self._send_frame([ITEM, req_id], encoded)
+
     def send_one_way(self, header: list[Any], body: Any) -> None:
         """Send a ONEWAY frame: a request nobody answers (``@one_way`` methods)."""
         if self.closed:
@@ -544,6 +644,7 @@ class Connection(FrameReceiver):
     def cancel(self, req_id: int) -> None:
         """The caller gave up on a request before its answer: forget it and send the peer a CANCEL,
         as its deadline does (the callee's turn is cancelled, or its queued call dropped)."""
+        self._streams.pop(req_id, None)
         if self._pending.pop(req_id, None) is None:
             return  # answered (or expired) already
         if self._waiters:
@@ -599,3 +700,25 @@ class Connection(FrameReceiver):
         """The TLS version this connection runs ("TLSv1.3"), or None on a plain socket."""
         ssl_object = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
         return ssl_object.version() if ssl_object is not None else None
+
+
+class _RemoteLink:
+    """A streamed call's request on a connection, as its :class:`~grains.result_stream.StreamChannel` sees it."""
+
+    __slots__ = ("_conn", "_label", "_req_id")
+
+    def __init__(self, conn: Connection, req_id: int, label: tuple[object, str]) -> None:
+        self._conn, self._req_id, self._label = conn, req_id, label
+
+    def grant(self, n: int) -> None:
+        self._conn.send_credit(self._req_id, n)
+
+    def cancel(self) -> None:
+        try:
+            self._conn.cancel(self._req_id)
+        except RuntimeError:
+            pass  # the loop is closed: so is the connection
+
+    def timed_out(self, timeout_s: float) -> Exception:
+        target, method = self._label
+        return errors.GrainTimeoutError(str(target), method, timeout_s)

@@ -32,6 +32,7 @@ from grains.base import DeactivationReason
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
+from grains.result_stream import ResultStream, StreamChannel
 from silo import errors
 from silo.catalog.activation import Activation, ActivationState
 from silo.catalog.catalog import Catalog
@@ -42,9 +43,10 @@ from silo.catalog.pipeline import CallContext
 from silo.codec import SCALARS as _SCALARS
 from silo.codec import Codec
 from silo.messaging.connection import Connection
-from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, Frame
+from silo.messaging.frame import CANCEL, ONEWAY, REQUEST, STREAM, Frame
 from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
+from silo.messaging.results import LocalLink, Sink, open_generator, run_generator
 from silo.messaging.wire_errors import as_remote
 from silo.tracing import Carrier, Tracing, carrier_from_header
 
@@ -87,6 +89,8 @@ class DispatcherStatistics:
     """``@one_way`` calls received (over the network or from this silo)."""
     one_way_failed: int = 0
     """Of those, the ones that failed (logged here: their callers never hear of it)."""
+    streams: int = 0
+    """Streamed calls (async-generator methods) that reached an activation here, from anywhere."""
     version_mismatches: int = 0
     """Calls turned away because this silo's version of the type must not serve them
     (VersionMismatchError: the caller placed them again)."""
@@ -140,6 +144,7 @@ class Dispatcher:
         self._requests = self._forwarded = self._rerouted = self._errors = 0
         self._one_way = self._one_way_failed = 0
         self._version_mismatches = 0
+        self._streams = 0
         self._posts = 0
         self._arriving: set[tuple[int, int]] = set()
         """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
@@ -188,7 +193,7 @@ class Dispatcher:
                 if inv.activation is not None:
                     inv.activation.cancel_call(inv)
             return
-        if kind not in (REQUEST, ONEWAY):
+        if kind not in (REQUEST, ONEWAY, STREAM):
             return
         self._requests += 1
         req_id = header[1]
@@ -206,15 +211,20 @@ class Dispatcher:
         # A peer that sends no trace context (or predates it) sends eight items.
         trace = carrier_from_header(header) if len(header) > 8 else None
         deadline = asyncio.get_running_loop().time() + (call.timeout_s or 0.0)
+        if kind == STREAM:
+            # Known now, before the CREDIT that follows it on this connection is read.
+            sink = conn.serve_stream(req_id)
+            self._spawn_serve(conn, req_id, call, deadline, trace, sink)
+            return
         if not self._serve_nowait(conn, req_id, call, deadline, trace):
             self._spawn_serve(conn, req_id, call, deadline, trace)
 
     def _spawn_serve(
-        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
+        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None, sink: Sink | None = None
     ) -> None:
         # Known as arriving now, not when the task starts: a CANCEL read next may reach it first.
         self._arriving.add((id(conn), req_id))
-        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace))
+        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace, sink))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -245,7 +255,7 @@ class Dispatcher:
             act = self._start_nowait(grain, method)
             if act is None:
                 return False
-        elif method not in self._types.methods(grain.type_name):
+        elif method not in self._types.awaited(grain.type_name):
             return False
         options = act.options
         track = (id(conn), req_id)
@@ -278,7 +288,7 @@ class Dispatcher:
             options = self._types.options(grain.type_name)
         except errors.UnknownGrainError:
             return None
-        if options.stateless_worker or method not in self._types.methods(grain.type_name):
+        if options.stateless_worker or method not in self._types.awaited(grain.type_name):
             return None
         return self._catalog.get_or_start(grain, method)
 
@@ -298,7 +308,7 @@ class Dispatcher:
         if isinstance(exc, Reroute):
             # The activation went away before the call started: the full path looks again.
             self._rerouted += 1
-            self._spawn_serve(conn, req_id, call, deadline, trace)
+            self._spawn_serve(conn, req_id, call, deadline, trace)  # a streamed call never comes here
         elif exc is not None:
             if isinstance(conn, _NoAnswer) and isinstance(exc, Exception) and self._send_one_way_again(call, deadline, exc):
                 return
@@ -328,11 +338,11 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve(
-        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None
+        self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None, sink: Sink | None = None
     ) -> None:
         track = (id(conn), req_id)
         try:
-            result = await self.dispatch(call, deadline, track, trace)
+            result = await self.dispatch(call, deadline, track, trace, sink=sink)
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
                 return
@@ -346,14 +356,27 @@ class Dispatcher:
         finally:
             self._arriving.discard(track)
             self._recalled.discard(track)
+            if sink is not None:
+                conn.end_stream(req_id)
 
     # --- the local entry point (router calls this for grains on this silo) --
     async def dispatch(
-        self, call: Call, deadline: float, track: tuple[int, int] | None = None, trace: Carrier | None = None
+        self,
+        call: Call,
+        deadline: float,
+        track: tuple[int, int] | None = None,
+        trace: Carrier | None = None,
+        *,
+        stream: StreamChannel | None = None,
+        sink: Sink | None = None,
     ) -> Any:
         """Run ``call`` on this silo's activation of its grain, or forward it to the grain's owner.
 
         ``trace``: the caller's trace context, parent of this call's span (and passed on if forwarded).
+        A streamed call (an async-generator method: silo/messaging/results.py) comes with the
+        caller's ``stream`` when the caller is on this silo (this returns once the stream has its
+        first item or its end), or with the ``sink`` its network request's items go to (this
+        returns when the stream ends).
         """
         grain, method, args, kwargs, _, chain, hops = call  # one unpack: cheaper than six reads
         if self.closed:
@@ -371,6 +394,13 @@ class Dispatcher:
         internal = INTERNAL_TURNS.get(method)  # a reminder tick, a stream item (silo/catalog/internal.py)
         if internal is None and method not in self._types.methods(grain.type_name):
             raise await self._not_in_this_version(grain, method, options)
+        streamed = stream is not None or sink is not None
+        if internal is None and streamed != (method in self._types.streams(grain.type_name)):
+            raise TypeError(
+                f"{grain}.{method} is an async generator: iterate it (async for ... in ref.{method}(...))"
+                if not streamed
+                else f"{grain}.{method} is no async generator: await it"
+            )
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
             move = self.moving.get(grain)
@@ -378,7 +408,7 @@ class Dispatcher:
                 target = await asyncio.shield(move)
                 if target is not None and target != self.address and hops < MAX_HOPS:
                     self._forwarded += 1
-                    return await self._router.forward(target, call, deadline, trace)
+                    return await self._forward(target, call, deadline, trace, stream, sink)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
             # The call goes into the mailbox now, also of an activation still registering or
@@ -398,11 +428,21 @@ class Dispatcher:
                 if kwargs:
                     kwargs = self._codec.copy(kwargs)
             fut: asyncio.Future[Any] = loop.create_future()
+            turn: Callable[[], Awaitable[Any]] | None
+            link: LocalLink | None = None
             if internal is not None:
                 internal(act, args)  # its arguments checked now (CodecError), not in the turn
-            # An internal turn runs through the incoming filters like any call: the chain's last
-            # link (invoke_method) turns its method name into the turn it names.
-            turn = None if self.tracing is None else self._traced_turn(act, call, trace)
+                # An internal turn runs through the incoming filters like any call: the chain's
+                # last link (invoke_method) turns its method name into the turn it names.
+                turn = None if self.tracing is None else self._traced_turn(act, call, trace)
+            elif streamed:
+                self._streams += 1
+                if stream is not None:
+                    link = LocalLink(stream, self._codec if local else None, act, method)
+                    stream.attach(link)
+                turn = self._stream_turn(act, call._replace(args=args, kwargs=kwargs), trace, link.sink if link else sink)  # type: ignore[arg-type]
+            else:
+                turn = None if self.tracing is None else self._traced_turn(act, call, trace)
             inv = Invocation(  # positional, as in _serve_nowait
                 method, args, kwargs, chain, deadline, fut, turn,
                 method in options.interleave, method in options.read_only,
@@ -416,6 +456,9 @@ class Dispatcher:
                 act.enqueue(inv)
                 if track is not None:
                     return await fut
+                if link is not None:
+                    assert stream is not None
+                    return await self._opened_here(act, inv, link, stream)
                 # A call from this silo: no connection sweeps its deadline, so this does, as a
                 # remote caller's CANCEL would (the callee's turn is cancelled too).
                 inv.activation = act
@@ -446,7 +489,7 @@ class Dispatcher:
                     if hops >= MAX_HOPS:
                         raise errors.SiloUnavailableError(str(reroute.to), f"{grain} still not found after {hops} hops") from None
                     self._forwarded += 1
-                    return await self._router.forward(reroute.to, call, deadline, trace)
+                    return await self._forward(reroute.to, call, deadline, trace, stream, sink)
                 self._rerouted += 1
                 continue
             finally:
@@ -481,6 +524,60 @@ class Dispatcher:
         if self._waiting:
             self._sweep_at = min(i.deadline for i in self._waiting)
             self._sweeper = asyncio.get_running_loop().call_at(self._sweep_at, self._sweep)
+
+    def _stream_turn(
+        self, act: Activation, call: Call, trace: Carrier | None, sink: Sink
+    ) -> Callable[[], Awaitable[Any]]:
+        """A streamed call's turn: the call filters open the call (with tracing, inside its span)
+        and hand back the generator, which then runs against the caller's credit."""
+        grain, method, args, kwargs, _, chain, _ = call
+        opening = None if self.tracing is None else self._traced_turn(act, call, trace)
+
+        async def run() -> None:
+            if opening is not None:
+                result = await opening()
+            else:
+                result = await act.pipeline(CallContext(grain, method, args, kwargs, chain, act))
+            await run_generator(open_generator(result, method), sink)
+
+        return run
+
+    async def _forward(
+        self,
+        target: SiloAddress,
+        call: Call,
+        deadline: float,
+        trace: Carrier | None,
+        stream: StreamChannel | None,
+        sink: Sink | None,
+    ) -> Any:
+        """Relay a call to its grain's owner. A streamed one from this silo is opened there for
+        its caller's own stream; one from the network is relayed item by item, no faster than
+        its caller's credit (the relay's own window bounds what waits here)."""
+        if sink is None:
+            return await self._router.forward(target, call, deadline, trace, stream=stream)
+        relay: ResultStream[Any] = ResultStream(self._router, call)
+        await self._router.forward(target, call, deadline, trace, stream=relay.channel)
+        await run_generator(relay, sink)  # closes the relay (a CANCEL there) however it ends
+        return None
+
+    async def _opened_here(self, act: Activation, inv: Invocation, link: LocalLink, stream: StreamChannel) -> None:
+        """A streamed call from this silo: wait for its first item or its end; the turn's end
+        (its future) ends the caller's stream with what a remote caller would get."""
+        link.bind(inv)
+        registry = None if self._codec is None else self._codec.registry
+
+        def ended(fut: asyncio.Future[Any]) -> None:
+            # A loop step after the turn ended: every item it delivered is in the stream already.
+            exc = None if fut.cancelled() else fut.exception()
+            stream.finish(exc if exc is None or isinstance(exc, Reroute) else as_remote(exc, registry))
+
+        inv.future.add_done_callback(ended)  # type: ignore[union-attr]
+        try:
+            await stream.opened()
+        except asyncio.CancelledError:
+            act.cancel_call(inv)  # the caller gave up (or its deadline passed) before the first item
+            raise
 
     def _traced_turn(self, act: Activation, call: Call, trace: Carrier | None) -> Callable[[], Awaitable[Any]]:
         """The call's turn inside a SERVER span (the turn's own body: the pipeline, as untraced)."""
@@ -582,6 +679,7 @@ class Dispatcher:
             one_way=self._one_way,
             one_way_failed=self._one_way_failed,
             version_mismatches=self._version_mismatches,
+            streams=self._streams,
         )
 
     # --- one-way calls -------------------------------------------------------

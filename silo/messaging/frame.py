@@ -31,6 +31,12 @@ BUFLEN = struct.Struct("<Q")
 # Frame kinds (first item of every header). CLIENT ([CLIENT, 0, client id]): a client with observers
 # names itself on a connection it opened, so the silo knows where to send calls to them.
 REQUEST, RESPONSE, ERROR, CANCEL, PING, PONG, HELLO, AUTH, AUTH_OK, ONEWAY, CLIENT = range(1, 12)
+# Streamed results (silo/messaging/results.py): STREAM is a REQUEST whose method is an async
+# generator (same header); the callee answers with ITEM frames ([ITEM, id] + one item as the
+# body), each sent only against credit the caller granted ([CREDIT, id, n]; the first CREDIT
+# follows the STREAM frame at once), and ends the stream with the RESPONSE or ERROR that
+# answers any request. CANCEL stops it, as it stops any call.
+STREAM, ITEM, CREDIT = range(12, 15)
 
 # Buffers at least this big go on their own: received straight into their own array,
 # written without being joined to other frames.

@@ -58,6 +58,8 @@ class TypeInfo:
     versions: Mapping[int, frozenset[str]] = field(default_factory=dict)
     """Version -> its methods (empty: ``{version: methods}``)."""
     keep_alive: bool = False
+    streams: frozenset[str] = frozenset()
+    """Methods written as async generators: iterated by the caller (grains/result_stream.py)."""
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -70,12 +72,14 @@ class TypeInfo:
 
 def combine(infos: Mapping[int, TypeInfo]) -> TypeInfo:
     """One TypeInfo over several versions of a type: markers from the newest version, and a
-    method's one-way marker from the newest version that has it."""
+    method's one-way and stream markers from the newest version that has it."""
     newest = infos[max(infos)]
     methods = frozenset().union(*(i.methods for i in infos.values()))
     if len(infos) == 1:
         return newest
-    one_way = frozenset(m for m in methods if m in infos[max(v for v, i in infos.items() if m in i.methods)].one_way)
+    newest_with = {m: infos[max(v for v, i in infos.items() if m in i.methods)] for m in methods}
+    one_way = frozenset(m for m in methods if m in newest_with[m].one_way)
+    streams = frozenset(m for m in methods if m in newest_with[m].streams)
     return TypeInfo(
         name=newest.name,
         methods=methods,
@@ -85,6 +89,7 @@ def combine(infos: Mapping[int, TypeInfo]) -> TypeInfo:
         version=newest.version,
         versions={v: i.methods for v, i in sorted(infos.items())},
         keep_alive=any(i.keep_alive for i in infos.values()),
+        streams=streams,
     )
 
 
@@ -97,6 +102,7 @@ def info_from_manifest(name: str, version: int, m: Mapping[str, Any]) -> TypeInf
         one_way=frozenset(m.get("one_way", ())),
         version=version,
         keep_alive=bool(m.get("keep_alive", False)),
+        streams=frozenset(m.get("streams", ())),
     )
 
 

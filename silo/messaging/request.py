@@ -1,8 +1,8 @@
-"""A call as a REQUEST or ONEWAY frame: one writer for every sender, one reader for every end
-that answers calls.
+"""A call as a REQUEST, ONEWAY or STREAM frame: one writer for every sender, one reader for every
+end that answers calls.
 
-Every kind of call (two-way, ``@one_way``, a reminder tick, a stream item, a
-call to an observer, a call forwarded to another silo) leaves through
+Every kind of call (two-way, ``@one_way``, a streamed result, a reminder tick, a stream item,
+a call to an observer, a call forwarded to another silo) leaves through
 :func:`encode_request` and :func:`request_body`, and arrives through
 :func:`decode_request` (a silo's dispatcher, a client's or silo's observer
 hub), so all ends write, take and refuse the same frames.
@@ -36,7 +36,7 @@ def encode_request(
     hops: int,
     trace: Carrier | None = None,
 ) -> list[Any]:
-    """The header of a REQUEST (``kind``) or ONEWAY frame; :func:`decode_request` reads it back.
+    """The header of a REQUEST, STREAM (``kind``) or ONEWAY frame; :func:`decode_request` reads it back.
 
     A ONEWAY frame carries no chain: its caller does not wait, so the callee's calls back to
     it cannot deadlock on it (a turn started by a one-way call starts a chain of its own).

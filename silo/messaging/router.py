@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
+from grains.result_stream import StreamChannel
 from silo import errors
 from silo.catalog.internal import INTERNAL_TURNS
 from silo.cluster.versions import compatible, unknown_versions
-from silo.messaging.frame import ONEWAY, REQUEST
+from silo.messaging.frame import ONEWAY, REQUEST, STREAM
 from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.request import encode_request, request_body
 from silo.messaging.transport import Transport
@@ -59,7 +60,13 @@ class LocalDispatch(Protocol):
     address: SiloAddress
 
     async def dispatch(
-        self, call: Call, deadline: float, track: tuple[int, int] | None = None, trace: Carrier | None = None
+        self,
+        call: Call,
+        deadline: float,
+        track: tuple[int, int] | None = None,
+        trace: Carrier | None = None,
+        *,
+        stream: StreamChannel | None = None,
     ) -> Any: ...
 
     def post(self, call: Call, deadline: float, trace: Carrier | None = None) -> None: ...
@@ -90,6 +97,7 @@ class Router:
         manifests: Manifests,
         placer: Placer,
         call_timeout_s: float,
+        stream_window: int = 16,
         local: LocalDispatch | None = None,
         cache_size: int = 1_000_000,
         tracing: Tracing | None = None,
@@ -100,6 +108,8 @@ class Router:
         self._manifests = manifests
         self._placer = placer
         self._timeout_s = call_timeout_s
+        self.stream_window = stream_window
+        """Items a streamed call's callee may produce ahead of the caller's loop (its credit)."""
         self._local = local
         self._where: OrderedDict[GrainId, SiloAddress] = OrderedDict()
         self._locating: dict[GrainId, asyncio.Future[SiloAddress]] = {}
@@ -226,7 +236,10 @@ class Router:
         return (await self._manifests.with_method(type_name, method)).versions_with(method)
 
     # --- the Caller protocol used by GrainRef ------------------------------
-    async def invoke(self, call: Call, one_way: bool = False) -> Any:
+    async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
+        """Deliver ``call`` (the Caller protocol, grains/ref.py): its result; None for a one-way
+        call once sent; for a streamed call, None once ``stream`` has its first item or its end
+        (within the deadline; a call turned away unrun is retried as any call is)."""
         try:
             grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
             info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
@@ -260,6 +273,8 @@ class Router:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
+                if stream is not None:
+                    stream.begin(self.stream_window, timeout)
                 # Cache hit inline: locate() is a coroutine, a cost on every call.
                 target = self._where.get(grain_id) if not info.stateless_worker else None
                 if target is None or self._view.is_dead(target):
@@ -270,6 +285,8 @@ class Router:
                         if one_way:
                             self._local.post(call, deadline, trace)
                             return None
+                        if stream is not None:
+                            return await self._opened(call, deadline, self._local.dispatch(call, deadline, None, trace, stream=stream))
                         if trace is None:
                             return await self._local.dispatch(call, deadline)
                         return await self._local.dispatch(call, deadline, None, trace)
@@ -307,6 +324,8 @@ class Router:
                             last = exc  # lost while we waited, nothing sent: reconnect and retry
                             continue
                         remaining = deadline - loop.time()
+                    if stream is not None:
+                        return await self._open_stream(conn, call, remaining, deadline, stream, trace)
                     # send() inlined: one coroutine frame fewer on every call.
                     header = encode_request(REQUEST, grain_id.type_name, grain_id.key, method, remaining, chain, hops, trace)
                     try:
@@ -337,6 +356,30 @@ class Router:
             # caller's retry loop absorbs and goes on: the task was asked to end.
             raise_if_cancelled()
             raise
+
+    async def _open_stream(
+        self, conn: Any, call: Call, remaining: float, deadline: float, stream: StreamChannel, trace: Carrier | None
+    ) -> None:
+        """Send a streamed call on ``conn``; return once ``stream`` has its first item or its end."""
+        grain, method, args, kwargs, _, chain, hops = call
+        header = encode_request(STREAM, grain.type_name, grain.key, method, remaining, chain, hops, trace)
+        req_id = conn.open_stream(header, request_body(args, kwargs), stream, (grain, method))
+        try:
+            await self._opened(call, deadline, stream.opened())
+        except BaseException:
+            conn.cancel(req_id)  # the caller gave up, or the deadline passed: CANCEL, as for any call
+            raise
+
+    async def _opened(self, call: Call, deadline: float, opening: Any) -> None:
+        """Await a stream's opening within the call's deadline (GrainTimeoutError past it)."""
+        scope = asyncio.timeout_at(deadline)
+        try:
+            async with scope:
+                await opening
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the callee's own error
+            raise errors.GrainTimeoutError(str(call.grain), call.method, call.timeout_s or self._timeout_s) from None
 
     async def system_call(
         self, silo: SiloAddress, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None
@@ -378,13 +421,25 @@ class Router:
             conn.cancel(header[1])
             raise
 
-    async def forward(self, target: SiloAddress, call: Call, deadline: float, trace: Carrier | None = None) -> Any:
-        """Relay a call that reached the wrong silo to the directory's winner, one hop further (``trace`` as it came)."""
+    async def forward(
+        self,
+        target: SiloAddress,
+        call: Call,
+        deadline: float,
+        trace: Carrier | None = None,
+        *,
+        stream: StreamChannel | None = None,
+    ) -> Any:
+        """Relay a call that reached the wrong silo to the directory's winner, one hop further
+        (``trace`` as it came); a streamed call is opened there for ``stream``."""
         self._remember(call.grain, target)
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise errors.GrainTimeoutError(str(call.grain), call.method, 0.0)
         conn = await self._connect(target, remaining)
+        if stream is not None:
+            stream.begin(self.stream_window, call.timeout_s or self._timeout_s)
+            return await self._open_stream(conn, call.forwarded(remaining), remaining, deadline, stream, trace)
         return await self.send(conn, call.forwarded(remaining), trace)
 
     async def _connect(self, silo: SiloAddress, timeout_s: float) -> Any:

@@ -65,6 +65,7 @@ from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 from grains.ref import GrainRef, Ref
+from grains.result_stream import StreamChannel
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
@@ -109,10 +110,11 @@ class _LocalRouter:
         self.dispatcher: Dispatcher | None = None
         self._address = address
         self._timeout_s = call_timeout_s
+        self.stream_window = TransportSettings().stream_window
         self.calls = 0
         self.forwards = 0
 
-    async def invoke(self, call: Call, one_way: bool = False) -> Any:
+    async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
         assert self.dispatcher is not None, "InProcessSilo wires the dispatcher before any call"
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
@@ -124,6 +126,17 @@ class _LocalRouter:
         attempt = 0
         while True:
             try:
+                if stream is not None:
+                    # As the real router opens a stream on its own silo (Router._opened).
+                    stream.begin(self.stream_window, timeout)
+                    scope = asyncio.timeout_at(deadline)
+                    try:
+                        async with scope:
+                            return await self.dispatcher.dispatch(call, deadline, stream=stream)
+                    except TimeoutError:
+                        if not scope.expired():
+                            raise
+                        raise errors.GrainTimeoutError(str(call.grain), call.method, timeout) from None
                 return await self.dispatcher.dispatch(call, deadline)
             except errors.LoadShedError as exc:
                 # Shed unrun (a full mailbox): as the real router, back off (jittered) and send
@@ -146,7 +159,9 @@ class _LocalRouter:
     def forget(self, grain: GrainId) -> None:
         pass  # nothing cached: every call goes to this silo
 
-    async def forward(self, target: SiloAddress, call: Call, deadline: float) -> Any:
+    async def forward(
+        self, target: SiloAddress, call: Call, deadline: float, trace: Any = None, *, stream: StreamChannel | None = None
+    ) -> Any:
         assert self.dispatcher is not None
         if target != self._address:
             raise errors.SiloUnavailableError(
@@ -156,7 +171,9 @@ class _LocalRouter:
         if remaining <= 0:
             raise errors.GrainTimeoutError(str(call.grain), call.method, 0.0)
         self.forwards += 1
-        return await self.dispatcher.dispatch(call.forwarded(remaining), deadline)
+        if stream is not None:
+            stream.begin(self.stream_window, call.timeout_s or self._timeout_s)
+        return await self.dispatcher.dispatch(call.forwarded(remaining), deadline, stream=stream)
 
 
 class PublishedManifests(Manifests):
@@ -230,7 +247,10 @@ class InProcessSilo:
         for name in self.types.names():
             opts = self.types.options(name)
             self.manifests.add_local(
-                TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+                TypeInfo(
+                    name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version,
+                    streams=self.types.streams(name),
+                )
             )
         self.transport: InMemoryTransport | None = None
         self.view: MembershipView | None = None
@@ -249,6 +269,7 @@ class InProcessSilo:
                 manifests=self.manifests,
                 placer=placer or Placer(),
                 call_timeout_s=ts.call_timeout_s,
+                stream_window=ts.stream_window,
             )
         self.router = router
         self.refs = RefFactory(router, self.manifests, self.codec)
@@ -312,7 +333,10 @@ class InProcessSilo:
             await self.membership.join(row)
             for name in self.types.names():
                 opts = self.types.options(name)
-                own = TypeInfo(name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version)
+                own = TypeInfo(
+                    name, self.types.methods(name), opts.placement, opts.stateless_worker, opts.one_way, opts.version,
+                    streams=self.types.streams(name),
+                )
                 self.manifests.published.setdefault(name, {})[opts.version] = own
             await self.membership.set_status(str(me), SiloStatus.ACTIVE)
             await self.view.start()

@@ -64,7 +64,7 @@ def test_bad_calls_are_reported_on_their_lines_with_their_reasons(mypy_cache: Pa
         for n, line in enumerate(bad.read_text().splitlines(), 1)
         if (m := MARK.search(line))
     }
-    assert len(expected) == 16
+    assert len(expected) == 18
     rc, errors = mypy(mypy_cache, str(bad))
     assert rc == 1
     got = {line: (code, message) for _, line, code, message in errors}

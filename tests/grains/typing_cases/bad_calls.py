@@ -10,7 +10,7 @@ from __future__ import annotations
 from grains import Grain, Ref
 from silo.client import ClusterClient
 from silo.testing.harness import InProcessSilo
-from tests.grains.typing_cases.ref_grains import Counter, NotAGrain
+from tests.grains.typing_cases.ref_grains import Counter, NotAGrain, Tokens
 
 
 async def from_a_client(client: ClusterClient) -> None:
@@ -28,6 +28,12 @@ async def from_a_client(client: ClusterClient) -> None:
     await counter.with_timeout("soon").add(1)  # E: [arg-type] Argument 1 to "with_timeout" of "GrainRef" has incompatible type "str"
     total: int = counter.add(1)  # E: [assignment] (expression has type "Coroutine[Any, Any, int]", variable has type "int")
     del text, total
+
+
+async def streamed(client: ClusterClient) -> None:
+    tokens = client.get_grain(Tokens, "t")
+    await tokens.generate("a")  # E: [misc] Incompatible types in "await" (actual type "ResultStream[str]"
+    tokens.generate(1)  # E: [arg-type] Argument 1 to "generate" of "Tokens" has incompatible type "int"; expected "str"
 
 
 async def from_the_harness(harness: InProcessSilo) -> None:

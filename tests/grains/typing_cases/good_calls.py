@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any, TypeVar, assert_type
 
 from grains import Grain, GrainId, GrainRef, Ref
+from grains.result_stream import ResultStream
 from silo.client import ClusterClient
 from silo.silo import Silo
 from silo.testing.harness import InProcessSilo
-from tests.grains.typing_cases.ref_grains import Box, Counter, LoudCounter
+from tests.grains.typing_cases.ref_grains import Box, Counter, LoudCounter, Tokens
 
 C = TypeVar("C", bound=Counter)
 
@@ -23,6 +24,14 @@ async def from_a_client(client: ClusterClient) -> None:
     assert_type(await counter.total(), int)
     assert_type(counter.grain_id, GrainId)
     assert_type(counter.key, str)
+
+
+async def streamed(client: ClusterClient, harness: InProcessSilo) -> None:
+    tokens = client.get_grain(Tokens, "t")
+    assert_type(tokens.generate("a b"), ResultStream[str])
+    async for word in tokens.with_timeout(2).generate("a b", limit=1):
+        assert_type(word, str)
+    await harness.get_grain(Tokens, "t").generate("a").aclose()
 
 
 async def from_a_silo_and_the_harness(silo: Silo, harness: InProcessSilo) -> None:

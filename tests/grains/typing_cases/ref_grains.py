@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
 from pydantic import BaseModel
@@ -52,6 +53,14 @@ class Box(Grain, Generic[T]):
 
     async def get(self, default: T) -> T:
         return default
+
+
+class Tokens(Grain):
+    """Streams its results: a reference's call is iterated, not awaited."""
+
+    async def generate(self, prompt: str, *, limit: int = 3) -> AsyncIterator[str]:
+        for word in prompt.split()[:limit]:
+            yield word
 
 
 class NotAGrain:
