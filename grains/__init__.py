@@ -38,6 +38,7 @@ from grains.placement import (
     write_behind,
 )
 from grains.ref import GrainRef, Ref
+from grains.request_context import RequestContext
 from grains.result_stream import ResultStream
 from grains.startup import StartingSilo, on_silo_start
 from grains.streams import Stream, StreamGap, StreamItem, subscribes
@@ -53,6 +54,7 @@ __all__ = [
     "ObserverSet",
     "PersistentState",
     "Ref",
+    "RequestContext",
     "ResultStream",
     "SiloAddress",
     "StartingSilo",

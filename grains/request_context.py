@@ -27,6 +27,7 @@ call never grows by more than that; anything else is refused where it is set
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from typing import Any
@@ -90,17 +91,22 @@ def incoming(text: Any) -> Mapping[str, Value]:
     except ValueError:
         raise ValueError("a request context is not JSON") from None
     if not isinstance(entries, dict):
-        raise ValueError("a request context is a JSON object of entries")
+        raise ValueError("a request context is a JSON object of entries")  # noqa: TRY004 - a malformed value, one error type
     return _checked(entries)
 
 
-def enter(entries: Mapping[str, Value] | None) -> Token[Mapping[str, Value] | None]:
-    """Make ``entries`` the current task's (a turn starting); :func:`leave` undoes it."""
+def enter(entries: Mapping[str, Value] | None) -> Token[Mapping[str, Value] | None] | None:
+    """Make ``entries`` the current task's (a turn starting: its caller's, or none); :func:`leave`
+    undoes it. None when nothing changes (no entries came, none are current): the common case
+    costs one context-variable read."""
+    if not entries and _ENTRIES.get() is None:
+        return None
     return _ENTRIES.set(entries or None)
 
 
-def leave(token: Token[Mapping[str, Value] | None]) -> None:
-    _ENTRIES.reset(token)
+def leave(token: Token[Mapping[str, Value] | None] | None) -> None:
+    if token is not None:
+        _ENTRIES.reset(token)
 
 
 def _checked(entries: dict[str, Any]) -> dict[str, Value]:
@@ -114,7 +120,7 @@ def _checked(entries: dict[str, Any]) -> dict[str, Value]:
                 f"request context entry {key!r} is a {type(value).__name__}: entries are strings, numbers, "
                 "booleans or None (arguments carry data)"
             )
-        if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"request context entry {key!r} is not a finite number")
     if len(json.dumps(entries, separators=(",", ":"))) > MAX_BYTES:
         raise ValueError(f"a request context holds at most {MAX_BYTES} bytes as JSON")

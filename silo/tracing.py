@@ -25,9 +25,10 @@ it (``pip install redgrain[otel]`` brings the SDK and the OTLP exporter).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from grains import request_context
 from silo import errors
 
 if TYPE_CHECKING:
@@ -53,6 +54,33 @@ METHOD = "redgrain.method"
 SILO = "redgrain.silo"
 OUTCOME = "redgrain.outcome"
 """``ok``, ``error`` (the method or the runtime raised) or ``cancelled`` (the caller gave up)."""
+
+
+CONTEXT_KEY = "redgrain-context"
+"""The carrier entry that holds the caller's request context (grains/request_context.py) as JSON:
+the call's context map carries both, and passes forwarding silos unchanged."""
+
+
+def call_carrier(tracing: Tracing | None) -> Carrier | None:
+    """What a call made now carries: the current span's trace context (tracing on) and the
+    task's request context entries; None when there is neither (one context-variable read)."""
+    entries = request_context.outgoing()
+    carrier = None if tracing is None else tracing.current_carrier()
+    if entries is None:
+        return carrier
+    return {**carrier, CONTEXT_KEY: entries} if carrier else {CONTEXT_KEY: entries}
+
+
+def context_entries(carrier: Carrier | None) -> Mapping[str, request_context.Value] | None:
+    """The request context a call carried (None: none); CodecError when a peer sent one no
+    caller may set (the call is refused, as one with a bad argument is)."""
+    text = None if carrier is None else carrier.get(CONTEXT_KEY)
+    if text is None:
+        return None
+    try:
+        return request_context.incoming(text)
+    except ValueError as exc:
+        raise errors.CodecError(f"the call's request context: {exc}") from None
 
 
 def carrier_from_header(header: list[Any]) -> Carrier | None:

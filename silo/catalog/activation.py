@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from grains import request_context
 from grains.base import DeactivationReason, Grain
 from grains.call import CALL_CHAIN
 from grains.ids import GrainId, SiloAddress
@@ -281,6 +282,8 @@ class Activation:
             inv.task = inv.task or asyncio.current_task()
             self.calls += 1
             chain_token = CALL_CHAIN.set((*inv.chain, self.grain_key))
+            # The caller's entries, or none: never those of whoever created this mailbox task.
+            context_token = request_context.enter(inv.context)
             try:
                 if inv.callback is not None:
                     result = await inv.callback()
@@ -308,6 +311,7 @@ class Activation:
                 return
             finally:
                 CALL_CHAIN.reset(chain_token)
+                request_context.leave(context_token)
             if not inv.future.done():
                 inv.future.set_result(result)
         finally:

@@ -15,9 +15,11 @@ the grain up again, so no queued call is dropped and none hangs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from grains.request_context import Value
 
 if TYPE_CHECKING:
     from grains.ids import SiloAddress
@@ -88,3 +90,5 @@ class Invocation:
     activation: Activation | None = None
     internal: bool = False
     """A timer tick or write-behind flush: not a use of the activation (idle collection ignores it)."""
+    context: Mapping[str, Value] | None = None
+    """The caller's request context (grains/request_context.py): current while the turn runs."""

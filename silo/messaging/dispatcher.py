@@ -48,7 +48,7 @@ from silo.messaging.observer_hub import OBSERVER_TYPE, ObserverHub
 from silo.messaging.request import decode_request
 from silo.messaging.results import LocalLink, Sink, open_generator, run_generator
 from silo.messaging.wire_errors import as_remote
-from silo.tracing import Carrier, Tracing, carrier_from_header
+from silo.tracing import CONTEXT_KEY, Carrier, Tracing, carrier_from_header, context_entries
 
 if TYPE_CHECKING:
     from silo.messaging.router import Router
@@ -246,6 +246,7 @@ class Dispatcher:
             self.closed
             or self.draining
             or method in INTERNAL_TURNS  # a reminder tick, a stream item: dispatch() runs their turns
+            or (trace is not None and CONTEXT_KEY in trace)  # a request context: checked by dispatch()
             or (self.moving and grain in self.moving)
             or self.fenced()
         ):
@@ -391,6 +392,7 @@ class Dispatcher:
         if grain.type_name == OBSERVER_TYPE and self.observers is not None:
             return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
+        entries = None if trace is None else context_entries(trace)  # CodecError: a peer's bad one
         internal = INTERNAL_TURNS.get(method)  # a reminder tick, a stream item (silo/catalog/internal.py)
         if internal is None and method not in self._types.methods(grain.type_name):
             raise await self._not_in_this_version(grain, method, options)
@@ -447,6 +449,7 @@ class Dispatcher:
                 method, args, kwargs, chain, deadline, fut, turn,
                 method in options.interleave, method in options.read_only,
             )
+            inv.context = entries
             if track is not None:
                 self._in_flight[track] = inv
                 inv.activation = act

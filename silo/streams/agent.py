@@ -70,6 +70,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from grains import request_context
 from grains.call import Call
 from grains.ids import GrainId
 from grains.ref import Caller
@@ -80,7 +81,7 @@ from silo.keys import Keys
 from silo.redis_util import redis_errors
 from silo.settings import StreamSettings
 from silo.shutdown import raise_if_cancelled
-from silo.streams.stream import ITEM_FIELD
+from silo.streams.stream import CONTEXT_FIELD, ITEM_FIELD
 
 log = logging.getLogger("redgrain.streams")
 
@@ -499,7 +500,19 @@ class StreamAgent:
             await self._ack(k, entry_id)
             return
         call = Call(k.grain, STREAM_METHOD, (self.namespace, item, token), None, self._settings.delivery_timeout_s)
-        if await self._attempt(k, call, token, blob):
+        entries = None
+        if (context := (fields or {}).get(CONTEXT_FIELD)) is not None:
+            try:
+                entries = request_context.incoming(context.decode() if isinstance(context, bytes) else context)
+            except (ValueError, UnicodeDecodeError) as exc:  # written by another version, say: deliver the item
+                log.warning("streams: item %s of %s/%s carries a request context that is not one: %s", token, self.namespace, k.key, exc)
+        # The publisher's entries for this delivery (the call carries them, as any call would).
+        entered = request_context.enter(entries)
+        try:
+            delivered = await self._attempt(k, call, token, blob)
+        finally:
+            request_context.leave(entered)
+        if delivered:
             await self._ack(k, entry_id)
 
     async def _attempt(self, k: _Key, call: Call, token: str, blob: bytes | None) -> bool:

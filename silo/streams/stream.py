@@ -28,6 +28,7 @@ from typing import Any, Self
 
 import redis.asyncio as aioredis
 
+from grains import request_context
 from grains.ids import _key_str
 from grains.streams import StreamItem, check_namespace, token_order
 from silo import errors
@@ -37,6 +38,9 @@ from silo.redis_util import redis_errors
 from silo.settings import StreamSettings
 
 ITEM_FIELD = b"v"
+CONTEXT_FIELD = b"c"
+"""The publisher's request context (grains/request_context.py) as JSON, when it had one: the
+@subscribes grain's turn runs with it, as a call's would."""
 """The entry field holding the item's codec blob."""
 
 # KEYS: stream.  ARGV: position, count.  {entries-added, length, first id, XREAD reply}, in one
@@ -144,7 +148,11 @@ class RedisStream:
         pipe = s.redis.pipeline(transaction=False)
         pipe.sadd(s.keys.stream_namespaces, self._namespace)
         pipe.sadd(s.keys.stream_keys(self._namespace), self._key)
-        pipe.xadd(self._redis_key, {ITEM_FIELD: blob}, maxlen=cfg.maxlen, approximate=cfg.approximate_trim)
+        context = request_context.outgoing()
+        fields: dict[Any, Any] = {ITEM_FIELD: blob}  # redis-py's parameter type is invariant
+        if context is not None:
+            fields[CONTEXT_FIELD] = context
+        pipe.xadd(self._redis_key, fields, maxlen=cfg.maxlen, approximate=cfg.approximate_trim)
         if cfg.max_age_s is not None:
             oldest_ms = int((s.clock() - cfg.max_age_s) * 1000)
             pipe.xtrim(self._redis_key, minid=f"{max(oldest_ms, 0)}-0", approximate=cfg.approximate_trim)

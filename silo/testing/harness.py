@@ -87,6 +87,7 @@ from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.store import InMemoryStateStore
 from silo.testing.transport import InMemoryNetwork, InMemoryTransport
+from silo.tracing import call_carrier
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation
@@ -119,8 +120,9 @@ class _LocalRouter:
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
         self.calls += 1
+        trace = call_carrier(None)  # the request context, as the real router sends it
         if one_way:
-            self.dispatcher.post(call, deadline)
+            self.dispatcher.post(call, deadline, trace)
             return None
         loop = asyncio.get_running_loop()
         attempt = 0
@@ -132,12 +134,12 @@ class _LocalRouter:
                     scope = asyncio.timeout_at(deadline)
                     try:
                         async with scope:
-                            return await self.dispatcher.dispatch(call, deadline, stream=stream)
+                            return await self.dispatcher.dispatch(call, deadline, None, trace, stream=stream)
                     except TimeoutError:
                         if not scope.expired():
                             raise
                         raise errors.GrainTimeoutError(str(call.grain), call.method, timeout) from None
-                return await self.dispatcher.dispatch(call, deadline)
+                return await self.dispatcher.dispatch(call, deadline, None, trace)
             except errors.LoadShedError as exc:
                 # Shed unrun (a full mailbox): as the real router, back off (jittered) and send
                 # it again until the deadline.
@@ -173,7 +175,7 @@ class _LocalRouter:
         self.forwards += 1
         if stream is not None:
             stream.begin(self.stream_window, call.timeout_s or self._timeout_s)
-        return await self.dispatcher.dispatch(call.forwarded(remaining), deadline, stream=stream)
+        return await self.dispatcher.dispatch(call.forwarded(remaining), deadline, None, trace, stream=stream)
 
 
 class PublishedManifests(Manifests):
