@@ -109,7 +109,7 @@ class Peer:
 @pytest.fixture
 async def port() -> AsyncIterator[int]:
     server = GrpcServer(
-        {INFER: Method(pb.ModelInferRequest, echo)}, max_receive=64 << 20, max_send=64 << 20
+        {INFER: Method(pb.ModelInferRequest, echo)}, max_receive=32 << 20, max_send=32 << 20
     )
     yield await server.start("127.0.0.1", 0)
     await server.stop(1)
