@@ -19,6 +19,12 @@ What it leaves out: grain traffic (none: an idle cluster), the directory
 and the stats publisher's records (their cost per silo is flat and measured
 by ``benchmarks scale`` with real processes), and a real socket's cost (the
 wall time printed is this process's, not a cluster's).
+
+Two things differ from n processes so that one process's CPU goes round, and
+neither changes what is simulated: the garbage collector is off during the
+run, and detectors that see the same live silos share one ring object
+(:func:`_shared_rings`; a detector that cached its own ring would make this
+unnecessary).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def _shared_rings() -> Iterator[None]:
 
     A detector rebuilds its ring from its rows every round (4 a second), hashing and sorting
     every live address: in one process holding n silos that is O(n²) a round of the cluster,
-    a quarter of a 500-silo run's CPU time and most of a 10,000-silo one's. A ring is a pure
+    a quarter of a 500-silo run's CPU time, and a larger share the more silos. A ring is a pure
     function of the set of addresses and ``k``, never changed once built, so the detectors
     that see the same live set (all of them, but around a join or a death) may share it; each
     still asks for its ring every round, as it does in a silo of its own.
