@@ -85,6 +85,8 @@ class SimLoop(asyncio.SelectorEventLoop):
         self._skip = asyncio.Handle(lambda: None, (), self)
         self._skip.cancel()
         self._owners: dict[asyncio.Task[Any], str | None] = {}
+        """Task -> the silo whose code made it, in the order made (finished ones pruned now and then)."""
+        self._prune_at = 1_024
         self.turns = 0
         """Loop turns run (each a select and the callbacks it made ready)."""
         selector = self._selector  # type: ignore[attr-defined]
@@ -122,16 +124,22 @@ class SimLoop(asyncio.SelectorEventLoop):
         ctx = kw.get("context")
         owner = ctx.get(SILO) if ctx is not None else SILO.get()
         task = asyncio.Task(coro, loop=loop, **kw)
-        self._owners[task] = owner
-        task.add_done_callback(self._forget)
+        owners = self._owners
+        owners[task] = owner
+        # Finished tasks are dropped in bulk, not each by a done callback: a callback is one
+        # more ready handle a task (a sixth of a scale run's handles) for a map only tasks_of reads.
+        if len(owners) >= self._prune_at:
+            self._prune()
         return task
 
-    def _forget(self, task: asyncio.Task[Any]) -> None:
-        self._owners.pop(task, None)
+    def _prune(self) -> None:
+        self._owners = {t: o for t, o in self._owners.items() if not t.done()}
+        self._prune_at = max(1_024, 2 * len(self._owners))
 
     def tasks_of(self, owner: str) -> list[asyncio.Task[Any]]:
         """The unfinished tasks made by ``owner``'s code (in the order they were made)."""
-        return [t for t, o in self._owners.items() if o == owner and not t.done()]
+        self._prune()
+        return [t for t, o in self._owners.items() if o == owner]
 
     def _deal(self, ready: _Ready) -> None:
         # One silo is one process with one asyncio loop: its callbacks keep their FIFO order
@@ -142,18 +150,26 @@ class SimLoop(asyncio.SelectorEventLoop):
             return
         queues: dict[Any, collections.deque[asyncio.Handle]] = {}
         for h in ready:
-            queues.setdefault(h._context.get(SILO), collections.deque()).append(h)  # type: ignore[attr-defined]
+            owner = h._context.get(SILO)  # type: ignore[attr-defined]
+            q = queues.get(owner)
+            if q is None:
+                q = queues[owner] = collections.deque()
+            q.append(h)
         if len(queues) < 2:
             return
-        owners = list(queues)
-        rng = self.rng
+        # random() rather than randrange(): one C call a handle, not two Python frames (the
+        # deal runs for every handle of every turn).
+        pending = list(queues.values())
+        rand = self.rng.random
         ready.clear()
-        while owners:
-            i = rng.randrange(len(owners))
-            q = queues[owners[i]]
-            ready.append(q.popleft())
+        put = ready.append
+        while pending:
+            i = int(rand() * len(pending))
+            q = pending[i]
+            put(q.popleft())
             if not q:
-                owners.pop(i)
+                pending[i] = pending[-1]
+                pending.pop()
 
     # --- pauses ----------------------------------------------------------------------
     def pause(self, silo: str) -> None:

@@ -200,3 +200,66 @@ def test_scale_on_virtual_time_declares_the_killed_silos_dead_and_no_other() -> 
     assert len(times) == 2 and all(t < 10 for t in times), result.stdout
     per_silo = float(re.search(r"commands per silo per second ([0-9.]+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert per_silo > 0
+
+
+def test_tasks_of_names_an_owners_unfinished_tasks_in_the_order_made_after_thousands_finished() -> None:
+    import asyncio
+    import contextvars
+    import random
+
+    from silo.testing.sim.loop import SILO, SimLoop
+
+    loop = SimLoop(random.Random(1))
+
+    async def main() -> list[str]:
+        gate = asyncio.Event()
+
+        async def wait(tag: str) -> str:
+            await gate.wait()
+            return tag
+
+        async def done() -> None:
+            pass
+
+        def ctx(owner: str) -> contextvars.Context:
+            c = contextvars.copy_context()
+            c.run(SILO.set, owner)
+            return c
+
+        waiting = []
+        for i in range(3_000):  # enough finished tasks to prune the map more than once
+            await loop.create_task(done(), context=ctx("a"))
+            if i % 1_000 == 0:
+                waiting.append(loop.create_task(wait(f"a{i}"), context=ctx("a")))
+                loop.create_task(wait(f"b{i}"), context=ctx("b"))
+        await asyncio.sleep(0)
+        names = [t.get_coro().cr_frame.f_locals["tag"] for t in loop.tasks_of("a")]  # type: ignore[union-attr]
+        gate.set()
+        await asyncio.gather(*waiting)
+        assert loop.tasks_of("a") == []
+        return names
+
+    try:
+        assert loop.run_until_complete(main()) == ["a0", "a1000", "a2000"]
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def test_detectors_that_see_the_same_live_silos_share_one_ring_equal_to_the_real_one() -> None:
+    from silo.cluster import failure_detector
+    from silo.testing.sim.scale import _shared_rings
+
+    real = failure_detector.Ring
+    silos = [f"127.0.0.1:{20_000 + i}@{i}" for i in range(40)]
+    with _shared_rings():
+        a = failure_detector.Ring(silos, 10)
+        b = failure_detector.Ring(list(reversed(silos)), 10)
+        fewer = failure_detector.Ring(silos[1:], 10)
+    assert a is b and fewer is not a
+    for s in silos:
+        assert a.successors(s) == real(silos, 10).successors(s)
+        assert a.monitors(s) == real(silos, 10).monitors(s)
+    assert failure_detector.Ring is real
