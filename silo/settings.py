@@ -355,7 +355,15 @@ class SiloSettings(_SecretAlias):
     tracing: TracingSettings = TracingSettings()
     retention: RetentionSettings = RetentionSettings()
     streams: StreamSettings = StreamSettings()
-    stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
+    stats_interval_s: float = Field(
+        1.0, gt=0, description="How often silo stats are published while the silo works (calls, activations)."
+    )
+    stats_idle_interval_s: float = Field(
+        15.0,
+        gt=0,
+        description="How often they are published while nothing changes (no calls, the same activations and "
+        "status): an idle silo costs Redis almost nothing.",
+    )
     incoming_filters: tuple[str, ...] = Field(
         (),
         description="Incoming call filters by import path (pkg.mod:name; a class is instantiated with no"

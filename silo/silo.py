@@ -474,6 +474,7 @@ class Silo:
             status=lambda: self.status.value,
             started=self._started_at,
             interval_s=s.stats_interval_s,
+            idle_interval_s=s.stats_idle_interval_s,
             clock=self._clock,
         )
 
