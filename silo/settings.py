@@ -152,7 +152,10 @@ class RebalancerSettings(_Section):
         "mean * (1 - tolerance) draws from every silo above the mean.",
     )
     lease_ttl_s: float = Field(
-        3.0, gt=0, description="Leader lease in Redis; a dead leader is replaced after this."
+        15.0,
+        gt=0,
+        description="Leader lease in Redis, renewed every third of it; a leader declared dead is replaced at "
+        "once, one that stops renewing otherwise after this.",
     )
 
 
@@ -218,7 +221,13 @@ class RemindersSettings(_Section):
     """Durable reminders in Redis."""
 
     poll_interval_s: float = Field(
-        1.0, gt=0, description="How often a silo claims due reminders (a reminder fires up to this late)."
+        1.0, gt=0, description="Least time between two claims of due reminders by one silo (a reminder fires up to "
+        "this late while others keep it busy)."
+    )
+    idle_poll_s: float = Field(
+        30.0, gt=0, description="Longest a silo waits to claim when nothing falls due sooner; a reminder registered "
+        "through it, a tick it acknowledged or a membership change wakes it, so this only bounds how late a tick "
+        "another silo leased then lost fires."
     )
     batch: int = Field(100, gt=0, description="Most due reminders one silo claims per poll.")
     delivery_timeout_s: float = Field(30.0, gt=0, description="Deadline of one reminder delivery call.")

@@ -551,6 +551,8 @@ class Silo:
         self.stats_publisher.start()
         self._on_stop("reminders", self.reminders.stop)
         self.reminders.start(ticks_through(self.router, self.settings.reminders.delivery_timeout_s))
+        # A silo that left may have been the one firing reminders others sleep past: look now.
+        self.view.on_change(lambda old, new: self.reminders.wake())
         self._on_stop("stream delivery", self._stop_stream_agents)
         self._start_stream_agents()
 
