@@ -62,6 +62,10 @@ from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")
 
+LOAD_REFRESH_S = 5.0
+"""The heartbeat thread sends the silo's load when its activation count changed, else this often
+(placement's CPU and memory figures are that old at most; views sample loads every refresh_s)."""
+
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
     """Wait for ``event`` or ``timeout_s``, whichever first.
@@ -169,6 +173,7 @@ class HeartbeatThread(Liveness):
         timeout = max(1.0, self._settings.dead_after_s)
         client = connect_redis_sync(self._url, timeout_s=timeout)
         script = client.register_script(HEARTBEAT_LUA)
+        last_load: tuple[float, int] | None = None  # (when, activations) of the last load Redis took
         try:
             while not self._stop.is_set():
                 sent = self._monotonic()
@@ -176,10 +181,11 @@ class HeartbeatThread(Liveness):
                     load = self._load()
                 except Exception:  # noqa: BLE001 - read across threads: a dict may change size under us
                     load = SiloLoad()
+                fresh = last_load is None or last_load[1] != load.activations or sent - last_load[0] >= LOAD_REFRESH_S
                 try:
                     raw = script(
                         keys=[self._keys.members, self._keys.members_heartbeats, self._keys.members_loads],
-                        args=[self._address, repr(self._clock()), load.model_dump_json()],
+                        args=[self._address, repr(self._clock()), load.model_dump_json() if fresh else ""],
                     )
                 except (redis.RedisError, OSError) as exc:
                     self.failures += 1
@@ -191,6 +197,8 @@ class HeartbeatThread(Liveness):
                         return
                     self.beats += 1
                     self.last_confirmed = sent
+                    if fresh:
+                        last_load = (sent, load.activations)
                 self._stop.wait(self._settings.heartbeat_s)
         finally:
             client.close()

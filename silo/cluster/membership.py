@@ -136,7 +136,9 @@ if not row then return 'Gone' end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return 'Dead' end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+-- An empty load: unchanged since the last one sent (the heartbeat thread sends it on change or every
+-- LOAD_REFRESH_S, not each beat: one command a second less for an idle silo, issue 39).
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
 return m['status']
 """
 
@@ -167,8 +169,12 @@ if n > 0 then
       flags[i] = '0'
     end
   end
-  if #set > 0 then redis.call('HSET', KEYS[4], unpack(set)) end
-  redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  -- The TTL is renewed with each write only: a seen-hash nothing moved in for its TTL watches only
+  -- silos declared dead long since (issue 39: a PEXPIRE a round was a tenth of an idle silo's cost).
+  if #set > 0 then
+    redis.call('HSET', KEYS[4], unpack(set))
+    redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  end
 end
 return {redis.call('GET', KEYS[3]) or '0', table.concat(flags)}
 """
