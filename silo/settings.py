@@ -98,8 +98,14 @@ class MembershipSettings(_Section):
     probe_interval_s: float = Field(
         0.25,
         gt=0,
-        description="How often each monitored peer is pinged over TCP (and monitored heartbeats read); a "
-        "refused connection votes it dead at once.",
+        description="How often each monitored peer is pinged over TCP (and, while one is in doubt, monitored "
+        "heartbeats read); a refused connection votes it dead at once.",
+    )
+    idle_read_s: float = Field(
+        5.0,
+        gt=0,
+        description="While every monitored peer answers its pings and membership is unchanged, a detector reads "
+        "their heartbeats this often only (a silo whose heartbeat thread lost Redis is noticed up to this late).",
     )
 
 

@@ -409,6 +409,7 @@ class Silo:
             events=self.cluster_events,
         )
         self.view.on_unreachable(self.detector.hint_unreachable)
+        self.view.on_change(lambda old, new: self.detector.membership_changed())
         self.migrator = Migrator(
             me=me,
             catalog=self.catalog,
