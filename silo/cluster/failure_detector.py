@@ -512,6 +512,7 @@ class FailureDetector:
         read = self._dirty or self._version < 0 or self._in_doubt(now) or now - self._read_at >= self._s.idle_read_s
         moved: dict[str, bool] = {}
         ages: dict[str, float] = {}
+        prev_read = self._read_at
         if read:
             self._dirty = False
             moved, ages = await self._read()
@@ -535,8 +536,11 @@ class FailureDetector:
             if read and addr in moved and (peer is None or moved[addr]):
                 if peer is not None and peer.suspected:
                     log.info("%s is alive again (heartbeat moved)", addr)
+                # Its last beat, by its age; but never before our previous read (the value moved
+                # since then) nor before we first tracked it (a Joining silo beats only once Active,
+                # and its row's first heartbeat may be long past).
                 age = ages.get(addr)
-                since = now if age is None else now - age
+                since = now if age is None or peer is None else max(now - age, prev_read)
                 # A refusal after its last beat still stands (we had not read since before that beat).
                 refused = peer.refused_at if peer and peer.refused_at is not None and peer.refused_at >= since else None
                 peer = self._peers[addr] = _Peer(

@@ -314,3 +314,14 @@ async def test_an_idle_detector_reads_redis_every_idle_read_s_and_every_round_on
     while w.status(hung) is SiloStatus.ACTIVE:  # and the hung silo is still declared
         await w.round(beating=(a, b))
     assert w.status(a) is w.status(b) is SiloStatus.ACTIVE
+
+
+async def test_a_silo_first_seen_with_an_old_heartbeat_is_stale_from_when_it_was_seen_not_from_that_beat() -> None:
+    w = World(3)
+    late = w.silos[2]
+    w.table.heartbeats[str(late)] = w.clock() - 20.0  # joined 20 s ago (a slow start), beating from now on
+    await w.round(advance=0.0)  # every detector's first read finds that old beat
+    for _ in range(4):
+        await w.round(beating=tuple(w.silos))
+    assert w.status(late) is SiloStatus.ACTIVE
+    assert sum(d.votes for d in w.detectors.values()) == 0
