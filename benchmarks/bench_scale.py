@@ -155,6 +155,7 @@ class SimSilo:
         self.detector = FailureDetector(
             table=self.table, me=self.address, settings=s, probe=self.pool.probe, events=ClusterEvents()
         )
+        self.view.on_change(lambda old, new: self.detector.membership_changed())  # as a silo wires it
         await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
         self.stats = StatsPublisher(
             self.redis, self.keys, str(self.address),
