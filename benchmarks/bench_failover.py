@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.census import print_census
 from benchmarks.common import (
     BenchCluster,
     machine_facts,
@@ -87,10 +88,10 @@ async def _trial(client: Any, cluster: BenchCluster, kind: str, n: int) -> dict[
     return {"failover_s": first_ok[0] - t0, "detected_s": detected}
 
 
-async def _main(trials: int, quick: bool = False) -> dict[str, Any]:
+async def _main(trials: int, quick: bool = False, census_s: float = 0.0) -> dict[str, Any]:
     from silo.client import ClusterClient
 
-    out: dict[str, Any] = {"kill": [], "stop": [], "restart_s": []}
+    out: dict[str, Any] = {"kill": [], "stop": [], "restart_s": [], "census": []}
     # Default membership settings: no REDGRAIN_MEMBERSHIP__* in the environment.
     env = {k: "" for k in os.environ if k.startswith("REDGRAIN_MEMBERSHIP__")}
     for k in env:
@@ -102,6 +103,12 @@ async def _main(trials: int, quick: bool = False) -> dict[str, Any]:
             t = time.monotonic()
             await asyncio.to_thread(cluster.add_silo)
             out["restart_s"].append(time.monotonic() - t)
+        if census_s > 0:  # who sends what while the three silos are idle, before any trial
+            from benchmarks.census import census
+
+            await asyncio.sleep(5.0)  # past the joins
+            who = await asyncio.to_thread(census, cluster.redis_url, census_s)
+            out["census"] = who.per_silo_s(len(cluster.silos))
         client = await ClusterClient.connect(cluster.redis_url, cluster=cluster.cluster)
         try:
             plan = [(n, kind) for n in range(trials) for kind in ("kill", "stop")]
@@ -121,11 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks failover")
     parser.add_argument("--quick", action="store_true", help="one kill and one stop (smoke test)")
     parser.add_argument("--trials", type=int, default=5, help="kills and stops each (default 5)")
+    parser.add_argument("--census", type=float, default=5.0,
+                        help="seconds of MONITOR on the idle silos first: which component sends what (0: none)")
     args = parser.parse_args(list(argv or []))
     trials = 1 if args.quick else max(1, args.trials)
     facts = machine_facts()
     print_header("failover: signal -> first successful call of the silo's grain elsewhere", facts, args.quick)
-    data = run(_main(trials, args.quick))
+    data = run(_main(trials, args.quick, 0.0 if args.quick else args.census))
     restart = summarize(data["restart_s"])
     rows = []
     results: dict[str, Any] = {}
@@ -146,10 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows,
     )  # fmt: skip
     print(f"# baseline (same run): restart a silo process until it serves: median {restart['median']:.2f} s")
+    if data["census"]:
+        print("\n# who sends what, 3 idle silos before the trials "
+              f"({args.census:.0f} s of MONITOR; commands/s per silo, a script's inner commands charged to it):")
+        print_census(data["census"])
     write_result(
         "failover",
         {"quick": args.quick, "machine": facts, "results": results, "restart_s": restart,
-         "settings": "default MembershipSettings (heartbeat 1 s, suspect 3 s, dead 4 s, probe 0.25 s)"},
+         "settings": "default MembershipSettings (heartbeat 1 s, suspect 3 s, dead 4 s, probe 0.25 s)",
+         "idle_census": data["census"]},
     )  # fmt: skip
     return 0
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.census import print_census
 from benchmarks.common import (
     FIXED_THREADS,
     REPO,
@@ -154,6 +155,7 @@ class SimSilo:
         self.detector = FailureDetector(
             table=self.table, me=self.address, settings=s, probe=self.pool.probe, events=ClusterEvents()
         )
+        self.view.on_change(lambda old, new: self.detector.membership_changed())  # as a silo wires it
         await self.table.set_status(str(self.address), SiloStatus.ACTIVE)
         self.stats = StatsPublisher(
             self.redis, self.keys, str(self.address),
@@ -340,24 +342,32 @@ def _measure_sim(url: str, n: int, workers: int, window: float, settle: float, g
     }
 
 
-def _measure_real(n: int, window: float, settle: float) -> dict[str, Any]:
-    """Idle egress per silo with ``n`` real ``python -m silo`` processes (default settings)."""
+def _measure_real(n: int, window: float, settle: float, census_s: float) -> dict[str, Any]:
+    """Idle cost per silo with ``n`` real ``python -m silo`` processes (default settings): Redis
+    commands (``INFO commandstats`` over ``window``), bytes, CPU, then who sends what (a
+    ``census_s`` MONITOR census, benchmarks/census.py)."""
     import redis as sync_redis
 
+    from benchmarks.census import census, commandstats_total
     from benchmarks.common import BenchCluster
 
     with BenchCluster(n, cluster=f"real{n}") as cluster:
         r = sync_redis.Redis.from_url(cluster.redis_url)
         time.sleep(settle)
+        r.config_resetstat()
         c0 = _redis_counters(r)
         cpu0 = sum(sum(psutil.Process(s.pid).cpu_times()[:2]) for s in cluster.silos if s.pid)
         time.sleep(window)
         c1 = _redis_counters(r)
+        stats = commandstats_total(r.info("commandstats"))
         cpu1 = sum(sum(psutil.Process(s.pid).cpu_times()[:2]) for s in cluster.silos if s.pid)
+        who = census(cluster.redis_url, census_s).per_silo_s(n) if census_s > 0 else []
     rate = _per_second(c0, c1)
     return {
         "n": n,
         "commands_per_silo_s": rate["commands"] / n,
+        "commandstats_per_silo_s": stats / (c1["t"] - c0["t"]) / n,
+        "census": who,
         "egress_per_silo_b_s": rate["egress"] / n,
         "ingress_per_silo_b_s": rate["ingress"] / n,
         "cpu_per_silo": (cpu1 - cpu0) / (c1["t"] - c0["t"]) / n,
@@ -411,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="processes the simulated silos share")
     parser.add_argument("--grains", type=int, default=20, help="directory entries each simulated silo registers")
     parser.add_argument("--real", default="3,12", help="real silo process counts to measure ('' for none)")
+    parser.add_argument("--census", type=float, default=5.0,
+                        help="seconds of MONITOR per real size to tell which component sends what (0: none)")
     args = parser.parse_args(argv)
     sizes = [10, 30] if args.quick else [int(x) for x in args.sizes.split(",") if x]
     real_sizes = [] if args.quick else [int(x) for x in args.real.split(",") if x]
@@ -444,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     real: list[dict[str, Any]] = []
     for n in real_sizes:
         print(f"# {n} real silo processes ...", flush=True)
-        real.append(_measure_real(n, window, settle=8.0))
+        real.append(_measure_real(n, window, settle=8.0, census_s=args.census))
     print()
     print_table(
         ["silos", "cmds/s", "cmds/s/silo", "egress/silo", "ingress/silo", "Redis CPU", "sim CPU/silo",
@@ -471,10 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     if real:
         print()
         print_table(
-            ["real silos", "cmds/s/silo", "egress/silo", "ingress/silo", "CPU/silo"],
-            [[r["n"], f"{r['commands_per_silo_s']:.1f}", f"{r['egress_per_silo_b_s']:,.0f} B/s",
-              f"{r['ingress_per_silo_b_s']:,.0f} B/s", f"{100 * r['cpu_per_silo']:.1f}%"] for r in real],
+            ["real silos", "cmds/s/silo", "commandstats/s/silo", "egress/silo", "ingress/silo", "CPU/silo"],
+            [[r["n"], f"{r['commands_per_silo_s']:.1f}", f"{r['commandstats_per_silo_s']:.1f}",
+              f"{r['egress_per_silo_b_s']:,.0f} B/s", f"{r['ingress_per_silo_b_s']:,.0f} B/s",
+              f"{100 * r['cpu_per_silo']:.1f}%"] for r in real],
         )  # fmt: skip
+        for r in real:
+            if r["census"]:
+                print(f"\n# who sends what, {r['n']} idle real silos ({args.census:.0f} s of MONITOR; commands/s per silo, "
+                      "a script's inner commands charged to it):")  # fmt: skip
+                print_census(r["census"])
         if len(real) >= 2:
             k = real[-1]["egress_per_silo_b_s"] / real[0]["egress_per_silo_b_s"]
             checks[f"real_egress_per_silo_{real[-1]['n']}_vs_{real[0]['n']}"] = k

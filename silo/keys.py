@@ -301,6 +301,10 @@ class Keys:
         """List: admin commands for one silo (drain)."""
         return self.prefix + f"control:{silo}"
 
+    def control_channel(self, silo: str) -> str:
+        """Pub/sub channel: a command was pushed onto :meth:`control` (wakes the silo's inbox)."""
+        return self.prefix + f"control-wake:{silo}"
+
     # --- streams (silo/streams/) ---------------------------------------------
     # Names are unambiguous: a namespace has no ':' and a grain type name no '/'. Today every
     # key shares the cluster's hash tag; a move to per-stream tags for Redis Cluster would tag

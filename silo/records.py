@@ -451,6 +451,9 @@ async def request_drain(redis: aioredis.Redis, keys: Keys, address: str, *, by: 
             pipe.rpush(keys.control(address), body)
             pipe.expire(keys.control(address), CONTROL_TTL_S)
             await pipe.execute()
+        # Outside the transaction: a channel has no slot on a Redis Cluster. A lost message only
+        # delays the command to the inbox's next poll (silo/cluster/control.py).
+        await redis.publish(keys.control_channel(address), "1")
 
 
 async def request_cancel(redis: aioredis.Redis, keys: Keys, job: str, reason: str = "") -> None:

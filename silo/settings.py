@@ -104,8 +104,14 @@ class MembershipSettings(_Section):
     probe_interval_s: float = Field(
         0.25,
         gt=0,
-        description="How often each monitored peer is pinged over TCP (and monitored heartbeats read); a "
-        "refused connection votes it dead at once.",
+        description="How often each monitored peer is pinged over TCP (and, while one is in doubt, monitored "
+        "heartbeats read); a refused connection votes it dead at once.",
+    )
+    idle_read_s: float = Field(
+        5.0,
+        gt=0,
+        description="While every monitored peer answers its pings and membership is unchanged, a detector reads "
+        "their heartbeats this often only (a silo whose heartbeat thread lost Redis is noticed up to this late).",
     )
 
 
@@ -158,7 +164,10 @@ class RebalancerSettings(_Section):
         "mean * (1 - tolerance) draws from every silo above the mean.",
     )
     lease_ttl_s: float = Field(
-        3.0, gt=0, description="Leader lease in Redis; a dead leader is replaced after this."
+        15.0,
+        gt=0,
+        description="Leader lease in Redis, renewed every third of it; a leader declared dead is replaced at "
+        "once, one that stops renewing otherwise after this.",
     )
 
 
@@ -224,7 +233,13 @@ class RemindersSettings(_Section):
     """Durable reminders in Redis."""
 
     poll_interval_s: float = Field(
-        1.0, gt=0, description="How often a silo claims due reminders (a reminder fires up to this late)."
+        1.0, gt=0, description="Least time between two claims of due reminders by one silo (a reminder fires up to "
+        "this late while others keep it busy)."
+    )
+    idle_poll_s: float = Field(
+        30.0, gt=0, description="Longest a silo waits to claim when nothing falls due sooner; a reminder registered "
+        "through it, a tick it acknowledged or a membership change wakes it, so this only bounds how late a tick "
+        "another silo leased then lost fires."
     )
     batch: int = Field(100, gt=0, description="Most due reminders one silo claims per poll.")
     delivery_timeout_s: float = Field(30.0, gt=0, description="Deadline of one reminder delivery call.")
@@ -375,7 +390,15 @@ class SiloSettings(_SecretAlias):
     tracing: TracingSettings = TracingSettings()
     retention: RetentionSettings = RetentionSettings()
     streams: StreamSettings = StreamSettings()
-    stats_interval_s: float = Field(1.0, gt=0, description="How often silo stats are published.")
+    stats_interval_s: float = Field(
+        1.0, gt=0, description="How often silo stats are published while the silo works (calls, activations)."
+    )
+    stats_idle_interval_s: float = Field(
+        15.0,
+        gt=0,
+        description="How often they are published while nothing changes (no calls, the same activations and "
+        "status): an idle silo costs Redis almost nothing.",
+    )
     incoming_filters: tuple[str, ...] = Field(
         (),
         description="Incoming call filters by import path (pkg.mod:name; a class is instantiated with no"

@@ -417,6 +417,7 @@ class Silo:
             events=self.cluster_events,
         )
         self.view.on_unreachable(self.detector.hint_unreachable)
+        self.view.on_change(lambda old, new: self.detector.membership_changed())
         self.migrator = Migrator(
             me=me,
             catalog=self.catalog,
@@ -482,6 +483,7 @@ class Silo:
             status=lambda: self.status.value,
             started=self._started_at,
             interval_s=s.stats_interval_s,
+            idle_interval_s=s.stats_idle_interval_s,
             clock=self._clock,
         )
 
@@ -558,6 +560,8 @@ class Silo:
         self.stats_publisher.start()
         self._on_stop("reminders", self.reminders.stop)
         self.reminders.start(ticks_through(self.router, self.settings.reminders.delivery_timeout_s))
+        # A silo that left may have been the one firing reminders others sleep past: look now.
+        self.view.on_change(lambda old, new: self.reminders.wake())
         self._on_stop("stream delivery", self._stop_stream_agents)
         self._start_stream_agents()
         self._on_stop("stream retention", self.stream_retention.stop)

@@ -250,8 +250,28 @@ class PublisherStatistics:
     """Size of the last record."""
 
 
+def activity(rec: SiloStatsRecord) -> tuple[Any, ...]:
+    """What makes a stats record news: status, activations per type, calls and errors (lifetime and
+    in the window, so a record goes out as a burst drains). Not CPU, memory or the components'
+    counters, which tick on an idle silo too (probes, heartbeats)."""
+    return (
+        rec.status,
+        rec.activations,
+        tuple(sorted(rec.by_type.items())),
+        sum(m.calls for m in rec.methods),
+        sum(m.errors for m in rec.methods),
+        sum(m.window_calls for m in rec.methods),
+    )
+
+
 class StatsPublisher:
-    """Writes the silo's stats record to Redis once per interval, with a TTL.
+    """Writes the silo's stats record to Redis once per interval while it works, with a TTL.
+
+    A record is built every ``interval_s``; it is written when its activity
+    (:func:`activity`: status, activations, calls) differs from the last one
+    written, else only every ``idle_interval_s``: an idle silo costs Redis 5
+    commands each ``idle_interval_s`` instead of each second (issue 39), and
+    the first record after a change is still at most ``interval_s`` late.
 
     ``source`` returns ``Silo.statistics()``; everything else is read here
     (process CPU, RSS, uptime; the GPUs from ``gpus``, by default a
@@ -269,6 +289,7 @@ class StatsPublisher:
         status: Callable[[], str],
         started: float,
         interval_s: float = 1.0,
+        idle_interval_s: float | None = None,
         clock: Callable[[], float] = time.time,
         gpus: Callable[[], list[GpuRecord]] | None = None,
     ) -> None:
@@ -279,7 +300,10 @@ class StatsPublisher:
         self._status = status
         self._started = started
         self._interval_s = interval_s
+        self._idle_interval_s = max(interval_s, idle_interval_s if idle_interval_s is not None else interval_s)
         self._clock = clock
+        self._written: tuple[float, tuple[Any, ...]] | None = None
+        """(time, activity) of the last record written."""
         self._gpus = gpus or GpuProbe(visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")).sample
         self._process = psutil.Process()  # own instance: cpu_percent() is per instance
         self._process.cpu_percent(None)
@@ -317,7 +341,7 @@ class StatsPublisher:
     async def _run(self) -> None:
         while not self._stopping:
             try:
-                await self.publish()
+                await self.publish_if_changed()
             except errors.StorageError as exc:
                 self._failures += 1
                 if not self._failing:
@@ -404,8 +428,24 @@ class StatsPublisher:
             gpus=self._gpus(),
         )
 
-    async def publish(self) -> SiloStatsRecord:
+    async def publish_if_changed(self) -> SiloStatsRecord | None:
+        """Build a record; write it if its activity changed or ``idle_interval_s`` passed since the
+        last write (None: not written)."""
         rec = self.record()
+        if self._written is not None:
+            at, last = self._written
+            if activity(rec) == last and rec.at - at < self._idle_interval_s:
+                return None
+        await self._write(rec)
+        return rec
+
+    async def publish(self) -> SiloStatsRecord:
+        """Build a record and write it, changed or not."""
+        rec = self.record()
+        await self._write(rec)
+        return rec
+
+    async def _write(self, rec: SiloStatsRecord) -> None:
         body = rec.model_dump_json()
         calls_per_s = (
             sum(m.window_calls for m in rec.methods) / rec.window_s if rec.window_s else 0.0
@@ -417,7 +457,8 @@ class StatsPublisher:
             activations=rec.activations,
             calls_per_s=round(calls_per_s, 3),
         ).model_dump_json()
-        ttl = max(1, math.ceil(self._interval_s * STATS_TTL_FACTOR))
+        # Outlives the idle cadence: a quiet silo's record must not expire between writes.
+        ttl = max(1, math.ceil(self._idle_interval_s * STATS_TTL_FACTOR))
         k = self._keys
         history = k.silo_stats_history(self._address)
         with redis_errors("publish silo stats"):
@@ -430,7 +471,7 @@ class StatsPublisher:
                 await pipe.execute()
         self._published += 1
         self._last_bytes = len(body)
-        return rec
+        self._written = (rec.at, activity(rec))
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(self._published, self._failures, self._last_bytes)

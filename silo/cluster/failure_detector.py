@@ -62,6 +62,10 @@ from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")
 
+LOAD_REFRESH_S = 5.0
+"""The heartbeat thread sends the silo's load when its activation count changed, else this often
+(placement's CPU and memory figures are that old at most; views sample loads every refresh_s)."""
+
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
     """Wait for ``event`` or ``timeout_s``, whichever first.
@@ -169,6 +173,7 @@ class HeartbeatThread(Liveness):
         timeout = max(1.0, self._settings.dead_after_s)
         client = connect_redis_sync(self._url, timeout_s=timeout)
         script = client.register_script(HEARTBEAT_LUA)
+        last_load: tuple[float, int] | None = None  # (when, activations) of the last load Redis took
         try:
             while not self._stop.is_set():
                 sent = self._monotonic()
@@ -176,10 +181,12 @@ class HeartbeatThread(Liveness):
                     load = self._load()
                 except Exception:  # noqa: BLE001 - read across threads: a dict may change size under us
                     load = SiloLoad()
+                fresh = last_load is None or last_load[1] != load.activations or sent - last_load[0] >= LOAD_REFRESH_S
                 try:
                     raw = script(
                         keys=[self._keys.members, self._keys.members_heartbeats, self._keys.members_loads],
-                        args=[self._address, repr(self._clock()), load.model_dump_json()],
+                        # No time: the script stamps the beat with Redis' clock (detectors read its age).
+                        args=[self._address, "", load.model_dump_json() if fresh else ""],
                     )
                 except (redis.RedisError, OSError) as exc:
                     self.failures += 1
@@ -191,6 +198,8 @@ class HeartbeatThread(Liveness):
                         return
                     self.beats += 1
                     self.last_confirmed = sent
+                    if fresh:
+                        last_load = (sent, load.activations)
                 self._stop.wait(self._settings.heartbeat_s)
         finally:
             client.close()
@@ -294,6 +303,8 @@ class FailureDetectorStatistics:
     other silo; ``FailureDetector.monitored()`` lists them)."""
     full_reads: int = 0
     """Times the whole table was read (at start, or behind the change feed's reach)."""
+    reads: int = 0
+    """Rounds that read the watched heartbeats (the others only probed: nothing was in doubt)."""
 
 
 @dataclass(slots=True)
@@ -307,6 +318,8 @@ class _Peer:
     refused_at: float | None = None
     unreachable_since: float | None = None
     """Our clock at the first of an unbroken run of UNREACHABLE probes."""
+    answered: bool = True
+    """The last probe that ended got an answer (OK)."""
 
 
 def ring_position(address: str) -> int:
@@ -381,6 +394,11 @@ class FailureDetector:
         """Peers whose unreachable votes were logged (a lasting partition re-votes every round)."""
         self.rounds = self.probes = self.probe_failures = self.votes = self.declared = 0
         self.full_reads = 0
+        self.reads = 0
+        self._read_at = float("-inf")
+        self._dirty = True
+        """Membership may have changed since our last read (told by the view, or a peer is new)."""
+        self._round = asyncio.Lock()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -405,6 +423,24 @@ class FailureDetector:
         if peer is not None and not peer.probing and str(silo) in self._monitored:
             peer.last_probe = float("-inf")
             self._wake.set()
+
+    def membership_changed(self) -> None:
+        """Membership changed (the view heard it): read it on the next round, now."""
+        self._dirty = True
+        self._wake.set()
+
+    def _in_doubt(self, now: float) -> bool:
+        """A monitored peer's last probe failed or is late, or it is suspected: read every round."""
+        late = self._s.probe_interval_s / 2  # a PING is answered in ms; one pending this long is news
+        for addr in self._monitored:
+            p = self._peers.get(addr)
+            if p is None:
+                return True  # not tracked yet: its heartbeat is read from the next round on
+            if not p.answered or p.suspected or p.refused_at is not None or p.unreachable_since is not None:
+                return True
+            if p.probing and now - p.last_probe >= late:
+                return True
+        return False
 
     def monitored(self) -> list[str]:
         """The ring successors this silo probes and votes on."""
@@ -438,9 +474,10 @@ class FailureDetector:
         out.discard(self._addr)
         return sorted(out)
 
-    async def _read(self) -> dict[str, bool]:
-        """Follow the table's changes and learn which watched heartbeats moved: one round trip of
-        a few bytes (a flag a silo), or a whole read when we have nothing (start) or fell behind."""
+    async def _read(self) -> tuple[dict[str, bool], dict[str, float]]:
+        """Follow the table's changes and learn which watched heartbeats moved and how old each is:
+        one round trip of a few bytes a silo, or a whole read when we have nothing (start) or fell
+        behind."""
         watch = await self._table.moved(self._addr, self._version, self._watched())
         if watch.changes is None:
             self._version, self._rows = await self._table.read_all()
@@ -457,14 +494,32 @@ class FailureDetector:
         self._monitored = self._ring.successors(self._addr)
         if watch.changes is None:  # we did not know whom to watch: ask again, for those
             watch = await self._table.moved(self._addr, self._version, self._watched())
-        return watch.moved
+        return watch.moved, watch.ages
 
     async def check_once(self) -> None:
-        """One round: follow membership, track heartbeats, probe, vote. Tests call this directly."""
-        moved = await self._read()
+        """One round: follow membership, track heartbeats, probe, vote. Tests call this directly.
+
+        Redis is read only when it can tell something: while a monitored peer is in doubt (a probe
+        failed or is late, a suspicion, a vote pending), when membership changed, and every
+        ``idle_read_s`` otherwise (issue 39: a read every round was most of an idle silo's cost).
+        A heartbeat's age comes from Redis' clock, so a peer is stale from its last beat however
+        long ago we looked. Votes and suspicions are judged on rounds that read."""
+        async with self._round:  # the loop's round, or a probe's that found our last read old
+            await self._check()
+
+    async def _check(self) -> None:
+        now = self._clock()
+        read = self._dirty or self._version < 0 or self._in_doubt(now) or now - self._read_at >= self._s.idle_read_s
+        moved: dict[str, bool] = {}
+        ages: dict[str, float] = {}
+        prev_read = self._read_at
+        if read:
+            self._dirty = False
+            moved, ages = await self._read()
+            self._read_at = now = self._clock()
+            self.reads += 1
         self.rounds += 1
         rows = self._rows
-        now = self._clock()
         own = rows.get(self._addr)
         if own is not None and own.status is SiloStatus.DEAD:
             self._on_self_dead()
@@ -475,35 +530,55 @@ class FailureDetector:
         monitored = set(self._monitored)
         for addr in sorted(watched):
             row = rows.get(addr)
-            if row is None or addr not in moved:
-                continue  # newly watched: its heartbeat is read from the next round on
+            if row is None:
+                continue
             peer = self._peers.get(addr)
-            if peer is None or moved[addr]:
+            if read and addr in moved and (peer is None or moved[addr]):
                 if peer is not None and peer.suspected:
                     log.info("%s is alive again (heartbeat moved)", addr)
+                # Its last beat, by its age; but never before our previous read (the value moved
+                # since then) nor before we first tracked it (a Joining silo beats only once Active,
+                # and its row's first heartbeat may be long past).
+                age = ages.get(addr)
+                since = now if age is None or peer is None else max(now - age, prev_read)
+                # A refusal after its last beat still stands (we had not read since before that beat).
+                refused = peer.refused_at if peer and peer.refused_at is not None and peer.refused_at >= since else None
                 peer = self._peers[addr] = _Peer(
-                    now,
+                    since,
                     last_probe=peer.last_probe if peer else float("-inf"),
+                    refused_at=refused,
                     unreachable_since=peer.unreachable_since if peer else None,
+                    answered=peer.answered if peer else True,
                 )
+            if peer is None:
+                self._dirty = True  # newly watched: its heartbeat is read from the next round on
+                continue
             if addr not in monitored:
                 continue  # a suspect's other monitor: tracked for _needed, not probed or voted on
+            if not read:  # nothing new about its heartbeat: only the probe below
+                self._launch_probe(addr, peer, row, now)
+                continue
             stale = now - peer.since
             if stale >= self._s.suspect_after_s and not peer.suspected:
                 peer.suspected = True
                 self._events.emit("suspect", {"silo": addr, "stale_s": round(stale, 3), "by": self._addr})
             if peer.refused_at is not None:
                 await self._vote(addr, peer, "refused connections")
+            elif not peer.answered and stale >= self._s.dead_after_s:
+                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
             elif stale >= self._s.dead_after_s * 2:
                 await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s")
             elif peer.unreachable_since is not None and now - peer.unreachable_since >= self._s.dead_after_s * 2:
                 await self._vote_unreachable(addr, now - peer.unreachable_since)
-            if not peer.probing and now - peer.last_probe >= self._s.probe_interval_s:
-                peer.probing = True
-                peer.last_probe = now
-                task = asyncio.get_running_loop().create_task(self._probe_peer(addr, row.silo))
-                self._probes.add(task)
-                task.add_done_callback(self._probes.discard)
+            self._launch_probe(addr, peer, row, now)
+
+    def _launch_probe(self, addr: str, peer: _Peer, row: MemberRow, now: float) -> None:
+        if not peer.probing and now - peer.last_probe >= self._s.probe_interval_s:
+            peer.probing = True
+            peer.last_probe = now
+            task = asyncio.get_running_loop().create_task(self._probe_peer(addr, row.silo))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
 
     async def _probe_peer(self, addr: str, silo: SiloAddress) -> None:
         try:
@@ -516,6 +591,7 @@ class FailureDetector:
         if peer is None:
             return
         peer.probing = False
+        peer.answered = result is ProbeResult.OK
         if result is ProbeResult.UNREACHABLE:
             if peer.unreachable_since is None:
                 peer.unreachable_since = self._clock()
@@ -527,13 +603,28 @@ class FailureDetector:
             return
         self.probe_failures += 1
         stale = self._clock() - peer.since
+        # A vote names the heartbeat value our last read saw: one from a round ago at most, else a
+        # round now (it reads, as this peer is in doubt, and votes on what it finds).
+        fresh = self._clock() - self._read_at <= self._s.probe_interval_s
         if result is ProbeResult.REFUSED:
             # Fast path: the process is gone. The vote still only counts while
             # its heartbeat stays the value we saw.
             peer.refused_at = self._clock()
-            await self._vote(addr, peer, "refused connections")
+            if fresh:
+                await self._vote(addr, peer, "refused connections")
+            else:
+                await self._round_now()
         elif stale >= self._s.dead_after_s:
-            await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
+            if fresh:
+                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
+            else:
+                await self._round_now()
+
+    async def _round_now(self) -> None:
+        try:
+            await self.check_once()
+        except errors.StorageError as exc:
+            log.warning("failure detector could not read membership: %s", exc)
 
     def _needed(self, suspect: str) -> int:
         """min(2, the suspect's monitors that look alive to us, ourselves included).
@@ -598,4 +689,5 @@ class FailureDetector:
             unreachable=tuple(sorted(self.unreachable())),
             monitored=len(self._monitored),
             full_reads=self.full_reads,
+            reads=self.reads,
         )

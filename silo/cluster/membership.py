@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -135,20 +135,32 @@ local row = redis.call('HGET', KEYS[1], ARGV[1])
 if not row then return 'Gone' end
 local m = cjson.decode(row)
 if m['status'] == 'Dead' then return 'Dead' end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+-- No time given (the heartbeat thread): Redis' clock, so a detector reads how old a beat is in one clock.
+local at = ARGV[2]
+if at == '' then
+  local t = redis.call('TIME')
+  at = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+redis.call('HSET', KEYS[2], ARGV[1], at)
+-- An empty load: unchanged since the last one sent (the heartbeat thread sends it on change or every
+-- LOAD_REFRESH_S, not each beat: one command a second less for an idle silo, issue 39).
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
 return m['status']
 """
 
 
-# A detector's read each round: the version, and one flag a watched silo ('1': its heartbeat
-# moved since this detector last looked, '0': not), the values kept in the detector's own
-# seen-hash for its votes, so the reply is a few bytes whatever the silos watched.
+# A detector's read: the version, one flag a watched silo ('1': its heartbeat moved since this
+# detector last looked, '0': not; the values kept in the detector's own seen-hash for its votes)
+# and each one's age in ms by Redis' clock (heartbeats are stamped with it), so the reply is a few
+# bytes whatever the silos watched, and staleness does not depend on when the detector looked.
 # KEYS: rows, heartbeats, version, seen.  ARGV: ttl ms, then the watched addresses.
 _MOVED = """
 local n = #ARGV - 1
 local flags = {}
+local ages = {}
 if n > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local addrs = {unpack(ARGV, 2)}
   local cur = redis.call('HMGET', KEYS[2], unpack(addrs))
   local prev = redis.call('HMGET', KEYS[4], unpack(addrs))
@@ -159,6 +171,8 @@ if n > 0 then
       local raw = redis.call('HGET', KEYS[1], addrs[i])
       c = raw and tostring(cjson.decode(raw)['heartbeat']) or ''
     end
+    local v = tonumber(c)
+    ages[i] = v and tostring(math.max(0, math.floor((now - v) * 1000))) or ''
     if (prev[i] or '') ~= c then
       set[#set + 1] = addrs[i]
       set[#set + 1] = c
@@ -167,10 +181,14 @@ if n > 0 then
       flags[i] = '0'
     end
   end
-  if #set > 0 then redis.call('HSET', KEYS[4], unpack(set)) end
-  redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  -- The TTL is renewed with each write only: a seen-hash nothing moved in for its TTL watches only
+  -- silos declared dead long since (issue 39: a PEXPIRE a round was a tenth of an idle silo's cost).
+  if #set > 0 then
+    redis.call('HSET', KEYS[4], unpack(set))
+    redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  end
 end
-return {redis.call('GET', KEYS[3]) or '0', table.concat(flags)}
+return {redis.call('GET', KEYS[3]) or '0', table.concat(flags), table.concat(ages, ',')}
 """
 
 # The end of both vote scripts once enough votes are in: mark the row Dead (with
@@ -279,6 +297,9 @@ class MembershipMoves:
     moved: dict[str, bool]
     """Each address asked for: True when its heartbeat changed since this watcher's last read
     (or it is new to the watcher)."""
+    ages: dict[str, float] = field(default_factory=dict)
+    """Seconds since each address's heartbeat was written, by the table's clock (Redis'); an
+    address missing: unknown."""
 
 
 SEEN_TTL_MS = 60_000
@@ -431,11 +452,13 @@ class RedisMembershipTable:
         current = int(raw[0])
         flags = raw[1].decode() if isinstance(raw[1], bytes) else str(raw[1])
         moved = {a: f == "1" for a, f in zip(addrs, flags, strict=True)}
+        text = raw[2].decode() if isinstance(raw[2], bytes) else str(raw[2])
+        ages = {a: int(x) / 1000.0 for a, x in zip(addrs, text.split(",") if addrs else [], strict=True) if x}
         changes: list[Change] | None = [] if current == version else None
         if current != version and 0 <= version < current:
             watch = await self.watch(version)
             current, changes = watch.version, watch.changes
-        return MembershipMoves(current, changes, moved)
+        return MembershipMoves(current, changes, moved, ages)
 
     async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
         """A vote that ``suspect`` is dead, valid while its heartbeat is ``seen_heartbeat`` (None:

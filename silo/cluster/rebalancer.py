@@ -1,7 +1,12 @@
 """The elected rebalancer: fails over dead silos and evens out load.
 
 One silo at a time holds the ``rebalancer`` lease in Redis (SET NX PX,
-renewed; a dead leader is replaced after ``lease_ttl_s``). The leader:
+renewed every third of ``lease_ttl_s``). A follower tries for it when the
+holder's lease runs out, or at once when membership says the holder is Dead
+(it drops the dead holder's lease: compare-and-delete); so a dead leader is
+replaced as soon as it is declared dead, and the lease can be long (15 s)
+and cheap: an idle cluster's followers ask Redis about it every ~15 s, not
+every second (issue 39). The leader:
 
 * **fails over** every Dead silo that still has directory entries: it purges
   them in bounded steps (``RedisGrainDirectory.purge_batch``: no script holds
@@ -52,17 +57,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("redgrain.rebalancer")
 
+# {1} held; {0, holder, ms left} another silo holds it (the follower sleeps that long).
 _RENEW = """
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+  return {1}
 end
 if not cur then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
+  return {1}
 end
-return 0
+return {0, cur, redis.call('PTTL', KEYS[1])}
 """
 
 _RELEASE = """
@@ -82,11 +88,28 @@ class LeaderLease:
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
         self.held = False
+        self.other: str | None = None
+        """Who holds it when we do not (as of the last try)."""
+        self.other_left_s = 0.0
+        """How long the other holder's lease had left at the last try."""
 
     async def acquire_or_renew(self) -> bool:
         with redis_errors("leader lease"):
-            self.held = bool(await self._renew(keys=[self._key], args=[self._holder, self._ttl_ms]))
+            raw = await self._renew(keys=[self._key], args=[self._holder, self._ttl_ms])
+        self.held = int(raw[0]) == 1
+        if self.held:
+            self.other, self.other_left_s = None, 0.0
+        else:
+            holder = raw[1]
+            self.other = holder.decode() if isinstance(holder, bytes) else str(holder)
+            self.other_left_s = max(0.0, int(raw[2]) / 1000.0)
         return self.held
+
+    async def take_over(self, dead: str) -> bool:
+        """Drop the lease of ``dead`` (a holder declared Dead: it renews no more) and try for it."""
+        with redis_errors("leader lease takeover"):
+            await self._release(keys=[self._key], args=[dead])
+        return await self.acquire_or_renew()
 
     async def release(self) -> None:
         if self.held:
@@ -162,17 +185,36 @@ class Rebalancer:
             self._task = None
         await self.lease.release()
 
+    def _holder_dead(self) -> bool:
+        """The silo holding the lease is Dead in our view (declared so: it renews no more)."""
+        other = self.lease.other
+        row = self._view.rows.get(other) if other is not None else None
+        return row is not None and row.status is SiloStatus.DEAD
+
+    async def acquire(self) -> bool:
+        """Renew or take the lease; from a holder membership says is Dead too, without waiting
+        for its lease to run out. True: this silo leads."""
+        if self.lease.other is not None and self._holder_dead():
+            return await self.lease.take_over(self.lease.other)
+        return await self.lease.acquire_or_renew()
+
     async def _run(self) -> None:
-        tick = min(self._s.lease_ttl_s / 3, self._s.period_s)
+        renew = min(self._s.lease_ttl_s / 3, self._s.period_s)
         while not self._stopping:
+            tick = renew
             try:
-                if await self.lease.acquire_or_renew():
+                if await self.acquire():
                     await self.fail_over_dead()
                     if self._clock() - self._last_balance >= self._s.period_s:
                         self._last_balance = self._clock()
                         # Views sample loads slowly (O(1) a silo); the leader reads them all.
                         await self._view.refresh_loads()
                         await self.balance()
+                else:
+                    # A follower tries again when the holder's lease runs out or membership
+                    # changes (the holder may have been declared dead), not every renewal period:
+                    # an idle cluster's followers cost Redis next to nothing (issue 39).
+                    tick = max(renew, self.lease.other_left_s + 0.05)
             except errors.RedgrainError as exc:
                 log.warning("rebalancer round failed: %s", exc)
             except Exception:

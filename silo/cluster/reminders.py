@@ -3,7 +3,11 @@
 Reminders live in Redis (``silo/keys.py``): a sorted set of reminder ids
 scored by their next due time (ms, Redis server clock) and a hash of rows.
 Every silo polls: one Lua script claims the due reminders (up to a batch),
-each under a lease: its score moves to the end of the lease (claim time +
+and says when the next score falls due; the silo sleeps until then (at least
+``poll_interval_s``, at most ``idle_poll_s``), woken sooner by a reminder
+registered through it, a tick it acknowledged or a membership change (the
+silo that fired what this one sleeps past may be gone; issue 39: an idle
+silo polled every second, 3 of its 41 commands/s). Each claim is under a lease: its score moves to the end of the lease (claim time +
 ``delivery_timeout_s`` + ``LEASE_SLACK_S``), so no other silo takes it
 meanwhile. The silo sends it through its router like any call (an internal
 turn, ``silo/catalog/internal.py``), so it reaches the grain wherever it lives,
@@ -43,6 +47,7 @@ from grains.ids import GrainId
 from grains.ref import Caller
 from silo import errors
 from silo.catalog.internal import REMINDER_METHOD
+from silo.cluster.failure_detector import wait_event
 from silo.keys import Keys
 from silo.redis_util import redis_errors
 from silo.settings import RemindersSettings
@@ -77,7 +82,7 @@ return 1
 """
 )
 
-# KEYS: due zset, rows.  ARGV: batch, lease ms.  Leases what is due: {row, due, lease} each.
+# KEYS: due zset, rows.  ARGV: batch, lease ms.  Leases what is due: {next in ms, then row, due, lease each}.
 _CLAIM = (
     _NOW
     + """
@@ -97,6 +102,9 @@ for i = 1, #due, 2 do
     redis.call('ZREM', KEYS[1], id)
   end
 end
+-- First: ms until the next score (a due tick or a lease's end), -1 if none: the poller sleeps that long.
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+table.insert(out, 1, first[2] and tostring(tonumber(first[2]) - now) or '-1')
 return out
 """
 )
@@ -153,6 +161,8 @@ class ReminderStatistics:
     """Ticks whose delivery or receive_reminder failed (the next tick comes anyway)."""
     polls_failed: int
     """Polls that could not reach Redis."""
+    polls: int = 0
+    """Claims this silo ran (one script call each): when a tick falls due, or woken, not by the second."""
 
 
 def _id(grain: GrainId, name: str) -> str:
@@ -210,12 +220,18 @@ class ReminderTable:
 
     async def claim(self, batch: int, lease_s: float) -> builtins.list[Claim]:
         """Lease the due ticks for ``lease_s``; each must be :meth:`ack`-ed, or it is claimed again."""
+        return (await self.claim_due(batch, lease_s))[0]
+
+    async def claim_due(self, batch: int, lease_s: float) -> tuple[builtins.list[Claim], float | None]:
+        """:meth:`claim`, and the seconds until the next score falls due after it (None: no reminders)."""
         k = self._keys
         with redis_errors("claim due reminders"):
             raw = await self._claim(keys=[k.reminders, k.reminder_rows], args=[batch, max(1, round(lease_s * 1000))])
-        return [
-            Claim(_row(raw[i]), int(float(raw[i + 1])), int(float(raw[i + 2]))) for i in range(0, len(raw), 3)
+        next_ms = float(raw[0])
+        claims = [
+            Claim(_row(raw[i]), int(float(raw[i + 1])), int(float(raw[i + 2]))) for i in range(1, len(raw), 3)
         ]
+        return claims, None if next_ms < 0 else next_ms / 1000.0
 
     async def ack(self, claim: Claim) -> bool:
         """The claimed tick ended: schedule the next one (False: no longer ours to schedule)."""
@@ -256,16 +272,26 @@ class ReminderService:
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._wake = asyncio.Event()
+        self._next_s: float | None = None
+        """Seconds from the last poll until the next score falls due (None: no reminders)."""
         self._registered = self._claimed = self._delivered = self._failed = self._polls_failed = 0
+        self._polls = 0
 
     async def register(
         self, grain: GrainId, name: str, period_s: float, due_s: float | None = None
     ) -> None:
         await self.table.register(grain, name, period_s, due_s)
         self._registered += 1
+        self._wake.set()  # it may fall due before the poller's next look
 
     async def unregister(self, grain: GrainId, name: str) -> bool:
         return await self.table.unregister(grain, name)
+
+    def wake(self) -> None:
+        """Claim now (within ``poll_interval_s``), not at the next due time last seen: membership
+        changed, and the silo that was firing the reminders we sleep past may be gone."""
+        self._wake.set()
 
     async def list(self, grain: GrainId | None = None) -> builtins.list[Reminder]:
         return await self.table.list(grain)
@@ -301,7 +327,12 @@ class ReminderService:
                 self._polls_failed += 1
                 log.warning("reminder poll failed: %s", exc)
             raise_if_cancelled()  # a cancel redis-py swallowed (silo/shutdown.py)
-            await asyncio.sleep(self._settings.poll_interval_s)
+            s = self._settings
+            wait = s.idle_poll_s if self._next_s is None else min(self._next_s, s.idle_poll_s)
+            await asyncio.sleep(s.poll_interval_s)  # the floor: a wake-up polls no sooner than this
+            if not self._wake.is_set() and wait > s.poll_interval_s:
+                await wait_event(self._wake, wait - s.poll_interval_s)
+            self._wake.clear()
 
     async def poll(self) -> int:
         """Claim what is due and start delivering it; returns how many ticks were claimed."""
@@ -309,7 +340,8 @@ class ReminderService:
         room = self._settings.batch - len(self._inflight)
         if deliver is None or room <= 0:
             return 0  # not started, or deliveries are backed up: leave the rest to other silos
-        due = await self.table.claim(room, self._settings.delivery_timeout_s + LEASE_SLACK_S)
+        self._polls += 1
+        due, self._next_s = await self.table.claim_due(room, self._settings.delivery_timeout_s + LEASE_SLACK_S)
         self._claimed += len(due)
         loop = asyncio.get_running_loop()
         for c in due:
@@ -342,6 +374,7 @@ class ReminderService:
             await self.table.ack(claim)
         except errors.StorageError as exc:  # the lease runs out and the tick comes again
             log.warning("tick of reminder %r not acknowledged: %s", claim.reminder.name, exc)
+        self._wake.set()  # its next tick may fall due before the lease the poller is waiting for
 
     def statistics(self) -> ReminderStatistics:
         return ReminderStatistics(
@@ -350,6 +383,7 @@ class ReminderService:
             delivered=self._delivered,
             failed=self._failed,
             polls_failed=self._polls_failed,
+            polls=self._polls,
         )
 
 

@@ -135,14 +135,18 @@ class InMemoryMembershipTable:
         watch = await self.watch(version)
         seen = self.seen.setdefault(watcher, {})
         moved: dict[str, bool] = {}
+        ages: dict[str, float] = {}
+        now = self.clock()
         for a in addresses:
             cur = self._heartbeat_of(a) if a in self.rows else None
             moved[a] = seen.get(a) != cur
+            if cur is not None:
+                ages[a] = max(0.0, now - cur)
             if cur is None:
                 seen.pop(a, None)
             else:
                 seen[a] = cur
-        return MembershipMoves(watch.version, watch.changes, moved)
+        return MembershipMoves(watch.version, watch.changes, moved, ages)
 
     async def vote_dead(self, suspect: str, voter: str, seen_heartbeat: float | None, needed: int) -> VoteOutcome:
         row = self.rows.get(suspect)

@@ -296,3 +296,32 @@ async def test_a_silent_host_in_a_ring_is_declared_after_dead_after_s() -> None:
         assert elapsed <= SETTINGS.suspect_after_s + SETTINGS.dead_after_s, "silent host not declared in time"
     assert elapsed >= SETTINGS.dead_after_s
     assert all(w.status(s) is SiloStatus.ACTIVE for s in live)
+
+
+async def test_an_idle_detector_reads_redis_every_idle_read_s_and_every_round_once_a_probe_fails() -> None:
+    w = World(3)
+    a, b, hung = w.silos
+    await w.round(advance=0.0)  # every detector's first read
+    for _ in range(20):  # 10 s: every probe answers, every heartbeat moves
+        await w.round(beating=tuple(w.silos))
+    stats = w.detectors[a].statistics()
+    assert stats.rounds == 21 and stats.reads <= 1 + 10.0 / SETTINGS.idle_read_s + 1
+    reads = stats.reads
+    w.answers[hung] = ProbeResult.TIMEOUT
+    for _ in range(4):
+        await w.round(beating=(a, b))
+    assert w.detectors[a].statistics().reads - reads >= 3  # in doubt: a read each round
+    while w.status(hung) is SiloStatus.ACTIVE:  # and the hung silo is still declared
+        await w.round(beating=(a, b))
+    assert w.status(a) is w.status(b) is SiloStatus.ACTIVE
+
+
+async def test_a_silo_first_seen_with_an_old_heartbeat_is_stale_from_when_it_was_seen_not_from_that_beat() -> None:
+    w = World(3)
+    late = w.silos[2]
+    w.table.heartbeats[str(late)] = w.clock() - 20.0  # joined 20 s ago (a slow start), beating from now on
+    await w.round(advance=0.0)  # every detector's first read finds that old beat
+    for _ in range(4):
+        await w.round(beating=tuple(w.silos))
+    assert w.status(late) is SiloStatus.ACTIVE
+    assert sum(d.votes for d in w.detectors.values()) == 0

@@ -32,6 +32,7 @@ class Setup:
     """The clock's reading at each purge step."""
     redis: Any
     keys: Keys
+    view: MembershipView
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ async def setup(redis_url: str, cluster_name: str) -> AsyncIterator[Setup]:
         settings=RebalancerSettings(lease_ttl_s=1.5, period_s=5.0), events=events, clock=lambda: now[0],
     )  # fmt: skip
     try:
-        yield Setup(rebalancer, directory, seen, steps, redis, keys)
+        yield Setup(rebalancer, directory, seen, steps, redis, keys, view)
     finally:
         await redis.aclose()
 
@@ -109,3 +110,22 @@ async def test_a_leader_that_loses_its_lease_mid_purge_stops_and_the_next_goes_o
     await r.fail_over_dead()
     assert await setup.directory.entries_of(DEAD) == []
     assert [kind for kind, _ in setup.events] == ["failover"]
+
+
+async def test_a_follower_takes_the_lease_of_a_leader_declared_dead_at_once_and_of_a_live_one_never(
+    setup: Setup,
+) -> None:
+    key = setup.keys.leader("rebalancer")
+    third = SiloAddress("127.0.0.1", 7003, 1)
+    r = Rebalancer(
+        redis=setup.redis, keys=setup.keys, me=third, view=setup.view, directory=setup.directory,
+        router=cast(Any, None), settings=RebalancerSettings(), events=ClusterEvents(),
+    )  # fmt: skip
+    await setup.redis.set(key, str(LEADER), px=60_000)  # a live holder
+    assert not await r.acquire()
+    assert r.lease.other == str(LEADER) and 50.0 < r.lease.other_left_s <= 60.0  # it sleeps that long
+    assert not await r.acquire()  # LEADER is Active: its lease stands
+    await setup.redis.set(key, str(DEAD), px=60_000)  # the lease of a silo declared Dead
+    assert not await r.acquire()  # learns who holds it
+    assert await r.acquire()  # and takes it without waiting the minute out
+    assert await setup.redis.get(key) == b"127.0.0.1:7003@1"
