@@ -483,14 +483,7 @@ class Connection(FrameReceiver):
         Over ``max_in_flight`` this raises OverloadedError: callers that should wait
         (the router) check :meth:`has_slot` and :meth:`wait_slot` first.
         """
-        if self.closed:
-            raise errors.SiloUnavailableError(self.peer, "connection closed")
-        if len(self._pending) + self._handed >= self._settings.max_in_flight:
-            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
-        req_id = next(self._ids)
-        header[1] = req_id
-        encoded = self.codec.encode(body)
-        self._check_sendable()
+        req_id, encoded = self._admit(header, body)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[req_id] = (fut, label)
         if timeout_s is not None:
@@ -512,13 +505,7 @@ class Connection(FrameReceiver):
         No deadline is armed here: a stream's deadline is per item, kept by the stream itself
         (and by the router while it opens). Returns the request id. Over ``max_in_flight`` this
         raises OverloadedError, as :meth:`request` does."""
-        if self.closed:
-            raise errors.SiloUnavailableError(self.peer, "connection closed")
-        if len(self._pending) + self._handed >= self._settings.max_in_flight:
-            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
-        req_id = next(self._ids)
-        header[1] = req_id
-        encoded = self.codec.encode(body)
+        req_id, encoded = self._admit(header, body)
         end: asyncio.Future[Any] = self._loop.create_future()
         self._pending[req_id] = (end, label)
         self._streams[req_id] = stream
@@ -565,6 +552,20 @@ class Connection(FrameReceiver):
         self._send_frame(header, self.codec.encode(body))
         if self._failed_in_write():
             raise self._never_sent()
+
+    def _admit(self, header: list[Any], body: Any) -> tuple[int, Any]:
+        """A request's id (written into ``header``) and its encoded body, or why it may not go:
+        the connection closed, ``max_in_flight`` reached, or an earlier write already failed
+        (then it never leaves, so it is retried). One rule for plain and streamed calls."""
+        if self.closed:
+            raise errors.SiloUnavailableError(self.peer, "connection closed")
+        if len(self._pending) + self._handed >= self._settings.max_in_flight:
+            raise errors.OverloadedError(f"connection to {self.peer}", self._settings.max_in_flight)
+        req_id = next(self._ids)
+        header[1] = req_id
+        encoded = self.codec.encode(body)
+        self._check_sendable()
+        return req_id, encoded
 
     def _check_sendable(self) -> None:
         """SiloNotServingError if an earlier write already failed (the transport is closing and
