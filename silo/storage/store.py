@@ -42,7 +42,7 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, run_replicated
+from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, is_cluster, run_replicated
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -446,6 +446,17 @@ class Blobs:
             offset += p.nbytes
         await pipe.execute()
 
+    async def _chunks(self, names: list[str]) -> list[bytes | None]:
+        if not is_cluster(self.redis):
+            return list(await self.redis.mget(names))
+        # On a Cluster, GETs in a pipeline rather than one MGET: while the slot migrates, its
+        # chunks may lie on two masters, where a multi-key command gets TRYAGAIN until the move
+        # ends, but each GET follows its own ASK redirection (the read failed for the whole move).
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(name)
+            return list(await pipe.execute())
+
     async def discard(self, base: str, staged: Staged) -> None:
         """Best effort: delete the chunks of a stream whose commit was refused (else they expire)."""
         if staged.nchunks <= 0:
@@ -481,7 +492,7 @@ class Blobs:
                 names = [
                     chunk_key(base, etag, i) for i in range(start, min(n, start + _READ_BATCH))
                 ]
-                got = await self.retry(what, functools.partial(self.redis.mget, names))
+                got = await self.retry(what, functools.partial(self._chunks, names))
                 for part in got:
                     if part is None or pos + len(part) > size:
                         complete = False

@@ -221,3 +221,41 @@ async def test_a_key_that_moved_is_read_from_its_new_master_while_its_slot_migra
             await n.aclose()
         await close_redis(client)
         redis_cluster_group.wait_ok(30)
+
+
+async def test_a_chunked_state_is_read_while_its_chunks_lie_on_two_masters(
+    redis_cluster_url: str, redis_cluster_group: RedisClusterGroup, cluster_name: str
+) -> None:
+    # Half-way through a move, a multi-key MGET of the chunks gets TRYAGAIN until the move
+    # ends: the read failed for the whole move, and an activation needing the state with it
+    # (this deadlocked the reshard test, whose move waited for writers stuck re-reading).
+    keys = Keys(cluster_name)
+    grain = GrainId("Ledger", "split")
+    head = keys.state_head(str(grain))
+    slot = slot_of(head)
+    masters = redis_cluster_group.masters()
+    src = redis_cluster_group.master_of(slot)
+    dst = masters[(masters.index(src) + 1) % len(masters)]
+    client = connect_redis(redis_cluster_url)
+    nodes = {p: aioredis.Redis(host="127.0.0.1", port=p) for p in masters}
+    store = RedisStateStore(client, keys, SETTINGS)
+    try:
+        ids = {p: (await nodes[p].execute_command("CLUSTER", "MYID")).decode() for p in masters}
+        await client.hset(keys.directory_entry(str(grain)), mapping={"silo": "s", "act": "a", "token": TOKEN})
+        etag = await store.write(grain, _encode(1, 1), None, TOKEN)  # odd: 3 chunks of 128 bytes
+        stored_keys = [k.decode() for k in await nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)]
+        chunks = sorted(k for k in stored_keys if etag in k)
+        assert len(chunks) >= 2, stored_keys
+        await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+        await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+        await nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", chunks[0])
+        stored = await store.read(grain)
+        assert stored is not None and stored.etag == etag
+        assert json.loads(bytes(stored.meta)) == json.loads(_encode(1, 1).meta)
+    finally:
+        for port in (dst, src, *(p for p in masters if p not in (src, dst))):
+            await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        for n in nodes.values():
+            await n.aclose()
+        await close_redis(client)
+        redis_cluster_group.wait_ok(30)
