@@ -71,6 +71,9 @@ log = logging.getLogger("redgrain.sim")
 
 T = TypeVar("T")
 
+ZOMBIE_KEY = "zreg"
+"""The register the zombie workload writes (scenarios with pauses): see :meth:`World._drive_zombie_target`."""
+
 FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation")
 
 
@@ -90,6 +93,11 @@ class Scenario:
     max_queue: int | None = None
     idle_timeout_s: float | None = None
     """Short idle timeouts make activations come and go under load."""
+
+    @property
+    def zombie(self) -> bool:
+        """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
+        return "pause" in self.faults
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -150,7 +158,7 @@ class RedisLink:
         self.name = name
         self.commands = 0
 
-    async def enter(self, what: str) -> None:
+    async def enter(self, what: str, args: tuple[Any, ...] = ()) -> None:
         world = self.world
         self.commands += 1
         world.commands += 1
@@ -158,11 +166,12 @@ class RedisLink:
         if world.latency:
             # A state write carries the state and waits for a replica: slower than a lookup.
             await asyncio.sleep(world.net_rng.uniform(0.002, 0.03) if slow else world.net_rng.uniform(0.0002, 0.002))
-        armed = world.pause_at_write.pop(self.name, None) if slow else None
-        if armed is not None:
+        armed = world.pause_at_write.get(self.name) if slow else None
+        if armed is not None and (armed[1] is None or (args and str(args[0]) == armed[1])):
             # A pause at the worst moment (a GC pause just as a state write leaves): the
             # write lands when the silo goes on, by then perhaps as a zombie's.
-            world.pause_now(self.name, armed)
+            del world.pause_at_write[self.name]
+            world.pause_now(self.name, armed[0], zombie_write=armed[1])
             await asyncio.sleep(0)
         if self.name in world.redis_cut:
             raise errors.StorageError(f"{what}: Redis unreachable (simulated partition of {self.name})")
@@ -185,7 +194,7 @@ class _Gated:
         link = self._link
 
         async def gated(*args: Any, **kwargs: Any) -> Any:
-            await link.enter(name)
+            await link.enter(name, args)
             return await attr(*args, **kwargs)
 
         return gated
@@ -445,8 +454,12 @@ class World:
         self.silos: list[SimSilo] = []
         self.clients: list[SimClient] = []
         self.redis_cut: set[str] = set()
-        self.pause_at_write: dict[str, float] = {}
-        """Silo -> pause length: pause it when it next writes state (armed by a "pause" fault)."""
+        self.pause_at_write: dict[str, tuple[float, str | None]] = {}
+        """Silo -> (pause length, grain or None: any): pause it when it next writes that grain's
+        state (armed by a "pause" fault)."""
+        self.zombie_pending: str | None = None
+        """The silo paused just as its write to :data:`ZOMBIE_KEY` left, until it goes on."""
+        self._aimed = False
         self.cuts: set[frozenset[str]] = set()
         self.slow_links = 0
         self.slow_activations = 0
@@ -546,12 +559,15 @@ class World:
         self.trace("started", [s.name for s in self.silos])
         end = self.now() + sc.duration_s
         drivers = [self.spawn(c.name, self._drive(c, end)) for c in self.clients]
+        if sc.zombie:
+            drivers.append(self.spawn(self.clients[0].name, self._drive_zombie_target(self.clients[0], end)))
         injector = self.spawn("world", self._inject(end))
         await asyncio.gather(*drivers, injector)
         await self._heal()
         # Let the cluster settle (deaths declared, views refreshed), then read every register once.
         await asyncio.sleep(8.0)
-        reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in range(sc.registers)]
+        keys = [f"reg{k}" for k in range(sc.registers)] + ([ZOMBIE_KEY] if sc.zombie else [])
+        reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in keys]
         await asyncio.gather(*reads)
         await self._stop_all()
         from silo.testing.sim.checks import check
@@ -617,8 +633,26 @@ class World:
             self.trace("answered", client.name, key, method, arg, result)
         op.end = self.now()
 
-    async def _final_read(self, k: int) -> None:
-        await self._call(self.clients[0], f"reg{k}", "read", None)
+    async def _drive_zombie_target(self, client: SimClient, end: float) -> None:
+        """One writer on a register of its own, the one the first long pause strikes mid-write.
+
+        While that pause holds the write, the writer only reads: once the silo is declared dead
+        a read activates the register elsewhere (a new fencing token), and since no read moves
+        the etag, the zombie's write, when it goes on, still names the stored etag. Only the
+        fence stands between it and the store (the drivers' writes to the shared registers
+        move the etag first on almost every seed, and the etag check refuses the zombie).
+        """
+        rng = random.Random(self.work_rng.getrandbits(64))
+        while self.now() < end:
+            if self.zombie_pending is None:
+                self._values += 1
+                await self._call(client, ZOMBIE_KEY, "write", self._values)
+            else:
+                await self._call(client, ZOMBIE_KEY, "read", None)
+            await asyncio.sleep(rng.expovariate(1 / 0.2))
+
+    async def _final_read(self, key: str) -> None:
+        await self._call(self.clients[0], key, "read", None)
 
     async def _inject(self, end: float) -> None:
         start = self.now()
@@ -637,11 +671,18 @@ class World:
                 await silo.crash()
                 self.spawn("world", self._restart_later(fault.target, 2.0))
         elif fault.kind == "pause":
-            if silo.state == "active" and not self.loop.is_paused(silo.name):
+            aimed = self._zombie_holder() if fault.length_s > 3.0 and not self._aimed else None
+            if aimed is not None:
+                # The first long pause strikes the silo holding the zombie workload's register,
+                # at its next write of it (see _drive_zombie_target).
+                self._aimed = True
+                self.trace("aimed", aimed.name)
+                self.pause_at_write[aimed.name] = (fault.length_s + 6.0, str(self._zombie_grain))
+            elif silo.state == "active" and not self.loop.is_paused(silo.name):
                 if fault.length_s > 3.0:
                     # At its next state write, and long enough for the cluster to declare it
                     # dead and activate its grains elsewhere: it comes back as a zombie mid-write.
-                    self.pause_at_write[silo.name] = fault.length_s + 6.0
+                    self.pause_at_write[silo.name] = (fault.length_s + 6.0, None)
                 else:
                     self.pause_now(silo.name, fault.length_s)
         elif fault.kind == "partition":
@@ -663,10 +704,27 @@ class World:
             # abort_all stops listening too; the process lives on and listens again.
             await silo.silo.transport.listen(silo.address.host, silo.address.port)
 
-    def pause_now(self, name: str, length_s: float) -> None:
+    @property
+    def _zombie_grain(self) -> GrainId | None:
+        return next((g for g in self.directory.entries() if g.key == ZOMBIE_KEY), None)
+
+    def _zombie_holder(self) -> SimSilo | None:
+        """The live, running silo whose activation of :data:`ZOMBIE_KEY` the directory names, if any."""
+        grain = self._zombie_grain
+        entry = None if grain is None else self.directory.entries()[grain]
+        if not self.scenario.zombie or entry is None:
+            return None
+        for s in self.silos:
+            if s.address == entry.silo and s.state == "active" and not self.loop.is_paused(s.name):
+                return s
+        return None
+
+    def pause_now(self, name: str, length_s: float, *, zombie_write: str | None = None) -> None:
         silo = next(s for s in self.silos if s.name == name)
         if silo.state != "active" or self.loop.is_paused(name):
             return
+        if zombie_write is not None:
+            self.zombie_pending = name
         self.trace("pause", name, length_s)
         self.history.disruptions.append(self.now())
         self.loop.pause(name)
@@ -677,6 +735,8 @@ class World:
         then()
 
     def _resume(self, silo: SimSilo) -> None:
+        if self.zombie_pending == silo.name:
+            self.zombie_pending = None
         self.trace("resume", silo.name)
         self.history.disruptions.append(self.now())
         self.loop.resume(silo.name)
