@@ -64,6 +64,7 @@ from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.sim.checks import History, Op
 from silo.testing.sim.grains import SIM_GRAINS, WORLD, SimLog, SimRegister
 from silo.testing.sim.loop import SILO, SimLoop
+from silo.testing.sim.replication import MUTATIONS, WAITED, Replication
 from silo.testing.store import InMemoryStateStore
 from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
 
@@ -74,7 +75,7 @@ T = TypeVar("T")
 ZOMBIE_KEY = "zreg"
 """The register the zombie workload writes (scenarios with pauses): see :meth:`World._drive_zombie_target`."""
 
-FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation")
+FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation", "failover")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,8 @@ class Scenario:
     max_queue: int | None = None
     idle_timeout_s: float | None = None
     """Short idle timeouts make activations come and go under load."""
+    wait_replicas: int = 1
+    """``WAIT`` after registrations and state writes, as on a Sentinel URL (scenarios with failovers)."""
 
     @property
     def zombie(self) -> bool:
@@ -110,6 +113,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("crash", faults=("crash", "slow_activation", "slow_net")),
         Scenario("pause", faults=("pause",), max_faults=2),
         Scenario("partition", faults=("partition", "redis_cut", "reset")),
+        Scenario("failover", faults=("failover", "pause", "crash"), max_faults=4),
         Scenario("mixed", faults=FAULT_KINDS, max_faults=6),
     )
 }
@@ -141,7 +145,7 @@ def plan_faults(rng: random.Random, scenario: Scenario) -> list[Fault]:
         other = (target + rng.randrange(1, scenario.silos)) % scenario.silos
         # Most pauses outlast dead_after_s (4 s): the silo comes back as a zombie.
         pause = rng.uniform(0.5, 3.0) if rng.random() < 0.3 else rng.uniform(4.5, 9.0)
-        length = {"pause": pause, "partition": rng.uniform(0.5, 8.0), "redis_cut": rng.uniform(0.5, 6.0),
+        length = {"pause": pause, "failover": rng.uniform(1.0, 3.0), "partition": rng.uniform(0.5, 8.0), "redis_cut": rng.uniform(0.5, 6.0),
                   "slow_net": rng.uniform(1.0, 6.0), "slow_activation": rng.uniform(1.0, 6.0)}.get(kind, 0.0)  # fmt: skip
         out.append(Fault(round(at, 3), kind, target, other, round(length, 3)))
     return sorted(out, key=lambda f: (f.at, f.kind, f.target))
@@ -175,6 +179,8 @@ class RedisLink:
             await asyncio.sleep(0)
         if self.name in world.redis_cut:
             raise errors.StorageError(f"{what}: Redis unreachable (simulated partition of {self.name})")
+        if world.redis_down:
+            raise errors.StorageError(f"{what}: Redis unreachable (simulated failover: no master yet)")
 
     def wrap(self, target: Any) -> Any:
         return _Gated(target, self)
@@ -195,7 +201,13 @@ class _Gated:
 
         async def gated(*args: Any, **kwargs: Any) -> Any:
             await link.enter(name, args)
-            return await attr(*args, **kwargs)
+            result = await attr(*args, **kwargs)
+            replication = link.world.replication
+            if replication is not None and name in MUTATIONS:
+                at = replication.wrote()
+                if name in WAITED and (name != "register" or result.activation_id == args[2]):
+                    await replication.wait(at, str(args[0]))
+            return result
 
         return gated
 
@@ -421,6 +433,9 @@ class Outcome:
     faults: list[Fault] = field(default_factory=list)
     calls: int = 0
     virtual_s: float = 0.0
+    failovers: int = 0
+    lost_acknowledged: int = 0
+    """Acknowledged writes or registrations a failover lost, each acknowledged short of its replica."""
 
 
 class World:
@@ -434,6 +449,7 @@ class World:
         self.work_rng = random.Random(master.getrandbits(64))
         self.net_rng = random.Random(master.getrandbits(64))
         fault_rng = random.Random(master.getrandbits(64))
+        replication_rng = random.Random(master.getrandbits(64))
         planned = plan_faults(fault_rng, scenario)
         self.faults = planned if faults is None else faults
         self.history = History(faults=len(self.faults))
@@ -448,6 +464,13 @@ class World:
         self.directory = RecordingDirectory(self, self.membership.is_alive)
         self.store = RecordingStore(self, owner=self.directory.token_of)
         self.network = InMemoryNetwork(links=self)
+        self.replication = (
+            Replication(self.directory, self.membership, self.store, replication_rng, self.now, wait_replicas=scenario.wait_replicas)
+            if "failover" in scenario.faults
+            else None
+        )
+        """The replica and its failover (scenarios with failovers; elsewhere Redis never fails over)."""
+        self.redis_down = False
         self.published: dict[str, dict[int, TypeInfo]] = {}
         self.base = contextvars.copy_context()
         self.base.run(WORLD.set, self)
@@ -570,16 +593,21 @@ class World:
         reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in keys]
         await asyncio.gather(*reads)
         await self._stop_all()
-        from silo.testing.sim.checks import check
+        from silo.testing.sim.checks import check, lost_acknowledged
 
+        if self.replication is not None:
+            self.history.failovers = [lost.at for lost in self.replication.failovers]
+            self.history.short_writes = list(self.replication.short_writes)
         violation = check(self.history)
         return Outcome(
             self.seed, sc.name, violation, self._trace.hexdigest(), self.events, list(self.faults),
-            len(self.history.ops), self.now() - 1_000.0,
+            len(self.history.ops), self.now() - 1_000.0, len(self.history.failovers), len(lost_acknowledged(self.history)),
         )  # fmt: skip
 
     async def add_silo(self, index: int) -> SimSilo:
         generation = await self.membership.new_generation()
+        if self.replication is not None:
+            self.replication.wrote()
         silo = SimSilo(self, index, generation)
         if index < len(self.silos):
             self.silos[index] = silo
@@ -699,6 +727,12 @@ class World:
         elif fault.kind == "slow_activation":
             self.slow_activations += 1
             self.spawn("world", self._later(fault.length_s, self._quick_activations))
+        elif fault.kind == "failover" and self.replication is not None and not self.redis_down:
+            # The master dies; the replica (as of now) is promoted once the sentinels agree.
+            lost = self.replication.fail_over()
+            self.trace("failover", sorted(lost.grains))
+            self.redis_down = True
+            self.spawn("world", self._later(fault.length_s, self._master_again))
         elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
             silo.silo.transport.abort_all()
             # abort_all stops listening too; the process lives on and listens again.
@@ -745,6 +779,10 @@ class World:
         self.cuts.discard(cut)
         self.network.release()
 
+    def _master_again(self) -> None:
+        self.redis_down = False
+        self.trace("promoted")
+
     def _fast_again(self) -> None:
         self.slow_links -= 1
 
@@ -753,7 +791,16 @@ class World:
 
     async def _restart_later(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)
-        await self.add_silo(index)
+        while True:
+            # A silo cannot join while Redis has no master (a failover): its supervisor retries.
+            while self.redis_down:
+                await asyncio.sleep(0.5)
+            try:
+                await self.add_silo(index)
+                return
+            except errors.StorageError:
+                await self.spawn(self.silos[index].name, self.silos[index].crash())
+                await asyncio.sleep(1.0)
 
     async def _heal(self) -> None:
         for silo in self.silos:
@@ -762,6 +809,7 @@ class World:
         self.cuts.clear()
         self.network.release()
         self.redis_cut.clear()
+        self.redis_down = False
         self.pause_at_write.clear()
         self.slow_links = self.slow_activations = 0
         self.trace("healed")
