@@ -204,6 +204,9 @@ class InProcessSilo:
     ``outgoing_filters`` are the silo's incoming and outgoing call filters;
     ``fenced`` and ``confirm_alive`` its liveness (a heartbeat's, as ``silo/silo.py``
     gives the dispatcher; the simulator's loop heartbeat), by default always live.
+    ``wall_clock`` stamps the membership row's start and first heartbeat, as
+    ``silo/silo.py`` stamps them with ``time.time`` (default: ``clock``); the
+    simulator gives it a wall clock that jumps.
     """
 
     def __init__(
@@ -228,12 +231,14 @@ class InProcessSilo:
         outgoing_filters: Sequence[OutgoingFilter] = (),
         fenced: Callable[[], bool] | None = None,
         confirm_alive: Callable[[float], Awaitable[bool]] | None = None,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         if address is None:
             address = ADDRESS if network is None else SiloAddress("127.0.0.1", network.free_port(), 1)
         self.address = address
         self.settings = settings or CatalogSettings()
         self.clock = clock
+        self.wall_clock = wall_clock or clock
         self.roles = list(roles)
         self.types = GrainTypes(grains)
         registry = TypeRegistry()
@@ -327,7 +332,7 @@ class InProcessSilo:
         if self.transport is not None and self.membership is not None and self.view is not None:
             me = self.address
             await self.transport.listen(me.host, me.port)
-            now = self.clock()
+            now = self.wall_clock()
             row = MemberRow(
                 address=str(me), host=me.host, port=me.port, generation=me.generation, roles=self.roles,
                 grain_types=self.types.names(), grain_versions=self.types.versions(), started=now, heartbeat=now, pid=os.getpid(), hostname="in-process",

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from silo.testing.sim.grains import WORLD
 from silo.testing.sim.world import SCENARIOS, Fault, Outcome, Scenario, run_world
 
 EPOCH = 1_800_000_000.0
@@ -41,13 +42,19 @@ def deterministic(seed: int) -> Iterator[None]:
 
     random.seed(seed)
     uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)  # type: ignore[assignment]
-    time.time = lambda: EPOCH + clock()  # type: ignore[assignment]
+    # The wall clock of the silo whose code runs: it may have jumped (a "clock_jump" fault).
+    time.time = lambda: EPOCH + clock() + _wall_offset()  # type: ignore[assignment]
     time.monotonic = time.perf_counter = clock  # type: ignore[assignment]
     try:
         yield
     finally:
         state, uuid.uuid4, time.time, time.monotonic, time.perf_counter = saved  # type: ignore[misc]
         random.setstate(state)
+
+
+def _wall_offset() -> float:
+    world = WORLD.get(None)
+    return 0.0 if world is None else world.wall_offset()
 
 
 def scenario_for(seed: int, name: str | None) -> Scenario:

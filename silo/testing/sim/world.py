@@ -75,7 +75,7 @@ T = TypeVar("T")
 ZOMBIE_KEY = "zreg"
 """The register the zombie workload writes (scenarios with pauses): see :meth:`World._drive_zombie_target`."""
 
-FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation", "failover")
+FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation", "failover", "clock_jump")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("churn", idle_timeout_s=0.3),
         # Mailboxes of 2 with slow activations: silos shed load (LoadShedError), calls retry.
         Scenario("shed", max_queue=2, logs=1, clients=4),
-        Scenario("crash", faults=("crash", "slow_activation", "slow_net")),
+        Scenario("crash", faults=("crash", "slow_activation", "slow_net", "clock_jump")),
         Scenario("pause", faults=("pause",), max_faults=2),
         Scenario("partition", faults=("partition", "redis_cut", "reset")),
         Scenario("failover", faults=("failover", "pause", "crash"), max_faults=4),
@@ -145,7 +145,9 @@ def plan_faults(rng: random.Random, scenario: Scenario) -> list[Fault]:
         other = (target + rng.randrange(1, scenario.silos)) % scenario.silos
         # Most pauses outlast dead_after_s (4 s): the silo comes back as a zombie.
         pause = rng.uniform(0.5, 3.0) if rng.random() < 0.3 else rng.uniform(4.5, 9.0)
-        length = {"pause": pause, "failover": rng.uniform(1.0, 3.0), "partition": rng.uniform(0.5, 8.0), "redis_cut": rng.uniform(0.5, 6.0),
+        # clock_jump: by how much the silo's wall clock (time.time) jumps, back or forward.
+        jump = rng.choice((-1, 1)) * rng.uniform(2.0, 60.0)
+        length = {"pause": pause, "failover": rng.uniform(1.0, 3.0), "clock_jump": jump, "partition": rng.uniform(0.5, 8.0), "redis_cut": rng.uniform(0.5, 6.0),
                   "slow_net": rng.uniform(1.0, 6.0), "slow_activation": rng.uniform(1.0, 6.0)}.get(kind, 0.0)  # fmt: skip
         out.append(Fault(round(at, 3), kind, target, other, round(length, 3)))
     return sorted(out, key=lambda f: (f.at, f.kind, f.target))
@@ -336,6 +338,7 @@ class SimSilo:
             refresh_s=w.membership_settings.refresh_s,
             fenced=self.heartbeat.fenced,
             confirm_alive=self.heartbeat.confirm,
+            wall_clock=lambda: w.now() + w.wall_offset(self.name),
         )
         self.address = address
         assert self.silo.transport is not None
@@ -471,6 +474,8 @@ class World:
         )
         """The replica and its failover (scenarios with failovers; elsewhere Redis never fails over)."""
         self.redis_down = False
+        self.wall_offsets: dict[int, float] = {}
+        """Silo index -> how far its machine's wall clock is off (clock_jump faults; monotonic is not)."""
         self.published: dict[str, dict[int, TypeInfo]] = {}
         self.base = contextvars.copy_context()
         self.base.run(WORLD.set, self)
@@ -493,6 +498,13 @@ class World:
     # --- for the parts ---------------------------------------------------------------
     def now(self) -> float:
         return self.loop.time()
+
+    def wall_offset(self, name: str | None = None) -> float:
+        """How far the wall clock of ``name``'s machine (default: the silo whose code runs) is off."""
+        name = SILO.get() if name is None else name
+        if not name or not name.startswith("s"):
+            return 0.0
+        return self.wall_offsets.get(int(name[1:].partition(".")[0]), 0.0)
 
     def context_for(self, name: str) -> contextvars.Context:
         ctx = self.base.copy()
@@ -733,6 +745,9 @@ class World:
             self.trace("failover", sorted(lost.grains))
             self.redis_down = True
             self.spawn("world", self._later(fault.length_s, self._master_again))
+        elif fault.kind == "clock_jump":
+            # NTP steps the clock, or an operator sets it: time.time moves, monotonic does not.
+            self.wall_offsets[fault.target] = self.wall_offsets.get(fault.target, 0.0) + fault.length_s
         elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
             silo.silo.transport.abort_all()
             # abort_all stops listening too; the process lives on and listens again.
