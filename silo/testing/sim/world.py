@@ -26,7 +26,14 @@ What each part is:
   :mod:`silo.testing.membership`, :mod:`silo.testing.store`), shared by all,
   each silo reaching them through a :class:`RedisLink` that adds a latency
   drawn from the seed, can be cut (a partition from Redis: ``StorageError``,
-  as ``redis_errors`` raises), and counts commands.
+  as ``redis_errors`` raises), and counts commands. In scenarios with
+  failovers the twins are a master with a replica
+  (:class:`~silo.testing.sim.replication.Replication`): the link follows
+  registrations and state writes with ``WAIT``, and a failover loses what the
+  replica did not have yet.
+* **Wall clocks.** ``time.time`` reads the loop's time plus the offset of
+  the machine of the silo whose code runs (``clock_jump`` faults move it;
+  ``time.monotonic`` never jumps).
 * **The network** is :class:`~silo.testing.transport.InMemoryNetwork` with
   this world as its :class:`~silo.testing.transport.Links`: a delay per
   message drawn from the seed (order per connection kept), and cuts between
