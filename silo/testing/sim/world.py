@@ -343,7 +343,7 @@ class SimSilo:
             transport_settings=w.transport_settings,
             placer=Placer(random.Random(w.seed * 1_000 + self.index)),
             refresh_s=w.membership_settings.refresh_s,
-            fenced=self.heartbeat.fenced,
+            fenced=self._fenced,
             confirm_alive=self.heartbeat.confirm,
             wall_clock=lambda: w.now() + w.wall_offset(self.name),
         )
@@ -357,6 +357,17 @@ class SimSilo:
             on_self_dead=self._declared_dead,
             clock=w.now,
         )
+
+    def _fenced(self) -> bool:
+        fenced = self.heartbeat.fenced()
+        if fenced:
+            # A fenced silo turns calls away and sends its one-way calls on again: the order
+            # of calls across that is not promised (docs/concepts.md, "Order").
+            disruptions = self.world.history.disruptions
+            now = self.world.now()
+            if not disruptions or disruptions[-1] != now:
+                disruptions.append(now)
+        return fenced
 
     async def start(self) -> None:
         await self.silo.start()
