@@ -53,6 +53,12 @@ WAITED = frozenset({"register", "write", "write_stream", "clear"})
 EPOCH = 10**12
 """A token is ``epoch * EPOCH + counter`` (silo/cluster/directory.py)."""
 
+MAX_LAG_S = 0.8
+"""The most a write waits for the replica: every write older than this is on the replica."""
+
+WINDOW_S = 1.0
+"""How long before a planned failover the twins' states are recorded (> MAX_LAG_S)."""
+
 _DIRECTORY = ("_entries", "_index", "_token")
 _MEMBERSHIP = ("rows", "version", "heartbeats", "loads", "feed", "seen", "votes", "unreachable", "_generation", "_voted_at")
 _STORE = ("_data",)
@@ -112,6 +118,10 @@ class Replication:
         self._log: collections.deque[tuple[float, Image]] = collections.deque([(clock(), self._image())])
         self._last_at = clock()
         self._skip_until = -1.0
+        self._windows: list[tuple[float, float]] = []
+        """A state is recorded only in the second before a planned failover: any older write is
+        on the replica by then (MAX_LAG_S), so copying the twins after every write elsewhere
+        would cost a failover seed a tenth of its time for nothing."""
         self.waits = self.short = 0
         """``WAIT`` s that the replica answered / writes acknowledged short of it (a wait ran out, or not waited)."""
         self.failovers: list[Lost] = []
@@ -130,15 +140,31 @@ class Replication:
         """After a mutating command: when the replica will have it."""
         now = self.clock()
         # Mostly a few ms behind; now and then a stalled replica (a slow link, a fork for a save).
-        lag = self.rng.uniform(0.1, 0.8) if self.rng.random() < 0.01 else self.rng.expovariate(1 / 0.01)
+        lag = self.rng.uniform(0.1, MAX_LAG_S) if self.rng.random() < 0.01 else min(self.rng.expovariate(1 / 0.01), 0.5)
         at = max(self._last_at, now + lag)
         self._last_at = at
+        if self._recording(now):
+            self._record(now, at)
+        return at
+
+    def plan(self, at: float) -> None:
+        """A failover is planned at ``at``: record the twins' states in the second before it."""
+        self._windows.append((at - WINDOW_S, at))
+
+    def checkpoint(self) -> None:
+        """At a window's start: the twins as they are, on the replica within MAX_LAG_S."""
+        now = self.clock()
+        self._record(now, max(self._last_at, now))
+
+    def _recording(self, now: float) -> bool:
+        return any(lo <= now <= hi for lo, hi in self._windows)
+
+    def _record(self, now: float, at: float) -> None:
         log = self._log
         # Records the replica already has, but the newest of them, are never needed again.
         while len(log) > 1 and log[1][0] <= now:
             log.popleft()
         log.append((at, self._image()))
-        return at
 
     def replicated_by(self, now: float) -> Image:
         """The replica's state at ``now``: the last record whose time has come."""

@@ -71,7 +71,7 @@ from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.sim.checks import History, Op
 from silo.testing.sim.grains import SIM_GRAINS, WORLD, SimLog, SimRegister
 from silo.testing.sim.loop import SILO, SimLoop
-from silo.testing.sim.replication import MUTATIONS, WAITED, Replication
+from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
 from silo.testing.store import InMemoryStateStore
 from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
 
@@ -714,6 +714,11 @@ class World:
 
     async def _inject(self, end: float) -> None:
         start = self.now()
+        if self.replication is not None:
+            for fault in self.faults:
+                if fault.kind == "failover":
+                    self.replication.plan(start + fault.at)
+                    self.loop.call_at(start + fault.at - WINDOW_S, self.replication.checkpoint)
         for fault in self.faults:
             wait = start + fault.at - self.now()
             if wait > 0:
