@@ -4,7 +4,7 @@
 seed (:mod:`silo.testing.sim.world`): real silo components over the Redis
 twins and the in-memory network, on an event loop whose time is virtual and
 whose task order is drawn from the seed (:mod:`silo.testing.sim.loop`), with
-faults drawn from the seed, and checks the recorded history against the
+faults drawn from the seed (Redis failovers: :mod:`silo.testing.sim.replication`), and checks the recorded history against the
 promises of docs/concepts.md and docs/reliability.md
 (:mod:`silo.testing.sim.checks`). The same seed replays the same run, event
 for event; ``scale`` runs a large cluster's membership on virtual time
