@@ -308,7 +308,7 @@ class Grain:
         dashboard and ``redgrain`` read back for the job; ``point`` (flat values), or a list
         of them, is appended to the job's capped history, for curves. One round trip.
         ``restart_history``: the history holds these points alone (the job's own lost points).
-        Returns True when someone asked to cancel the job (``silo.records.request_cancel``).
+        Returns True when someone asked to cancel the job (``silo.records.control.request_cancel``).
         """
         many = [point] if isinstance(point, Mapping) else list(point or ())
         fields = [{k: repr(v) if isinstance(v, float) else str(v) for k, v in p.items() if v is not None} for p in many]

@@ -44,7 +44,8 @@ def tree_copy(tmp_path: Path) -> Path:
         ("grains/base.py", "import silo.client", "Faces > workloads > runtime"),
         ("dashboard/reader.py", "import silo.cluster.membership", "The dashboard reads only"),
         ("dashboard/reader.py", "import grains.training.coordinator", "Faces > workloads > runtime"),
-        ("silo/records.py", "import torch", "Published records import no torch"),
+        ("silo/records/stats.py", "import torch", "Published records import no torch"),
+        ("silo/records/events.py", "import silo.records.membership", "Each published record stands alone"),
         ("grains/ids.py", "import numpy", "The programming model imports no runtime"),
         ("silo/messaging/dispatcher.py", "import silo.cluster.reminders", "Messaging is below the cluster"),
         ("silo/messaging/router.py", "import silo.streams.agent", "Messaging is below the cluster"),
@@ -64,7 +65,9 @@ def test_records_errors_and_the_dashboard_load_without_torch_or_the_whole_runtim
     code = (
         "import sys\n"
         "from silo import errors\n"
-        "import silo.records, silo.keys, silo.settings, grains, grains.training.api.records, dashboard.app\n"
+        "import silo.keys, silo.settings, grains, grains.training.api.records, dashboard.app\n"
+        "import silo.records.control, silo.records.events, silo.records.logs, silo.records.membership\n"
+        "import silo.records.progress, silo.records.reminders, silo.records.stats, silo.records.streams\n"
         "heavy = [m for m in ('torch', 'numpy', 'silo.silo', 'silo.messaging.transport', 'silo.catalog.catalog',\n"
         "                     'grains.training.coordinator') if m in sys.modules]\n"
         "print(','.join(heavy))\n"

@@ -9,7 +9,7 @@ A record older than :data:`STALE_S` is a replica that went away (its silo
 died, it was collected) and is left out and deleted by readers.
 
 Histograms travel sparse, as the silos' method records do: latencies over
-``silo.records.BUCKETS_MS``, batch sizes over :data:`BATCH_BUCKETS`.
+``silo.records.stats.BUCKETS_MS``, batch sizes over :data:`BATCH_BUCKETS`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from silo.records import BUCKETS_MS, dense, percentile
+from silo.records.stats import BUCKETS_MS, dense, percentile
 from silo.redis_util import redis_errors
 
 BATCH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(11))

@@ -19,7 +19,7 @@ from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 from grains.streams import Stream
 from silo import errors
-from silo.records import forget_progress, publish_progress
+from silo.records.progress import forget_progress, publish_progress
 
 if TYPE_CHECKING:
     from silo.storage.checkpoint import SnapshotInfo

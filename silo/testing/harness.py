@@ -79,7 +79,7 @@ from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import MAX_RETRY_BACKOFF_S, RETRY_BACKOFF_S, Router
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import CatalogSettings, TransportSettings
 from silo.storage.provider import REDIS, StorageProviders
 from silo.storage.store import StateStore

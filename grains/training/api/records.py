@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from silo.keys import Keys
-from silo.records import publish_progress
+from silo.records.progress import publish_progress
 from silo.redis_util import redis_errors
 
 Split = Literal["train", "eval"]
@@ -306,7 +306,7 @@ async def publish_job_progress(
     """Publish a job's progress from outside a grain (tests, tools); True if a cancel was asked.
 
     Grains publish with ``Grain.publish_progress`` (``grains.training.progress.publish``);
-    both write the same records (``silo.records.publish_progress``). ``point=True``
+    both write the same records (``silo.records.progress.publish_progress``). ``point=True``
     derives this tick's points from ``progress`` (:func:`job_points`, the eval one
     when ``evaluated``); pass JobPoints to write others, or False to write none.
     """

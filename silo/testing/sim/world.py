@@ -56,7 +56,7 @@ from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.messaging.manifests import TypeInfo
 from silo.messaging.router import Router
-from silo.records import SiloLoad, SiloStatus
+from silo.records.membership import SiloLoad, SiloStatus
 from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.harness import InProcessSilo, PublishedManifests

@@ -17,7 +17,7 @@ from silo import errors
 from silo.cluster.directory import PurgedBatch, RedisGrainDirectory
 from silo.cluster.membership import MembershipTable, RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable

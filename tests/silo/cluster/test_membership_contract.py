@@ -11,7 +11,7 @@ from grains.ids import SiloAddress
 from silo import errors
 from silo.cluster.membership import FEED_LENGTH, RedisMembershipTable, VoteOutcome
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.testing.membership import InMemoryMembershipTable
 
