@@ -34,7 +34,8 @@ from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from grains.result_stream import ResultStream, StreamChannel
 from silo import errors
-from silo.catalog.activation import Activation, ActivationState
+from silo.catalog.activation import Activation
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
 from silo.catalog.internal import INTERNAL_TURNS
