@@ -446,7 +446,7 @@ class Blobs:
             offset += p.nbytes
         await pipe.execute()
 
-    async def _chunks(self, names: list[str]) -> list[bytes | None]:
+    async def _chunks(self, names: list[str]) -> list[Any]:
         if not is_cluster(self.redis):
             return list(await self.redis.mget(names))
         # On a Cluster, GETs in a pipeline rather than one MGET: while the slot migrates, its
