@@ -42,7 +42,13 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, is_cluster, run_replicated
+from silo.redis_util import (
+    CLOSED_UNDER_US,
+    PoolExhaustedError,
+    closed_under_us,
+    is_cluster,
+    run_replicated,
+)
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
