@@ -16,7 +16,8 @@ async def test_a_plain_user_grain_publishes_progress_and_forgets_it_through_the_
     cluster: Any, client: ClusterClient
 ) -> None:
     await cluster(1, grains=GRAINS)
-    redis, keys = client.redis, client.keys
+    redis: Any = client.redis  # replies as bytes
+    keys = client.keys
     job = client.get_grain(Batch, "nightly")
     # A float goes as its repr and a None is left out, as the dashboard's points expect.
     assert await job.report(1, [{"step": 1, "loss": 0.5, "acc": None}]) is False
