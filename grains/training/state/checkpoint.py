@@ -162,13 +162,13 @@ async def load_model(
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
     g = name or group(job, run)
-    store = snapshots(grain)
-    info = await store.info(g, step)
+    checkpoints = snapshots(grain)
+    info = await checkpoints.info(g, step)
     if info is None or not info.complete:
         raise errors.StorageError(f"snapshot {g}/{step} is missing or incomplete")
     parts = []
     for m in info.members:
-        decoded = await store.read_member(g, step, m)
+        decoded = await checkpoints.read_member(g, step, m)
         if decoded.snapshot is None:
             raise errors.StorageError(f"snapshot {g}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
@@ -268,9 +268,9 @@ async def drop_after(grain: Grain, job: str, run: int, step: int | None) -> int:
     those step numbers again, and an old complete snapshot under the same id must not
     be mistaken for (or mixed with) the new one.
     """
-    g, store = group(job, run), snapshots(grain)
+    g, checkpoints = group(job, run), snapshots(grain)
     dropped = 0
-    for info in [*await store.list(g), *await store.list(g, pending=True)]:
+    for info in [*await checkpoints.list(g), *await checkpoints.list(g, pending=True)]:
         if step is None or int(info.snapshot_id) > step:
-            dropped += bool(await store.delete(g, info.snapshot_id))
+            dropped += bool(await checkpoints.delete(g, info.snapshot_id))
     return dropped
