@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from grains.base import DeactivationReason, Grain
+from grains.checkpoints import snapshots
 from grains.placement import hash_placement, keep_alive
 from grains.training import history
 from grains.training.api.callbacks import Callbacks
@@ -66,6 +67,7 @@ from grains.training.strategies.elastic import TrainerSilos
 from grains.training.strategies.pipeline.driver import PipelineDriver
 from grains.training.strategies.ps.driver import ParameterServerDriver
 from grains.training.submit import check_job
+from grains.workload import workload
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -273,12 +275,13 @@ class CoordinatorGrain(Grain):
         s = self.state
         if s.status in ("starting", "running"):
             raise errors.ConfigError(f"job {self.key} is {s.status}: cancel it before forgetting it")
-        for g in await self.checkpoint_groups():
+        checkpoints = snapshots(self)
+        for g in await checkpoints.groups():
             if _job_group(self.key, g):
                 for pending in (False, True):
-                    for info in await self.list_snapshots(g, pending=pending):
-                        await self.delete_snapshot(g, info.snapshot_id)
-        await self.forget_progress(self.key)
+                    for info in await checkpoints.list(g, pending=pending):
+                        await checkpoints.delete(g, info.snapshot_id)
+        await workload(self).forget_progress(self.key)
         store = self.get_grain(CheckpointStoreGrain, self.key)
         with contextlib.suppress(errors.RedgrainError):
             await store.release()
@@ -720,12 +723,13 @@ class CoordinatorGrain(Grain):
         if spec is None or not spec.eval_every or not s.committed:
             return
         g = group(self.key, s.run)
-        for info in await self.list_snapshots(g):
+        checkpoints = snapshots(self)
+        for info in await checkpoints.list(g):
             c = int(info.snapshot_id)
             due = c in s.eval_pending
             if c in s.committed or c > s.committed[-1] or due or c == self._evaluating:
                 continue
-            await self.delete_snapshot(g, info.snapshot_id)
+            await checkpoints.delete(g, info.snapshot_id)
 
     async def _job_callbacks(self) -> Callbacks:
         spec = self.state.spec
@@ -813,7 +817,7 @@ class CoordinatorGrain(Grain):
         restart, self._republish = self._republish, False
         points, self._unpublished = (list(s.history) if restart else self._unpublished), []
         try:
-            return await publish(self, self._live, s.spec, s.trainer_keys, s.shard_keys, points=points,
+            return await publish(workload(self), self._live, s.spec, s.trainer_keys, s.shard_keys, points=points,
                                  restart=restart, checkpoint_at=s.committed_at)  # fmt: skip
         except errors.RedgrainError as exc:
             # The next publish tries them again.
