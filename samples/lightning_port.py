@@ -108,7 +108,7 @@ def logging_to(module: nn.Module, sink: Callable[[str, Any], None]) -> Iterator[
 
 
 class LitClassifier(LightningLike):
-    def __init__(self, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 12) -> None:
+    def __init__(self, lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 16) -> None:
         super().__init__()
         from torchmetrics.classification import BinaryF1Score
 
@@ -135,14 +135,11 @@ class LitClassifier(LightningLike):
 
         no_decay = ("bias", "LayerNorm.weight")
         named = list(self.named_parameters())
-        opt = torch.optim.AdamW(
-            [
-                {"params": [p for n, p in named if not any(nd in n for nd in no_decay)]},
-                {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-            ],
-            lr=self.hparams["lr"],
-            weight_decay=self.hparams["weight_decay"],
-        )
+        groups: list[dict[str, Any]] = [
+            {"params": [p for n, p in named if not any(nd in n for nd in no_decay)]},
+            {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
         assert self.trainer is not None
         total = self.trainer.estimated_stepping_batches
         schedule = get_linear_schedule_with_warmup(opt, self.hparams["warmup_steps"], total)
@@ -305,18 +302,18 @@ def lightning_job(module: str, module_args: dict[str, Any], *, max_steps: int, d
 class Fit:
     """The ``Trainer`` arguments of the script (2 devices)."""
 
-    max_steps: int = 192
+    max_steps: int = 320
     devices: int = 2
     batch_size: int = 16
     accumulate_grad_batches: int = 2
     gradient_clip_val: float = 1.0
-    val_check_interval: int = 16
+    val_check_interval: int = 20
     eval_batch: int = 128
     seed: int = 1
 
 
 MODULE = f"{HERE}:LitClassifier"
-MODULE_ARGS: dict[str, Any] = {"lr": 2e-3, "weight_decay": 0.1, "warmup_steps": 12}
+MODULE_ARGS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 16}
 
 
 def validate(module: LitClassifier, fit: Fit) -> dict[str, float]:
