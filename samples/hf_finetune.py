@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = opts.mode or ["sync", "allreduce"]
     from silo.testing.local import LocalCluster
 
+    # The plain loop shares the machine with two silos: at torch's default of a thread per core
+    # the three fight over the cores (24 steps took 69 s instead of 12 on a busy 2-core machine).
+    torch.set_num_threads(1)
     os.chdir(ROOT)  # the silos import samples.hf_finetune from here
     want = plain_finetune(args)
     ok = True

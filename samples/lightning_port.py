@@ -313,6 +313,8 @@ class Fit:
 
 
 MODULE = f"{HERE}:LitClassifier"
+DATA = {"dataset": "samples.hf_finetune:token_pairs", "collate_fn": "samples.hf_finetune:pad"}
+"""The train and val DataLoaders' dataset and collate_fn (``fit(module, train_dl, val_dl)``)."""
 MODULE_ARGS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 16}
 
 
@@ -388,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = opts.mode or ["sync", "allreduce"]
     from silo.testing.local import LocalCluster
 
+    # The plain loop shares the machine with two silos: at torch's default of a thread per core
+    # the three fight over the cores (24 steps took 69 s instead of 12 on a busy 2-core machine).
+    torch.set_num_threads(1)
     os.chdir(ROOT)  # the silos import samples.lightning_port from here
     want = fit_plain(fit)
     ok = True
@@ -397,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=fit.batch_size, accumulate_grad_batches=fit.accumulate_grad_batches,
                                  gradient_clip_val=fit.gradient_clip_val, val_check_interval=fit.val_check_interval,
                                  callbacks=(_path(StopOnValF1),), strategy=mode, eval_batch_size=fit.eval_batch,
-                                 seed=fit.seed, shards=2)  # fmt: skip
+                                 seed=fit.seed, shards=2, **DATA)  # fmt: skip
             got = asyncio.run(run_job(lc.redis_url, lc.cluster, f"lit-{mode}", spec))
             line, diff = compare(mode, got, want)
             print(line, flush=True)
