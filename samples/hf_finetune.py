@@ -308,32 +308,72 @@ async def run_job(redis_url: str, cluster: str, job_id: str, spec: dict[str, Any
     return Outcome(dict(st.eval_metrics), step, bool(st.stopped_early), weights)
 
 
-def compare(mode: str, got: Outcome, want: Outcome) -> tuple[str, float]:
-    """One line of figures, and the largest weight difference."""
-    diff = max(float((got.weights[k] - want.weights[k]).abs().max()) for k in want.weights)
+NOISE_ONLY = "*.attention.self.key.bias"
+"""Weights the loss does not depend on in exact arithmetic: a key bias adds one constant to all
+of a query's scores, which softmax ignores. Their gradient is float noise that AdamW scales up
+to steps of the learning rate's size, so they drift apart between any two runs (3.7e-3 after
+160 steps, where every other weight agrees within 1.3e-6); the comparison leaves them out."""
+
+
+def split_logits(model: nn.Module, weights: dict[str, torch.Tensor], batch: int) -> torch.Tensor:
+    """The model's logits over the test split with ``weights`` loaded (strictly)."""
+    model.load_state_dict(weights, strict=True)
+    model.eval()
+    test = token_pairs("test")
+    parts = []
+    with torch.no_grad():
+        for s in range(0, len(test), batch):
+            b = pad([test[i] for i in range(s, min(s + batch, len(test)))])
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+            parts.append(getattr(out, "logits", out))
+    return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A job against the plain loop: how far apart their models are."""
+
+    line: str
+    logits: float
+    """The largest difference between the two models' logits over the test split."""
+    weights: float
+    """The largest difference between their weights, ``NOISE_ONLY`` left out."""
+    same: bool
+    """Equal to float noise: the same stop, logits and loss within ``TOLERANCE``, weights within
+    ``WEIGHT_TOLERANCE``, F1 within a few of the 512 predictions (a logit at the boundary may flip)."""
+
+
+TOLERANCE = 1e-3
+"""Logits and loss: float noise (trainers sum in another order, pad to other lengths) stays
+well below; no warmup moves the logits by 0.1 in 24 steps."""
+WEIGHT_TOLERANCE = 1e-4
+"""Weights but ``NOISE_ONLY``: float noise is ~1e-6; decay on the no-decay group (a spec without
+its ``param_groups``) moves them by 3.6e-3 in 24 steps, though the logits only by 7.7e-4."""
+
+
+def compare(mode: str, got: Outcome, want: Outcome, model: Callable[[], nn.Module], eval_batch: int) -> Comparison:
+    import fnmatch
+
+    dw = max(
+        (float((got.weights[k] - want.weights[k]).abs().max()) for k in want.weights if not fnmatch.fnmatchcase(k, NOISE_ONLY)),
+        default=0.0,
+    )
+    dl = float((split_logits(model(), got.weights, eval_batch) - split_logits(model(), want.weights, eval_batch)).abs().max())
 
     def figures(o: Outcome) -> str:
         end = f"stopped early at step {o.step}" if o.stopped_early else f"ran to step {o.step}"
         shown = " ".join(f"{k} {o.metrics[k]:.6f}" for k in ("f1", "accuracy", "loss") if k in o.metrics)
         return f"{shown} ({end})"
 
-    return f"{mode}: redgrain {figures(got)} | plain loop {figures(want)} | max |dw| {diff:.2e}", diff
-
-
-WEIGHT_TOLERANCE = 1e-3
-"""Float noise after a few hundred AdamW steps (trainers sum in another order, pad to other
-lengths); a wrong spec (decay on the no-decay group, another warmup, no accumulation) is off by
-more than 1e-2."""
-
-
-def same(got: Outcome, want: Outcome, diff: float) -> bool:
-    return (
-        diff < WEIGHT_TOLERANCE
-        and got.step == want.step
-        and got.stopped_early == want.stopped_early
-        and abs(got.metrics["loss"] - want.metrics["loss"]) < 1e-3
+    same = (
+        dl < TOLERANCE
+        and dw < WEIGHT_TOLERANCE
+        and (got.step, got.stopped_early) == (want.step, want.stopped_early)
+        and abs(got.metrics["loss"] - want.metrics["loss"]) < TOLERANCE
         and abs(got.metrics["f1"] - want.metrics["f1"]) < 1e-2
     )
+    line = f"{mode}: redgrain {figures(got)} | plain loop {figures(want)} | max |dlogit| {dl:.2e} max |dw| {dw:.2e}"
+    return Comparison(line, dl, dw, same)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster("grains.training", silos=2, cluster="hf-sample", persist=False) as lc:
         for mode in modes:
             got = asyncio.run(run_job(lc.redis_url, lc.cluster, f"hf-{mode}", job(args, mode)))
-            line, diff = compare(mode, got, want)
-            print(line, flush=True)
-            ok = ok and (mode not in ("sync", "allreduce") or same(got, want, diff))
+            c = compare(mode, got, want, tiny_bert, args.eval_batch)
+            print(c.line, flush=True)
+            ok = ok and (mode not in ("sync", "allreduce") or c.same)
     return 0 if ok else 1
 
 

@@ -65,7 +65,6 @@ from samples.hf_finetune import (
     compare,
     global_batches,
     pad,
-    same,
     seeded,
     tiny_bert,
     token_pairs,
@@ -404,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                                  callbacks=(_path(StopOnValF1),), strategy=mode, eval_batch_size=fit.eval_batch,
                                  seed=fit.seed, shards=2, **DATA)  # fmt: skip
             got = asyncio.run(run_job(lc.redis_url, lc.cluster, f"lit-{mode}", spec))
-            line, diff = compare(mode, got, want)
-            print(line, flush=True)
-            ok = ok and (mode not in ("sync", "allreduce") or same(got, want, diff))
+            c = compare(mode, got, want, lambda: LitClassifier(**MODULE_ARGS), fit.eval_batch)
+            print(c.line, flush=True)
+            ok = ok and (mode not in ("sync", "allreduce") or c.same)
     return 0 if ok else 1
 
 
