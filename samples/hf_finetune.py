@@ -154,7 +154,7 @@ class EarlyStopping:
 class Args:
     """The HF ``TrainingArguments`` of the script (per device: 2 devices)."""
 
-    steps: int = 320
+    steps: int = 160
     per_device_batch: int = 16
     devices: int = 2
     accumulation: int = 2
@@ -162,7 +162,7 @@ class Args:
     weight_decay: float = 0.1
     warmup_steps: int = 16
     max_grad_norm: float = 1.0
-    eval_steps: int = 20
+    eval_steps: int = 16
     eval_batch: int = 128
     train_size: int = TRAIN_SIZE
     seed: int = 1

@@ -301,12 +301,12 @@ def lightning_job(module: str, module_args: dict[str, Any], *, max_steps: int, d
 class Fit:
     """The ``Trainer`` arguments of the script (2 devices)."""
 
-    max_steps: int = 320
+    max_steps: int = 160
     devices: int = 2
     batch_size: int = 16
     accumulate_grad_batches: int = 2
     gradient_clip_val: float = 1.0
-    val_check_interval: int = 20
+    val_check_interval: int = 16
     eval_batch: int = 128
     seed: int = 1
 
