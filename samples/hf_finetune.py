@@ -28,7 +28,7 @@ Run it (an embedded Redis and 2 silo processes; the silos import this module
 by path, as they import any user code)::
 
     python -m samples.hf_finetune                      # sync and allreduce, each against the plain loop
-    python -m samples.hf_finetune --steps 24 --mode sync
+    python -m samples.hf_finetune --steps 32 --eval-steps 4 --mode sync
 
 For each mode it prints the job's F1 and loss on the test split beside those
 of a plain single-process PyTorch loop over the same data, seed and global

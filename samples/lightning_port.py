@@ -31,7 +31,7 @@ The adapter (``lightning_job``) maps the module onto redgrain's hooks:
 Run it (an embedded Redis and 2 silo processes)::
 
     python -m samples.lightning_port                   # sync and allreduce, each against Lightning's loop
-    python -m samples.lightning_port --steps 24 --mode allreduce
+    python -m samples.lightning_port --steps 32 --eval-steps 4 --mode allreduce
 
 The data is ``samples.hf_finetune``'s (token lists: is token 5 before token
 6?). The comparison is ``fit_plain``: what Lightning's ``Trainer`` does with

@@ -55,7 +55,9 @@ def assert_port_matches_its_plain_loop(out: str) -> None:
         # weights. A wrong spec is off by more: without the no-decay group the weights move by
         # 3.6e-3 (the logits by 7.7e-4), without the warmup the logits by 0.12.
         assert dlogit < 1e-3 and dw < 1e-4, (mode, out)
-        assert job["end"] == plain["end"], (mode, out)
+        # The short form stops early (F1 peaks at step 16, then falls 3 evaluations in a row):
+        # the job ends at the same evaluation as the plain loop, with that step's weights.
+        assert job["end"] == plain["end"] == "stopped early at step 28", (mode, out)
         assert abs(float(job["loss"]) - float(plain["loss"])) < 1e-3, (mode, out)
         assert abs(float(job["f1"]) - float(plain["f1"])) < 1e-2, (mode, out)
 
@@ -114,9 +116,9 @@ def test_own_step_sample_trains_its_way_and_the_saved_model_scores_as_reported()
 
 @pytest.mark.slow
 def test_hf_finetune_sample_equals_the_plain_loop_it_ports_in_sync_and_allreduce() -> None:
-    assert_port_matches_its_plain_loop(run_module("samples.hf_finetune", "--steps", "24", "--eval-steps", "4"))
+    assert_port_matches_its_plain_loop(run_module("samples.hf_finetune", "--steps", "32", "--eval-steps", "4"))
 
 
 @pytest.mark.slow
 def test_lightning_port_sample_equals_lightnings_loop_in_sync_and_allreduce() -> None:
-    assert_port_matches_its_plain_loop(run_module("samples.lightning_port", "--steps", "24", "--eval-steps", "4"))
+    assert_port_matches_its_plain_loop(run_module("samples.lightning_port", "--steps", "32", "--eval-steps", "4"))
