@@ -348,7 +348,7 @@ TOLERANCE = 1e-3
 well below; no warmup moves the logits by 0.1 in 24 steps."""
 WEIGHT_TOLERANCE = 1e-4
 """Weights but ``NOISE_ONLY``: float noise is ~1e-6; decay on the no-decay group (a spec without
-its ``param_groups``) moves them by 3.6e-3 in 24 steps, though the logits only by 7.7e-4."""
+its ``param_groups``) moves them by 3.6e-3 in 24 steps, while the logits move only by 7.7e-4."""
 
 
 def compare(mode: str, got: Outcome, want: Outcome, model: Callable[[], nn.Module], eval_batch: int) -> Comparison:
