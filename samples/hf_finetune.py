@@ -7,22 +7,18 @@ no weight decay on biases and LayerNorm weights, HF's
 torchmetrics F1 over the test split and early stopping on it. Where each
 piece of the HF ``Trainer`` went:
 
-=================================================  ===============================================
-HF                                                 redgrain job (``job()`` below)
-=================================================  ===============================================
-``model_init`` (``BertForSequenceClassification``)  ``model = "samples.hf_finetune:tiny_bert"``
-the ``datasets`` split                             ``dataset = "samples.hf_finetune:token_pairs"``
-``DataCollatorWithPadding``                        ``collate_fn = "samples.hf_finetune:pad"``
-``compute_loss`` (``model(**batch).loss``)          ``step = "samples.hf_finetune:compute_loss"``
-``compute_metrics``                                ``evaluate`` returning torchmetrics objects
-no-decay parameter groups                          ``param_groups`` (globs over parameter names)
-``lr_scheduler_type="linear"``, ``warmup_steps``    ``lr_schedule`` = HF's own factory, ``warmup_steps``
-``max_grad_norm``                                  ``clip_grad_norm``
-``gradient_accumulation_steps``                    ``grad_accumulation``
-``per_device_train_batch_size`` on 2 GPUs (DDP)     ``batch_size`` on 2 ``trainers``
-``eval_steps``, ``save_steps``                     ``eval_every``, ``checkpoint_every``
-``EarlyStoppingCallback``                          ``callbacks = ["samples.hf_finetune:EarlyStopping"]``
-=================================================  ===============================================
+- ``model_init`` (``BertForSequenceClassification``): ``model = "samples.hf_finetune:tiny_bert"``
+- the ``datasets`` split: ``dataset = "samples.hf_finetune:token_pairs"``
+- ``DataCollatorWithPadding``: ``collate_fn = "samples.hf_finetune:pad"``
+- ``compute_loss`` (``model(**batch).loss``): ``step = "samples.hf_finetune:compute_loss"``
+- ``compute_metrics``: ``evaluate``, returning torchmetrics objects
+- the no-decay parameter groups: ``param_groups`` (globs over parameter names)
+- ``lr_scheduler_type="linear"``, ``warmup_steps``: ``lr_schedule`` = HF's own factory, ``warmup_steps``
+- ``max_grad_norm``: ``clip_grad_norm``
+- ``gradient_accumulation_steps``: ``grad_accumulation``
+- ``per_device_train_batch_size`` on 2 GPUs (DDP): ``batch_size`` on 2 ``trainers``
+- ``eval_steps``, ``save_steps``: ``eval_every``, ``checkpoint_every``
+- ``EarlyStoppingCallback``: ``callbacks = ["samples.hf_finetune:EarlyStopping"]``
 
 Run it (an embedded Redis and 2 silo processes; the silos import this module
 by path, as they import any user code)::
@@ -32,9 +28,9 @@ by path, as they import any user code)::
 
 For each mode it prints the job's F1 and loss on the test split beside those
 of a plain single-process PyTorch loop over the same data, seed and global
-batch (what the HF ``Trainer`` does on 2 devices), and the largest difference
-between the two models' weights; it exits 1 when they differ by more than
-float noise. Dropout is off in the config: redgrain draws dropout masks from
+batch (what the HF ``Trainer`` does on 2 devices), where each ended, and the
+largest differences between the two models' test logits and weights; it
+exits 1 when they differ by more than float noise (``compare``). Dropout is off in the config: redgrain draws dropout masks from
 ``(seed, step, rank)`` (docs/training.md, "Random draws"), which a
 one-process loop cannot reproduce, and this comparison is about the math.
 """
