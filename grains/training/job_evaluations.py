@@ -10,7 +10,8 @@ One evaluation runs at a time, where the job trains when a trainer can (its silo
 else on the coordinator's silo. A finished one is recorded in the job's state and history,
 may become the best checkpoint (``keep_best``), and is shown to the job's callbacks, whose
 ``on_eval`` may stop the job at that step. When the job completes, the evaluations still due
-are caught up, then the final weights are evaluated.
+are caught up, then the final weights are evaluated; the final checkpoint may become the best
+too (callbacks hear of the end through ``on_end``).
 """
 
 from __future__ import annotations
@@ -125,15 +126,7 @@ class JobEvaluations:
     async def after(self, step: int, metrics: dict[str, float]) -> str | None:
         """Keep the best checkpoint (``keep_best``) and tell the callbacks; the path of a callback
         that asked to stop the job at ``step`` (None: go on)."""
-        s = self._state()
-        spec = s.spec
-        assert spec is not None
-        best = spec.best_metric
-        if best is not None and best[0] in metrics:
-            name, larger = best
-            value = metrics[name]
-            if s.best_value is None or (value > s.best_value if larger else value < s.best_value):
-                await self._checkpoints.keep_best(step, value)
+        await self._keep_if_best(step, metrics)
         callbacks = await self._callbacks()
         stop = await self._grain.run_in_thread(callbacks.on_eval, step, metrics) if callbacks else None
         if stop is None:
@@ -171,7 +164,23 @@ class JobEvaluations:
             metrics = await self._grain.run_in_thread(evaluator.evaluate, tensors)
             done = Evaluation(step=last, metrics=metrics, silo=str(self._grain.silo), device=self._grain.device)
         self._record(done)
+        if last in s.committed:
+            # The final checkpoint competes for the best too (as the last evaluation does in HF's
+            # Trainer): a job whose last evaluation is its best keeps that one.
+            await self._keep_if_best(last, done.metrics)
         return s.eval_metrics
+
+    async def _keep_if_best(self, step: int, metrics: dict[str, float]) -> None:
+        """Checkpoint ``step`` becomes the best (``keep_best``) when its metric beats the best's."""
+        s = self._state()
+        spec = s.spec
+        assert spec is not None
+        best = spec.best_metric
+        if best is not None and best[0] in metrics:
+            name, larger = best
+            value = metrics[name]
+            if s.best_value is None or (value > s.best_value if larger else value < s.best_value):
+                await self._checkpoints.keep_best(step, value)
 
     def stop(self) -> None:
         """Cancel the evaluation in progress (the job ended or was cut short)."""
