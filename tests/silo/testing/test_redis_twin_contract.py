@@ -28,7 +28,7 @@ from silo.streams.stream import Streams
 pytest.importorskip("fakeredis")
 pytest.importorskip("lupa")
 
-from silo.testing.sim import redis_twin  # noqa: E402 - after the skips: fakeredis is a dev dependency
+from silo.testing.sim import redis_twin  # after the skips: fakeredis is a dev dependency
 
 KEYS = Keys("contract")
 G = GrainId("Ticker", "a")
