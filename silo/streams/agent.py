@@ -419,6 +419,9 @@ class StreamAgent:
                         # Deleted by a retention sweep (empty, nothing owed) and published to again.
                         await self._ensure_group(k)
                         continue
+                    # A stop's cancel that redis-py swallowed mid-read would leave this pump
+                    # waiting below for ever, and stop() waiting on it (silo/shutdown.py).
+                    raise_if_cancelled()
                     if not read:
                         k.idle = True
                         self._wake.set()
