@@ -4,7 +4,7 @@ Every replica of a served model writes one :class:`ReplicaRecord` a second
 into the model's hash (field: the replica's activation id), and adds the
 model's name to the set of served models; both keys hang under the cluster's
 workload prefix ``keys.rendezvous("serving", 0)`` (the grain API's shared
-store: ``Grain.rendezvous_prefix``), so they are built in ``silo/keys.py``.
+store: ``workload(grain).rendezvous_prefix``), so they are built in ``silo/keys.py``.
 A record older than :data:`STALE_S` is a replica that went away (its silo
 died, it was collected) and is left out and deleted by readers.
 
