@@ -71,11 +71,14 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks all $(ARGS)
 
-# The simulator's long soak: many thousands of seeded clusters (make test runs 200).
-# A failing seed prints its replay command; SEEDS=1-500 runs fewer.
+# The simulator's long soak: many thousands of seeded clusters (make test runs 200), then the
+# services scenario (reminders, timers, streams on the fakeredis twin; make test runs 50).
+# A failing seed prints its replay command; SEEDS=1-500 and SERVICE_SEEDS=1-100 run fewer.
 SEEDS ?= 1-5000
+SERVICE_SEEDS ?= 1-1000
 sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SEEDS) --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario services --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)

@@ -73,7 +73,7 @@ async def _activate(client: Any, n: int, in_flight: int = 256) -> float:
 async def _main(n: int) -> dict[str, Any]:
     from silo.client import ClusterClient
     from silo.keys import Keys
-    from silo.records import MemberRow, SiloStatus
+    from silo.records.membership import MemberRow, SiloStatus
 
     for k in [k for k in os.environ if k.startswith("REDGRAIN_MEMBERSHIP__")]:
         os.environ.pop(k)  # default membership settings

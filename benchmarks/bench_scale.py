@@ -125,7 +125,7 @@ class SimSilo:
         from silo.cluster.failure_detector import FailureDetector
         from silo.cluster.membership import RedisMembershipTable
         from silo.cluster.view import MembershipView
-        from silo.records import MemberRow, SiloLoad, SiloStatus
+        from silo.records.membership import MemberRow, SiloLoad, SiloStatus
         from silo.stats import StatsPublisher
 
         s = self.settings

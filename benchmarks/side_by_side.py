@@ -1,6 +1,6 @@
 """Two checkouts measured in one session, printed side by side.
 
-    python -m benchmarks.side_by_side --baseline ../old-main [--rounds 2] [--what calls,training]
+    python -m benchmarks.side_by_side --baseline ../old-main [--rounds 2] [--what calls,training,serving]
 
 ``--baseline`` is another checkout of redgrain with its own ``.venv`` (``make
 install`` there). Rounds alternate baseline and this tree, so a machine that
@@ -9,7 +9,9 @@ gets busier or quieter during the run shifts both columns alike. ``calls`` runs
 ``benchmarks/results/calls.json``; ``training`` runs the medium configuration's
 core rows (plain loop, 1 trainer, 2 trainers sync and async, all-reduce) with
 each tree's own ``benchmarks.bench_training`` (this file is run as a worker
-inside the other tree, so only functions both trees have are used).
+inside the other tree, so only functions both trees have are used); ``serving`` runs
+``python -m benchmarks serving --no-ray`` and reads the per-second figures of
+``benchmarks/results/serving.json`` (the Predictor, plain grain calls, the fronts over the wire).
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def measure_calls(tree: Path) -> dict[str, float]:
     data = json.loads((tree / "benchmarks" / "results" / "calls.json").read_text())
     rows = _numbers(data.get("redgrain", {}))
     return {k.replace(" / median", ""): v for k, v in rows.items() if k.endswith("/ median")}
+
+
+def measure_serving(tree: Path) -> dict[str, float]:
+    """The Predictor, plain grain calls and the over-the-wire rows (``serving --no-ray``): per second."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([_python(tree), "-m", "benchmarks", "serving", "--no-ray"], cwd=tree, check=True,
+                   stdout=subprocess.DEVNULL, env=env)  # fmt: skip
+    data = json.loads((tree / "benchmarks" / "results" / "serving.json").read_text())
+    parts = {"predictor": data.get("redgrain", {}), "grain call": data.get("grain_calls", {}),
+             "wire": (data.get("wire") or {}).get("front", {})}  # fmt: skip
+    rows: dict[str, float] = {}
+    for part, value in parts.items():
+        rows.update({f"{part} / {k}": v for k, v in _numbers(value).items() if k.endswith("per_s")})
+    return rows
 
 
 def measure_training(tree: Path) -> dict[str, float]:
@@ -105,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--baseline is required")
     trees = {"baseline": args.baseline.resolve(), "this tree": HERE}
     for what in args.what.split(","):
-        fn = {"calls": measure_calls, "training": measure_training}[what]
+        fn = {"calls": measure_calls, "training": measure_training, "serving": measure_serving}[what]
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):
             for name, tree in trees.items():

@@ -34,17 +34,12 @@ from grains.serving.records import read_models
 from grains.training.api.records import JobPoint, JobProgress, read_jobs
 from silo import errors
 from silo.keys import Keys
-from silo.records import (
-    LIVE,
-    EventLog,
-    read_dead_letters,
-    read_events,
-    read_logs,
-    read_reminders,
-    read_streams,
-    request_cancel,
-    request_drain,
-)
+from silo.records.control import request_cancel, request_drain
+from silo.records.events import EventLog, read_events
+from silo.records.logs import read_logs
+from silo.records.membership import LIVE
+from silo.records.reminders import read_reminders
+from silo.records.streams import read_dead_letters, read_streams
 from silo.redis_util import connect_redis, open_redis, redis_errors
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore

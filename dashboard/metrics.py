@@ -27,7 +27,8 @@ from prometheus_client.registry import Collector
 from dashboard.reader import Snapshot
 from grains.serving.records import BATCH_BUCKETS, ModelSummary
 from grains.training.api.records import JobProgress
-from silo.records import BUCKETS_MS, SiloStatus, dense
+from silo.records.membership import SiloStatus
+from silo.records.stats import BUCKETS_MS, dense
 
 
 class ClusterCollector(Collector):

@@ -19,16 +19,11 @@ from grains.training.api.records import (
     Placement,
     RecoveryInfo,
 )
-from silo.records import (
-    ClusterEvent,
-    DeadLetter,
-    DeadLetters,
-    LoadPoint,
-    LogEntry,
-    ReminderInfo,
-    SiloStatsRecord,
-    StreamInfo,
-)
+from silo.records.events import ClusterEvent
+from silo.records.logs import LogEntry
+from silo.records.reminders import ReminderInfo
+from silo.records.stats import LoadPoint, SiloStatsRecord
+from silo.records.streams import DeadLetter, DeadLetters, StreamInfo
 
 __all__ = [
     "AdminResult",

@@ -18,16 +18,8 @@ from dashboard import models as m
 from grains.training.api.records import JobPoint, JobProgress
 from silo import errors
 from silo.keys import Keys
-from silo.records import (
-    LIVE,
-    LoadPoint,
-    MemberRow,
-    SiloStatsRecord,
-    SiloStatus,
-    dense,
-    merge_row,
-    percentile,
-)
+from silo.records.membership import LIVE, MemberRow, SiloStatus, merge_row
+from silo.records.stats import LoadPoint, SiloStatsRecord, dense, percentile
 from silo.redis_util import redis_errors
 
 

@@ -7,6 +7,11 @@
     class Greeter(Grain):
         async def hello(self, name: str) -> str:
             return f"hello {name} from {self.key}"
+
+What a silo offers beyond the programming model is reached through the grain
+that uses it, not held by ``Grain``: ``grains.checkpoints.snapshots(self)``
+(checkpoints of grain groups) and ``grains.workload.workload(self)`` (a
+long-running workload's shared store and progress record).
 """
 
 from grains.base import DeactivationReason, Grain

@@ -20,18 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from pydantic import BaseModel
 
-from grains.context import (
-    DeactivationReason,
-    GrainContext,
-    PersistentState,
-    SnapshotInfo,
-    TimerHandle,
-)
+from grains.context import DeactivationReason, GrainContext, PersistentState, TimerHandle
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 
@@ -39,7 +33,7 @@ if TYPE_CHECKING:
     from grains.ref import GrainRef, Ref
 from grains.streams import Stream, StreamGap
 
-__all__ = ["DeactivationReason", "Grain"]
+__all__ = ["DeactivationReason", "Grain", "grain_context"]
 
 G = TypeVar("G", bound="Grain")
 R = TypeVar("R")
@@ -202,7 +196,7 @@ class Grain:
         ``on_activate``. A handle first asked for later starts unloaded; ``await handle.read()``
         loads it. The same name gives the same handle for the whole activation. ``storage``
         names the storage provider (default: the class's ``@storage``, else the silo's default).
-        Checkpoints (``save_snapshot``) hold ``self.state`` only.
+        Checkpoints (``grains.checkpoints.snapshots``) hold ``self.state`` only.
         """
         if not _STATE_NAME.match(name):
             raise ValueError(f"a state name must match [A-Za-z0-9_.-]{{1,64}}: {name!r}")
@@ -221,100 +215,14 @@ class Grain:
     async def receive_reminder(self, name: str) -> None:
         """Override to act on reminders (runs as a turn; activates the grain if needed)."""
 
-    # --- checkpoints -------------------------------------------------------
-    async def save_snapshot(
-        self,
-        group: str,
-        snapshot_id: int | str,
-        members: Iterable[Any] | None = None,
-        *,
-        keep: int | None = None,
-        epoch: int | None = None,
-    ) -> bool:
-        """Save ``self.state`` as this grain's part of snapshot ``(group, snapshot_id)``.
 
-        ``members`` (grain ids, references or ``"Type/key"``; default: this grain
-        alone) must be the same list in every member's save. The snapshot becomes
-        visible once all members saved; True is returned to the save that completed
-        it. ``keep``: complete snapshots of the group to retain (default from settings).
-        ``epoch``: who owns the snapshot (a training job's generation); a newer epoch's
-        save takes over what an older one left at the same id, an older one's is refused.
-        """
-        return await self._rg_context.save_snapshot(group, snapshot_id, members, keep=keep, epoch=epoch)
+def grain_context(grain: Grain) -> GrainContext:
+    """The runtime side of ``grain``'s activation, for a facility that acts for it.
 
-    async def load_snapshot(
-        self, group: str, snapshot_id: int | str | None = None, *, write: bool = True
-    ) -> str:
-        """Replace ``self.state`` with this grain's part of a complete snapshot (None: the latest).
-
-        With ``write`` (default) the restored state is persisted at once. Returns the snapshot id.
-        """
-        return await self._rg_context.load_snapshot(group, snapshot_id, write=write)
-
-    async def read_snapshot_member(self, group: str, snapshot_id: int | str, member: str) -> Any:
-        """Another member's part of snapshot ``(group, snapshot_id)``, decoded as this grain's ``State``.
-
-        For grains whose group members share one state model (a training job's
-        shards read each other's parts when the shard layout changes).
-        """
-        return await self._rg_context.read_snapshot_member(group, snapshot_id, member)
-
-    async def snapshot_info(self, group: str, snapshot_id: int | str) -> SnapshotInfo | None:
-        """What the manifest of snapshot ``(group, snapshot_id)`` says; None if there is none."""
-        return await self._rg_context.snapshot_info(group, snapshot_id)
-
-    async def latest_snapshot(self, group: str) -> SnapshotInfo | None:
-        """The newest complete snapshot of ``group`` (None: none yet)."""
-        return await self._rg_context.latest_snapshot(group)
-
-    async def list_snapshots(self, group: str, *, pending: bool = False) -> Sequence[SnapshotInfo]:
-        """The group's complete snapshots, oldest first (``pending``: those still being saved)."""
-        return await self._rg_context.list_snapshots(group, pending=pending)
-
-    async def delete_snapshot(self, group: str, snapshot_id: int | str) -> bool:
-        """Delete one snapshot of ``group``, complete or not; True if it existed."""
-        return await self._rg_context.delete_snapshot(group, snapshot_id)
-
-    async def checkpoint_groups(self) -> list[str]:
-        """Every checkpoint group with a snapshot (complete or pending) in the cluster, sorted."""
-        return await self._rg_context.checkpoint_groups()
-
-    # --- a shared store ------------------------------------------------------
-    def redis_client(self) -> Any | None:
-        """The silo's asyncio Redis client, for a workload that needs a shared store beyond
-        grain state (torch.distributed's rendezvous); None where the runtime has no Redis.
-
-        Keys written through it must come from :meth:`rendezvous_prefix` (the cluster's
-        key space is built in one place, ``silo/keys.py``).
-        """
-        return self._rg_context.redis_client()
-
-    def rendezvous_prefix(self, name: str, generation: int) -> str:
-        """The cluster's key prefix for rendezvous ``name`` at ``generation`` (one group each)."""
-        return self._rg_context.rendezvous_prefix(name, generation)
-
-    # --- progress ------------------------------------------------------------
-    async def publish_progress(
-        self,
-        job: str,
-        record: BaseModel,
-        point: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        restart_history: bool = False,
-    ) -> bool:
-        """Publish the latest progress of a long-running ``job`` this grain drives.
-
-        ``record`` (any pydantic model: the workload's own schema) is what the
-        dashboard and ``redgrain`` read back for the job; ``point`` (flat values), or a list
-        of them, is appended to the job's capped history, for curves. One round trip.
-        ``restart_history``: the history holds these points alone (the job's own lost points).
-        Returns True when someone asked to cancel the job (``silo.records.request_cancel``).
-        """
-        many = [point] if isinstance(point, Mapping) else list(point or ())
-        fields = [{k: repr(v) if isinstance(v, float) else str(v) for k, v in p.items() if v is not None} for p in many]
-        return await self._rg_context.publish_progress(job, record.model_dump_json(), fields, restart=restart_history)
-
-    async def forget_progress(self, job: str) -> None:
-        """Delete everything :meth:`publish_progress` wrote for ``job`` (record, history, its
-        place in the job list) and its rendezvous keys: the job is gone from the dashboard."""
-        await self._rg_context.forget_progress(job)
+    What a silo offers beyond the programming model (checkpoints of grain groups:
+    ``grains.checkpoints.snapshots``; a workload's shared store and progress record:
+    ``grains.workload.workload``) is reached through the grain that uses it, not held by
+    the class a user subclasses. A grain not activated by a runtime has no context
+    (AttributeError, as for ``self.state``).
+    """
+    return grain._rg_context

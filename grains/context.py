@@ -4,9 +4,14 @@ The programming model knows no runtime module. A :class:`~grains.base.Grain`
 reaches its silo only through the context the runtime binds to it when it
 activates the grain (``silo/catalog/context.py`` implements it; a test may
 bind its own). Everything on this protocol is public and typed, so workloads
-(training, serving) build on the same facilities any user grain has:
-identity, calls, observers, threads, background tasks, timers, state, reminders,
-checkpoints of grain groups and progress publishing.
+(training, serving) build on the same facilities any user grain has.
+
+``Grain`` forwards the programming model: identity, calls, observers, threads,
+background tasks, timers, streams, state and reminders. The rest is reached
+through facilities that take a grain and use its context
+(``grains.base.grain_context``), so the class a user subclasses does not hold
+them: checkpoints of grain groups (``grains.checkpoints.snapshots``) and a
+workload's shared store and progress record (``grains.workload.workload``).
 """
 
 from __future__ import annotations
@@ -172,7 +177,7 @@ class GrainContext(Protocol):
 
     async def unregister_reminder(self, name: str) -> None: ...
 
-    # --- checkpoints of grain groups -----------------------------------------------------
+    # --- checkpoints of grain groups (grains/checkpoints.py) -----------------------------
     async def save_snapshot(
         self, group: str, snapshot_id: int | str, members: Iterable[Any] | None, *, keep: int | None, epoch: int | None = None
     ) -> bool: ...
@@ -191,12 +196,12 @@ class GrainContext(Protocol):
 
     async def checkpoint_groups(self) -> list[str]: ...
 
-    # --- a shared store for workloads that need one -------------------------------------
+    # --- a shared store for workloads that need one (grains/workload.py) ----------------
     def redis_client(self) -> Any | None: ...
 
     def rendezvous_prefix(self, name: str, generation: int) -> str: ...
 
-    # --- progress ---------------------------------------------------------------------------
+    # --- progress (grains/workload.py) ------------------------------------------------------
     async def publish_progress(
         self, job: str, record: str, point: Mapping[str, str] | Sequence[Mapping[str, str]] | None, *, restart: bool = False
     ) -> bool: ...

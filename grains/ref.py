@@ -74,6 +74,30 @@ def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
     return out
 
 
+def why_not_remote(cls: type, name: str) -> str:
+    """Why a reference to a grain of ``cls`` has no attribute ``name``, in the words the mypy
+    plugin uses: "" when the class has no such attribute either."""
+    if name.startswith("_"):
+        return "private: only public async methods are remote"
+    if never_remote(name):
+        return "a Grain helper or lifecycle hook, not a remote method"
+    fn = getattr(cls, name, _MISSING)
+    if fn is _MISSING:
+        return ""
+    inner = inspect.unwrap(fn) if callable(fn) else fn
+    if inner is not fn and (inspect.iscoroutinefunction(inner) or inspect.isasyncgenfunction(inner)):
+        # An async def behind a plain def wrapper (functools.wraps kept the way to it): calling
+        # it makes a coroutine, but the method is no coroutine function, so it is not remote.
+        code = getattr(fn, "__code__", None)
+        where = getattr(code, "co_qualname", "").partition(".<locals>")
+        made = f'decorator "{where[0]}"' if where[1] else "a decorator"
+        return f"not an async method: {made} makes it a plain function; only public async methods are remote"
+    return "not an async method: only public async methods are remote"
+
+
+_MISSING = object()
+
+
 def stream_methods(cls: type) -> frozenset[str]:
     """The remote methods written as async generators: a reference's call of one is iterated
     (``async for``), not awaited (grains/result_stream.py)."""
@@ -179,13 +203,28 @@ def build_ref_class(
     docs: dict[str, str | None] | None = None,
     one_way: Iterable[str] = (),
     streams: Iterable[str] = (),
+    grain: type | None = None,
 ) -> type[Ref[Any]]:
+    """The reference class of a grain type with these remote ``methods``; with its ``grain``
+    class, a name it lacks is refused saying why (:func:`why_not_remote`)."""
     names = sorted(methods)
     sent, streamed = frozenset(one_way), frozenset(streams)
     ns: dict[str, Any] = {"__slots__": (), "_methods": frozenset(names)}
     for name in names:
         ns[name] = _remote_method(name, (docs or {}).get(name), name in sent, name in streamed)
+    if grain is not None:
+        ns["__getattr__"] = _not_remote(grain)
     return type(f"{type_name}Ref", (Ref,), ns)
+
+
+def _not_remote(grain: type) -> Callable[[GrainRef, str], Any]:
+    # Only reached when ordinary lookup failed, so the remote methods cost nothing more.
+    def __getattr__(self: GrainRef, name: str) -> Any:
+        reason = why_not_remote(grain, name)
+        detail = f" ({reason})" if reason else ""
+        raise AttributeError(f'Reference to "{grain.__name__}" has no attribute "{name}"{detail}', name=name, obj=self)
+
+    return __getattr__
 
 
 Resolver = Callable[[str, str], Awaitable[bool]]
@@ -238,7 +277,7 @@ def ref_class_for(cls: type[GrainT]) -> type[Ref[GrainT]]:
     methods = public_methods(cls)
     opts = grain_options(cls)
     ref_cls = build_ref_class(
-        opts.type_name, methods, {n: f.__doc__ for n, f in methods.items()}, opts.one_way, stream_methods(cls)
+        opts.type_name, methods, {n: f.__doc__ for n, f in methods.items()}, opts.one_way, stream_methods(cls), cls
     )
     type.__setattr__(cls, "__rg_ref_class__", ref_cls)
     return ref_cls

@@ -10,7 +10,7 @@ Redis, a fake clock and ``LocalCluster``. ``silo.Silo`` wires one process
 together, ``silo.ClusterClient`` lets code outside the cluster call in.
 
 The names below load on first use (PEP 562), so ``from silo import errors``
-or ``import silo.records`` does not import the whole runtime.
+or ``import silo.records.stats`` does not import the whole runtime.
 """
 
 from __future__ import annotations

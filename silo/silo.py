@@ -108,7 +108,8 @@ from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.messaging.transport import Transport
 from silo.plugins import load_filters
-from silo.records import EventLog, MemberRow, SiloLoad, SiloStatus
+from silo.records.events import EventLog
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.redis_url import redact
 from silo.redis_util import close_redis, open_redis, redis_errors, redis_statistics
 from silo.settings import SiloSettings

@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from silo import errors
 from silo.catalog.pipeline import CallContext, CallNext
 from silo.keys import Keys
-from silo.records import (
+from silo.records.stats import (
     BUCKETS_MS,
     HISTORY_POINTS,
     STATS_TTL_FACTOR,

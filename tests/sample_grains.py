@@ -208,6 +208,7 @@ import zlib
 from pydantic import ConfigDict
 
 from grains import write_behind
+from grains.checkpoints import snapshots
 
 
 class Ledger(Grain):
@@ -317,10 +318,10 @@ class Shard(Grain):
         return tensor_digest(self.state.weights)
 
     async def checkpoint(self, group: str, members: list[str], keep: int, epoch: int | None = None) -> bool:
-        return await self.save_snapshot(group, self.state.step, members, keep=keep, epoch=epoch)
+        return await snapshots(self).save(group, self.state.step, members, keep=keep, epoch=epoch)
 
     async def restore(self, group: str, snapshot_id: int | None) -> str:
-        return await self.load_snapshot(group, snapshot_id)
+        return await snapshots(self).load(group, snapshot_id)
 
     async def digest(self) -> tuple[int, str]:
         return self.state.step, tensor_digest(self.state.weights)

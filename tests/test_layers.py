@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grimp
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +45,10 @@ def tree_copy(tmp_path: Path) -> Path:
         ("grains/base.py", "import silo.client", "Faces > workloads > runtime"),
         ("dashboard/reader.py", "import silo.cluster.membership", "The dashboard reads only"),
         ("dashboard/reader.py", "import grains.training.coordinator", "Faces > workloads > runtime"),
-        ("silo/records.py", "import torch", "Published records import no torch"),
+        ("silo/records/stats.py", "import torch", "Published records import no torch"),
+        ("silo/records/events.py", "import silo.records.membership", "Each published record stands alone"),
+        ("silo/catalog/timer.py", "import silo.catalog.activation", "Catalog: catalog | runtime"),
+        ("silo/catalog/activation.py", "import silo.catalog.catalog", "Catalog: catalog | runtime"),
         ("grains/ids.py", "import numpy", "The programming model imports no runtime"),
         ("silo/messaging/dispatcher.py", "import silo.cluster.reminders", "Messaging is below the cluster"),
         ("silo/messaging/router.py", "import silo.streams.agent", "Messaging is below the cluster"),
@@ -60,11 +64,20 @@ def test_a_forbidden_import_breaks_a_contract(tree_copy: Path, module: str, line
     assert line.split()[-1] in proc.stdout
 
 
+def test_the_activation_names_no_catalog_even_for_types() -> None:
+    """It reaches its catalog through ``ActivationHost``; lint-imports skips TYPE_CHECKING imports."""
+    graph = grimp.build_graph("silo", exclude_type_checking_imports=False, cache_dir=None)
+    chain = graph.find_shortest_chain(importer="silo.catalog.activation", imported="silo.catalog.catalog")
+    assert chain is None, f"silo.catalog.activation imports the catalog: {' -> '.join(chain)}"
+
+
 def test_records_errors_and_the_dashboard_load_without_torch_or_the_whole_runtime() -> None:
     code = (
         "import sys\n"
         "from silo import errors\n"
-        "import silo.records, silo.keys, silo.settings, grains, grains.training.api.records, dashboard.app\n"
+        "import silo.keys, silo.settings, grains, grains.training.api.records, dashboard.app\n"
+        "import silo.records.control, silo.records.events, silo.records.logs, silo.records.membership\n"
+        "import silo.records.progress, silo.records.reminders, silo.records.stats, silo.records.streams\n"
         "heavy = [m for m in ('torch', 'numpy', 'silo.silo', 'silo.messaging.transport', 'silo.catalog.catalog',\n"
         "                     'grains.training.coordinator') if m in sys.modules]\n"
         "print(','.join(heavy))\n"

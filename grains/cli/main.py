@@ -311,7 +311,8 @@ async def cmd_drain(args: argparse.Namespace) -> int:
     from grains.ids import SiloAddress
     from silo.cluster.membership import RedisMembershipTable
     from silo.keys import Keys
-    from silo.records import SiloStatus, request_drain
+    from silo.records.control import request_drain
+    from silo.records.membership import SiloStatus
     from silo.redis_url import redact
     from silo.redis_util import open_redis
 

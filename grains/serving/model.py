@@ -54,6 +54,7 @@ from grains.serving.stats import ReplicaStats
 from grains.serving.tensors import Inference, Inputs, chunks, merge, signature
 from grains.training.api.messages import TrainingStatus
 from grains.training.coordinator import CoordinatorGrain
+from grains.workload import workload
 from silo import errors
 
 log = logging.getLogger("redgrain.serving")
@@ -176,7 +177,7 @@ class ModelGrain(Grain):
             await asyncio.sleep(0.2)
 
     async def on_deactivate(self, reason: DeactivationReason) -> None:
-        redis = self.redis_client()
+        redis = workload(self).redis_client()
         if redis is not None:
             try:
                 await redis.hdel(replicas_key(self._prefix(), self.key), self.activation_id)
@@ -255,7 +256,7 @@ class ModelGrain(Grain):
         return self._loaded, self._batcher
 
     def _prefix(self) -> str:
-        return self.rendezvous_prefix(WORKLOAD, 0)
+        return workload(self).rendezvous_prefix(WORKLOAD, 0)
 
     async def _tick(self) -> None:
         try:
@@ -376,7 +377,7 @@ class ModelGrain(Grain):
 
     # --- the published record ----------------------------------------------------------
     async def _publish(self) -> None:
-        redis = self.redis_client()
+        redis = workload(self).redis_client()
         if redis is None:
             return
         info = self._loaded.info if self._loaded is not None else None

@@ -4,12 +4,12 @@ Every replica of a served model writes one :class:`ReplicaRecord` a second
 into the model's hash (field: the replica's activation id), and adds the
 model's name to the set of served models; both keys hang under the cluster's
 workload prefix ``keys.rendezvous("serving", 0)`` (the grain API's shared
-store: ``Grain.rendezvous_prefix``), so they are built in ``silo/keys.py``.
+store: ``workload(grain).rendezvous_prefix``), so they are built in ``silo/keys.py``.
 A record older than :data:`STALE_S` is a replica that went away (its silo
 died, it was collected) and is left out and deleted by readers.
 
 Histograms travel sparse, as the silos' method records do: latencies over
-``silo.records.BUCKETS_MS``, batch sizes over :data:`BATCH_BUCKETS`.
+``silo.records.stats.BUCKETS_MS``, batch sizes over :data:`BATCH_BUCKETS`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from silo.records import BUCKETS_MS, dense, percentile
+from silo.records.stats import BUCKETS_MS, dense, percentile
 from silo.redis_util import redis_errors
 
 BATCH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(11))

@@ -23,9 +23,16 @@ silos may host trainers): with ``trainers = "auto"`` a trainer silo that joins
 gets a trainer, in parameter-server mode at the next committed checkpoint, in
 ``allreduce`` mode at the next group generation.
 
-What stays here is what both modes share: the job's persisted state (one
-writer at a time), its status and history, the accuracy checks, the
-dashboard's job record (whose cancel request ends the job), and the job's end.
+What stays here is what every mode shares: the job's starts and runs (a new
+generation at each start; a resume continues the run's checkpoint group), its
+persisted state (one writer at a time), its status and history, the
+dashboard's job record (whose cancel request ends the job), the loggers, and
+the job's end. Two concepts live beside it, each in a module of its own:
+:mod:`grains.training.job_evaluations` (an evaluation from due to recorded,
+the best checkpoint, early stopping) and :mod:`grains.training.job_checkpoints`
+(reading a step's weights, keeping the best, retention while evaluations are
+due). The driver sees the coordinator only through ``_Job``, built with the
+coordinator's own steps by name.
 """
 
 from __future__ import annotations
@@ -34,18 +41,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
 from grains.base import DeactivationReason, Grain
+from grains.checkpoints import snapshots
 from grains.placement import hash_placement, keep_alive
 from grains.training import history
 from grains.training.api.callbacks import Callbacks
 from grains.training.api.job import TrainingJob, parse_job
 from grains.training.api.job_state import JobState
 from grains.training.api.messages import (
-    Evaluation,
     HistoryPoint,
     JobStatus,
     ShardStatus,
@@ -56,9 +64,11 @@ from grains.training.api.messages import (
 from grains.training.api.records import StageInfo
 from grains.training.data.position import DataSchedule, Segment
 from grains.training.evaluation import Evaluator
+from grains.training.job_checkpoints import JobCheckpoints
+from grains.training.job_evaluations import JobEvaluations
 from grains.training.loggers import JobLoggers
 from grains.training.state import checkpoint
-from grains.training.state.checkpoint import TrainingSnapshot, group
+from grains.training.state.checkpoint import group
 from grains.training.state.store import CheckpointStoreGrain
 from grains.training.strategies.allreduce.driver import AllreduceDriver
 from grains.training.strategies.driver import Driver
@@ -66,13 +76,12 @@ from grains.training.strategies.elastic import TrainerSilos
 from grains.training.strategies.pipeline.driver import PipelineDriver
 from grains.training.strategies.ps.driver import ParameterServerDriver
 from grains.training.submit import check_job
+from grains.workload import workload
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
 
 _TICK_S = 0.2
-EVALUATION_TIMEOUT_S = 600.0
-"""The least a trainer is given to evaluate a checkpoint (read it, then the whole test split)."""
 _TERMINAL = ("completed", "failed", "cancelled")
 _FORGET = "forget"
 """The reminder that forgets an ended job ``ttl_after_finished_s`` after it ended."""
@@ -96,40 +105,52 @@ def _resumed_segments(old: JobState) -> list[Segment]:
 
 
 class _Job:
-    """The coordinator as its driver sees it (:class:`grains.training.strategies.driver.JobContext`)."""
+    """The coordinator as its driver sees it (:class:`grains.training.strategies.driver.JobContext`):
+    the grain, and the coordinator's own steps the coordinator hands it by name (none of its
+    internals are reached from here)."""
 
-    def __init__(self, coord: CoordinatorGrain) -> None:
-        self._coord = coord
+    def __init__(
+        self,
+        grain: Grain,
+        state: Callable[[], JobState],
+        save: Callable[[], Awaitable[None]],
+        report: Callable[[dict[int, TrainerProgress], list[ShardStatus], list[str] | None, list[StageInfo] | None], Awaitable[None]],
+        finish: Callable[[JobStatus], Awaitable[None]],
+        committed: Callable[[int], Awaitable[None]],
+        show_shard_silos: Callable[[list[str]], None],
+    ) -> None:
+        self._grain, self._state, self._save, self._report = grain, state, save, report
+        self._finish, self._committed, self._show = finish, committed, show_shard_silos
 
     @property
     def grain(self) -> Grain:
-        return self._coord
+        return self._grain
 
     @property
     def key(self) -> str:
-        return self._coord.key
+        return self._grain.key
 
     @property
     def state(self) -> JobState:
-        return self._coord.state
+        return self._state()
 
     async def save(self) -> None:
-        await self._coord._write()
+        await self._save()
 
     async def report(
         self, progress: dict[int, TrainerProgress], statuses: list[ShardStatus],
         trainer_silos: list[str] | None = None, stages: list[StageInfo] | None = None,
     ) -> None:  # fmt: skip
-        await self._coord._report(progress, statuses, trainer_silos, stages)
+        await self._report(progress, statuses, trainer_silos, stages)
 
     async def finish(self, status: JobStatus) -> None:
-        await self._coord._finish(status)
+        await self._finish(status)
 
     async def committed(self, step: int) -> None:
-        await self._coord._on_commit(step)
+        await self._committed(step)
 
     def show_shard_silos(self, silos: list[str]) -> None:
-        self._coord._live.shard_silos = silos
+        self._show(silos)
 
 
 def _mean_metrics(each: list[dict[str, float]]) -> dict[str, float]:
@@ -151,12 +172,10 @@ class CoordinatorGrain(Grain):
         self._driver: Driver | None = None
         self._write_lock = asyncio.Lock()
         self._live = TrainingStatus(job="")
-        self._evaluator: Evaluator | None = None
-        self._last_eval_step = 0
-        self._eval_task: asyncio.Task[Evaluation | None] | None = None
         self._callbacks: Callbacks | None = None
-        self._evaluating: int | None = None
-        """The step of the evaluation in progress (its checkpoint is not pruned)."""
+        self._checkpoints = JobCheckpoints(self, lambda: self.state, self._job_evaluator, self._job_driver)
+        self._evaluations = JobEvaluations(self, lambda: self.state, self._checkpoints, self._job_driver,
+                                           self._job_callbacks, self._recorded)  # fmt: skip
         self._last_publish_failed = False
         self._silos: TrainerSilos | None = None
         self._counted: dict[str, int] = {}
@@ -175,7 +194,7 @@ class CoordinatorGrain(Grain):
 
     async def on_activate(self) -> None:
         self._live = self._status_from_state()
-        self._last_eval_step = self.state.eval_step or 0
+        self._evaluations.last_step = self.state.eval_step or 0
         if self.state.status in ("starting", "running"):
             log.info("%s: re-activated with the job running; resuming", self.key)
             self._count_from_now = True
@@ -228,7 +247,7 @@ class CoordinatorGrain(Grain):
             s.mlflow_run_id = old.mlflow_run_id  # the run goes on: so does its MLflow run
             s.step = s.committed[-1]  # where it starts: its status never reads step 0 of a later epoch
         self._driver = None  # a new job, a new driver: nothing remembered from the last one
-        self._evaluator = None  # and its own model and test split (the last job's may differ)
+        self._evaluations.new_job()  # and its own model and test split (the last job's may differ)
         self._callbacks = None
         if job.init_from is not None and not job.resuming:
             # The starting weights become step 0 of the run: every mode restores it like any
@@ -240,9 +259,7 @@ class CoordinatorGrain(Grain):
             self.state.committed = [0]
             self.state.committed_at = {0: time.time()}
         await self._write()
-        self._stop_evaluation()
-        # A resumed job's earlier checkpoints were evaluated by the run that made them.
-        self._last_eval_step = self.state.committed[-1] if self.state.committed else 0
+        self._evaluations.new_job()  # after step 0 of init_from: nothing due before it
         self._counted, self._count_from_now = {}, False
         self._unpublished, self._unlogged, self._step_points = [], [], {}
         if self._loggers is not None:
@@ -273,12 +290,13 @@ class CoordinatorGrain(Grain):
         s = self.state
         if s.status in ("starting", "running"):
             raise errors.ConfigError(f"job {self.key} is {s.status}: cancel it before forgetting it")
-        for g in await self.checkpoint_groups():
+        checkpoints = snapshots(self)
+        for g in await checkpoints.groups():
             if _job_group(self.key, g):
                 for pending in (False, True):
-                    for info in await self.list_snapshots(g, pending=pending):
-                        await self.delete_snapshot(g, info.snapshot_id)
-        await self.forget_progress(self.key)
+                    for info in await checkpoints.list(g, pending=pending):
+                        await checkpoints.delete(g, info.snapshot_id)
+        await workload(self).forget_progress(self.key)
         store = self.get_grain(CheckpointStoreGrain, self.key)
         with contextlib.suppress(errors.RedgrainError):
             await store.release()
@@ -288,7 +306,8 @@ class CoordinatorGrain(Grain):
         await self.unregister_reminder(_FORGET)
         self.state = self.State()
         self._live = self._status_from_state()
-        self._driver = self._evaluator = None
+        self._driver = None
+        self._evaluations.new_job()
         log.info("%s: job forgotten", self.key)
         self.deactivate_on_idle()
         return await self.status()
@@ -316,7 +335,7 @@ class CoordinatorGrain(Grain):
         if self.state.spec is None:
             return {}
         evaluator = await self._job_evaluator()
-        tensors = await self._tensors()
+        tensors = await self._checkpoints.current()
         names = set(dict(evaluator.model.named_parameters()))
         return {n: t for n, t in tensors.items() if n in names}
 
@@ -330,37 +349,17 @@ class CoordinatorGrain(Grain):
         if self.state.spec is None:
             return {}
         if best:
-            if self.state.best_step is None:
-                raise errors.ConfigError(f"job {self.key} has kept no best checkpoint (keep_best: {self.state.spec.keep_best})")
-            evaluator = await self._job_evaluator()
-            store = self.get_grain(CheckpointStoreGrain, self.key)
-            snap = await store.with_timeout(120.0).read_best(self.state.run, self.state.best_step, evaluator.names, evaluator.extra)
-            tensors = {**snap.params, **snap.buffers}
+            tensors = await self._checkpoints.best()
         elif step is None:
-            tensors = await self._tensors()
+            tensors = await self._checkpoints.current()
         elif step in self.state.committed:
-            tensors = await self._checkpoint(step)
+            tensors = await self._checkpoints.read(step)
         else:
             raise errors.ConfigError(f"job {self.key} has no committed checkpoint at step {step} (committed: {self.state.committed[-5:]})")
         if not tensors:
             return {}
         evaluator = await self._job_evaluator()
         return await self.run_in_thread(evaluator.state_dict, tensors)
-
-    async def _tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers by name: live from the grains, or from the newest checkpoint."""
-        s = self.state
-        if not s.released:
-            return await self._job_driver().tensors()
-        if not s.committed:
-            return {}
-        return await self._checkpoint(s.committed[-1])
-
-    async def _checkpoint(self, step: int) -> dict[str, torch.Tensor]:
-        evaluator = await self._job_evaluator()
-        store = self.get_grain(CheckpointStoreGrain, self.key)
-        snap: TrainingSnapshot = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
-        return {**snap.params, **snap.buffers}
 
     # --- the run loop -------------------------------------------------------
     def _job_driver(self) -> Driver:
@@ -375,8 +374,14 @@ class CoordinatorGrain(Grain):
             name = cls.trainer_type.__name__
             if self._silos is None or self._silos.type_name != name or self._silos.role != spec.trainer_role:
                 self._silos = TrainerSilos(name, spec.trainer_role)
-            self._driver = cls(_Job(self), self._silos)
+            self._driver = cls(self._as_job(), self._silos)
         return self._driver
+
+    def _as_job(self) -> _Job:
+        def show_shard_silos(silos: list[str]) -> None:
+            self._live.shard_silos = silos
+
+        return _Job(self, lambda: self.state, self._write, self._report, self._finish, self._on_commit, show_shard_silos)
 
     async def _drive(self, *, resume: bool) -> None:
         try:
@@ -430,9 +435,9 @@ class CoordinatorGrain(Grain):
         per_step = sum((p.bytes_pushed + p.bytes_pulled) / p.steps_done for p in ps if p.steps_done)
         waits = [p.exchange_s / p.steps_done for p in ps if p.steps_done]
         exchange_ms = 1000 * sum(waits) / len(waits) if waits else 0.0
-        done = self._take_evaluation()
+        done = self._evaluations.take()
         if done is not None:
-            stop = await self._after_evaluation(*done)
+            stop = await self._evaluations.after(*done)
             if stop is not None:
                 await self._stop_early(done[0], stop)
                 return
@@ -441,7 +446,7 @@ class CoordinatorGrain(Grain):
             if history.add_training(s.history, point):
                 self._recorded(point)
                 self._republish = self._republish or (last is not None and point.step < last)  # points dropped
-        self._start_due_evaluation()
+        self._evaluations.start_due()
         self._live = self._status_from_state(
             samples_per_s=rate,
             bytes_per_step=per_step,
@@ -536,11 +541,11 @@ class CoordinatorGrain(Grain):
             return
         if status == "completed":
             if not s.stopped_early:
-                stop = await self._catch_up_evaluations()
+                stop = await self._evaluations.catch_up()
                 if stop is not None:
                     await self._truncate(stop[0], f"stopped at step {stop[0]} by callback {stop[1]}")
             if not s.stopped_early:
-                await self._evaluate()
+                await self._evaluations.final()
             s.step = s.total_steps
         s.status = status
         s.finished_at = time.time()
@@ -582,150 +587,16 @@ class CoordinatorGrain(Grain):
 
     # --- status ---------------------------------------------------------------
     async def _job_evaluator(self) -> Evaluator:
-        spec = self.state.spec
-        assert spec is not None
-        if self._evaluator is None:
-            self._evaluator = await self.run_in_thread(Evaluator, spec, self.device)
-        return self._evaluator
-
-    async def _evaluate(self) -> dict[str, float]:
-        """Evaluate the final weights on the test split; the result goes into the job's state.
-        The final checkpoint where it is committed (where the job trains, as mid-run ones), else
-        the weights the grains hold (a cancelled or failed job's)."""
-        s = self.state
-        self._stop_evaluation()
-        final = s.total_steps or s.step
-        done = await self._evaluate_checkpoint(final) if final in s.committed else None
-        if done is None:
-            evaluator = await self._job_evaluator()
-            tensors = await self._tensors()
-            metrics = await self.run_in_thread(evaluator.evaluate, tensors)
-            done = Evaluation(step=final, metrics=metrics, silo=str(self.silo), device=self.device)
-        self._record_evaluation(done)
-        return s.eval_metrics
-
-    def _record_evaluation(self, done: Evaluation) -> None:
-        """An evaluation into the job's status and its history (at the evaluated step)."""
-        s = self.state
-        s.eval_metrics, s.eval_step, s.accuracy = done.metrics, done.step, done.metrics.get("accuracy")
-        s.eval_silo, s.eval_device = done.silo, done.device
-        point = HistoryPoint(step=done.step, eval_metrics=dict(done.metrics), at=time.time())
-        history.add_evaluation(s.history, point)
-        self._recorded(point)
-
-    # Mid-run evaluation reads a committed checkpoint: weights of one step (every holder's part
-    # of the same step), labelled with it, every eval_every steps exactly (checkpoint_due makes
-    # each multiple of eval_every a checkpoint). It runs beside the ticks, so training and the
-    # job's status go on; reading weights live from the grains while they train tore them
-    # across steps and labelled them with the slowest trainer's step.
-    def _start_due_evaluation(self) -> None:
-        s = self.state
-        spec = s.spec
-        if spec is None or not spec.eval_every or (self._eval_task is not None and not self._eval_task.done()):
-            return
-        due = [c for c in s.eval_pending if c != s.total_steps]
-        s.eval_pending = due
-        if not due:
-            return
-        step = min(due)
-        s.eval_pending = [c for c in due if c != step]
-        self._last_eval_step = self._evaluating = step
-        self._eval_task = self.start_task(self._evaluate_checkpoint(step), name=f"{self.key} evaluation {step}")
-
-    async def _evaluate_checkpoint(self, step: int) -> Evaluation | None:
-        """Checkpoint ``step`` evaluated where the job trains (a trainer's silo and device), else
-        here (:mod:`grains.training.evaluation`); None: the checkpoint is gone."""
-        s = self.state
-        assert s.spec is not None
-        trainer = self._job_driver().evaluator(max(EVALUATION_TIMEOUT_S, s.spec.step_timeout_s))
-        if trainer is not None:
-            try:
-                done: Evaluation = await trainer.evaluate(self.key, s.spec, s.run, step)
-                return done
-            except errors.RedgrainError as exc:  # lost, released, or the checkpoint went: try here
-                log.info("%s: checkpoint %d not evaluated by a trainer (%s); evaluating here", self.key, step, exc)
-        evaluator = await self._job_evaluator()
-        try:
-            tensors = await self._checkpoint(step)
-        except errors.RedgrainError as exc:  # retention dropped it first (checkpoints much faster than evaluations)
-            log.warning("%s: checkpoint %d not evaluated: %s", self.key, step, exc)
-            return None
-        metrics = await self.run_in_thread(evaluator.evaluate, tensors)
-        return Evaluation(step=step, metrics=metrics, silo=str(self.silo), device=self.device)
-
-    def _take_evaluation(self) -> tuple[int, dict[str, float]] | None:
-        """A finished background evaluation into the job's state and history: its step and metrics."""
-        task = self._eval_task
-        if task is None or not task.done():
-            return None
-        self._eval_task = None
-        self._evaluating = None
-        if task.cancelled() or task.exception() is not None:
-            if not task.cancelled():
-                log.warning("%s: evaluation failed: %s", self.key, task.exception())
-            return None
-        done: Evaluation | None = task.result()
-        if done is None:
-            return None
-        self._record_evaluation(done)
-        return done.step, done.metrics
-
-    async def _after_evaluation(self, step: int, metrics: dict[str, float]) -> str | None:
-        """Keep the best checkpoint (``keep_best``) and tell the callbacks; the path of a callback
-        that asked to stop the job at ``step`` (None: go on)."""
-        s = self.state
-        spec = s.spec
-        assert spec is not None
-        best = spec.best_metric
-        if best is not None and best[0] in metrics:
-            name, larger = best
-            value = metrics[name]
-            if s.best_value is None or (value > s.best_value if larger else value < s.best_value):
-                await self._save_best(step, value)
-        callbacks = await self._job_callbacks()
-        stop = await self.run_in_thread(callbacks.on_eval, step, metrics) if callbacks else None
-        if stop is None:
-            with contextlib.suppress(errors.RedgrainError):
-                await self._prune()  # the evaluated checkpoint may go now (kept when it becomes the result)
-        return stop
-
-    async def _save_best(self, step: int, value: float) -> None:
-        evaluator = await self._job_evaluator()
-        store = self.get_grain(CheckpointStoreGrain, self.key)
-        try:
-            snap = await store.with_timeout(120.0).read(self.state.run, step, evaluator.names, evaluator.extra)
-            await store.with_timeout(120.0).save_best(self.state.run, snap)
-        except errors.RedgrainError as exc:
-            log.warning("%s: checkpoint %d not kept as the best: %s", self.key, step, exc)
-            return
-        self.state.best_step, self.state.best_value = step, value
+        return await self._evaluations.evaluator()
 
     async def _on_commit(self, step: int) -> None:
         """Checkpoint ``step`` was committed: due for evaluation, retention, the callbacks' ``on_checkpoint``."""
-        spec = self.state.spec
-        if spec is not None and spec.eval_every and step % spec.eval_every == 0 and step > self._last_eval_step:
-            self.state.eval_pending = sorted({*self.state.eval_pending, step})
+        self._evaluations.committed(step)
         await self._log(checkpoint=step)
-        await self._prune()
+        await self._checkpoints.prune(self._evaluations.evaluating)
         if self.state.spec is not None and self.state.spec.callbacks:
             callbacks = await self._job_callbacks()
             await self.run_in_thread(callbacks.on_checkpoint, step)
-
-    async def _prune(self) -> None:
-        """With mid-run evaluation the coordinator applies retention (``checkpoint.retained``):
-        it deletes the run's complete checkpoints that are neither among the newest
-        ``keep_checkpoints`` nor due for (or in) an evaluation."""
-        s = self.state
-        spec = s.spec
-        if spec is None or not spec.eval_every or not s.committed:
-            return
-        g = group(self.key, s.run)
-        for info in await self.list_snapshots(g):
-            c = int(info.snapshot_id)
-            due = c in s.eval_pending
-            if c in s.committed or c > s.committed[-1] or due or c == self._evaluating:
-                continue
-            await self.delete_snapshot(g, info.snapshot_id)
 
     async def _job_callbacks(self) -> Callbacks:
         spec = self.state.spec
@@ -733,22 +604,6 @@ class CoordinatorGrain(Grain):
         if self._callbacks is None:
             self._callbacks = await self.run_in_thread(Callbacks, spec.callbacks)
         return self._callbacks
-
-    async def _catch_up_evaluations(self) -> tuple[int, str] | None:
-        """The job completed: the evaluations still due (the last steps ran faster than they did);
-        the step and callback of a request to stop earlier (None: none)."""
-        while True:
-            task = self._eval_task
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-                done = self._take_evaluation()
-                if done is not None:
-                    stop = await self._after_evaluation(*done)
-                    if stop is not None:
-                        return done[0], stop
-            self._start_due_evaluation()
-            if self._eval_task is None:
-                return None
 
     async def _stop_early(self, step: int, callback: str) -> None:
         """A callback stopped the job at evaluated step ``step``: it completes as of that step."""
@@ -768,15 +623,9 @@ class CoordinatorGrain(Grain):
         history.truncate(s.history, step)  # the steps trained past it were abandoned with their checkpoints
         self._unlogged = [h for h in self._unlogged if h.step <= step]
         self._republish = True
-        self._stop_evaluation()
+        self._evaluations.stop()
         with contextlib.suppress(errors.RedgrainError):
             await checkpoint.drop_after(self, self.key, s.run, step)
-
-    def _stop_evaluation(self) -> None:
-        task, self._eval_task = self._eval_task, None
-        self._evaluating = None
-        if task is not None and not task.done():
-            task.cancel()
 
     def _position(self) -> tuple[float, int, int]:
         """The data position at the current step: passes so far, and the epoch and offset it reads."""
@@ -813,7 +662,7 @@ class CoordinatorGrain(Grain):
         restart, self._republish = self._republish, False
         points, self._unpublished = (list(s.history) if restart else self._unpublished), []
         try:
-            return await publish(self, self._live, s.spec, s.trainer_keys, s.shard_keys, points=points,
+            return await publish(workload(self), self._live, s.spec, s.trainer_keys, s.shard_keys, points=points,
                                  restart=restart, checkpoint_at=s.committed_at)  # fmt: skip
         except errors.RedgrainError as exc:
             # The next publish tries them again.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from grains.base import Grain
 from grains.training.api.job import TrainingJob
 from grains.training.api.messages import HistoryPoint, TrainingStatus
 from grains.training.api.records import (
@@ -22,6 +21,7 @@ from grains.training.api.records import (
     Placement,
     RecoveryInfo,
 )
+from grains.workload import Workload
 
 
 def job_progress(
@@ -84,7 +84,7 @@ def history_point(point: HistoryPoint, bytes_per_step: int | None = None) -> Job
 
 
 async def publish(
-    grain: Grain,
+    through: Workload,
     st: TrainingStatus,
     spec: TrainingJob | None,
     trainer_keys: list[str],
@@ -94,12 +94,12 @@ async def publish(
     restart: bool = False,
     checkpoint_at: Mapping[int, float] | None = None,
 ) -> bool:
-    """Publish the job's progress through the grain's silo, in one round trip; True when an
-    admin asked to cancel.
+    """Publish the job's progress through a grain's silo (``workload(grain)``), in one round
+    trip; True when an admin asked to cancel.
 
     ``points``: what the job's history gained since the last publish (none: the record alone);
     ``restart``: they are the whole history, which lost points (an early stop, a rollback).
     """
     progress = job_progress(st, spec, trainer_keys, shard_keys, checkpoint_at=checkpoint_at)
     fields = [history_point(p, progress.bytes_per_step).fields() for p in points]
-    return await grain.publish_progress(progress.job, progress, fields, restart_history=restart)
+    return await through.publish_progress(progress.job, progress, fields, restart_history=restart)

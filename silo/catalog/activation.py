@@ -14,19 +14,20 @@ another ``max_queue`` of those, a one-way call is shed too (logged, counted). Ea
 a call that would wait on an activation already in its own chain fails with
 ``DeadlockError`` instead of hanging.
 
-An activation moves through :class:`ActivationState` one way: ACTIVATING
-(directory registration, state loading, ``on_activate``; calls queue in
-arrival order, the one that started it first, but none runs), ACTIVE,
-DEACTIVATING (the running turn finishes, queued calls are handed back to the
-catalog for re-routing) and INACTIVE. The catalog drives the moves; the
-activation only refuses work that its state no longer allows.
+An activation moves through :class:`~silo.catalog.activation_state.ActivationState`
+one way: ACTIVATING (directory registration, state loading, ``on_activate``;
+calls queue in arrival order, the one that started it first, but none runs),
+ACTIVE, DEACTIVATING (the running turn finishes, queued calls are handed back
+to the catalog for re-routing) and INACTIVE. The catalog drives the moves; the
+activation only refuses work that its state no longer allows. It knows its
+catalog only as an :class:`ActivationHost`, what it needs of it, so this
+module and catalog.py do not import each other, not even for types.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 import logging
 import uuid
 from collections import deque
@@ -39,29 +40,18 @@ from grains.call import CALL_CHAIN
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.context import ActivationContext
 from silo.catalog.invocation import Invocation, Reroute
-from silo.catalog.pipeline import CallContext
+from silo.catalog.pipeline import CallContext, CallNext
+from silo.catalog.state import NamedState
+from silo.catalog.timer import Timer
 
 if TYPE_CHECKING:
-    from silo.catalog.catalog import Catalog
-    from silo.catalog.state import NamedState, StateHandle
-    from silo.catalog.timer import Timer
+    from silo.catalog.state import StateHandle
+    from silo.settings import CatalogSettings
 
 log = logging.getLogger("redgrain.catalog")
-
-
-class ActivationState(enum.StrEnum):
-    """Where an activation is in its life; it only ever moves down this list."""
-
-    ACTIVATING = "activating"
-    """Created and registered; state loading and ``on_activate`` run. Calls queue, none runs."""
-    ACTIVE = "active"
-    """Serving turns."""
-    DEACTIVATING = "deactivating"
-    """Taking no new calls; the running turns finish, queued calls go back for re-routing."""
-    INACTIVE = "inactive"
-    """Gone: unregistered, or never started (activation failed, silo declared dead)."""
 
 
 # An enum attribute lookup costs ~75 ns on Python 3.11, a module global ~10: the
@@ -96,6 +86,23 @@ class Runtime(Protocol):
     def observer(self, activation: Activation, handler: object) -> Any: ...
 
 
+class ActivationHost(Protocol):
+    """What an activation needs of the catalog that owns it: the mailbox's bound
+    (``settings.max_queue``), the clock its idle collection reads ``last_used`` by, the
+    incoming call chain of its type, and a way to ask to be deactivated. catalog.py's
+    ``Catalog`` is the one host; the activation naming that class made the two modules a cycle."""
+
+    @property
+    def settings(self) -> CatalogSettings: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def pipeline_for(self, type_name: str, options: GrainOptions) -> CallNext: ...
+
+    def schedule_deactivation(self, act: Activation, reason: DeactivationReason) -> None: ...
+
+
 class Activation:
     """One live grain instance and its mailbox."""
 
@@ -106,7 +113,7 @@ class Activation:
         options: GrainOptions,
         silo: SiloAddress,
         runtime: Runtime,
-        catalog: Catalog,
+        catalog: ActivationHost,
     ) -> None:
         self.grain_id = grain_id
         self.grain_key = str(grain_id)
@@ -159,8 +166,6 @@ class Activation:
                     f" now as {model.__qualname__}"
                 )
             return found
-        from silo.catalog.state import NamedState  # state.py imports this module
-
         found = self.named[name] = NamedState(self.runtime.named_state_handle(self, name, model, storage))
         return found
 
@@ -380,8 +385,6 @@ class Activation:
         period_s: float | None,
         interleave: bool,
     ) -> Timer:
-        from silo.catalog.timer import Timer  # timer.py imports this module
-
         timer = Timer(self, callback, due_s, period_s, interleave)
         self.timers.add(timer)
         return timer

@@ -32,7 +32,8 @@ from grains.base import DeactivationReason
 from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from silo import errors
-from silo.catalog.activation import Activation, ActivationState, Runtime
+from silo.catalog.activation import Activation, Runtime
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.invocation import Invocation, Reroute
 from silo.catalog.pipeline import CallFilter, CallNext, build_pipeline, invoke_method
 from silo.settings import CatalogSettings

@@ -3,9 +3,10 @@
 A grain talks to its silo only through this object (bound as
 ``grain._rg_context`` when the catalog creates the activation), so the
 programming model imports nothing of the runtime and workloads use only the
-public Grain API. It forwards to the activation (turns, tasks, timers, state)
-and to the silo's runtime services (calls, threads, reminders, checkpoints,
-the Redis the silo publishes through).
+public grain API (``Grain`` and the facilities that act for a grain:
+``grains.checkpoints``, ``grains.workload``). It forwards to the activation
+(turns, tasks, timers, state) and to the silo's runtime services (calls,
+threads, reminders, checkpoints, the Redis the silo publishes through).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 from grains.streams import Stream
 from silo import errors
-from silo.records import forget_progress, publish_progress
+from silo.records.progress import forget_progress, publish_progress
 
 if TYPE_CHECKING:
     from silo.storage.checkpoint import SnapshotInfo

@@ -14,6 +14,7 @@ from grains.observer import ObserverRef
 from grains.placement import grain_options
 from grains.ref import GrainRef, Ref, build_by_name_ref_class, ref_class_for, stream_methods
 from silo import errors
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.evolution import StateLoader
 from silo.catalog.pipeline import OutgoingFilter, filtered_caller
 from silo.catalog.state import StateHandle
@@ -188,8 +189,6 @@ class SiloRuntime:
         """An observer owned by ``activation``: gone once it stops (grains/observer.py)."""
         if self.observers is None:
             raise errors.ConfigError("observers are not available on this silo")
-        from silo.catalog.activation import ActivationState
-
         live = (ActivationState.ACTIVATING, ActivationState.ACTIVE, ActivationState.DEACTIVATING)
         return self.observers.create(handler, alive=lambda: activation.status in live)
 

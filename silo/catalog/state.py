@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from grains.base import DeactivationReason
 from silo import errors
-from silo.catalog.activation import ActivationState
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.evolution import StateLoader
 from silo.codec import Codec, Encoded
 from silo.storage.store import DEFAULT_STATE, StateStore, StoredState

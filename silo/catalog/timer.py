@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from silo.catalog.activation import ActivationState
+from silo.catalog.activation_state import ActivationState
 
 if TYPE_CHECKING:
     from silo.catalog.activation import Activation

@@ -1,7 +1,7 @@
 """Admin commands for one silo, through Redis: the dashboard's and ``redgrain drain``'s inbox.
 
 A command is JSON ``{"command": "drain", ...}`` pushed onto
-``keys.control(silo)`` (``silo.records.request_drain`` writes it, with a TTL
+``keys.control(silo)`` (``silo.records.control.request_drain`` writes it, with a TTL
 so a command for a silo that never reads it goes away) and announced on
 ``keys.control_channel(silo)``. The inbox reads the list when the channel
 says so, when its subscription is (re)made, and every ``poll_s`` (30 s: a

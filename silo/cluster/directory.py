@@ -37,14 +37,17 @@ harmless.
 
 The purge runs in bounded steps, never as one script: Redis runs a script
 to its end while every other client waits. Each step SPOPs at most
-``PURGE_BATCH`` grains from the dead silo's index and runs, pipelined, one
-compare-and-delete per grain in the grain's slot; other clients' commands,
-the heartbeats first among them, run between them. SPOP hands each grain to
-one step only, so several survivors purging at once split the work; an
-entry a live silo took over meanwhile names that silo and stays. A silo
-that is live in the membership table is never purged (read before each
-step; a dead silo never comes back). Nothing is lost while a purge is under
-way: register already takes over an entry whose silo is not live.
+``PURGE_BATCH`` grains per master from the dead silo's index and runs,
+pipelined, one compare-and-delete per grain in the grain's slot; other
+clients' commands, the heartbeats first among them, run between them. (On a
+Redis Cluster the grains of a step spread over the masters, so a step takes
+``PURGE_BATCH`` per master: each master's share of a step stays what one
+Redis does in a step.) SPOP hands each grain to one step only, so several
+survivors purging at once split the work; an entry a live silo took over
+meanwhile names that silo and stays. A silo that is live in the membership
+table is never purged (read before each step until it reads not live: a
+dead silo never comes back). Nothing is lost while a purge is under way:
+register already takes over an entry whose silo is not live.
 
 Fencing tokens must never repeat for a grain, also across a Redis failover.
 A counter alone (INCR) does: a replica promoted before it received the last
@@ -229,6 +232,8 @@ return 0
 """
 
 PURGE_BATCH = 250
+_NOT_LIVE_KEPT = 1024
+"""Silos a directory remembers reading not live (each skips the row's read in later steps)."""
 """Grains one purge step takes from a dead silo's index at most. The SPOP is one command; the
 compare-and-deletes are one tiny script each, so no single command holds Redis for long."""
 
@@ -352,6 +357,8 @@ class RedisGrainDirectory:
         self._purge = redis.register_script(_PURGE_ENTRY)
         # One Redis holds every slot: one counter for all, as tokens always were there.
         self._per_slot = is_cluster(redis)
+        self._n_masters: int | None = None
+        self._not_live: OrderedDict[str, None] = OrderedDict()
 
     async def register(self, grain: GrainId, silo: SiloAddress, activation_id: str) -> DirectoryEntry:
         k = self._keys
@@ -447,15 +454,32 @@ class RedisGrainDirectory:
         k = self._keys
         dead = str(silo)
         with redis_errors("directory purge"):
-            if _live(await self._redis.hget(k.members, dead)):
-                raise errors.MembershipError(f"silo {silo} is live: its directory entries are not purged")
-            popped = await self._redis.spop(k.directory_index(dead), self._purge_count)
+            if dead not in self._not_live:
+                if _live(await self._redis.hget(k.members, dead)):
+                    raise errors.MembershipError(f"silo {silo} is live: its directory entries are not purged")
+                self._not_live[dead] = None  # for good: later steps need not read the row again
+                if len(self._not_live) > _NOT_LIVE_KEPT:
+                    self._not_live.popitem(last=False)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.spop(k.directory_index(dead), self._purge_count * await self._masters())
+                pipe.scard(k.directory_index(dead))
+                popped, left = await pipe.execute()
             names = [g.decode() if isinstance(g, bytes) else str(g) for g in popped or []]
             done = await run_script_batch(self._redis, self._purge, [([k.directory_entry(g)], [dead]) for g in names])
-            remaining = int(await self._redis.scard(k.directory_index(dead)))
+            remaining = int(left)
         grains = tuple(GrainId.parse(g) for g, d in zip(names, done, strict=True) if int(d))
         self._n.purged += len(grains)
         return PurgedBatch(grains, remaining)
+
+    async def _masters(self) -> int:
+        """How many masters share the grains' slots (1 on one Redis), read once."""
+        if self._n_masters is None:
+            if self._per_slot:
+                await self._redis.initialize()  # type: ignore[attr-defined]
+                self._n_masters = max(1, len(self._redis.get_primaries()))  # type: ignore[attr-defined]
+            else:
+                self._n_masters = 1
+        return self._n_masters
 
     async def purge_silo(self, silo: SiloAddress) -> int:
         """Delete every entry a dead silo still owns, one bounded step after another."""

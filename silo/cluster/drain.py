@@ -35,7 +35,7 @@ from grains.ids import SiloAddress
 from silo import errors
 from silo.cluster.events import ClusterEvents
 from silo.cluster.membership import MembershipTable
-from silo.records import SiloStatus
+from silo.records.membership import SiloStatus
 
 if TYPE_CHECKING:
     from silo.catalog.catalog import Catalog

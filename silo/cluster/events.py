@@ -4,7 +4,7 @@ The components that notice something (the failure detector: suspect, dead;
 the rebalancer and drain: failover, rebalance, drain, leave) call
 ``emit(kind, data)``: it logs one line, counts the kind and calls every
 listener at once, in the emitter's turn. The silo adds the dashboard's event
-log as a listener (:meth:`silo.records.EventLog.on_event`, which queues the
+log as a listener (:meth:`silo.records.events.EventLog.on_event`, which queues the
 write and returns), so nothing that emits waits on Redis. A failing listener
 is logged and never breaks the component that emitted the event.
 """

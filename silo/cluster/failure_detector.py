@@ -56,7 +56,7 @@ from silo import errors
 from silo.cluster.events import ClusterEvents
 from silo.cluster.membership import HEARTBEAT_LUA, MembershipTable, VoteOutcome
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import connect_redis_sync
 from silo.settings import MembershipSettings
 

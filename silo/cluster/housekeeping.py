@@ -40,7 +40,7 @@ from silo import errors
 from silo.cluster.directory import GrainDirectory
 from silo.cluster.membership import MembershipTable, announcing
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RetentionSettings
 

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 
 from silo import errors
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus, merge_row
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus, merge_row
 from silo.redis_util import redis_errors
 
 log = logging.getLogger("redgrain.membership")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from grains.base import DeactivationReason
 from grains.ids import GrainId, SiloAddress
 from silo import errors
-from silo.catalog.activation import ActivationState
+from silo.catalog.activation_state import ActivationState
 from silo.cluster.events import ClusterEvents
 from silo.cluster.versions import compatible
 from silo.cluster.view import MembershipView

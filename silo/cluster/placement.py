@@ -16,7 +16,7 @@ from typing import Protocol
 from grains.ids import GrainId, SiloAddress
 from grains.placement import Placement
 from silo import errors
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 
 
 class PlacementDirector(Protocol):

@@ -46,7 +46,7 @@ from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import wait_event
 from silo.cluster.view import MembershipView
 from silo.keys import Keys, parse_manifest_field
-from silo.records import SiloStatus
+from silo.records.membership import SiloStatus
 from silo.redis_util import redis_errors
 from silo.settings import RebalancerSettings
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 
 
 def compatible(

@@ -38,7 +38,7 @@ from grains.ids import SiloAddress
 from silo import errors
 from silo.cluster.membership import MembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.shutdown import raise_if_cancelled
 
 log = logging.getLogger("redgrain.membership")

@@ -34,7 +34,8 @@ from grains.ids import GrainId, SiloAddress
 from grains.placement import GrainOptions
 from grains.result_stream import ResultStream, StreamChannel
 from silo import errors
-from silo.catalog.activation import Activation, ActivationState
+from silo.catalog.activation import Activation
+from silo.catalog.activation_state import ActivationState
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
 from silo.catalog.internal import INTERNAL_TURNS
@@ -146,10 +147,13 @@ class Dispatcher:
         self._version_mismatches = 0
         self._streams = 0
         self._posts = 0
-        self._arriving: set[tuple[int, int]] = set()
+        self._arriving: dict[tuple[int, int], asyncio.Task[None] | None] = {}
         """Requests served by _serve (a task each), which a CANCEL may reach before they are queued."""
         self._recalled: set[tuple[int, int]] = set()
-        """Of those, the ones whose caller gave up before they were queued: never queued."""
+        """Of those, the ones whose caller gave up while on no activation: never queued."""
+        self._relaying: set[tuple[int, int]] = set()
+        """Of those, the ones being forwarded to their grain's owner: a CANCEL cancels their task,
+        whose forwarding call then sends the owner a CANCEL of its own (router.send)."""
         self._waiting: set[Invocation] = set()
         """Calls from this silo waiting for an answer (their deadlines: see _watch)."""
         self._sweep_at = float("inf")
@@ -192,6 +196,13 @@ class Dispatcher:
                 inv.cancelled = True
                 if inv.activation is not None:
                     inv.activation.cancel_call(inv)
+            elif track in self._arriving:
+                # Between activations (re-routed) or relayed to the grain's owner: never queued
+                # again here, and a relayed call is cancelled where it runs, one CANCEL per hop.
+                self._recalled.add(track)
+                task = self._arriving[track]
+                if track in self._relaying and task is not None:
+                    task.cancel()
             return
         if kind not in (REQUEST, ONEWAY, STREAM):
             return
@@ -223,8 +234,11 @@ class Dispatcher:
         self, conn: Connection, req_id: int, call: Call, deadline: float, trace: Carrier | None, sink: Sink | None = None
     ) -> None:
         # Known as arriving now, not when the task starts: a CANCEL read next may reach it first.
-        self._arriving.add((id(conn), req_id))
-        task = asyncio.get_running_loop().create_task(self._serve(conn, req_id, call, deadline, trace, sink))
+        track = (id(conn), req_id)
+        self._arriving[track] = None
+        task = self._arriving[track] = asyncio.get_running_loop().create_task(
+            self._serve(conn, req_id, call, deadline, trace, sink)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -344,6 +358,13 @@ class Dispatcher:
         track = (id(conn), req_id)
         try:
             result = await self.dispatch(call, deadline, track, trace, sink=sink)
+        except asyncio.CancelledError:
+            if track in self._recalled:
+                # Its caller's CANCEL stopped the call this silo relayed: answered as a cancelled
+                # turn is (the caller has forgotten it), which frees its place on the connection.
+                self._errors += 1
+                conn.send_error(req_id, errors.GrainTimeoutError(str(call.grain), call.method, 0.0))
+            raise
         except Exception as exc:  # noqa: BLE001 - every failure is answered to the caller
             if isinstance(conn, _NoAnswer) and self._send_one_way_again(call, deadline, exc):
                 return
@@ -355,7 +376,7 @@ class Dispatcher:
                 return
             conn.send_response(req_id, result)
         finally:
-            self._arriving.discard(track)
+            self._arriving.pop(track, None)
             self._recalled.discard(track)
             if sink is not None:
                 conn.end_stream(req_id)
@@ -410,7 +431,7 @@ class Dispatcher:
                 target = await asyncio.shield(move)
                 if target is not None and target != self.address and hops < MAX_HOPS:
                     self._forwarded += 1
-                    return await self._forward(target, call, deadline, trace, stream, sink)
+                    return await self._forward(target, call, deadline, trace, stream, sink, track)
             if self.draining and not self._has_activation(grain, options):
                 raise errors.SiloNotServingError(str(self.address), "silo is draining")
             # The call goes into the mailbox now, also of an activation still registering or
@@ -492,7 +513,7 @@ class Dispatcher:
                     if hops >= MAX_HOPS:
                         raise errors.SiloUnavailableError(str(reroute.to), f"{grain} still not found after {hops} hops") from None
                     self._forwarded += 1
-                    return await self._forward(reroute.to, call, deadline, trace, stream, sink)
+                    return await self._forward(reroute.to, call, deadline, trace, stream, sink, track)
                 self._rerouted += 1
                 continue
             finally:
@@ -553,16 +574,29 @@ class Dispatcher:
         trace: Carrier | None,
         stream: StreamChannel | None,
         sink: Sink | None,
+        track: tuple[int, int] | None = None,
     ) -> Any:
         """Relay a call to its grain's owner. A streamed one from this silo is opened there for
         its caller's own stream; one from the network is relayed item by item, no faster than
-        its caller's credit (the relay's own window bounds what waits here)."""
-        if sink is None:
-            return await self._router.forward(target, call, deadline, trace, stream=stream)
-        relay: ResultStream[Any] = ResultStream(self._router, call)
-        await self._router.forward(target, call, deadline, trace, stream=relay.channel)
-        await run_generator(relay, sink)  # closes the relay (a CANCEL there) however it ends
-        return None
+        its caller's credit (the relay's own window bounds what waits here).
+
+        A caller on this silo cancels the relay by cancelling its own task; a network request's
+        CANCEL (``track``) cancels the task serving it here (on_frame). Either way the relaying
+        call sends the owner its CANCEL, as any call does when its caller gives up."""
+        if track is not None:
+            if track in self._recalled:
+                raise errors.GrainTimeoutError(str(call.grain), call.method, 0.0)  # its caller gave up meanwhile
+            self._relaying.add(track)
+        try:
+            if sink is None:
+                return await self._router.forward(target, call, deadline, trace, stream=stream)
+            relay: ResultStream[Any] = ResultStream(self._router, call)
+            await self._router.forward(target, call, deadline, trace, stream=relay.channel)
+            await run_generator(relay, sink)  # closes the relay (a CANCEL there) however it ends
+            return None
+        finally:
+            if track is not None:
+                self._relaying.discard(track)
 
     async def _opened_here(self, act: Activation, inv: Invocation, link: LocalLink, stream: StreamChannel) -> None:
         """A streamed call from this silo: wait for its first item or its end; the turn's end

@@ -33,7 +33,7 @@ from silo.messaging.frame import ONEWAY, REQUEST, STREAM
 from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.request import encode_request, request_body
 from silo.messaging.transport import Transport
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 from silo.shutdown import raise_if_cancelled
 from silo.tracing import Carrier, Tracing, call_carrier
 

@@ -42,7 +42,13 @@ from grains.ids import GrainId
 from silo import errors
 from silo.codec import Encoded
 from silo.keys import Keys, chunk_key
-from silo.redis_util import CLOSED_UNDER_US, PoolExhaustedError, closed_under_us, is_cluster, run_replicated
+from silo.redis_util import (
+    CLOSED_UNDER_US,
+    PoolExhaustedError,
+    closed_under_us,
+    is_cluster,
+    run_replicated,
+)
 from silo.settings import StorageSettings
 
 log = logging.getLogger("redgrain.storage")
@@ -446,7 +452,7 @@ class Blobs:
             offset += p.nbytes
         await pipe.execute()
 
-    async def _chunks(self, names: list[str]) -> list[bytes | None]:
+    async def _chunks(self, names: list[str]) -> list[Any]:
         if not is_cluster(self.redis):
             return list(await self.redis.mget(names))
         # On a Cluster, GETs in a pipeline rather than one MGET: while the slot migrates, its

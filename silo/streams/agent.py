@@ -186,10 +186,13 @@ class StreamAgentStatistics:
 class _Key:
     """One held stream key: its delivery task and what was read ahead."""
 
-    __slots__ = ("fed", "grain", "idle", "key", "last", "lost", "queue", "redis_key", "stopping", "task")
+    __slots__ = ("fed", "grain", "idle", "key", "last", "lost", "queue", "redis_key", "stopping", "task", "valid_until")
 
-    def __init__(self, key: str, redis_key: str, grain: GrainId) -> None:
+    def __init__(self, key: str, redis_key: str, grain: GrainId, valid_until: float) -> None:
         self.key, self.redis_key, self.grain = key, redis_key, grain
+        self.valid_until = valid_until
+        """Loop time until which the lease is surely ours: ``lease_s`` after the last take or
+        renewal Redis confirmed, counted from when it was sent (Redis' TTL starts later)."""
         self.queue: collections.deque[tuple[bytes, dict[bytes, bytes] | None]] = collections.deque()
         self.idle = False
         """Caught up: the agent's shared blocking read waits on this key."""
@@ -330,11 +333,13 @@ class StreamAgent:
             if key not in mine and not k.stopping:
                 k.stopping = True  # the pump ends after its delivery in progress, then releases
                 k.fed.set()
+        loop = asyncio.get_running_loop()
         for key in sorted(mine - self._held.keys()):
             if self._closed:
                 return
+            sent = loop.time()
             if await self._acquire(key):
-                self._take(key)
+                self._take(key, sent + self._settings.lease_s)
 
     async def _acquire(self, key: str) -> bool:
         lease = self._keys.stream_lease(self.namespace, key, self.group)
@@ -355,10 +360,13 @@ class StreamAgent:
             return
         ttl_ms = max(1, round(self._settings.lease_s * 1000))
         leases = [self._keys.stream_lease(self.namespace, k.key, self.group) for k in held]
+        sent = asyncio.get_running_loop().time()
         with redis_errors(f"renew stream leases of {self.namespace!r}"):
             kept = await self._renew_script(keys=leases, args=[self.me, ttl_ms])
         for k, ok in zip(held, kept, strict=True):
-            if not ok:
+            if ok:
+                k.valid_until = sent + self._settings.lease_s
+            else:
                 log.warning("streams: lost the lease of %s/%s to another silo", self.namespace, k.key)
                 k.lost = k.stopping = True
                 k.fed.set()
@@ -370,8 +378,27 @@ class StreamAgent:
         except errors.StorageError as exc:  # it runs out by itself
             log.warning("streams: %s", exc)
 
-    def _take(self, key: str) -> None:
-        k = _Key(key, self._keys.stream(self.namespace, key), GrainId(self.group, key))
+    def _leased(self, k: _Key) -> bool:
+        """Whether the lease is surely still ours; if not, the pump stops (and releases, if it still can).
+
+        A holder that could not renew (Redis unreachable from here, a long pause) may have lost
+        the key to another silo meanwhile, which reads on from the group: reading or delivering
+        past that moment would hand the grain two silos' items interleaved, out of order (found
+        by the simulator's ``services`` scenario, a Redis cut outlasting the lease). So an item
+        is read and each delivery begins only while the last confirmed renewal stands. A
+        delivery already running when the lease ends may still outlast it (up to
+        ``delivery_timeout_s``): nothing fences the grain's turn itself.
+        """
+        if asyncio.get_running_loop().time() < k.valid_until:
+            return True
+        if not k.stopping:
+            log.warning("streams: the lease of %s/%s ran out unrenewed; delivery stops", self.namespace, k.key)
+            k.stopping = True
+            k.fed.set()
+        return False
+
+    def _take(self, key: str, valid_until: float) -> None:
+        k = _Key(key, self._keys.stream(self.namespace, key), GrainId(self.group, key), valid_until)
         self._held[key] = k
         k.task = asyncio.get_running_loop().create_task(self._pump(k), name=f"stream {self.namespace}/{key}")
 
@@ -381,6 +408,8 @@ class StreamAgent:
             await self._ensure_group(k)
             await self._recover(k)
             while not k.stopping:
+                if not self._leased(k):
+                    break
                 if not k.queue:
                     try:
                         read = await self._read_new(k)
@@ -390,6 +419,9 @@ class StreamAgent:
                         # Deleted by a retention sweep (empty, nothing owed) and published to again.
                         await self._ensure_group(k)
                         continue
+                    # A stop's cancel that redis-py swallowed mid-read would leave this pump
+                    # waiting below for ever, and stop() waiting on it (silo/shutdown.py).
+                    raise_if_cancelled()
                     if not read:
                         k.idle = True
                         self._wake.set()
@@ -441,12 +473,12 @@ class StreamAgent:
                 if name != self.me and not c["pending"] and self._is_dead(name):
                     await self._redis.xgroup_delconsumer(k.redis_key, self.group, name)
         last: bytes | str = "0-0"
-        while not k.stopping:
+        while not k.stopping and self._leased(k):
             pending = await self._read(k, last)
             if not pending:
                 return
             for entry_id, fields in pending:
-                if k.stopping:
+                if k.stopping or not self._leased(k):
                     return
                 await self._deliver_entry(k, entry_id, fields)
                 last = entry_id

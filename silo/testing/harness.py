@@ -39,9 +39,17 @@ through the same code as in a cluster of processes::
         await cluster.declare_dead(b)
         assert await counter.add(1) == 2                       # re-activated on a
 
+Given a Redis client (``redis``: a real one, or a command-level twin such
+as fakeredis, which is what the simulator gives it), the silo also runs the
+services that talk to Redis directly, wired as ``silo/silo.py`` wires them:
+the reminder service (its poller delivering ticks through the router) and one
+stream agent per ``@subscribes`` namespace and type (rendezvous over the
+active silos hosting the type, from the membership view); grains publish
+through the same :class:`~silo.streams.stream.Streams`.
+
 What stays out: the heartbeat thread and failure detector (a test declares a
 silo dead with :meth:`InProcessCluster.declare_dead`, as their vote would),
-the rebalancer, migrator, reminders, stats and event log.
+the rebalancer, migrator, stream retention, stats and event log.
 
 With a :class:`~silo.testing.clock.VirtualClock` installed and passed as
 ``clock``, idle collection, timers, call deadlines, router retries and the
@@ -53,6 +61,7 @@ wiring is mended here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import time
@@ -64,14 +73,17 @@ from grains.base import DeactivationReason, Grain
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
+from grains.placement import grain_options
 from grains.ref import GrainRef, Ref
 from grains.result_stream import StreamChannel
+from grains.streams import subscriptions
 from silo import errors
 from silo.catalog.catalog import Catalog
 from silo.catalog.grain_types import GrainTypes
 from silo.catalog.pipeline import CallFilter, OutgoingFilter
 from silo.catalog.runtime import RefFactory, SiloRuntime
 from silo.cluster.placement import Placer
+from silo.cluster.reminders import ReminderService, ReminderTable, ticks_through
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
@@ -79,10 +91,12 @@ from silo.messaging.dispatcher import Dispatcher
 from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import MAX_RETRY_BACKOFF_S, RETRY_BACKOFF_S, Router
-from silo.records import MemberRow, SiloStatus
-from silo.settings import CatalogSettings, TransportSettings
+from silo.records.membership import MemberRow, SiloStatus
+from silo.settings import CatalogSettings, RemindersSettings, StreamSettings, TransportSettings
 from silo.storage.provider import REDIS, StorageProviders
 from silo.storage.store import StateStore
+from silo.streams.agent import StreamAgent
+from silo.streams.stream import Streams
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.store import InMemoryStateStore
@@ -90,6 +104,8 @@ from silo.testing.transport import InMemoryNetwork, InMemoryTransport
 from silo.tracing import call_carrier
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from silo.catalog.activation import Activation
 
 ADDRESS = SiloAddress("127.0.0.1", 11111, 1)
@@ -207,6 +223,8 @@ class InProcessSilo:
     ``wall_clock`` stamps the membership row's start and first heartbeat, as
     ``silo/silo.py`` stamps them with ``time.time`` (default: ``clock``); the
     simulator gives it a wall clock that jumps.
+    ``redis`` (with ``keys``, ``reminders`` and ``streams`` settings) adds the
+    services that talk to Redis directly: reminders and stream delivery.
     """
 
     def __init__(
@@ -232,6 +250,10 @@ class InProcessSilo:
         fenced: Callable[[], bool] | None = None,
         confirm_alive: Callable[[float], Awaitable[bool]] | None = None,
         wall_clock: Callable[[], float] | None = None,
+        redis: aioredis.Redis | None = None,
+        keys: Keys | None = None,
+        reminders: RemindersSettings | None = None,
+        streams: StreamSettings | None = None,
     ) -> None:
         if address is None:
             address = ADDRESS if network is None else SiloAddress("127.0.0.1", network.free_port(), 1)
@@ -288,6 +310,18 @@ class InProcessSilo:
         self.observers = ObserverHub(
             owner=str(address), codec=self.codec, transport=self.transport, call_timeout_s=call_timeout_s
         )
+        self.redis = redis
+        self.keys = keys or Keys("in-process")
+        self.reminder_settings = reminders or RemindersSettings()
+        self.stream_settings = streams or StreamSettings()
+        self.reminders: ReminderService | None = None
+        self.streams: Streams | None = None
+        self.stream_agents: list[StreamAgent] = []
+        if redis is not None:
+            # As silo.py builds them; the delivery is given at start (ReminderService.start).
+            self.reminders = ReminderService(ReminderTable(redis, self.keys), self.reminder_settings)
+            # The clock read at each call: a simulation replaces time.time for its run.
+            self.streams = Streams(redis, self.keys, self.codec, self.stream_settings, clock=lambda: time.time())
         self.runtime = SiloRuntime(
             device="cpu",
             refs=self.refs,
@@ -295,8 +329,12 @@ class InProcessSilo:
             codec=self.codec,
             threads=self.settings.thread_pool_size,
             view=self.view,
+            redis=redis,
+            keys=self.keys if redis is not None else None,
+            reminders=self.reminders,
             outgoing_filters=list(outgoing_filters),
             observers=self.observers,
+            streams=self.streams,
         )
         self.catalog = Catalog(
             settings=self.settings,
@@ -350,7 +388,50 @@ class InProcessSilo:
             await self.manifests.refresh()
         self.catalog.start()
         self._started = True
+        self._start_redis_services()
         return self
+
+    def _start_redis_services(self) -> None:
+        """Reminders and stream delivery, last as in silo.py's ``_stage_services`` (they make calls)."""
+        if self.reminders is not None:
+            self.reminders.start(ticks_through(cast(Any, self.router), self.reminder_settings.delivery_timeout_s))
+            if self.view is not None:
+                # A silo that left may have been the one firing reminders others sleep past.
+                reminders = self.reminders
+                self.view.on_change(lambda old, new: reminders.wake())
+        if self.redis is None:
+            return
+        for cls in self.types.classes():
+            type_name = grain_options(cls).type_name
+            for namespace in subscriptions(cls):
+                agent = StreamAgent(
+                    redis=self.redis, keys=self.keys, namespace=namespace, group=type_name, me=str(self.address),
+                    candidates=functools.partial(self._hosting, type_name), is_dead=self._is_dead,
+                    caller=cast(Any, self.router), codec=self.codec, settings=self.stream_settings,
+                )  # fmt: skip
+                self.stream_agents.append(agent)
+                agent.start()
+
+    def _hosting(self, type_name: str) -> list[str]:
+        if self.view is None:
+            return [str(self.address)]
+        return [r.address for r in self.view.hosting(type_name)]
+
+    def _is_dead(self, address: str) -> bool:
+        if self.view is None:
+            return False
+        try:
+            row = self.view.row(SiloAddress.parse(address))
+        except ValueError:
+            return False
+        return row is not None and row.status is SiloStatus.DEAD
+
+    async def _stop_redis_services(self, *, release: bool) -> None:
+        # A killed silo touches nothing in Redis: its leases run out or are taken.
+        await asyncio.gather(*(a.stop(release=release) for a in self.stream_agents))
+        self.stream_agents = []
+        if self.reminders is not None:
+            await self.reminders.stop()
 
     async def stop(self) -> None:
         """Deactivate every activation (as a silo shutting down does), then stop.
@@ -363,6 +444,7 @@ class InProcessSilo:
         if not self._started:
             return
         self._started = False
+        await self._stop_redis_services(release=True)
         alive = self.membership is not None and self.membership.is_alive(self.address)
         if self.membership is not None and alive:
             await self.membership.set_status(str(self.address), SiloStatus.SHUTTING_DOWN)
@@ -394,6 +476,7 @@ class InProcessSilo:
         if not self._started:
             return
         self._started = False
+        await self._stop_redis_services(release=False)
         if self.view is not None:
             await self.view.stop()
         await self.catalog.stop()

@@ -35,7 +35,7 @@ from silo.cluster.membership import (
     MembershipWatch,
     VoteOutcome,
 )
-from silo.records import LIVE, MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import LIVE, MemberRow, SiloLoad, SiloStatus
 
 SUSPICION_TTL_S = 60.0
 """The Redis table's suspicion votes expire this long after the last vote (PEXPIRE)."""

@@ -28,7 +28,7 @@ from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
 from silo.messaging.frame import REQUEST
 from silo.messaging.transport import Transport
-from silo.records import SiloStatus
+from silo.records.membership import SiloStatus
 from silo.settings import TransportSettings
 from silo.testing.embedded import RedisServer
 from tests.chaos.grains import (

@@ -22,7 +22,7 @@ from silo import errors
 from silo.client import ClusterClient
 from silo.codec import Codec, TypeRegistry
 from silo.keys import Keys
-from silo.records import EventLog, read_events
+from silo.records.events import EventLog, read_events
 from silo.redis_util import connect_redis
 from silo.settings import StorageSettings
 from silo.storage.store import RedisStateStore

@@ -1,7 +1,7 @@
 """A job's named metrics through the dashboard: the job API by split, and /metrics by name.
 
 Published as a coordinator does (``publish_job_progress`` writes the same records as
-``Grain.publish_progress``); no silo and no training core needed.
+``workload(grain).publish_progress``); no silo and no training core needed.
 """
 
 from __future__ import annotations

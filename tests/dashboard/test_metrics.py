@@ -20,7 +20,7 @@ from grains.training.api.records import JobProgress, publish_job_progress
 from grains.training.progress import job_progress
 from silo.client import ClusterClient
 from silo.keys import Keys
-from silo.records import GpuRecord, SiloStatsRecord
+from silo.records.stats import GpuRecord, SiloStatsRecord
 from silo.stats import GpuProbe
 from tests.dashboard.conftest import CALM
 from tests.sample_grains import Echo

@@ -25,7 +25,7 @@ from grains.training.api.records import JobProgress, publish_job_progress
 from silo import errors
 from silo.client import ClusterClient
 from silo.keys import Keys
-from silo.records import GpuRecord
+from silo.records.stats import GpuRecord
 from tests.dashboard.conftest import CALM
 from tests.dashboard.test_metrics import put_stats_record
 from tests.sample_grains import Echo, Reminded

@@ -11,11 +11,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
-from grains.ref import Ref, public_methods
-from tests.grains.typing_cases.ref_grains import Counter
+from grains import Grain, GrainId
+from grains.ref import Caller, Ref, public_methods, ref_class_for, stream_methods
+from tests.grains.typing_cases.ref_grains import Counter, Decorated
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).parent / "typing_cases"
@@ -64,7 +66,7 @@ def test_bad_calls_are_reported_on_their_lines_with_their_reasons(mypy_cache: Pa
         for n, line in enumerate(bad.read_text().splitlines(), 1)
         if (m := MARK.search(line))
     }
-    assert len(expected) == 18
+    assert len(expected) == 21
     rc, errors = mypy(mypy_cache, str(bad))
     assert rc == 1
     got = {line: (code, message) for _, line, code, message in errors}
@@ -75,27 +77,66 @@ def test_bad_calls_are_reported_on_their_lines_with_their_reasons(mypy_cache: Pa
         assert text in got[line][1], (line, got[line])
 
 
-def test_the_plugin_allows_exactly_the_names_the_runtime_reference_has(mypy_cache: Path, tmp_path: Path) -> None:
-    # Every attribute a Counter instance has, through a reference: mypy must accept the
-    # remote methods (and the reference's own grain_id/key/with_timeout) and nothing else.
-    names = sorted(n for n in dir(Counter) if not n.startswith("__"))
+REMOTE: dict[type[Grain], set[str]] = {
+    Counter: {"add", "total", "touch"},
+    Decorated: {"timed_add", "tagged_touch", "words"},  # not hidden, rewrapped: plain def wrappers
+}
+
+
+@pytest.mark.parametrize("grain", [Counter, Decorated], ids=lambda g: g.__name__)
+def test_the_plugin_allows_exactly_the_names_the_runtime_reference_has(
+    mypy_cache: Path, tmp_path: Path, grain: type[Grain]
+) -> None:
+    # Every attribute a grain instance has, through a reference: mypy must accept the
+    # remote methods (and the reference's own grain_id/key/with_timeout) and nothing else,
+    # and refuse each other one with the reason the run-time reference gives.
+    names = sorted(n for n in dir(grain) if not n.startswith("__"))
     own = {n for n in dir(Ref) if not n.startswith("_")}
     program = "\n".join(
         [
             "from silo.client import ClusterClient",
-            "from tests.grains.typing_cases.ref_grains import Counter",
+            f"from tests.grains.typing_cases.ref_grains import {grain.__name__}",
             "def probe(client: ClusterClient) -> None:",
-            "    ref = client.get_grain(Counter, 'c')",
+            f"    ref = client.get_grain({grain.__name__}, 'c')",
             *(f"    ref.{n}" for n in names),
         ]
     )
     probe = tmp_path / "probe.py"
     probe.write_text(program + "\n")
     _, errors = mypy(mypy_cache, str(probe))
-    refused = {names[line - 5] for _, line, code, _ in errors if code == "attr-defined"}
+    refused = {names[line - 5]: message for _, line, code, message in errors if code == "attr-defined"}
     assert {code for *_, code, _ in errors} <= {"attr-defined"}, errors
-    assert set(names) - refused == set(public_methods(Counter)) | (own & set(names))
-    assert set(public_methods(Counter)) == {"add", "total", "touch"}
+    assert set(names) - set(refused) == set(public_methods(grain)) | (own & set(names))
+    assert set(public_methods(grain)) == REMOTE[grain]
+    ref = _unsent(grain)
+    for name, message in refused.items():
+        with pytest.raises(AttributeError) as info:
+            getattr(ref, name)
+        # The same words at run time: 'Reference to "G" has no attribute "m" (why)'.
+        assert str(info.value) == message, name
+
+
+def _unsent(grain: type[Grain]) -> Any:
+    """A reference whose names are looked up, never called (Any: the point is to try the
+    names mypy refuses)."""
+    return ref_class_for(grain)(cast(Caller, None), GrainId.of(grain.__name__, "k"))
+
+
+def test_a_method_behind_a_plain_def_wrapper_is_not_remote_and_an_async_wrapper_is() -> None:
+    ref = _unsent(Decorated)
+    with pytest.raises(AttributeError, match='decorator "logged" makes it a plain function'):
+        ref.hidden  # noqa: B018 - the lookup is the point
+    assert stream_methods(Decorated) == {"words"}
+
+
+def test_the_checks_hold_for_grains_read_from_mypys_cache(tmp_path: Path) -> None:
+    # mypy's cache keeps no decorators: a grain module read from it must be judged the same
+    # (one-way results, plain def wrappers), so the calls are checked after a run that cached it.
+    cache = tmp_path / "cache"
+    assert mypy(cache, str(CASES / "ref_grains.py")) == (0, [])
+    assert mypy(cache, str(CASES / "good_calls.py")) == (0, [])
+    _, errors = mypy(cache, str(CASES / "bad_calls.py"))
+    assert len(errors) == 21, errors
 
 
 def test_a_users_project_gets_the_checks_from_the_installed_packages(mypy_cache: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from silo.codec import Codec
 from silo.keys import Keys
 from silo.messaging.frame import AUTH, AUTH_OK, BUFLEN, HELLO, PREFIX
 from silo.messaging.transport import Transport
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import ClientSettings, TransportSettings
 from silo.silo import Silo
 from silo.testing.transport import pack_frame

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from silo.keys import Keys
 from silo.logstream import LogStream
-from silo.records import LogEntry, read_logs
+from silo.records.logs import LogEntry, read_logs
 from silo.redis_util import connect_redis
 from silo.settings import LogStreamSettings
 from silo.testing.embedded import RedisServer

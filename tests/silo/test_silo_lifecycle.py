@@ -21,7 +21,7 @@ import redis
 from silo import errors
 from silo.keys import Keys
 from silo.messaging import local_socket
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import SiloSettings
 from silo.silo import Silo, SiloState
 from tests.conftest import FAST_MEMBERSHIP

@@ -7,7 +7,7 @@ import pytest
 
 from silo import errors
 from silo.cluster.membership import RedisMembershipTable
-from silo.records import SiloStatus
+from silo.records.membership import SiloStatus
 from silo.redis_util import connect_redis
 from silo.settings import SiloSettings
 from silo.silo import Silo, SiloState

@@ -20,7 +20,7 @@ from silo.client import ClusterClient
 from silo.cluster.versions import compatible
 from silo.keys import Keys, manifest_field
 from silo.messaging.manifests import Manifests, TypeInfo
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 from silo.testing.harness import InProcessCluster
 from tests.silo.ledger_v1 import LedgerV1
 from tests.silo.ledger_v2 import LedgerV2

@@ -2,7 +2,7 @@
 
 A coordinator publishes its job's :class:`JobProgress` (the latest figures,
 placements, checkpoints and recoveries) and points for the curves
-(:class:`JobPoint`) through the public grain facility ``Grain.publish_progress``; readers
+(:class:`JobPoint`) through the grain facility ``workload(grain).publish_progress``; readers
 (the dashboard) import only this module of the training package.
 
 Training and evaluation figures are never mixed: a point is of one
@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from silo.keys import Keys
-from silo.records import publish_progress
+from silo.records.progress import publish_progress
 from silo.redis_util import redis_errors
 
 Split = Literal["train", "eval"]
@@ -305,8 +305,8 @@ async def publish_job_progress(
 ) -> bool:
     """Publish a job's progress from outside a grain (tests, tools); True if a cancel was asked.
 
-    Grains publish with ``Grain.publish_progress`` (``grains.training.progress.publish``);
-    both write the same records (``silo.records.publish_progress``). ``point=True``
+    Grains publish with ``workload(grain).publish_progress`` (``grains.training.progress.publish``);
+    both write the same records (``silo.records.progress.publish_progress``). ``point=True``
     derives this tick's points from ``progress`` (:func:`job_points`, the eval one
     when ``evaluated``); pass JobPoints to write others, or False to write none.
     """

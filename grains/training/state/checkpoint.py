@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from grains.base import Grain
+from grains.checkpoints import snapshots
 from grains.training.api.job import TrainingJob
 from grains.training.loop.optim import DEFAULT_GROUP, group_order, trainable
 from grains.training.state.model_tensors import frozen_parameters, persistent_buffers
@@ -132,10 +133,10 @@ async def save(
     this step, complete or not, is taken over rather than blocking the save or mixing with it."""
     shard.state.snapshot = snapshot
     try:
-        # save_snapshot encodes the state before its first await, so saves of
+        # A save encodes the state before its first await, so saves of
         # two steps may overlap safely.
         members = [member(k, type(shard).__name__) for k in shard_keys]
-        return await shard.save_snapshot(group(job, run), snapshot.step, members, keep=keep, epoch=generation)
+        return await snapshots(shard).save(group(job, run), snapshot.step, members, keep=keep, epoch=generation)
     finally:
         shard.state.snapshot = None
 
@@ -146,7 +147,7 @@ async def save_whole(
     """Save the whole model as the only member of the job's snapshot (all-reduce mode's rank 0)."""
     grain.state.snapshot = snapshot
     try:
-        return await grain.save_snapshot(group(job, run), snapshot.step, keep=keep, epoch=generation)
+        return await snapshots(grain).save(group(job, run), snapshot.step, keep=keep, epoch=generation)
     finally:
         grain.state.snapshot = None
 
@@ -161,12 +162,13 @@ async def load_model(
     ``grain`` must keep its state as :class:`SnapshotState` (its codec decodes the members).
     """
     g = name or group(job, run)
-    info = await grain.snapshot_info(g, step)
+    checkpoints = snapshots(grain)
+    info = await checkpoints.info(g, step)
     if info is None or not info.complete:
         raise errors.StorageError(f"snapshot {g}/{step} is missing or incomplete")
     parts = []
     for m in info.members:
-        decoded = await grain.read_snapshot_member(g, step, m)
+        decoded = await checkpoints.read_member(g, step, m)
         if decoded.snapshot is None:
             raise errors.StorageError(f"snapshot {g}/{step} member {m} holds no model data")
         parts.append(decoded.snapshot)
@@ -228,10 +230,10 @@ async def load(
     saved in another layout (other shards, all-reduce mode's whole model, init weights): a job
     may switch modes."""
     if names is not None:
-        info = await shard.snapshot_info(group(job, run), step)
+        info = await snapshots(shard).info(group(job, run), step)
         if info is not None and member(shard.key, type(shard).__name__) not in info.members:
             return await load_model(shard, job, run, step, names, extra)
-    await shard.load_snapshot(group(job, run), step, write=False)
+    await snapshots(shard).load(group(job, run), step, write=False)
     snap, shard.state.snapshot = shard.state.snapshot, None
     if snap is None:
         raise errors.StorageError(f"snapshot {group(job, run)}/{step} holds no shard data for {shard.key}")
@@ -244,7 +246,7 @@ async def load(
 
 async def exists(grain: Grain, job: str, run: int, step: int) -> bool:
     """Whether checkpoint ``step`` of a run is complete in the store."""
-    info = await grain.snapshot_info(group(job, run), step)
+    info = await snapshots(grain).info(group(job, run), step)
     return info is not None and info.complete
 
 
@@ -255,7 +257,7 @@ async def newest_step(grain: Grain, job: str, run: int) -> int | None:
     complete several checkpoints between two of its ticks, and retention may already
     have dropped the one it knows as newest).
     """
-    latest = await grain.latest_snapshot(group(job, run))
+    latest = await snapshots(grain).latest_complete(group(job, run))
     return int(latest.snapshot_id) if latest is not None else None
 
 
@@ -266,9 +268,9 @@ async def drop_after(grain: Grain, job: str, run: int, step: int | None) -> int:
     those step numbers again, and an old complete snapshot under the same id must not
     be mistaken for (or mixed with) the new one.
     """
-    g = group(job, run)
+    g, checkpoints = group(job, run), snapshots(grain)
     dropped = 0
-    for info in [*await grain.list_snapshots(g), *await grain.list_snapshots(g, pending=True)]:
+    for info in [*await checkpoints.list(g), *await checkpoints.list(g, pending=True)]:
         if step is None or int(info.snapshot_id) > step:
-            dropped += bool(await grain.delete_snapshot(g, info.snapshot_id))
+            dropped += bool(await checkpoints.delete(g, info.snapshot_id))
     return dropped

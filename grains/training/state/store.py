@@ -14,6 +14,7 @@ calls and is collected when idle.
 from __future__ import annotations
 
 from grains.base import Grain
+from grains.checkpoints import snapshots
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
 
@@ -35,7 +36,7 @@ class CheckpointStoreGrain(Grain):
         """Keep ``snapshot`` as the job's best checkpoint (``keep_best``), replacing the last one."""
         self.state.snapshot = snapshot
         try:
-            return await self.save_snapshot(checkpoint.best_group(self.key, run), snapshot.step, keep=1)
+            return await snapshots(self).save(checkpoint.best_group(self.key, run), snapshot.step, keep=1)
         finally:
             self.state.snapshot = None
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from grains.base import Grain
 from grains.ids import GrainId, SiloAddress
 from silo.cluster.placement import HashPlacement
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 
 _HASH = HashPlacement()
 _MAX_SALT = 10_000

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from grains.base import Grain
 from grains.training.strategies import cluster
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 
 QUARANTINE_S = 10.0
 

@@ -8,6 +8,9 @@ faults drawn from the seed (Redis failovers: :mod:`silo.testing.sim.replication`
 promises of docs/concepts.md and docs/reliability.md
 (:mod:`silo.testing.sim.checks`). The same seed replays the same run, event
 for event; ``scale`` runs a large cluster's membership on virtual time
-(:mod:`silo.testing.sim.scale`). docs/reliability.md ("Simulation") says
+(:mod:`silo.testing.sim.scale`). The ``services`` scenario
+(:mod:`silo.testing.sim.services`) also runs each silo's reminders and stream
+delivery on one command-level Redis twin (:mod:`silo.testing.sim.redis_twin`,
+fakeredis). docs/reliability.md ("Simulation") says
 what is modelled and what is left to the real-process tests.
 """

@@ -27,10 +27,27 @@ twins accepted (directory registrations, state writes).
   the mailbox's bound, or its deadline passed); deactivations re-route.
 * ``no_fault_no_error``: in a scenario without faults, every call succeeds.
 * ``no_task_left``: a silo that stopped leaves no task running.
+
+The ``services`` scenario runs the silo's Redis-direct services on the
+command-level twin (:mod:`silo.testing.sim.redis_twin`) and adds three
+(each passes trivially elsewhere: :class:`ServiceRecord` is empty):
+
+* ``reminder_ticks``: a registered reminder ticks at least once a period:
+  between two ticks (and from its registration to the first, from the last to
+  the end of the run), the time not covered by a fault window, each window
+  stretched by ``RECOVERY_S`` after it heals, is at most a period plus
+  ``TICK_SLACK_S``.
+* ``timer_ticks``: a grain's timer never ticks twice within one period on one
+  activation, and some activation of the grain ticks as often as a reminder
+  must (the same gap rule, with the timer's period).
+* ``stream_delivered``: every item whose publish was acknowledged was delivered
+  to the subscribed grain at least once, or written to the namespace's dead
+  letters; per stream key, items are first delivered in token order.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +55,41 @@ from typing import Any
 
 DEADLINE_SLACK_S = 1.0
 """How late past its timeout a call may end: one probe/retry period of the router's back-off."""
+
+RECOVERY_S = 10.0
+"""How long after a fault heals reminders and timers may stay quiet: a crashed claimer's lease
+(delivery deadline + 2 s slack) running out, or a dead owner being declared dead (dead_after_s
+and the votes) before its grain activates elsewhere."""
+
+TICK_SLACK_S = 1.0
+"""How late past its period a tick may come with no fault near: the pollers' floor and the
+delivery's own latency."""
+
+
+@dataclass(slots=True)
+class ServiceRecord:
+    """What the Redis-direct services did (the ``services`` scenario; empty elsewhere)."""
+
+    reminders: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Grain key -> (when its reminder's registration was acknowledged, period)."""
+    ticks: list[tuple[str, float]] = field(default_factory=list)
+    """(grain key, time) of each reminder tick its grain received."""
+    timers: dict[str, float] = field(default_factory=dict)
+    """Grain key -> timer period (from its first activation)."""
+    timer_started: dict[str, float] = field(default_factory=dict)
+    """Grain key -> when its first activation registered the timer."""
+    timer_ticks: list[tuple[str, int, float]] = field(default_factory=list)
+    """(grain key, activation number, time) of each timer tick."""
+    published: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(stream key, token) -> item, for each acknowledged publish (a token is unique per key)."""
+    delivered: list[tuple[str, str, int]] = field(default_factory=list)
+    """(stream key, token, item) of each on_stream_item turn, in the order they ran."""
+    dead_letters: set[tuple[str, str]] = field(default_factory=set)
+    """(stream key, token) of each entry in the namespace's dead-letter stream at the end."""
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each fault: while it lasts (and RECOVERY_S after), ticks may pause."""
+    end: float = 0.0
+    """When the workload's checks stop counting (after the faults healed and the cluster settled)."""
 
 
 @dataclass(slots=True)
@@ -83,6 +135,7 @@ class History:
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
     faults: int = 0
+    services: ServiceRecord = field(default_factory=ServiceRecord)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +288,76 @@ def no_task_left(h: History) -> Violation | None:
     return None
 
 
+def _uncovered(start: float, end: float, windows: list[tuple[float, float]]) -> float:
+    """Length of ``[start, end]`` outside every window (each stretched by RECOVERY_S)."""
+    cut = [(max(a, start), min(b + RECOVERY_S, end)) for a, b in sorted(windows)]
+    covered, reach = 0.0, start
+    for a, b in cut:
+        a = max(a, reach)
+        if b > a:
+            covered += b - a
+            reach = b
+    return (end - start) - covered
+
+
+def _quiet(name: str, key: str, times: list[float], start: float, period: float, r: ServiceRecord) -> Violation | None:
+    points = [start, *sorted(t for t in times if t >= start), r.end]
+    for a, b in itertools.pairwise(points):
+        quiet = _uncovered(a, b, r.windows)
+        if quiet > period + TICK_SLACK_S:
+            return Violation(name, f"{key} (period {period} s) had no tick from t={a:.3f} to t={b:.3f}: "
+                             f"{quiet:.2f} s of it with no fault near")  # fmt: skip
+    return None
+
+
+def reminder_ticks(h: History) -> Violation | None:
+    r = h.services
+    for key, (registered, period) in sorted(r.reminders.items()):
+        found = _quiet("reminder_ticks", key, [t for k, t in r.ticks if k == key], registered, period, r)
+        if found is not None:
+            return found
+    return None
+
+
+def timer_ticks(h: History) -> Violation | None:
+    r = h.services
+    last: dict[tuple[str, int], float] = {}
+    for key, activation, at in r.timer_ticks:
+        before = last.get((key, activation))
+        if before is not None and at - before < r.timers[key] - 1e-6:
+            return Violation("timer_ticks", f"{key}'s timer ticked twice within its period on one activation: "
+                             f"t={before:.3f} and t={at:.3f}")  # fmt: skip
+        last[(key, activation)] = at
+    for key, period in sorted(r.timers.items()):
+        found = _quiet("timer_ticks", key, [t for k, _, t in r.timer_ticks if k == key], r.timer_started[key], period, r)
+        if found is not None:
+            return found
+    return None
+
+
+def stream_delivered(h: History) -> Violation | None:
+    r = h.services
+    seen: set[tuple[str, str]] = set()
+    newest: dict[str, tuple[int, int]] = {}
+    for key, token, item in r.delivered:
+        if (key, token) in seen:
+            continue  # again (at least once): a later holder resumes after the last acknowledged
+        seen.add((key, token))
+        ms, _, n = token.partition("-")
+        at = (int(ms), int(n))
+        if key in newest and at < newest[key]:
+            return Violation("stream_delivered", f"item {item} ({token}) of stream {key} was first delivered after a later one")
+        newest[key] = at
+        if r.published.get((key, token), item) != item:
+            return Violation("stream_delivered", f"token {token} of {key} delivered item {item}, published as {r.published[(key, token)]}")
+    lost = sorted(kt for kt in r.published if kt not in seen and kt not in r.dead_letters)
+    if lost:
+        key, token = lost[0]
+        return Violation("stream_delivered", f"{len(lost)} acknowledged items neither delivered nor dead-lettered "
+                         f"(the first: item {r.published[lost[0]]} of {key}, token {token})")  # fmt: skip
+    return None
+
+
 CHECKS: list[Callable[[History], Violation | None]] = [
     single_activation,
     single_writer,
@@ -244,6 +367,9 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     deadline,
     no_fault_no_error,
     no_task_left,
+    reminder_ticks,
+    timer_ticks,
+    stream_delivered,
 ]
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from grains import Grain, one_way, read_only
+from grains.streams import subscribes
 
 if TYPE_CHECKING:
     from silo.testing.sim.world import World
@@ -59,3 +60,43 @@ class SimLog(Grain):
 
 
 SIM_GRAINS: list[type[Grain]] = [SimRegister, SimLog]
+
+FEED = "simfeed"
+"""The stream namespace :class:`SimSubscriber` is subscribed to."""
+
+
+class SimTicker(Grain):
+    """A durable reminder and an in-memory timer, each tick recorded (the ``services`` scenario)."""
+
+    async def on_activate(self) -> None:
+        services = WORLD.get().services
+        assert services is not None
+        self.activation = services.timer_started(self.key)
+        self.register_timer(self._on_timer, due_s=services.timer_s, period_s=services.timer_s)
+
+    async def start(self, period_s: float) -> None:
+        await self.register_reminder("tick", period_s)
+
+    async def receive_reminder(self, name: str) -> None:
+        services = WORLD.get().services
+        assert services is not None
+        services.ticked(self.key)
+
+    async def _on_timer(self) -> None:
+        services = WORLD.get().services
+        assert services is not None
+        services.timer_ticked(self.key, self.activation)
+
+
+@subscribes(FEED)
+class SimSubscriber(Grain):
+    """Implicitly subscribed to every key of :data:`FEED`: records each item it is handed."""
+
+    async def on_stream_item(self, item: int, token: str) -> None:
+        services = WORLD.get().services
+        assert services is not None
+        services.received(self.key, token, item)
+
+
+SERVICE_GRAINS: list[type[Grain]] = [SimTicker, SimSubscriber]
+"""The grains of the ``services`` scenario (only there: the others' silos stay as they were)."""

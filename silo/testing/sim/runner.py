@@ -58,10 +58,10 @@ def _wall_offset() -> float:
 
 
 def scenario_for(seed: int, name: str | None) -> Scenario:
-    """The named scenario, or the one the seed picks (seeds cycle through them all)."""
+    """The named scenario, or the one the seed picks (seeds cycle through those in the rotation)."""
     if name is not None:
         return SCENARIOS[name]
-    names = sorted(SCENARIOS)
+    names = sorted(n for n, s in SCENARIOS.items() if s.in_rotation)
     return SCENARIOS[names[seed % len(names)]]
 
 

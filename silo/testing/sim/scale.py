@@ -41,7 +41,7 @@ from silo.cluster import failure_detector
 from silo.cluster.failure_detector import FailureDetector, Ring, transport_probe
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import MembershipSettings, TransportSettings
 from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.sim.loop import SimLoop

@@ -51,8 +51,9 @@ import logging
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from grains import Grain
 from grains.ids import GrainId, SiloAddress
 from silo import errors
 from silo.catalog.runtime import RefFactory
@@ -63,17 +64,20 @@ from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.messaging.manifests import TypeInfo
 from silo.messaging.router import Router
-from silo.records import SiloLoad, SiloStatus
+from silo.records.membership import SiloLoad, SiloStatus
 from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.harness import InProcessSilo, PublishedManifests
 from silo.testing.membership import InMemoryMembershipTable
 from silo.testing.sim.checks import History, Op
-from silo.testing.sim.grains import SIM_GRAINS, WORLD, SimLog, SimRegister
+from silo.testing.sim.grains import SERVICE_GRAINS, SIM_GRAINS, WORLD, SimLog, SimRegister
 from silo.testing.sim.loop import SILO, SimLoop
 from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
 from silo.testing.store import InMemoryStateStore
 from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
+
+if TYPE_CHECKING:
+    from silo.testing.sim.services import Services
 
 log = logging.getLogger("redgrain.sim")
 
@@ -108,6 +112,12 @@ class Scenario:
     def zombie(self) -> bool:
         """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
         return "pause" in self.faults
+    services: bool = False
+    """Silos also run reminders and stream delivery on a command-level Redis twin (sim/services.py)."""
+    settle_s: float = 8.0
+    """Virtual time after the faults heal before the final reads (deaths declared, views refreshed)."""
+    in_rotation: bool = True
+    """Whether seeds cycle through it when no scenario is named (False: only by name)."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -122,6 +132,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("partition", faults=("partition", "redis_cut", "reset")),
         Scenario("failover", faults=("failover", "pause", "crash"), max_faults=4),
         Scenario("mixed", faults=FAULT_KINDS, max_faults=6),
+        # Out of the rotation: a new name would move every seed of the others to another
+        # scenario. Settles longer, so the checkers see reminders and timers tick again after
+        # the last fault's recovery (checks.RECOVERY_S).
+        Scenario("services", clients=2, registers=2, logs=1, faults=("crash", "pause", "partition", "redis_cut"),
+                 services=True, settle_s=20.0, in_rotation=False),
     )
 }
 
@@ -170,8 +185,9 @@ class RedisLink:
         self.world = world
         self.name = name
         self.commands = 0
+        world.redis_links[name] = self
 
-    async def enter(self, what: str, args: tuple[Any, ...] = ()) -> None:
+    async def enter(self, what: str, args: tuple[Any, ...] = (), *, error: type[Exception] = errors.StorageError) -> None:
         world = self.world
         self.commands += 1
         world.commands += 1
@@ -187,9 +203,9 @@ class RedisLink:
             world.pause_now(self.name, armed[0], zombie_write=armed[1])
             await asyncio.sleep(0)
         if self.name in world.redis_cut:
-            raise errors.StorageError(f"{what}: Redis unreachable (simulated partition of {self.name})")
+            raise error(f"{what}: Redis unreachable (simulated partition of {self.name})")
         if world.redis_down:
-            raise errors.StorageError(f"{what}: Redis unreachable (simulated failover: no master yet)")
+            raise error(f"{what}: Redis unreachable (simulated failover: no master yet)")
 
     def wrap(self, target: Any) -> Any:
         return _Gated(target, self)
@@ -329,8 +345,14 @@ class SimSilo:
         self.heartbeat = LoopHeartbeat(
             self.link.wrap(w.membership), str(address), w.membership_settings, self._declared_dead, w.now
         )
+        services: dict[str, Any] = {}
+        self.redis: Any = None
+        if w.services is not None:
+            self.redis = w.services.client(self.name)
+            services = {"redis": self.redis, "keys": w.services.keys, "reminders": w.services.reminders,
+                        "streams": w.services.streams}  # fmt: skip
         self.silo = InProcessSilo(
-            SIM_GRAINS,
+            w.grains,
             clock=w.now,
             settings=catalog,
             directory=self.link.wrap(w.directory),
@@ -346,6 +368,7 @@ class SimSilo:
             fenced=self._fenced,
             confirm_alive=self.heartbeat.confirm,
             wall_clock=lambda: w.now() + w.wall_offset(self.name),
+            **services,
         )
         self.address = address
         assert self.silo.transport is not None
@@ -379,6 +402,8 @@ class SimSilo:
         # A silo told it is dead exits (the CLI's exit code 3): as a crash from here on.
         if self.state == "active":
             self.world.trace("declared_dead", self.name)
+            if self.world.services is not None:
+                self.world.services.window(0.0)
             self.state = "dying"
             self.world.spawn(self.name, self.crash())
 
@@ -399,6 +424,8 @@ class SimSilo:
         await self.detector.stop()
         await self.heartbeat.stop()
         await self.silo.stop()
+        if self.redis is not None:
+            await self.redis.aclose()
 
 
 class SimClient:
@@ -414,9 +441,10 @@ class SimClient:
     def _build(self) -> None:
         w = self.world
         registry = TypeRegistry()
-        for cls in SIM_GRAINS:
+        for cls in w.grains:
             registry.register_annotations(cls)
         codec = Codec(registry)
+        self.redis: Any = None if w.services is None else w.services.client(self.name)
         self.transport = InMemoryTransport(w.transport_settings, codec, network=w.network)
         self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
         self.manifests = PublishedManifests(w.published)
@@ -437,6 +465,8 @@ class SimClient:
     async def stop(self) -> None:
         await self.view.stop()
         await self.transport.close()
+        if self.redis is not None:
+            await self.redis.aclose()
 
 
 # --- the world ------------------------------------------------------------------------------
@@ -478,6 +508,15 @@ class World:
         self.events = 0
         self.commands = 0
         self.latency = True
+        self.redis_links: dict[str, RedisLink] = {}
+        """Process name -> its link to Redis (the command-level twin finds the sender's here)."""
+        self.grains: list[type[Grain]] = list(SIM_GRAINS)
+        self.services: Services | None = None
+        if scenario.services:
+            from silo.testing.sim.services import Services  # fakeredis: a development dependency
+
+            self.services = Services(self)
+            self.grains += SERVICE_GRAINS
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
         self.transport_settings = TransportSettings(call_timeout_s=scenario.call_timeout_s, local_sockets=False, connect_timeout_s=1.0)
         self.membership = RecordingMembership(self.now)
@@ -568,6 +607,11 @@ class World:
     def reap(self, owner: str, *, check: bool) -> None:
         """After ``owner`` stopped: its tasks still running are leaks (``check``) or, for a crash, gone."""
         for task in self.loop.tasks_of(owner):
+            if _redis_side(task):
+                # fakeredis' wait for a blocking read the silo sent: Redis' work, not the silo's
+                # (it ends at the read's timeout); made in the sender's context, so listed under it.
+                task.cancel()
+                continue
             if check:
                 self.history.leaks.append((owner, repr(task.get_coro())))
             task.cancel()
@@ -614,14 +658,18 @@ class World:
         drivers = [self.spawn(c.name, self._drive(c, end)) for c in self.clients]
         if sc.zombie:
             drivers.append(self.spawn(self.clients[0].name, self._drive_zombie_target(self.clients[0], end)))
+        if self.services is not None:
+            drivers.append(self.spawn(self.clients[0].name, self.services.drive(self.clients[0], end)))
         injector = self.spawn("world", self._inject(end))
         await asyncio.gather(*drivers, injector)
         await self._heal()
         # Let the cluster settle (deaths declared, views refreshed), then read every register once.
-        await asyncio.sleep(8.0)
+        await asyncio.sleep(sc.settle_s)
         keys = [f"reg{k}" for k in range(sc.registers)] + ([ZOMBIE_KEY] if sc.zombie else [])
         reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in keys]
         await asyncio.gather(*reads)
+        if self.services is not None:
+            await self.spawn("world", self.services.collect())
         await self._stop_all()
         from silo.testing.sim.checks import check, lost_acknowledged
 
@@ -729,6 +777,9 @@ class World:
         silo = self.silos[fault.target]
         self.trace("fault", str(fault), silo.name)
         self.history.disruptions.append(self.now())
+        if self.services is not None:
+            # A pause's window is opened when it strikes (pause_now); the others', now.
+            self.services.window({"crash": 2.0, "partition": fault.length_s, "redis_cut": fault.length_s}.get(fault.kind, 0.0))
         if fault.kind == "crash":
             if silo.state == "active" and not self.loop.is_paused(silo.name):
                 await silo.crash()
@@ -799,6 +850,8 @@ class World:
             self.zombie_pending = name
         self.trace("pause", name, length_s)
         self.history.disruptions.append(self.now())
+        if self.services is not None:
+            self.services.window(length_s)
         self.loop.pause(name)
         self.spawn("world", self._later(length_s, lambda: self._resume(silo)))
 
@@ -867,6 +920,10 @@ class World:
                 self.reap(silo.name, check=True)
             elif silo.state == "dying":
                 await self.spawn(silo.name, silo.crash())
+
+
+def _redis_side(task: asyncio.Task[Any]) -> bool:
+    return getattr(task.get_coro(), "__qualname__", "").startswith("AsyncFakeSocket.")
 
 
 def _proc(name: str | None) -> str:

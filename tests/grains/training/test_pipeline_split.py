@@ -16,7 +16,7 @@ from grains.training.strategies.pipeline.partition import cut, stage_module
 from grains.training.strategies.pipeline.placement import place_stages
 from grains.training.submit import check_job
 from silo import errors
-from silo.records import MemberRow, SiloLoad
+from silo.records.membership import MemberRow, SiloLoad
 from silo.settings import MembershipSettings
 from tests.grains.training.conftest import GRAINS, run_job
 from tests.grains.training.test_own_step import global_batches

@@ -106,8 +106,9 @@ def test_job_progress_in_ssp_mode_keeps_the_gap_as_the_old_staleness_figure() ->
     assert (p.mode, p.max_staleness, p.max_gap, p.staleness) == ("ssp", 3.0, 2.0, 2.0)
 
 
-class FakeGrain:
-    """What ``progress.publish`` needs of a grain: ``publish_progress`` (recorded here)."""
+class FakeWorkload:
+    """What ``progress.publish`` needs of a grain's ``workload(grain)``: ``publish_progress``
+    (recorded here)."""
 
     def __init__(self, cancel: bool = False) -> None:
         self.calls: list[tuple[str, BaseModel, list[dict[str, Any]], bool]] = []
@@ -121,7 +122,7 @@ class FakeGrain:
 
 
 async def test_publish_writes_the_history_points_it_is_given_in_one_call() -> None:
-    grain = FakeGrain()
+    grain = FakeWorkload()
     assert not await progress.publish(grain, status(), None, [], [])  # type: ignore[arg-type]
     assert [c[2] for c in grain.calls] == [[]]  # the record alone
     grain.calls.clear()
@@ -132,7 +133,7 @@ async def test_publish_writes_the_history_points_it_is_given_in_one_call() -> No
     assert isinstance(record, JobProgress) and record.eval_metrics == {"loss": 0.28, "accuracy": 0.961} and not restart
     assert JobPoint.from_fields(train).metrics == {"acc": 0.91} and JobPoint.from_fields(train).loss == 0.31
     assert JobPoint.from_fields(ev) == JobPoint(step=30, split="eval", metrics={"loss": 0.28, "accuracy": 0.961}, at=8.0)
-    assert await progress.publish(FakeGrain(cancel=True), status(), None, [], [], points=points, restart=True)  # type: ignore[arg-type]
+    assert await progress.publish(FakeWorkload(cancel=True), status(), None, [], [], points=points, restart=True)  # type: ignore[arg-type]
 
 
 def test_the_status_line_names_each_metric_and_labels_evaluation() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from grains.checkpoints import Snapshots
 from grains.training import CoordinatorGrain, TrainingJob
 from silo import errors
 from silo.keys import Keys
@@ -92,16 +93,16 @@ async def test_a_forget_cut_short_is_finished_by_the_next_tick_of_its_reminder(
     # for good) must leave the reminder registered, and its next tick come soon, not a ttl later.
     await cluster(1, grains=GRAINS, reminders=RemindersSettings(poll_interval_s=0.05))
     redis, keys = connect_redis(redis_url), Keys(cluster_name)
-    real, deletes, cut = CoordinatorGrain.delete_snapshot, [0], asyncio.Event()
+    real, deletes, cut = Snapshots.delete, [0], asyncio.Event()
 
-    async def dies_on_the_second(self: Any, group: str, snapshot_id: int | str) -> bool:
+    async def dies_on_the_second(self: Snapshots, group: str, snapshot_id: int | str) -> bool:
         deletes[0] += 1
         if deletes[0] == 2:
             cut.set()
             raise errors.StorageError("what a kill part-way through leaves: one snapshot deleted, the rest not")
         return await real(self, group, snapshot_id)
 
-    monkeypatch.setattr(CoordinatorGrain, "delete_snapshot", dies_on_the_second)
+    monkeypatch.setattr(Snapshots, "delete", dies_on_the_second)
     try:
         assert (await run_job(client, "cut", tiny(ttl_after_finished_s=3.0))).status == "completed"
         await asyncio.wait_for(cut.wait(), 30)

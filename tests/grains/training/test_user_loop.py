@@ -182,3 +182,20 @@ def test_the_step_contexts_first_names_still_read_with_a_deprecation_warning():
         assert ctx.slot == 1
     with pytest.deprecated_call(match="trainers"):
         assert ctx.world == 2
+
+
+async def test_the_final_checkpoint_is_kept_as_the_best_when_its_evaluation_is_the_best(cluster, client):
+    # The final evaluation used to reach the status only: a job whose last checkpoint scored best
+    # kept an earlier, worse one as "best" (state_dict(best=True), --save-best).
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    spec = TrainingJob(trainers=2, steps=30, batch_size=32, optimizer="sgd", lr=0.1, seed=5, eval_every=10,
+                       checkpoint_every=10, keep_best="eval.accuracy:max")  # fmt: skip
+    coord = client.get_grain(CoordinatorGrain, "best-last")
+    st = await run_job(client, "best-last", spec, timeout_s=120)
+    assert st.status == "completed" and st.total_steps == 30, st
+    evals = {h.step: h.eval_metrics["accuracy"] for h in await coord.history() if h.eval_metrics is not None}
+    assert set(evals) == {10, 20, 30}, evals
+    assert evals[10] < evals[20] < evals[30], evals  # this spec's accuracy only rises (seeded)
+    assert st.best_step == 30 and st.best_value == evals[30], (st, evals)
+    final, best = await coord.state_dict(), await coord.state_dict(best=True)
+    assert all(torch.equal(final[n], best[n]) for n in final)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from grains import Grain, Ref
 from silo.client import ClusterClient
 from silo.testing.harness import InProcessSilo
-from tests.grains.typing_cases.ref_grains import Counter, NotAGrain, Tokens
+from tests.grains.typing_cases.ref_grains import Counter, Decorated, NotAGrain, Tokens
 
 
 async def from_a_client(client: ClusterClient) -> None:
@@ -34,6 +34,13 @@ async def streamed(client: ClusterClient) -> None:
     tokens = client.get_grain(Tokens, "t")
     await tokens.generate("a")  # E: [misc] Incompatible types in "await" (actual type "ResultStream[str]"
     tokens.generate(1)  # E: [arg-type] Argument 1 to "generate" of "Tokens" has incompatible type "int"; expected "str"
+
+
+async def decorated(client: ClusterClient) -> None:
+    ref = client.get_grain(Decorated, "d")
+    await ref.hidden(1)  # E: [attr-defined] has no attribute "hidden" (not an async method: decorator "logged" makes it a plain function
+    await ref.rewrapped(1)  # E: [attr-defined] has no attribute "rewrapped" (not an async method: decorator "logged" makes it a plain function
+    await ref.words("a")  # E: [misc] Incompatible types in "await" (actual type "ResultStream[str]"
 
 
 async def from_the_harness(harness: InProcessSilo) -> None:

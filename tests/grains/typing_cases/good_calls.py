@@ -9,7 +9,7 @@ from grains.result_stream import ResultStream
 from silo.client import ClusterClient
 from silo.silo import Silo
 from silo.testing.harness import InProcessSilo
-from tests.grains.typing_cases.ref_grains import Box, Counter, LoudCounter, Tokens
+from tests.grains.typing_cases.ref_grains import Box, Counter, Decorated, LoudCounter, Tokens
 
 C = TypeVar("C", bound=Counter)
 
@@ -32,6 +32,15 @@ async def streamed(client: ClusterClient, harness: InProcessSilo) -> None:
     async for word in tokens.with_timeout(2).generate("a b", limit=1):
         assert_type(word, str)
     await harness.get_grain(Tokens, "t").generate("a").aclose()
+
+
+async def decorated(client: ClusterClient) -> None:
+    ref = client.get_grain(Decorated, "d")
+    assert_type(await ref.timed_add(1), int)  # an async def wrapper
+    assert_type(await ref.tagged_touch("me"), None)  # a factory handing back the @one_way method
+    assert_type(ref.words("a b"), ResultStream[str])  # an async generator wrapper
+    async for word in ref.with_timeout(2).words("a b"):
+        assert_type(word, str)
 
 
 async def from_a_silo_and_the_harness(silo: Silo, harness: InProcessSilo) -> None:

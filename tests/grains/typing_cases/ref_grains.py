@@ -2,14 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Generic, TypeVar
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
 from grains import Grain, one_way, read_only
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def logged(fn: Callable[P, R]) -> Callable[P, R]:
+    """A plain def wrapper: around an async def it returns the coroutine unawaited, so the
+    method is a plain function (inspect.iscoroutinefunction is False): not remote."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def timed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """An async def wrapper: the method stays remote."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await fn(*args, **kwargs)
+
+    return wrapper
+
+
+def relayed(fn: Callable[P, AsyncIterator[T]]) -> Callable[P, AsyncIterator[T]]:
+    """An async generator wrapper: the method still streams."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> AsyncIterator[T]:
+        async for item in fn(*args, **kwargs):
+            yield item
+
+    return wrapper
+
+
+def tagged(label: str) -> Callable[[F], F]:
+    """A decorator factory that hands back the method itself: it stays what it was."""
+
+    def mark(fn: F) -> F:
+        fn.__label__ = label  # type: ignore[attr-defined]
+        return fn
+
+    return mark
 
 
 class Counter(Grain):
@@ -66,3 +112,30 @@ class Tokens(Grain):
 class NotAGrain:
     async def add(self, n: int) -> int:
         return n
+
+
+class Decorated(Grain):
+    """Methods behind decorators: remote exactly when the decorated method is still async."""
+
+    @logged
+    async def hidden(self, n: int) -> int:
+        return n
+
+    @logged
+    @timed
+    async def rewrapped(self, n: int) -> int:
+        return n
+
+    @timed
+    async def timed_add(self, n: int) -> int:
+        return n + 1
+
+    @tagged("x")
+    @one_way
+    async def tagged_touch(self, who: str) -> int:
+        return len(who)
+
+    @relayed
+    async def words(self, text: str) -> AsyncIterator[str]:
+        for word in text.split():
+            yield word

@@ -83,7 +83,7 @@ async def _register_owner(redis: Any, keys: Keys, grain: GrainId) -> Any:
     """An Active silo in membership, and its activation of ``grain`` in the directory."""
     from silo.cluster.directory import RedisGrainDirectory
     from silo.cluster.membership import RedisMembershipTable
-    from silo.records import MemberRow, SiloStatus
+    from silo.records.membership import MemberRow, SiloStatus
 
     silo = SiloAddress("127.0.0.1", 1, 1)
     table = RedisMembershipTable(redis, keys)

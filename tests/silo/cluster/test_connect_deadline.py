@@ -17,7 +17,7 @@ from silo import errors
 from silo.client import ClusterClient
 from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.membership import RedisMembershipTable
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from tests.sample_grains import Echo
 
 

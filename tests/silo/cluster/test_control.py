@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from grains.ids import SiloAddress
 from silo.cluster.control import ControlInbox
 from silo.keys import Keys
-from silo.records import request_drain
+from silo.records.control import request_drain
 
 
 async def test_a_drain_request_reaches_an_idle_inbox_that_polls_only_hourly(redis_url: str) -> None:

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import RebalancerSettings, SiloSettings
 from silo.silo import Silo
 from silo.testing.embedded import RedisServer, free_port

@@ -17,7 +17,7 @@ from silo import errors
 from silo.cluster.directory import PurgedBatch, RedisGrainDirectory
 from silo.cluster.membership import MembershipTable, RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.membership import InMemoryMembershipTable
@@ -32,6 +32,8 @@ BATCH = 4
 class World:
     directory: InMemoryGrainDirectory | RedisGrainDirectory
     table: MembershipTable
+    step: int = BATCH
+    """A purge step's bound: BATCH per master (a Cluster's step spreads over its masters)."""
 
     async def live(self, *silos: SiloAddress) -> None:
         for s in silos:
@@ -52,7 +54,8 @@ async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
         return
     redis = connect_redis(request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url"))
     keys = Keys("contract")
-    w = World(RedisGrainDirectory(redis, keys, purge_batch=BATCH), RedisMembershipTable(redis, keys))
+    masters = 1 if request.param == "redis" else len(request.getfixturevalue("redis_cluster_group").masters())
+    w = World(RedisGrainDirectory(redis, keys, purge_batch=BATCH), RedisMembershipTable(redis, keys), BATCH * masters)
     await w.live(A, B)
     try:
         yield w
@@ -163,7 +166,7 @@ async def test_the_lookup_cache_serves_until_invalidated(world: World) -> None:
 
 async def test_purge_goes_in_steps_of_at_most_the_batch_and_keeps_what_a_live_silo_took_over(world: World) -> None:
     d = world.directory
-    mine = [GrainId("Counter", f"a{i}") for i in range(11)]
+    mine = [GrainId("Counter", f"a{i}") for i in range(3 * world.step - 1)]
     for g in mine:
         await d.register(g, A, f"act-{g.key}")
     await world.kill(A)
@@ -172,13 +175,13 @@ async def test_purge_goes_in_steps_of_at_most_the_batch_and_keeps_what_a_live_si
     taken = {}
     while True:
         batch = await d.purge_batch(A)
-        # A step takes at most BATCH grains off the index, and removes only what it took.
-        assert len(batch.grains) <= BATCH and left - batch.remaining <= BATCH
+        # A step takes at most its bound off the index, and removes only what it took.
+        assert len(batch.grains) <= world.step and left - batch.remaining <= world.step
         assert batch.remaining == len(await d.entries_of(A))
         purged += batch.grains
         # Between steps a live silo re-activates grains of the dead one (a takeover also
         # takes the grain off the dead silo's index): the purge leaves them be.
-        for g in [g for g in mine if g not in purged and g not in taken][:2]:
+        for g in [g for g in mine if g not in purged and g not in taken][: 2 * world.step // BATCH]:
             taken[g] = await d.register(g, B, f"b-{g.key}")
         left = len(await d.entries_of(A))
         if not batch.remaining:

@@ -18,7 +18,7 @@ from silo import errors
 from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import connect_redis
 
 N_SILOS = 4

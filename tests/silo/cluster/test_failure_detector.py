@@ -5,7 +5,7 @@ from __future__ import annotations
 from grains.ids import SiloAddress
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, ProbeResult
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.settings import MembershipSettings
 from silo.testing.clock import VirtualClock
 from silo.testing.membership import InMemoryMembershipTable

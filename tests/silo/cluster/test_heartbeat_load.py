@@ -9,7 +9,7 @@ from grains.ids import SiloAddress
 from silo.cluster.failure_detector import HeartbeatThread
 from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.settings import MembershipSettings
 from silo.testing.clock import VirtualClock

@@ -9,7 +9,7 @@ from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.housekeeping import Housekeeper
 from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import connect_redis
 from silo.settings import RetentionSettings
 

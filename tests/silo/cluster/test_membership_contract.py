@@ -1,4 +1,5 @@
-"""The membership table's contract, run on the in-memory twin and on the Redis table alike."""
+"""The membership table's contract, run on the in-memory twin and on the Redis table alike (on
+redis-server, a Redis Cluster, and the simulator's command-level twin)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from grains.ids import SiloAddress
 from silo import errors
 from silo.cluster.membership import FEED_LENGTH, RedisMembershipTable, VoteOutcome
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.testing.membership import InMemoryMembershipTable
 
@@ -23,10 +24,21 @@ def _row(s: SiloAddress, **kw: Any) -> MemberRow:
     return MemberRow(address=str(s), host=s.host, port=s.port, generation=s.generation, **kw)
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "twin"])
 async def table(request: pytest.FixtureRequest) -> AsyncIterator[Table]:
     if request.param == "memory":
         yield InMemoryMembershipTable()
+        return
+    if request.param == "twin":
+        # The simulator's command-level twin (fakeredis): the table's scripts, run on it.
+        pytest.importorskip("fakeredis")
+        from silo.testing.sim import redis_twin
+
+        twin = redis_twin.client(redis_twin.new_server(), "contract", linked=False)
+        try:
+            yield RedisMembershipTable(twin, Keys("contract"))
+        finally:
+            await close_redis(twin)
         return
     redis = connect_redis(request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url"))
     try:

@@ -9,7 +9,7 @@ from grains.ids import SiloAddress
 from silo.client import ClusterClient
 from silo.cluster.membership import FEED_LENGTH, RedisMembershipTable
 from silo.cluster.view import MembershipView
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.testing.membership import InMemoryMembershipTable
 
 A, B, C = (SiloAddress("127.0.0.1", 7100 + i, 1) for i in range(3))

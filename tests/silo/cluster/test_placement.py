@@ -11,7 +11,7 @@ from grains.ids import GrainId, SiloAddress
 from grains.placement import Placement
 from silo import errors
 from silo.cluster.placement import Placer
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 
 
 def row(port: int, *, roles: tuple[str, ...] = (), acts: int = 0, cpu: float = 0.0, gen: int = 1) -> MemberRow:

@@ -15,7 +15,7 @@ from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.rebalancer import Rebalancer
 from silo.cluster.view import MembershipView
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import connect_redis
 from silo.settings import RebalancerSettings
 

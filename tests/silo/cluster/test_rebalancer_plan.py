@@ -11,7 +11,7 @@ from silo.cluster.events import ClusterEvents
 from silo.cluster.rebalancer import Rebalancer
 from silo.cluster.view import MembershipView
 from silo.keys import Keys
-from silo.records import MemberRow, SiloLoad, SiloStatus
+from silo.records.membership import MemberRow, SiloLoad, SiloStatus
 from silo.settings import RebalancerSettings
 from silo.testing.membership import InMemoryMembershipTable
 

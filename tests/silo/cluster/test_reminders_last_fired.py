@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from grains.ids import GrainId
 from silo.cluster.reminders import Reminder, ReminderTable
 from silo.keys import Keys
-from silo.records import read_reminders
+from silo.records.reminders import read_reminders
 from silo.redis_util import close_redis, connect_redis
 
 

@@ -19,7 +19,7 @@ from silo.client import ClusterClient
 from silo.cluster.directory import COUNTER_DIGITS, RedisGrainDirectory
 from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_url import parse_redis_url, redact
 from silo.redis_util import (
     connect_redis,

@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 
 from silo.cluster.membership import RedisMembershipTable
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 
 
 async def _table(redis_url: str, cluster: str, n: int) -> tuple[RedisMembershipTable, list[str], aioredis.Redis]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -46,6 +47,17 @@ class Gate(Grain):
             self.cancelled.append(name)
             raise
         return f"{name}@{self.silo}"
+
+    async def flow(self, name: str) -> AsyncIterator[str]:
+        """Streams ``name`` once the test opens ``name``, then again once it opens ``name+``."""
+        self.started.append(name)
+        try:
+            for gate in (name, f"{name}+"):
+                await self.gates[gate].wait()
+                yield name
+        except (asyncio.CancelledError, GeneratorExit):  # stopped inside an await, or at a yield
+            self.cancelled.append(name)
+            raise
 
 
 class Tally(Grain):

@@ -81,6 +81,102 @@ async def test_a_call_that_reaches_a_silo_not_owning_the_grain_is_forwarded_to_t
     assert cluster.silo_of(ref) is c
 
 
+async def _forwarded_by_b(cluster: InProcessCluster, clock: VirtualClock) -> tuple[Any, Gate]:
+    """A reference on a whose router still names b, while the grain lives on c: b forwards."""
+    a, b, c = cluster.silos
+    ref = a.get_grain(Gate, "g")
+    await placed(ref, b, via=a)
+    warm = start(ref.hold("warm"))
+    await clock.settle()
+    b.instance(ref).open("warm")
+    assert await warm == f"warm@{b.address}"  # a's router now remembers b
+    await b.deactivate(ref)
+    await placed(ref, c, via=c)
+    return ref, c.instance(ref)
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_a_callers_cancellation_reaches_the_callee_through_a_forwarding_silo(
+    cluster: InProcessCluster, clock: VirtualClock, how: str
+) -> None:
+    """a -> b (not the owner) -> c: the CANCEL that reaches b (a cancelled caller, or a's
+    deadline) cancels b's forwarding call, which sends c its own CANCEL: the running turn is
+    cancelled and the queued call dropped, as when a calls c directly."""
+    _, b, c = cluster.silos
+    ref, gate = await _forwarded_by_b(cluster, clock)
+    if how == "deadline":
+        ref = ref.with_timeout(2.0)
+    running, queued = start(ref.hold("running")), start(ref.hold("queued"))
+    await clock.settle()
+    try:
+        assert gate.started == ["running"] and b.dispatcher.statistics().forwarded == 2
+        if how == "cancel":
+            running.cancel()
+            queued.cancel()
+            await clock.settle()
+            for call in (running, queued):
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+        else:
+            await clock.advance(2.1)
+            for call in (running, queued):
+                with pytest.raises(errors.GrainTimeoutError):
+                    await call
+        assert gate.cancelled == ["running"]  # b's CANCEL reached c and stopped the running turn
+        gate.open("queued")
+        after = start(ref.with_timeout(CALL_TIMEOUT_S).hold("after"))
+        await clock.settle()
+        assert gate.started == ["running", "after"]  # the queued call was dropped unrun
+        gate.open("after")
+        assert await after == f"after@{c.address}"
+        assert b.dispatcher.statistics().in_flight == 0
+    finally:
+        gate.open("running", "queued", "after")  # nothing held when the cluster stops
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.parametrize("items", [0, 1])
+async def test_a_callers_cancellation_stops_a_stream_relayed_by_a_forwarding_silo(
+    cluster: InProcessCluster, clock: VirtualClock, how: str, items: int
+) -> None:
+    """The same for a streamed result, before its first item (b still opening it on c) and
+    after it (b relaying items): the generator on c is stopped, and the grain serves again."""
+    _, b, c = cluster.silos
+    ref, gate = await _forwarded_by_b(cluster, clock)
+    if how == "deadline":
+        ref = ref.with_timeout(2.0)
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for item in ref.flow("s"):
+            got.append(item)
+
+    consumer = start(consume())
+    await clock.settle()
+    try:
+        if items:
+            gate.open("s")
+            await clock.settle()
+        assert gate.started == ["s"] and got == ["s"] * items and b.dispatcher.statistics().forwarded == 1
+        if how == "cancel":
+            consumer.cancel()
+            await clock.settle()
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+        else:
+            await clock.advance(2.1)
+            with pytest.raises(errors.GrainTimeoutError):
+                await consumer
+        assert gate.cancelled == ["s"]  # the generator on c was stopped
+        after = start(ref.with_timeout(CALL_TIMEOUT_S).hold("after"))
+        await clock.settle()
+        gate.open("after")
+        assert await after == f"after@{c.address}"
+        assert b.dispatcher.statistics().in_flight == 0
+    finally:
+        gate.open("s", "s+", "after")
+
+
 async def test_calls_queued_on_a_grain_deactivated_on_b_are_rerouted_never_dropped(
     cluster: InProcessCluster, clock: VirtualClock
 ) -> None:

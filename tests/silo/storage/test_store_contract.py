@@ -24,7 +24,7 @@ from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.membership import RedisMembershipTable
 from silo.codec import Codec
 from silo.keys import Keys
-from silo.records import MemberRow, SiloStatus
+from silo.records.membership import MemberRow, SiloStatus
 from silo.redis_util import close_redis, connect_redis
 from silo.settings import StorageSettings
 from silo.storage.provider import StorageProviders, directory_owner

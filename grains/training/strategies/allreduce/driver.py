@@ -31,6 +31,7 @@ from grains.training.strategies import cluster
 from grains.training.strategies.allreduce.trainer import AllreduceTrainerGrain
 from grains.training.strategies.driver import Driver
 from grains.training.strategies.elastic import SiloLook
+from grains.workload import workload
 from silo import errors
 
 log = logging.getLogger("redgrain.training.coordinator")
@@ -203,7 +204,7 @@ class AllreduceDriver(Driver):
         s = self.state
         assert s.spec is not None
         # Generations only grow (across runs of a job id too), so each prefix is used by one group.
-        rendezvous = self.job.grain.rendezvous_prefix(self.key, s.generation)
+        rendezvous = workload(self.job.grain).rendezvous_prefix(self.key, s.generation)
         return GroupAssignment(
             job=self.key, run=s.run, spec=s.spec, generation=s.generation, rank=rank, trainers=len(s.trainer_keys),
             members=list(s.trainer_keys), rendezvous=rendezvous, backend=backend,  # type: ignore[arg-type]

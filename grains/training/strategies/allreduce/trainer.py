@@ -63,6 +63,7 @@ from grains.training.strategies.allreduce.rendezvous import (
     sync_client_like,
 )
 from grains.training.strategies.allreduce.trainer_core import StepResult, TrainerCore
+from grains.workload import workload
 from silo import errors
 
 log = logging.getLogger("redgrain.training.allreduce")
@@ -275,7 +276,7 @@ class AllreduceTrainerGrain(Grain):
             if abandon.is_set():
                 raise GroupAbandonedError("replaced before the group formed")
             if self._redis is None:
-                client = self.redis_client()
+                client = workload(self).redis_client()
                 if client is None:
                     raise errors.ConfigError(
                         "all-reduce training needs the cluster's Redis for its rendezvous"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from silo.records import MemberRow
+from silo.records.membership import MemberRow
 
 
 @dataclass(frozen=True, slots=True)

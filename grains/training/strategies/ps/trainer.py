@@ -35,6 +35,7 @@ import torch
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
+from grains.checkpoints import snapshots
 from grains.placement import hash_placement, immovable, interleave, keep_alive
 from grains.ref import Ref
 from grains.training.api.job import TrainingJob, parse_compression
@@ -345,7 +346,7 @@ class TrainerGrain(Grain):
         snap = ResidualSnapshot(step=step, trainers=a.trainers, residual=residual, scaler=core.runner.state_dict())
         self.state = TrainerState(snapshot=snap)
         try:
-            await self.save_snapshot(residual_group(a), step, keep=a.spec.keep_checkpoints + 1)
+            await snapshots(self).save(residual_group(a), step, keep=a.spec.keep_checkpoints + 1)
         except errors.StateConflictError:
             raise
         except errors.StorageError as exc:
@@ -358,7 +359,7 @@ class TrainerGrain(Grain):
 
     async def _restore_residual(self, a: TrainerAssignment, core: TrainerCore) -> None:
         try:
-            await self.load_snapshot(residual_group(a), a.start_step, write=False)
+            await snapshots(self).load(residual_group(a), a.start_step, write=False)
         except errors.StorageError as exc:
             log.info("%s: no residual saved at step %d (%s); starting with none", self.key, a.start_step, exc)
             return
