@@ -31,7 +31,6 @@ async def table(request: pytest.FixtureRequest) -> AsyncIterator[Table]:
         return
     if request.param == "twin":
         # The simulator's command-level twin (fakeredis): the table's scripts, run on it.
-        pytest.importorskip("fakeredis")
         from silo.testing.sim import redis_twin
 
         twin = redis_twin.client(redis_twin.new_server(), "contract", linked=False)

@@ -118,6 +118,12 @@ class _Writers:
             await asyncio.wait_for(self.progress.wait(), 20)
 
 
+async def _assign(nodes: dict[int, aioredis.Redis], ids: dict[int, str], slot: int, src: int, dst: int) -> None:
+    """End a move: ``slot`` belongs to ``dst``, told to the target, the source, then the rest."""
+    for port in (dst, src, *(p for p in nodes if p not in (src, dst))):
+        await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+
+
 async def _move(nodes: dict[int, aioredis.Redis], ids: dict[int, str], slot: int, src: int, dst: int, writers: _Writers) -> None:
     """Move ``slot`` from master ``src`` to ``dst``, as ``redis-cli --cluster reshard`` does, with
     writes while the slot is marked migrating and again while its keys are split between the two."""
@@ -132,8 +138,7 @@ async def _move(nodes: dict[int, aioredis.Redis], ids: dict[int, str], slot: int
             keys = await nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
         if keys:
             await nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
-    for port in (dst, src, *(p for p in nodes if p not in (src, dst))):
-        await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+    await _assign(nodes, ids, slot, src, dst)
     writers.moving = None
 
 
@@ -215,8 +220,7 @@ async def test_a_key_that_moved_is_read_from_its_new_master_while_its_slot_migra
             assert await client.hgetall(moved) == {b"etag": b"e1"}
             assert await asyncio.gather(*(client.hgetall(k) for k in theirs)) == [{}] * len(theirs)
     finally:
-        for port in (dst, src, *(p for p in masters if p not in (src, dst))):
-            await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        await _assign(nodes, ids, slot, src, dst)
         for n in nodes.values():
             await n.aclose()
         await close_redis(client)
@@ -253,8 +257,7 @@ async def test_a_chunked_state_is_read_while_its_chunks_lie_on_two_masters(
         assert stored is not None and stored.etag == etag
         assert json.loads(bytes(stored.meta)) == json.loads(_encode(1, 1).meta)
     finally:
-        for port in (dst, src, *(p for p in masters if p not in (src, dst))):
-            await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        await _assign(nodes, ids, slot, src, dst)
         for n in nodes.values():
             await n.aclose()
         await close_redis(client)

@@ -53,7 +53,6 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     if request.param == "redis":
         client = connect_redis(request.getfixturevalue("redis_url"))
     else:
-        pytest.importorskip("fakeredis")
         from silo.testing.sim import redis_twin
 
         client = redis_twin.client(redis_twin.new_server(), "harness", linked=False)

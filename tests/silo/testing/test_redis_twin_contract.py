@@ -24,10 +24,6 @@ from silo.redis_util import close_redis, connect_redis
 from silo.settings import StreamSettings
 from silo.streams.agent import _READ_NEW, _RELEASE, _RENEW
 from silo.streams.stream import Streams
-
-pytest.importorskip("fakeredis")
-pytest.importorskip("lupa")
-
 from silo.testing.sim import redis_twin  # after the skips: fakeredis is a dev dependency
 
 KEYS = Keys("contract")

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def _sim(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env["PYTHONPATH"] = str(cwd)
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-m", "silo.testing.sim", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -6,35 +6,14 @@ scenarios (it fixes PYTHONHASHSEED itself). The long form is ``make sim``.
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fakeredis")
-pytest.importorskip("lupa")
+from tests.silo.testing.test_sim import REPO, _digest, _sim
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _sim(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    # fakeredis may be installed beside the project rather than in the interpreter (PYTHONPATH).
-    env["PYTHONPATH"] = os.pathsep.join([str(cwd), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-m", "silo.testing.sim", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )  # fmt: skip
-
-
-def _digest(out: str) -> str:
-    found = re.search(r"digest ([0-9a-f]{64})", out)
-    assert found, out
-    return found.group(1)
+# fakeredis and lupa are dev dependencies (`make install`): missing, these tests fail, not skip.
 
 
 @pytest.mark.timeout(300)
