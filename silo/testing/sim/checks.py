@@ -134,6 +134,8 @@ class History:
     before the replica had it: a ``WAIT`` that ran out, or one not waited for."""
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
+    open_connections: list[tuple[str, str]] = field(default_factory=list)
+    """(silo or client, "local -> remote") for connection ends still open after their owner stopped."""
     faults: int = 0
     services: ServiceRecord = field(default_factory=ServiceRecord)
 
@@ -288,6 +290,13 @@ def no_task_left(h: History) -> Violation | None:
     return None
 
 
+def no_connection_left(h: History) -> Violation | None:
+    if h.open_connections:
+        owner, conn = h.open_connections[0]
+        return Violation("no_connection_left", f"{owner} stopped with a connection still open: {conn}")
+    return None
+
+
 def _uncovered(start: float, end: float, windows: list[tuple[float, float]]) -> float:
     """Length of ``[start, end]`` outside every window (each stretched by RECOVERY_S)."""
     cut = [(max(a, start), min(b + RECOVERY_S, end)) for a, b in sorted(windows)]
@@ -367,6 +376,7 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     deadline,
     no_fault_no_error,
     no_task_left,
+    no_connection_left,
     reminder_ticks,
     timer_ticks,
     stream_delivered,

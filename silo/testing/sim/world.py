@@ -615,6 +615,10 @@ class World:
             if check:
                 self.history.leaks.append((owner, repr(task.get_coro())))
             task.cancel()
+        if check:
+            for context, local, remote in self.network.open_ends():
+                if context.get(SILO) == owner:
+                    self.history.open_connections.append((owner, f"{local} -> {remote}"))
 
     # --- Links (the network's conditions) -----------------------------------------------
     def delay(self, sender: _Pipe, receiver: _Pipe) -> float | None:

@@ -176,6 +176,25 @@ def test_the_shed_scenario_finds_one_way_calls_shed_without_being_counted(monkey
     assert run_seed(9, scenario_for(9, "shed")).violation is None
 
 
+def test_a_silo_that_stops_with_a_connection_open_fails_no_connection_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mutant of Transport.close that closes the connections it opened but not those it
+    # accepted: another silo's connection to the stopped one stays open on its side.
+    from silo.messaging.transport import Transport
+
+    async def close_outbound_only(self: Transport) -> None:
+        self.closed = True
+        for conn in self._out.values():
+            conn.close()
+        self._out.clear()
+
+    monkeypatch.setattr(Transport, "close", close_outbound_only)
+    out = run_seed(3, scenario_for(3, "calls"))
+    assert out.violation is not None and out.violation.invariant == "no_connection_left", out.violation
+    assert "stopped with a connection still open" in out.violation.detail
+    monkeypatch.undo()
+    assert run_seed(3, scenario_for(3, "calls")).violation is None
+
+
 # --- defects the simulator found, kept as seeds ------------------------------------------------
 
 
