@@ -79,6 +79,7 @@ SERVICE_SEEDS ?= 1-1000
 sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SEEDS) --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario services --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario results --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)

@@ -134,10 +134,31 @@ class History:
     before the replica had it: a ``WAIT`` that ran out, or one not waited for."""
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
+    streams: list[StreamOp] = field(default_factory=list)
+    generators_left: list[tuple[str, str]] = field(default_factory=list)
+    """(stream, silo) of each generator still running on a live silo once the run settled."""
     open_connections: list[tuple[str, str]] = field(default_factory=list)
     """(silo or client, "local -> remote") for connection ends still open after their owner stopped."""
     faults: int = 0
     services: ServiceRecord = field(default_factory=ServiceRecord)
+
+
+@dataclass(slots=True)
+class StreamOp:
+    """One streamed-result call (``SimCounter.count``) as its caller saw it."""
+
+    client: str
+    stream: str
+    n: int
+    """Items the generator yields when nobody stops it."""
+    leave_after: int | None
+    """The caller breaks out of its loop after this many items (None: reads to the end)."""
+    start: float
+    timeout: float
+    items: list[int] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)
+    end: float | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +311,29 @@ def no_task_left(h: History) -> Violation | None:
     return None
 
 
+def stream_results(h: History) -> Violation | None:
+    """A streamed call's caller gets a prefix of the items in order, no item twice; all of them
+    when nothing failed and it did not leave; each within its per-item deadline (plus slack);
+    and a generator whose caller left, failed or finished is not still running once the run
+    settled (docs/concepts.md, "Streamed results")."""
+    for op in h.streams:
+        if op.items != list(range(len(op.items))):
+            return Violation("stream_results", f"{op.client}'s stream {op.stream} got {op.items}: not 0, 1, 2, ... in order")
+        wanted = op.n if op.leave_after is None else min(op.n, op.leave_after)
+        if op.error is None and len(op.items) != wanted:
+            return Violation("stream_results", f"{op.client}'s stream {op.stream} ended without an error after "
+                                               f"{len(op.items)} of {wanted} items")  # fmt: skip
+        steps = [op.start, *op.received_at, *([] if op.end is None else [op.end])]
+        for a, b in itertools.pairwise(steps):
+            if b - a > op.timeout + DEADLINE_SLACK_S:
+                return Violation("stream_results", f"{op.client}'s stream {op.stream}: a step took {b - a:.2f} s, "
+                                                   f"past its {op.timeout} s deadline")  # fmt: skip
+    if h.generators_left:
+        stream, silo = h.generators_left[0]
+        return Violation("stream_results", f"the generator of stream {stream} still runs on {silo} after its caller left")
+    return None
+
+
 def no_connection_left(h: History) -> Violation | None:
     if h.open_connections:
         owner, conn = h.open_connections[0]
@@ -377,6 +421,7 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     no_fault_no_error,
     no_task_left,
     no_connection_left,
+    stream_results,
     reminder_ticks,
     timer_ticks,
     stream_delivered,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
@@ -60,6 +61,24 @@ class SimLog(Grain):
 
 
 SIM_GRAINS: list[type[Grain]] = [SimRegister, SimLog]
+
+
+class SimCounter(Grain):
+    """Streams ``0 .. n-1`` (the ``results`` scenario): the world records when each generator
+    starts and when it ends on the callee, to check that a caller who leaves stops it."""
+
+    async def count(self, stream: str, n: int) -> AsyncIterator[int]:
+        world = WORLD.get()
+        world.generator_started(stream)
+        try:
+            for i in range(n):
+                await asyncio.sleep(0.02)
+                yield i
+        finally:
+            world.generator_ended(stream)
+
+
+RESULT_GRAINS: list[type[Grain]] = [SimCounter]
 
 FEED = "simfeed"
 """The stream namespace :class:`SimSubscriber` is subscribed to."""

@@ -69,8 +69,16 @@ from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.harness import InProcessSilo, PublishedManifests
 from silo.testing.membership import InMemoryMembershipTable
-from silo.testing.sim.checks import History, Op
-from silo.testing.sim.grains import SERVICE_GRAINS, SIM_GRAINS, WORLD, SimLog, SimRegister
+from silo.testing.sim.checks import History, Op, StreamOp
+from silo.testing.sim.grains import (
+    RESULT_GRAINS,
+    SERVICE_GRAINS,
+    SIM_GRAINS,
+    WORLD,
+    SimCounter,
+    SimLog,
+    SimRegister,
+)
 from silo.testing.sim.loop import SILO, SimLoop
 from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
 from silo.testing.store import InMemoryStateStore
@@ -112,6 +120,9 @@ class Scenario:
     def zombie(self) -> bool:
         """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
         return "pause" in self.faults
+    results: int = 0
+    """Grains whose streamed results (an async-generator method) the clients also iterate,
+    leaving some streams early."""
     services: bool = False
     """Silos also run reminders and stream delivery on a command-level Redis twin (sim/services.py)."""
     settle_s: float = 8.0
@@ -137,6 +148,10 @@ SCENARIOS: dict[str, Scenario] = {
         # the last fault's recovery (checks.RECOVERY_S).
         Scenario("services", clients=2, registers=2, logs=1, faults=("crash", "pause", "partition", "redis_cut"),
                  services=True, settle_s=20.0, in_rotation=False),
+        # Streamed results beside the registers and logs, across the faults that cut a stream
+        # short: its caller or callee crashed, paused or cut off, its connection reset.
+        Scenario("results", registers=2, logs=1, results=2, faults=("crash", "pause", "partition", "reset", "slow_net"),
+                 in_rotation=False),
     )
 }
 
@@ -455,6 +470,9 @@ class SimClient:
             manifests=self.manifests,
             placer=Placer(random.Random(w.seed * 1_000 + 500 + int(self.name[1:]))),
             call_timeout_s=w.scenario.call_timeout_s,
+            # Streams of up to 12 items outrun a window of 4: a caller that leaves one early
+            # finds its generator waiting for credit, which only its CANCEL ends.
+            stream_window=4,
         )
         self.refs = RefFactory(self.router, self.manifests, codec)
 
@@ -517,6 +535,10 @@ class World:
 
             self.services = Services(self)
             self.grains += SERVICE_GRAINS
+        if scenario.results:
+            self.grains += RESULT_GRAINS
+        self._generators: dict[str, tuple[str | None, bool]] = {}
+        """Stream -> (the silo its generator runs on, whether it ended)."""
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
         self.transport_settings = TransportSettings(call_timeout_s=scenario.call_timeout_s, local_sockets=False, connect_timeout_s=1.0)
         self.membership = RecordingMembership(self.now)
@@ -584,6 +606,14 @@ class World:
         self.trace("applied", grain, incarnation, sender, seq)
         self.history.applied.append((grain, incarnation, sender, seq))
         self.history.applied_at.append(self.now())
+
+    def generator_started(self, stream: str) -> None:
+        self.trace("generator_started", stream)
+        self._generators[stream] = (SILO.get(), False)
+
+    def generator_ended(self, stream: str) -> None:
+        self.trace("generator_ended", stream)
+        self._generators[stream] = (SILO.get(), True)
 
     def leave_after_turn(self) -> bool:
         return self.scenario.idle_timeout_s is not None and self.work_rng.random() < 0.15
@@ -674,6 +704,7 @@ class World:
         await asyncio.gather(*reads)
         if self.services is not None:
             await self.spawn("world", self.services.collect())
+        self.history.generators_left = self._generators_left()
         await self._stop_all()
         from silo.testing.sim.checks import check, lost_acknowledged
 
@@ -705,7 +736,10 @@ class World:
         seq = 0
         while self.now() < end:
             roll = rng.random()
-            if roll < 0.3 and sc.logs:
+            if sc.results and roll >= 0.8:
+                seq += 1
+                await self._stream(client, f"{client.name}-{seq}", rng)
+            elif roll < 0.3 and sc.logs:
                 key = f"log{rng.randrange(sc.logs)}"
                 ref = client.refs.get_grain(SimLog, key)
                 for _ in range(rng.randint(1, 5)):
@@ -742,6 +776,33 @@ class World:
             op.ok, op.result = True, result
             self.trace("answered", client.name, key, method, arg, result)
         op.end = self.now()
+
+    async def _stream(self, client: SimClient, stream: str, rng: random.Random) -> None:
+        """Iterate one streamed call, leaving it early one time in three."""
+        timeout = self.scenario.call_timeout_s
+        key = f"count{rng.randrange(self.scenario.results)}"
+        n = rng.randint(1, 12)
+        leave = rng.randint(1, n - 1) if n > 1 and rng.random() < 0.33 else None
+        op = StreamOp(client.name, stream, n, leave, self.now(), timeout)
+        self.history.streams.append(op)
+        self.trace("stream", client.name, key, stream, n, leave)
+        ref = client.refs.get_grain(SimCounter, key).with_timeout(timeout)
+        try:
+            async for item in ref.count(stream, n):
+                op.items.append(item)
+                op.received_at.append(self.now())
+                if leave is not None and len(op.items) >= leave:
+                    break
+        except errors.RedgrainError as exc:
+            op.error = f"{type(exc).__name__}: {exc}"
+            self.trace("stream_failed", client.name, stream, type(exc).__name__)
+        op.end = self.now()
+        self.trace("stream_ended", client.name, stream, op.items)
+
+    def _generators_left(self) -> list[tuple[str, str]]:
+        """Generators still running on a silo that is up (a crashed silo's went with it)."""
+        live = {s.name for s in self.silos if s.state == "active"}
+        return [(stream, silo) for stream, (silo, ended) in self._generators.items() if not ended and silo in live]
 
     async def _drive_zombie_target(self, client: SimClient, end: float) -> None:
         """One writer on a register of its own, the one the first long pause strikes mid-write.
