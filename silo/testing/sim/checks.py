@@ -135,6 +135,10 @@ class History:
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
     streams: list[StreamOp] = field(default_factory=list)
+    notes: list[tuple[str, int]] = field(default_factory=list)
+    """(client, seq) each time a client's observer handler ran for ``SimRoom.say(seq)``."""
+    said: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(seq, the clients whose observer answered) for each ``say`` that returned."""
     generators_left: list[tuple[str, str]] = field(default_factory=list)
     """(stream, silo) of each generator still running on a live silo once the run settled."""
     open_connections: list[tuple[str, str]] = field(default_factory=list)
@@ -334,6 +338,21 @@ def stream_results(h: History) -> Violation | None:
     return None
 
 
+def observer_notes(h: History) -> Violation | None:
+    """An observer call runs its handler at most once (it is not retried: docs/concepts.md,
+    "Observers"), and a notification the grain saw answered was received."""
+    seen: set[tuple[str, int]] = set()
+    for note in h.notes:
+        if note in seen:
+            return Violation("observer_notes", f"{note[0]}'s observer ran notification {note[1]} twice")
+        seen.add(note)
+    for seq, answered in h.said:
+        for client in answered:
+            if (client, seq) not in seen:
+                return Violation("observer_notes", f"notification {seq} answered for {client}, whose handler never ran")
+    return None
+
+
 def no_connection_left(h: History) -> Violation | None:
     if h.open_connections:
         owner, conn = h.open_connections[0]
@@ -422,6 +441,7 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     no_task_left,
     no_connection_left,
     stream_results,
+    observer_notes,
     reminder_ticks,
     timer_ticks,
     stream_delivered,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from grains import Grain, one_way, read_only
+from grains import Grain, ObserverRef, ObserverSet, one_way, read_only
 from grains.streams import subscribes
 
 if TYPE_CHECKING:
@@ -78,7 +78,27 @@ class SimCounter(Grain):
             world.generator_ended(stream)
 
 
-RESULT_GRAINS: list[type[Grain]] = [SimCounter]
+class SimRoom(Grain):
+    """Keeps the clients' observers in an ObserverSet and notifies them (the ``results`` scenario)."""
+
+    def __init__(self) -> None:
+        self.members = ObserverSet(expiry_s=3.0)
+
+    async def join(self, obs: ObserverRef) -> None:
+        self.members.subscribe(obs)
+
+    async def say(self, seq: int) -> list[str]:
+        """Notify every member of ``seq``; the names of those whose handler answered."""
+        answered: list[str] = []
+
+        async def note(obs: ObserverRef) -> None:
+            answered.append(await obs.on_note(seq))
+
+        await self.members.notify(note)
+        return answered
+
+
+RESULT_GRAINS: list[type[Grain]] = [SimCounter, SimRoom]
 
 FEED = "simfeed"
 """The stream namespace :class:`SimSubscriber` is subscribed to."""

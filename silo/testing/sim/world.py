@@ -53,8 +53,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from grains import Grain
+from grains import Grain, ObserverRef
 from grains.ids import GrainId, SiloAddress
+from grains.observer import CLIENT_PREFIX
 from silo import errors
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import DirectoryEntry
@@ -63,6 +64,7 @@ from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.messaging.manifests import TypeInfo
+from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.records.membership import SiloLoad, SiloStatus
 from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
@@ -78,6 +80,7 @@ from silo.testing.sim.grains import (
     SimCounter,
     SimLog,
     SimRegister,
+    SimRoom,
 )
 from silo.testing.sim.loop import SILO, SimLoop
 from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
@@ -443,6 +446,19 @@ class SimSilo:
             await self.redis.aclose()
 
 
+class _Notes:
+    """A client's observer handler: records what it was told."""
+
+    def __init__(self, world: World, client: str) -> None:
+        self._world = world
+        self._client = client
+
+    async def on_note(self, seq: int) -> str:
+        self._world.trace("note", self._client, seq)
+        self._world.history.notes.append((self._client, seq))
+        return self._client
+
+
 class SimClient:
     """What ``ClusterClient`` builds, on the twins: router, view, manifests, transport."""
 
@@ -475,6 +491,23 @@ class SimClient:
             stream_window=4,
         )
         self.refs = RefFactory(self.router, self.manifests, codec)
+        # As ClusterClient wires it: observers answer on the connections this client opened. Only
+        # where the workload uses them: a handler changes how the client's connections start,
+        # and with it every other scenario's trace (the seeds the mutant tests rely on).
+        self.observers: ObserverHub | None = None
+        if w.scenario.results:
+            self.observers = ObserverHub(owner=CLIENT_PREFIX + self.name, codec=codec, transport=self.transport,
+                                         call_timeout_s=w.scenario.call_timeout_s)  # fmt: skip
+            self.transport.set_handler(self.observers.on_frame)
+        self.observer: ObserverRef | None = None
+
+    def observe(self) -> ObserverRef:
+        """This client's observer for ``SimRoom`` (made once): it records each notification."""
+        assert self.observers is not None, "observers are wired in the results scenario only"
+        if self.observer is None:
+            self.observer = self.observers.create(_Notes(self.world, self.name))
+            self.transport.identify_as(self.name)
+        return self.observer
 
     async def start(self) -> None:
         await self.view.start()
@@ -482,6 +515,8 @@ class SimClient:
 
     async def stop(self) -> None:
         await self.view.stop()
+        if self.observers is not None:
+            self.observers.close()
         await self.transport.close()
         if self.redis is not None:
             await self.redis.aclose()
@@ -537,6 +572,7 @@ class World:
             self.grains += SERVICE_GRAINS
         if scenario.results:
             self.grains += RESULT_GRAINS
+        self._notes = 0
         self._generators: dict[str, tuple[str | None, bool]] = {}
         """Stream -> (the silo its generator runs on, whether it ended)."""
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
@@ -739,6 +775,8 @@ class World:
             if sc.results and roll >= 0.8:
                 seq += 1
                 await self._stream(client, f"{client.name}-{seq}", rng)
+            elif sc.results and roll >= 0.7:
+                await self._room(client, rng)
             elif roll < 0.3 and sc.logs:
                 key = f"log{rng.randrange(sc.logs)}"
                 ref = client.refs.get_grain(SimLog, key)
@@ -798,6 +836,21 @@ class World:
             self.trace("stream_failed", client.name, stream, type(exc).__name__)
         op.end = self.now()
         self.trace("stream_ended", client.name, stream, op.items)
+
+    async def _room(self, client: SimClient, rng: random.Random) -> None:
+        """Join the room with this client's observer (renewing its entry), or notify everyone in it."""
+        room = client.refs.get_grain(SimRoom, "room").with_timeout(self.scenario.call_timeout_s)
+        try:
+            if rng.random() < 0.5:
+                await room.join(client.observe())
+            else:
+                self._notes += 1
+                seq = self._notes
+                self.trace("say", client.name, seq)
+                answered = await room.say(seq)
+                self.history.said.append((seq, answered))
+        except errors.RedgrainError as exc:
+            self.trace("room_failed", client.name, type(exc).__name__)
 
     def _generators_left(self) -> list[tuple[str, str]]:
         """Generators still running on a silo that is up (a crashed silo's went with it)."""

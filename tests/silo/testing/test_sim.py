@@ -148,6 +148,23 @@ def test_a_cancel_that_never_reaches_the_generator_fails_a_results_seed(tmp_path
     assert again.returncode == 1 and f"seed {seed} FAIL stream_results:" in again.stdout, again.stdout
 
 
+@pytest.mark.timeout(300)
+def test_an_observer_call_sent_twice_fails_a_results_seed(tmp_path: Path) -> None:
+    # An observer call is not retried: its handler runs at most once. The mutant sends every
+    # call to a client's observer twice, as a retry after an unknown outcome would.
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "silo/messaging/observer_hub.py"
+    old = "        if back is not None:\n            return await self._send(back, key, method, args, kwargs, deadline, one_way, 0)\n"
+    source = path.read_text()
+    assert old in source, "the mutant's anchor moved"
+    path.write_text(source.replace(old, old.replace("return await", "await") + old.split("\n", 1)[1]))
+    found = _sim("run", "--seeds", "1-40", "--scenario", "results", "--first-failure", cwd=tmp_path, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None and "FAIL observer_notes:" in line, found.stdout[-3000:]
+    assert "twice" in line, line
+
+
 # --- the checkers on histories written by hand ------------------------------------------------
 
 
@@ -193,6 +210,16 @@ def test_the_streamed_results_check_refuses_reordered_short_or_late_streams_and_
         assert found is not None and found.invariant == "stream_results", bad
     left = stream_results(history(whole, [("s", "s1.1")]))
     assert left is not None and "still runs on s1.1" in left.detail
+
+
+def test_the_observer_check_refuses_a_handler_run_twice_or_an_answer_nobody_received() -> None:
+    from silo.testing.sim.checks import observer_notes
+
+    assert observer_notes(History(notes=[("c0", 1), ("c1", 1)], said=[(1, ["c0", "c1"])])) is None
+    twice = observer_notes(History(notes=[("c0", 1), ("c0", 1)]))
+    assert twice is not None and "twice" in twice.detail
+    phantom = observer_notes(History(notes=[("c0", 1)], said=[(1, ["c0", "c1"])]))
+    assert phantom is not None and "never ran" in phantom.detail
 
 
 def test_one_way_order_allows_an_overtaking_only_across_a_fault_or_a_new_activation() -> None:
