@@ -80,6 +80,7 @@ sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SEEDS) --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario services --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario results --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario versions --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from grains import Grain, ObserverRef, ObserverSet, one_way, read_only
+from grains import Grain, ObserverRef, ObserverSet, grain_type, one_way, read_only, version
 from grains.streams import subscribes
 
 if TYPE_CHECKING:
@@ -99,6 +99,63 @@ class SimRoom(Grain):
 
 
 RESULT_GRAINS: list[type[Grain]] = [SimCounter, SimRoom]
+
+
+@version(1)
+@grain_type("SimVersioned")
+class SimVersionedV1(Grain):
+    """The old version of a register (the ``versions`` scenario): it knows ``value`` only."""
+
+    class State(BaseModel):
+        value: int = 0
+
+    async def on_activate(self) -> None:
+        world = WORLD.get()
+        await asyncio.sleep(world.activation_delay())
+        world.record("activate", self.key, str(self.silo), 1)
+
+    async def write(self, value: int) -> int:
+        self.state.value = value
+        await self.write_state()
+        return value
+
+    @read_only
+    async def read(self) -> int:
+        return self.state.value
+
+
+@version(2)
+@grain_type("SimVersioned")
+class SimVersionedV2(Grain):
+    """The new version: a ``tag`` field and two methods more. A v1 activation that writes
+    ``value`` must keep the tag it does not know (docs/concepts.md, "Versions")."""
+
+    class State(BaseModel):
+        value: int = 0
+        tag: int = 0
+
+    async def on_activate(self) -> None:
+        world = WORLD.get()
+        await asyncio.sleep(world.activation_delay())
+        world.record("activate", self.key, str(self.silo), 2)
+
+    async def write(self, value: int) -> int:
+        self.state.value = value
+        await self.write_state()
+        return value
+
+    @read_only
+    async def read(self) -> int:
+        return self.state.value
+
+    async def write_tag(self, tag: int) -> int:
+        self.state.tag = tag
+        await self.write_state()
+        return tag
+
+    @read_only
+    async def read_tag(self) -> int:
+        return self.state.tag
 
 FEED = "simfeed"
 """The stream namespace :class:`SimSubscriber` is subscribed to."""

@@ -81,6 +81,8 @@ from silo.testing.sim.grains import (
     SimLog,
     SimRegister,
     SimRoom,
+    SimVersionedV1,
+    SimVersionedV2,
 )
 from silo.testing.sim.loop import SILO, SimLoop
 from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
@@ -123,6 +125,10 @@ class Scenario:
     def zombie(self) -> bool:
         """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
         return "pause" in self.faults
+    versions: int = 0
+    """Registers of a type two versions of which run side by side, as in a rolling upgrade:
+    every silo starts on version 1 (it knows the value only) and comes back from a restart on
+    version 2 (a tag too, and the methods to use it); silo 1 is restarted on purpose early on."""
     results: int = 0
     """Grains whose streamed results (an async-generator method) the clients also iterate,
     leaving some streams early."""
@@ -155,6 +161,10 @@ SCENARIOS: dict[str, Scenario] = {
         # short: its caller or callee crashed, paused or cut off, its connection reset.
         Scenario("results", registers=2, logs=1, results=2, faults=("crash", "pause", "partition", "reset", "slow_net"),
                  in_rotation=False),
+        # A rolling upgrade that stays half done: calls the old version lacks move the grain
+        # forward, calls both have land on either, and neither may lose what the other wrote.
+        # Its crashes are upgrades too (a silo comes back on version 2).
+        Scenario("versions", registers=1, logs=1, versions=2, faults=("crash", "pause", "partition"), in_rotation=False),
     )
 }
 
@@ -370,7 +380,7 @@ class SimSilo:
             services = {"redis": self.redis, "keys": w.services.keys, "reminders": w.services.reminders,
                         "streams": w.services.streams}  # fmt: skip
         self.silo = InProcessSilo(
-            w.grains,
+            w.grains_for(self.index),
             clock=w.now,
             settings=catalog,
             directory=self.link.wrap(w.directory),
@@ -478,7 +488,7 @@ class SimClient:
         self.redis: Any = None if w.services is None else w.services.client(self.name)
         self.transport = InMemoryTransport(w.transport_settings, codec, network=w.network)
         self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
-        self.manifests = PublishedManifests(w.published)
+        self.manifests = PublishedManifests(w.published, w.now)
         self.router = Router(
             transport=self.transport,
             directory=self.link.wrap(w.directory),
@@ -572,7 +582,11 @@ class World:
             self.grains += SERVICE_GRAINS
         if scenario.results:
             self.grains += RESULT_GRAINS
+        if scenario.versions:
+            self.grains.append(SimVersionedV2)
         self._notes = 0
+        self._upgraded: set[int] = set()
+        """Silos restarted at least once: on the new version in ``versions``."""
         self._generators: dict[str, tuple[str | None, bool]] = {}
         """Stream -> (the silo its generator runs on, whether it ended)."""
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
@@ -642,6 +656,12 @@ class World:
         self.trace("applied", grain, incarnation, sender, seq)
         self.history.applied.append((grain, incarnation, sender, seq))
         self.history.applied_at.append(self.now())
+
+    def grains_for(self, index: int) -> list[type[Grain]]:
+        """The grain classes silo ``index`` hosts: in ``versions``, the old version until it restarts."""
+        if self.scenario.versions and index not in self._upgraded:
+            return [SimVersionedV1 if cls is SimVersionedV2 else cls for cls in self.grains]
+        return self.grains
 
     def generator_started(self, stream: str) -> None:
         self.trace("generator_started", stream)
@@ -730,6 +750,8 @@ class World:
             drivers.append(self.spawn(self.clients[0].name, self._drive_zombie_target(self.clients[0], end)))
         if self.services is not None:
             drivers.append(self.spawn(self.clients[0].name, self.services.drive(self.clients[0], end)))
+        if sc.versions:
+            drivers.append(self.spawn("world", self._upgrade(1, at=self.now() + 4.0)))
         injector = self.spawn("world", self._inject(end))
         await asyncio.gather(*drivers, injector)
         await self._heal()
@@ -737,6 +759,8 @@ class World:
         await asyncio.sleep(sc.settle_s)
         keys = [f"reg{k}" for k in range(sc.registers)] + ([ZOMBIE_KEY] if sc.zombie else [])
         reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in keys]
+        reads += [self.spawn(self.clients[0].name, self._call(self.clients[0], f"ver{k}", method, None))
+                  for k in range(sc.versions) for method in ("read", "read_tag")]  # fmt: skip
         await asyncio.gather(*reads)
         if self.services is not None:
             await self.spawn("world", self.services.collect())
@@ -757,6 +781,8 @@ class World:
         generation = await self.membership.new_generation()
         if self.replication is not None:
             self.replication.wrote()
+        if index < len(self.silos):
+            self._upgraded.add(index)
         silo = SimSilo(self, index, generation)
         if index < len(self.silos):
             self.silos[index] = silo
@@ -772,7 +798,12 @@ class World:
         seq = 0
         while self.now() < end:
             roll = rng.random()
-            if sc.results and roll >= 0.8:
+            if sc.versions and roll >= 0.6:
+                key = f"ver{rng.randrange(sc.versions)}"
+                method = rng.choice(("write", "read", "write", "read", "write_tag", "read_tag"))
+                self._values += 1
+                await self._call(client, key, method, self._values if method.startswith("write") else None)
+            elif sc.results and roll >= 0.8:
                 seq += 1
                 await self._stream(client, f"{client.name}-{seq}", rng)
             elif sc.results and roll >= 0.7:
@@ -800,13 +831,17 @@ class World:
             await asyncio.sleep(rng.expovariate(1 / 0.05))
 
     async def _call(self, client: SimClient, key: str, method: str, arg: Any) -> None:
+        """A register's write or read; on a versioned register also of its tag, which the
+        checkers see as a register of its own (``key#tag``)."""
         timeout = self.scenario.call_timeout_s
-        ref = client.refs.get_grain(SimRegister, key).with_timeout(timeout)
-        op = Op(client.name, key, method, arg, self.now(), timeout)
+        versioned = key.startswith("ver")
+        ref: Any = client.refs.get_grain(SimVersionedV2 if versioned else SimRegister, key).with_timeout(timeout)
+        register = f"{key}#tag" if method.endswith("_tag") else key
+        op = Op(client.name, register, method.removesuffix("_tag"), arg, self.now(), timeout)
         self.history.ops.append(op)
         self.trace("call", client.name, key, method, arg)
         try:
-            result = await (ref.write(arg) if method == "write" else ref.read())
+            result = await getattr(ref, method)(*([] if arg is None else [arg]))
         except errors.RedgrainError as exc:
             op.error = f"{type(exc).__name__}: {exc}"
             self.trace("failed", client.name, key, method, arg, type(exc).__name__)
@@ -997,6 +1032,18 @@ class World:
 
     def _quick_activations(self) -> None:
         self.slow_activations -= 1
+
+    async def _upgrade(self, index: int, at: float) -> None:
+        """Stop silo ``index`` gracefully and start it again (on the new version)."""
+        await asyncio.sleep(at - self.now())
+        silo = self.silos[index]
+        if silo.state != "active" or self.loop.is_paused(silo.name):
+            return  # a fault got there first: its restart is the upgrade
+        self.trace("upgrade", silo.name)
+        self.history.disruptions.append(self.now())
+        await self.spawn(silo.name, silo.stop())
+        self.reap(silo.name, check=True)
+        await self.add_silo(index)
 
     async def _restart_later(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -165,6 +165,30 @@ def test_an_observer_call_sent_twice_fails_a_results_seed(tmp_path: Path) -> Non
     assert "twice" in line, line
 
 
+@pytest.mark.timeout(200)
+def test_forty_seeds_of_the_versions_scenario_keep_every_promise() -> None:
+    result = _sim("run", "--seeds", "1-40", "--scenario", "versions", "--jobs", "2", timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "40 seeds, 0 failed" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_an_old_version_that_drops_fields_it_does_not_know_fails_a_versions_seed(tmp_path: Path) -> None:
+    # Issue 36's rolling-upgrade loss as a mutant: a version-1 activation writes its state
+    # without the tag version 2 stored, and the tag's register loses acknowledged writes.
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "silo/catalog/state.py"
+    old = "        if extra:\n            fields.update(extra)\n"
+    source = path.read_text()
+    assert old in source, "the mutant's anchor moved"
+    path.write_text(source.replace(old, old.replace("if extra:", "if False:")))
+    found = _sim("run", "--seeds", "1-40", "--scenario", "versions", "--first-failure", cwd=tmp_path, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None and "FAIL linearizable: register ver" in line, found.stdout[-3000:]
+    assert "#tag" in line, line
+
+
 # --- the checkers on histories written by hand ------------------------------------------------
 
 
