@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from grains.training.api.messages import (
     TrainerProgress,
 )
 from grains.training.data.batches import job_batches
+from grains.training.datasets import load_dataset
 from grains.training.evaluation import CheckpointEvaluations
 from grains.training.loop.compression import Compressor, Payload, payload_nbytes
 from grains.training.loop.program import is_fatal, is_out_of_memory
@@ -55,6 +57,7 @@ from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
 from grains.training.state import checkpoint
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.strategies.ps.inline import InlineWhenCheap
 from grains.training.strategies.ps.shard import ParamShardGrain
 from silo import errors
 
@@ -161,7 +164,12 @@ class TrainerCore:
         return g if g is not None else torch.zeros_like(self.params[name])
 
 
-def _by_reference(parts: list[dict[str, Payload]]) -> None:
+def _warm_up(spec: TrainingJob) -> None:
+    build_model(spec)
+    load_dataset(spec, "train")
+
+
+def _by_reference(parts: Sequence[Mapping[str, Payload]]) -> None:
     """Mark what a step sends ``@immutable``: a shard on this silo takes it by reference, not as a
     codec copy (at 41 tensors, the tiny BERT's, the copies of the push and of the reply took
     ~2 ms of the silo's event loop a step). Nothing writes to them once sent: the next step's
@@ -243,6 +251,12 @@ class TrainerGrain(Grain):
         self._staleness_sum = self._replies = 0
         self._task = self.start_task(self._loop(a), name=f"{self.key} loop g{a.generation}")
 
+    async def prepare(self, spec: TrainingJob) -> None:
+        """Build the job's model and load its training data once, and drop both: a trainer about to
+        join a running job pays here for its silo's first imports (``transformers``: seconds) and
+        data load, while the job trains on, not after the job stopped to take it in."""
+        await self.run_in_thread(_warm_up, spec)
+
     async def stop(self) -> None:
         await self._cancel()
         if self._p.status == "running":
@@ -285,11 +299,17 @@ class TrainerGrain(Grain):
             self._p.fatal = is_fatal(exc)
             self._p.out_of_memory = is_out_of_memory(exc)
 
-    async def _compute(self, core: TrainerCore, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
-        """One step on the executor; a step longer than ``step_timeout_s`` fails this run (the
-        coordinator restarts the trainer: a new core; the late thread only touches the old one)."""
+    async def _compute(
+        self, core: TrainerCore, work: InlineWhenCheap | None, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float
+    ) -> StepResult:  # fmt: skip
+        """One step on the executor (or inline while steps are cheap: ``work``); a step longer than
+        ``step_timeout_s`` fails this run (the coordinator restarts the trainer: a new core; the
+        late thread only touches the old one)."""
+        run = work.run if work is not None else self.run_in_thread
         try:
-            return await asyncio.wait_for(self.run_in_thread(core.step, payloads, step), timeout_s)
+            # asyncio.timeout, not wait_for: no task wrapping the step, one loop turn less a step.
+            async with asyncio.timeout(timeout_s):
+                return await run(core.step, payloads, step)
         except TimeoutError:
             raise TimeoutError(f"step {step} took longer than step_timeout_s={timeout_s}") from None
 
@@ -318,13 +338,17 @@ class TrainerGrain(Grain):
         if own_state and a.start_step:
             await self._restore_residual(a, core)
         pipelined = a.spec.mode == "async"
+        # A sub-millisecond step runs on the loop (inline.py): its two thread hops cost more than
+        # it does. Not with DataLoader workers (a batch could wait on another process) or a GPU.
+        cheap = a.spec.loader_workers == 0 and core.device == "cpu"
+        work = InlineWhenCheap(self.run_in_thread) if cheap else None
         pending: asyncio.Future[list[ExchangeReply]] | None = None
         step = a.start_step
         while step < a.end_step:
             for i, p in enumerate(payloads):
                 if p:
                     base[i] = versions[i]
-            r = await self._compute(core, [p for p in payloads if p], step, a.spec.step_timeout_s)
+            r = await self._compute(core, work, [p for p in payloads if p], step, a.spec.step_timeout_s)
             payloads = [{} for _ in range(n)]
             if pending is not None:
                 payloads = self._take(await self._timed(pending), versions)
