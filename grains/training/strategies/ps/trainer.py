@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,10 @@ class TrainerCore:
     def _grad(self, name: str) -> torch.Tensor:
         g = self.params[name].grad
         return g if g is not None else torch.zeros_like(self.params[name])
+
+
+async def _listed(call: Awaitable[ExchangeReply]) -> list[ExchangeReply]:
+    return [await call]
 
 
 def _warm_up(spec: TrainingJob) -> None:
@@ -357,22 +361,21 @@ class TrainerGrain(Grain):
             if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, core, step + 1)
-            fut = asyncio.gather(
-                *(
-                    s.exchange(a.generation, a.rank, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
-                    for i, s in enumerate(shards)
-                )
-            )
+            calls = [
+                s.exchange(a.generation, a.rank, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
+                for i, s in enumerate(shards)
+            ]
             if pipelined and step + 1 < a.end_step:
-                pending = fut
+                pending = asyncio.gather(*calls)
             else:
-                payloads = self._take(await self._timed(fut), versions)
+                # One shard: its call awaited as it is, no gathering task (a loop turn less a step).
+                payloads = self._take(await self._timed(_listed(calls[0]) if n == 1 else asyncio.gather(*calls)), versions)
             self._record(step, r)
             step += 1
         if pending is not None:
             self._take(await pending, versions)
 
-    async def _timed(self, exchange: asyncio.Future[list[ExchangeReply]]) -> list[ExchangeReply]:
+    async def _timed(self, exchange: Awaitable[list[ExchangeReply]]) -> list[ExchangeReply]:
         """Wait for an exchange, adding the wait to this run's exchange time."""
         t0 = time.perf_counter()
         try:
