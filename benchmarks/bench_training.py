@@ -46,6 +46,7 @@ import os
 import time
 from typing import Any
 
+from benchmarks import training_cost
 from benchmarks.common import (
     BenchCluster,
     fix_torch_threads,
@@ -57,7 +58,6 @@ from benchmarks.common import (
     start_subprocess,
     write_result,
 )
-from benchmarks import training_cost
 from benchmarks.ray_training import ray_parameter_server
 from benchmarks.training_allreduce import redgrain_recovery, torchrun_ddp_phases
 from benchmarks.training_recovery import ps_recovery
