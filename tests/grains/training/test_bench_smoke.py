@@ -44,6 +44,9 @@ def test_training_benchmark_quick_mode_runs_and_writes_its_results():
     ps = data["recovery"]["redgrain PS"]  # both kills recovered, with the times on record
     assert set(ps) == {"trainer", "shard"} and all(r["recovery_s"] > 0 for r in ps.values()), ps
     assert "slowest parameter-server recovery" in out.stdout
+    cost = data["cost"]  # issue 38's cost rows ran, each against its plain loop
+    assert cost["rounds"] and cost["join_s"] > 0 and cost["group_s"] > 0, cost
+    assert "fixed per-step cost of 1 trainer" in out.stdout and "joining trainer, placed -> first step" in out.stdout
     if importlib.util.find_spec("ray") is not None:
         assert rows["Ray PS, 2 workers, sync"]["samples_per_s"] > 0, rows.get("ray_note")
         assert "redgrain / Ray parameter server, samples/s" in out.stdout

@@ -64,6 +64,7 @@ from grains.training.models import build_model
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.strategies.ps.inline import InlineWhenCheap
 from grains.training.strategies.ps.shard_core import ShardCore
 
 log = logging.getLogger("redgrain.training.shard")
@@ -129,6 +130,7 @@ class ParamShardGrain(Grain):
         self._max_staleness = self._max_gap = 0
         self._end = 0
         self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
+        self._updates = InlineWhenCheap(self.run_in_thread)  # updates inline while cheap (inline.py)
 
     # --- configuration ------------------------------------------------------
     async def configure(self, cfg: ShardConfig) -> ShardStatus:
@@ -143,6 +145,7 @@ class ParamShardGrain(Grain):
             core = await self.run_in_thread(ShardCore, cfg, self.device, snapshot)
             start = cfg.restore_step or 0
             self._cfg, self._core = cfg, core
+            self._updates = InlineWhenCheap(self.run_in_thread)  # a new core: measured afresh
             self._mode, self._staleness, self._every = cfg.spec.mode, cfg.spec.staleness, cfg.spec.checkpoint_every
             self._next = [start] * cfg.trainers
             self._applied = [start] * cfg.trainers
@@ -238,14 +241,14 @@ class ParamShardGrain(Grain):
                 last = len(self._acc_ranks | {rank}) == len(self._next)
                 scale = 1.0 / len(self._next)
                 if last and core.clip is not None:
-                    await self.run_in_thread(core.accumulate, grads, buffers, skip, first)
-                    mean, sq = await self.run_in_thread(core.pending_norm_sq, scale)
+                    await self._updates.run(core.accumulate, grads, buffers, skip, first)
+                    mean, sq = await self._updates.run(core.pending_norm_sq, scale)
                     total = await self._global_norm_sq(generation, step, sq)
                     coef = clip_coefficient(math.sqrt(total), core.clip)
-                    await self.run_in_thread(core.finish_step, mean, scale, step + 1, coef)
+                    await self._updates.run(core.finish_step, mean, scale, step + 1, coef)
                 else:
                     # One thread hop: the push that completes the step also applies it.
-                    await self.run_in_thread(core.push_sync, grads, buffers, skip, first, scale if last else None, step)
+                    await self._updates.run(core.push_sync, grads, buffers, skip, first, scale if last else None, step)
                 self._acc_ranks.add(rank)
                 self._applied[rank] = step + 1
                 if last:
@@ -257,7 +260,7 @@ class ParamShardGrain(Grain):
                 self._check(generation)
                 staleness = core.version - base if base >= 0 else 0
                 self._applied[rank] = step + 1
-                await self.run_in_thread(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(staleness))
+                await self._updates.run(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(staleness))
                 await self._maybe_snapshot(core)
         self._max_staleness = max(self._max_staleness, staleness)
         async with self._changed:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from grains.immutable import immutable
 from grains.training.api.job import parse_compression
 from grains.training.api.messages import ShardConfig
 from grains.training.loop.compression import Payload, decompress_into
@@ -101,10 +102,13 @@ class ShardCore:
         hold them by reference)."""
         out = {n: p.detach().to(self.pull_dtype, copy=True) for n, p in self.params.items()}
         out.update({n: b.clone() for n, b in self.buffers.items()})
+        for t in out.values():  # never written again: a trainer on this silo takes them by reference
+            immutable(t)
         return out
 
     def frozen_payload(self) -> dict[str, torch.Tensor]:
-        return {n: t.to(self.pull_dtype) if t.is_floating_point() else t for n, t in self.frozen.items()}
+        # Frozen tensors never change (the optimizer does not hold them): passed by reference too.
+        return {n: immutable(t.to(self.pull_dtype) if t.is_floating_point() else t) for n, t in self.frozen.items()}
 
     def accumulate(self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, first: bool) -> None:
         if first:

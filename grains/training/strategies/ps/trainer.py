@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from grains.base import DeactivationReason, Grain
 from grains.checkpoints import snapshots
+from grains.immutable import immutable
 from grains.placement import hash_placement, immovable, interleave, keep_alive
 from grains.ref import Ref
 from grains.training.api.job import TrainingJob, parse_compression
@@ -47,6 +49,7 @@ from grains.training.api.messages import (
     TrainerProgress,
 )
 from grains.training.data.batches import job_batches
+from grains.training.datasets import load_dataset
 from grains.training.evaluation import CheckpointEvaluations
 from grains.training.loop.compression import Compressor, Payload, payload_nbytes
 from grains.training.loop.program import is_fatal, is_out_of_memory
@@ -54,6 +57,7 @@ from grains.training.loop.step_runner import StepRunner
 from grains.training.models import build_model
 from grains.training.state import checkpoint
 from grains.training.state.model_tensors import persistent_buffers
+from grains.training.strategies.ps.inline import InlineWhenCheap
 from grains.training.strategies.ps.shard import ParamShardGrain
 from silo import errors
 
@@ -142,6 +146,8 @@ class TrainerCore:
                 self.runner.clip_tensors(dense.values())
             grads = [{n: self.compressor.compress(n, dense[n]) for n in names} for names in self.shard_grads]
         buffers = [{n: self.buffers[n].detach().clone() for n in names} for names in self.shard_buffers]
+        _by_reference(grads)
+        _by_reference(buffers)
         if step + 1 < self.a.end_step:  # prefetch: the next batch is ready before it is asked for
             self._prefetched = (step + 1, self.batch(step + 1))
         return StepResult(b.loss, b.metrics, b.samples, grads, buffers, skip)
@@ -156,6 +162,27 @@ class TrainerCore:
     def _grad(self, name: str) -> torch.Tensor:
         g = self.params[name].grad
         return g if g is not None else torch.zeros_like(self.params[name])
+
+
+async def _listed(call: Awaitable[ExchangeReply]) -> list[ExchangeReply]:
+    return [await call]
+
+
+def _warm_up(spec: TrainingJob) -> None:
+    build_model(spec)
+    load_dataset(spec, "train")
+
+
+def _by_reference(parts: Sequence[Mapping[str, Payload]]) -> None:
+    """Mark what a step sends ``@immutable``: a shard on this silo takes it by reference, not as a
+    codec copy (at 41 tensors, the tiny BERT's, the copies of the push and of the reply took
+    ~2 ms of the silo's event loop a step). Nothing writes to them once sent: the next step's
+    backward makes new gradients (``p.grad = None`` first), the buffers are a fresh clone, and
+    lossy payloads are new tensors (the residual is kept apart)."""
+    for part in parts:
+        for payload in part.values():
+            for t in (payload,) if isinstance(payload, torch.Tensor) else payload:
+                immutable(t)
 
 
 class ResidualSnapshot(BaseModel):
@@ -228,6 +255,12 @@ class TrainerGrain(Grain):
         self._staleness_sum = self._replies = 0
         self._task = self.start_task(self._loop(a), name=f"{self.key} loop g{a.generation}")
 
+    async def prepare(self, spec: TrainingJob) -> None:
+        """Build the job's model and load its training data once, and drop both: a trainer about to
+        join a running job pays here for its silo's first imports (``transformers``: seconds) and
+        data load, while the job trains on, not after the job stopped to take it in."""
+        await self.run_in_thread(_warm_up, spec)
+
     async def stop(self) -> None:
         await self._cancel()
         if self._p.status == "running":
@@ -270,11 +303,17 @@ class TrainerGrain(Grain):
             self._p.fatal = is_fatal(exc)
             self._p.out_of_memory = is_out_of_memory(exc)
 
-    async def _compute(self, core: TrainerCore, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float) -> StepResult:
-        """One step on the executor; a step longer than ``step_timeout_s`` fails this run (the
-        coordinator restarts the trainer: a new core; the late thread only touches the old one)."""
+    async def _compute(
+        self, core: TrainerCore, work: InlineWhenCheap | None, payloads: list[dict[str, torch.Tensor]], step: int, timeout_s: float
+    ) -> StepResult:  # fmt: skip
+        """One step on the executor (or inline while steps are cheap: ``work``); a step longer than
+        ``step_timeout_s`` fails this run (the coordinator restarts the trainer: a new core; the
+        late thread only touches the old one)."""
+        run = work.run if work is not None else self.run_in_thread
         try:
-            return await asyncio.wait_for(self.run_in_thread(core.step, payloads, step), timeout_s)
+            # asyncio.timeout, not wait_for: no task wrapping the step, one loop turn less a step.
+            async with asyncio.timeout(timeout_s):
+                return await run(core.step, payloads, step)
         except TimeoutError:
             raise TimeoutError(f"step {step} took longer than step_timeout_s={timeout_s}") from None
 
@@ -303,13 +342,17 @@ class TrainerGrain(Grain):
         if own_state and a.start_step:
             await self._restore_residual(a, core)
         pipelined = a.spec.mode == "async"
+        # A sub-millisecond step runs on the loop (inline.py): its two thread hops cost more than
+        # it does. Not with DataLoader workers (a batch could wait on another process) or a GPU.
+        cheap = a.spec.loader_workers == 0 and core.device == "cpu"
+        work = InlineWhenCheap(self.run_in_thread) if cheap else None
         pending: asyncio.Future[list[ExchangeReply]] | None = None
         step = a.start_step
         while step < a.end_step:
             for i, p in enumerate(payloads):
                 if p:
                     base[i] = versions[i]
-            r = await self._compute(core, [p for p in payloads if p], step, a.spec.step_timeout_s)
+            r = await self._compute(core, work, [p for p in payloads if p], step, a.spec.step_timeout_s)
             payloads = [{} for _ in range(n)]
             if pending is not None:
                 payloads = self._take(await self._timed(pending), versions)
@@ -318,22 +361,21 @@ class TrainerGrain(Grain):
             if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, core, step + 1)
-            fut = asyncio.gather(
-                *(
-                    s.exchange(a.generation, a.rank, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
-                    for i, s in enumerate(shards)
-                )
-            )
+            calls = [
+                s.exchange(a.generation, a.rank, step, r.grads[i], base[i], versions[i], r.buffers[i] or None, r.skip)
+                for i, s in enumerate(shards)
+            ]
             if pipelined and step + 1 < a.end_step:
-                pending = fut
+                pending = asyncio.gather(*calls)
             else:
-                payloads = self._take(await self._timed(fut), versions)
+                # One shard: its call awaited as it is, no gathering task (a loop turn less a step).
+                payloads = self._take(await self._timed(_listed(calls[0]) if n == 1 else asyncio.gather(*calls)), versions)
             self._record(step, r)
             step += 1
         if pending is not None:
             self._take(await pending, versions)
 
-    async def _timed(self, exchange: asyncio.Future[list[ExchangeReply]]) -> list[ExchangeReply]:
+    async def _timed(self, exchange: Awaitable[list[ExchangeReply]]) -> list[ExchangeReply]:
         """Wait for an exchange, adding the wait to this run's exchange time."""
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,102 @@
+"""The parameter-server step path's cost rules (issue 38): what a step sends passes by reference
+on one silo, and cheap work runs on the event loop while it stays cheap."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from grains.immutable import is_immutable
+from grains.training.api.job import TrainingJob
+from grains.training.api.messages import ExchangeReply, ShardConfig, TrainerAssignment
+from grains.training.models import build_model
+from grains.training.state.model_tensors import layout_of
+from grains.training.strategies.ps.inline import InlineWhenCheap
+from grains.training.strategies.ps.shard_core import ShardCore
+from grains.training.strategies.ps.trainer import TrainerCore
+from silo.codec import Codec
+
+SPEC = TrainingJob(model="grains.training.models:mlp", dataset="grains.training.datasets:digits", batch_size=16,
+                   optimizer="momentum", lr=0.05, steps=4, trainers=1, shards=1, checkpoint_every=0, eval_every=0)  # fmt: skip
+
+
+def _cores() -> tuple[TrainerCore, ShardCore]:
+    names = list(layout_of(build_model(SPEC)).sizes())
+    a = TrainerAssignment(job="j", rank=0, trainers=1, spec=SPEC, generation=0, start_step=0, end_step=4,
+                          shard_keys=["s"], shard_names=[names])  # fmt: skip
+    cfg = ShardConfig(job="j", index=0, spec=SPEC, names=names, shard_keys=["s"], trainers=1, generation=0, end_step=4)
+    return TrainerCore(a, "cpu"), ShardCore(cfg, "cpu", None)
+
+
+def test_a_step_sends_and_receives_its_tensors_by_reference_on_one_silo():
+    # A call to a grain on the caller's silo copies what is not @immutable (decision 70): the
+    # gradients pushed, the parameters published and the reply must all be marked.
+    trainer, shard = _cores()
+    codec = Codec()
+    published = shard.current[1]
+    copied = codec.copy(published)
+    assert published and all(copied[n] is t for n, t in published.items())
+    r = trainer.step([published], 0)
+    pushed = codec.copy(r.grads[0])
+    assert r.grads[0] and all(pushed[n] is g for n, g in r.grads[0].items())
+    assert is_immutable(ExchangeReply(version=1, params=published))
+    # The shard publishes fresh tensors for the next version (the trainer holds the old ones).
+    shard.push_sync(r.grads[0], None, False, True, 1.0, 0)
+    assert all(shard.current[1][n] is not t for n, t in published.items())
+
+
+def test_cheap_work_runs_inline_once_measured_and_slow_work_goes_back_to_the_executor():
+    threaded: list[str] = []
+
+    async def run_in_thread(fn: Any, *args: Any) -> Any:
+        threaded.append(args[0].__name__)
+        return await asyncio.to_thread(fn, *args)
+
+    def cheap() -> int:
+        return 1
+
+    def slow() -> int:
+        time.sleep(0.03)
+        return 2
+
+    async def main() -> None:
+        work = InlineWhenCheap(run_in_thread, budget_s=0.01)
+        assert await work.run(cheap) == 1 and threaded == ["cheap"]  # the first: on the executor
+        assert work.inline
+        assert await work.run(cheap) == 1 and threaded == ["cheap"]  # measured cheap: inline
+        assert await work.run(slow) == 2 and threaded == ["cheap"]  # still inline: the last was cheap
+        assert not work.inline
+        assert await work.run(cheap) == 1 and threaded == ["cheap", "cheap"]  # after a slow one: executor
+        assert work.inline
+
+    asyncio.run(main())
+
+
+def test_short_named_optimizers_run_foreach_and_step_as_the_per_tensor_loop_does():
+    from grains.training.loop.optim import build_optimizer
+
+    torch.manual_seed(0)
+    for name in ("momentum", "adamw"):
+        spec = SPEC.model_copy(update={"optimizer": name, "weight_decay": 0.01})
+        a = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        ours = build_optimizer([(str(i), p) for i, p in enumerate(a)], spec)
+        assert ours is not None and ours.defaults["foreach"] is True
+        # What a plain loop writes (foreach left to torch: the per-tensor loop on the CPU).
+        theirs: torch.optim.Optimizer = (
+            torch.optim.SGD(b, lr=spec.lr, momentum=spec.momentum, weight_decay=0.01) if name == "momentum"
+            else torch.optim.AdamW(b, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=0.01)
+        )  # fmt: skip
+        for _ in range(5):
+            grads = [torch.randn_like(p) for p in a]
+            for p, q, g in zip(a, b, grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            ours.step()
+            theirs.step()
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), name
+    custom = SPEC.model_copy(update={"optimizer": "adamw", "optimizer_args": {"foreach": False}})
+    opt = build_optimizer([("w", torch.nn.Parameter(torch.randn(3)))], custom)
+    assert opt is not None and opt.defaults["foreach"] is False
