@@ -32,6 +32,7 @@ pytestmark = pytest.mark.netns
 DEADLINE_S = 2.0
 """Deadline of every workload call."""
 DEAD_AFTER_S = float(FAST_ENV["REDGRAIN_MEMBERSHIP__DEAD_AFTER_S"])
+LEASE_S = float(FAST_ENV["REDGRAIN_MEMBERSHIP__LEASE_S"])
 ENV = {
     **FAST_ENV,
     # The rebalancer runs (leases expire fast, so a dead leader is replaced quickly).
@@ -188,8 +189,9 @@ async def _cut_from_redis(
     net.heal(victim.host, redis_host)
     assert await _exit_code(victim, 10) == 3, victim.process.output()[-2000:]
     stopped = time.monotonic() - t_heal
-    # Self-fenced: no call that reached it after the fence was answered with a result.
-    fence_at = t_cut + DEAD_AFTER_S + 0.3
+    # Self-fenced: no call that reached it after the fence was answered with a result (its
+    # monitors still probe it, so its lease is what fences it).
+    fence_at = t_cut + LEASE_S + 0.3
     late = [r for r in direct.ends() if r["ok"] and r["res"][0] == addr and r["t0"] > fence_at]
     assert not late, late[:3]
     report(REDIS, "fences itself (lease not renewed), declared dead by its peers; exits when it hears so "
