@@ -1,39 +1,40 @@
-"""Failure detection: heartbeats from a thread, probes from the loop, death by vote.
+"""Failure detection: probes between ring monitors, a slow liveness lease, death by vote.
 
-Two signals, so a busy silo is never mistaken for a dead one:
+Two signals, so a busy silo is never mistaken for a dead one, and Redis hears from an idle
+silo only to renew a lease (issue 39: an idle silo costs Redis < 2 commands a second):
 
-* :class:`HeartbeatThread` writes the heartbeat from a dedicated thread with
-  its own *synchronous* Redis connection. A 30 s torch step holding the event
-  loop does not stop it; only a dead or hung (SIGSTOPped) process does. It
-  also fences this silo: while the last heartbeat Redis confirmed was sent
-  longer than ``dead_after_s`` ago, peers may already have declared us dead,
-  so :meth:`HeartbeatThread.fenced` is true and the dispatcher refuses calls.
-  That closes the window in which a resumed SIGSTOPped silo could answer a
-  call before learning it is dead.
-* :class:`FailureDetector` runs on the event loop. It watches its
-  ``monitors`` successors on a ring of the live silos (:class:`Ring`, ordered
-  by a hash of the address; all peers when fewer): every ``probe_interval_s``
-  one script tells it the table's version and which of their heartbeats
-  moved since it last asked (``MembershipTable.moved``: a flag a silo, the
-  values kept in Redis for its votes), and it pings each over TCP. A peer whose heartbeat
-  has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
-  values, never clocks) is suspected; it gets a vote when its heartbeat has
-  been stale ``dead_after_s`` and a probe timed out, or at once when the probe
-  finds its port refusing connections (the process is gone: the fast path).
-  A probe that answers while the heartbeat stays stale means the heartbeat
-  thread lost Redis; that silo fences itself, and we vote after twice
-  ``dead_after_s`` (the longer bound). Only a silo's monitors vote on it;
-  death is declared by one Lua script when ``min(2, fresh monitors)`` valid
-  votes are in (see ``RedisMembershipTable.vote_dead`` and ``_needed``).
-* The reverse partition: a heartbeat that moves while the peer cannot be
-  reached at all. A probe that gets no answer tries a bare TCP handshake; a
-  busy or stopped process still completes one (its kernel answers), a host
-  cut off from us does not (``UNREACHABLE``). A peer unreachable for twice
-  ``dead_after_s`` without a break gets an *unreachable* vote
-  (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh
-  monitors)`` votes like the others: so a silo cut from all its peers is voted
-  out (it hears so on its next heartbeat and stops), while a link cut between
-  two silos of three removes neither.
+* :class:`FailureDetector` runs on the event loop. It watches its ``monitors`` successors on a
+  ring of the live silos (:class:`Ring`, ordered by a hash of the address; all peers when
+  fewer) and pings each over the silos' own connections every ``probe_interval_s``; the PING
+  names this silo, so the peer knows its monitor still reaches it. Redis is read when it can
+  tell something: while a peer is in doubt, on a membership change, else every
+  ``idle_read_s`` (one script: the table's version and which watched heartbeats moved,
+  ``MembershipTable.moved``). A probe refused votes at once (the process is gone: the fast
+  path); a peer that has answered no probe for ``dead_after_s`` while its heartbeat is as old
+  gets a vote (hung, or cut off from us and from Redis); one that answers while its lease ran
+  out (heartbeat older than ``lease_s + dead_after_s``) gets a vote (it lost Redis and has
+  fenced itself). Only a silo's monitors vote on it; death is declared by one Lua script when
+  ``min(2, fresh monitors)`` valid votes are in (``RedisMembershipTable.vote_dead``,
+  ``_needed``), and a vote counts only while the suspect's heartbeat is the value the voter saw.
+* :class:`HeartbeatThread` renews this silo's lease (its heartbeat, stamped with Redis'
+  clock) from a dedicated thread with its own *synchronous* Redis connection: every
+  ``lease_s / 2`` while all is well, every ``heartbeat_s`` while it is in doubt (a monitor
+  has been silent, :class:`Liveness`). A 30 s torch step holding the event loop does not stop
+  it: the loop answers no PING, so the thread beats every second and the monitors, seeing a
+  young heartbeat, do not vote. It also fences this silo (:meth:`Liveness.fenced`, asked by
+  the dispatcher on every call) before its peers may declare it dead: when the lease runs out,
+  or when a monitor has been silent ``dead_after_s / 2`` and no beat younger than
+  ``dead_after_s`` is confirmed; that doubt latches until a beat sent after it is confirmed,
+  so a resumed SIGSTOPped silo, whose queued PINGs arrive at once, cannot answer a call
+  before learning it is dead.
+* The reverse partition: a heartbeat that moves while the peer cannot be reached at all. A
+  probe that gets no answer tries a bare TCP handshake; a busy or stopped process still
+  completes one (its kernel answers), a host cut off from us does not (``UNREACHABLE``). A
+  peer unreachable for twice ``dead_after_s`` without a break gets an *unreachable* vote
+  (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh monitors)`` votes
+  like the others: so a silo cut from all its peers is voted out (it beats every second, as
+  its monitors are silent, hears so on its next beat and stops), while a link cut between two
+  silos of three removes neither.
 """
 
 from __future__ import annotations
