@@ -96,9 +96,9 @@ class MembershipSettings(_Section):
     dead_after_s: float = Field(
         4.0,
         gt=0,
-        description="A silo that has not answered its monitors' probes this long, with a heartbeat as old, is "
-        "declared dead; a silo none of whose probes from some monitor arrived for half of this fences itself "
-        "(refuses calls) until a heartbeat confirms it.",
+        description="A silo that has answered none of its monitors' probes this long, its heartbeat as old, is "
+        "declared dead. A silo that one of its monitors has not probed for half of this refuses calls (fenced) "
+        "unless a heartbeat younger than this is confirmed.",
     )
     refresh_s: float = Field(
         10.0,
@@ -125,7 +125,7 @@ class MembershipSettings(_Section):
         "heartbeats read); a refused connection votes it dead at once.",
     )
     idle_read_s: float = Field(
-        20.0,
+        30.0,
         gt=0,
         description="While every monitored peer answers its pings and membership is unchanged, a detector reads "
         "their heartbeats this often only (a silo that lost Redis but answers pings is noticed up to this late "

@@ -63,10 +63,20 @@ from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")
 
-LOAD_REFRESH_S = 5.0
-"""The heartbeat thread beats (at most every heartbeat_s) when the silo's activation count changed,
-and sends the load with a beat at least this long after the last one sent: an idle silo's CPU and
-memory figures are as old as its lease renewal (lease_s / 2) at most."""
+LOAD_REFRESH_S = 30.0
+"""The heartbeat thread beats (at most every heartbeat_s) when the silo's load changed (its activation
+count, or CPU or memory by LOAD_STEP_PERCENT points) and sends the load then, else with a beat at
+least this long after the last one sent (one command in five of an idle silo's beats, issue 39)."""
+LOAD_STEP_PERCENT = 10.0
+
+
+def _load_changed(last: SiloLoad | None, now: SiloLoad) -> bool:
+    return (
+        last is None
+        or last.activations != now.activations
+        or abs(last.cpu_percent - now.cpu_percent) >= LOAD_STEP_PERCENT
+        or abs(last.memory_percent - now.memory_percent) >= LOAD_STEP_PERCENT
+    )
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
@@ -279,7 +289,7 @@ class HeartbeatThread(Liveness):
         timeout = max(1.0, self._settings.dead_after_s)
         client = connect_redis_sync(self._url, timeout_s=timeout)
         script = client.register_script(HEARTBEAT_LUA)
-        last_load: tuple[float, int] | None = None  # (when, activations) of the last load Redis took
+        last_load: tuple[float, SiloLoad] | None = None  # when, and what, the last load Redis took
         # Looked at this often at least: a monitor falling silent is noticed well within silence_s.
         tick = min(self._settings.heartbeat_s, self._silence_s / 4)
         try:
@@ -289,7 +299,7 @@ class HeartbeatThread(Liveness):
                     load = self._load()
                 except Exception:  # noqa: BLE001 - read across threads: a dict may change size under us
                     load = SiloLoad()
-                changed = last_load is None or last_load[1] != load.activations
+                changed = _load_changed(last_load[1] if last_load else None, load)
                 wait = self.next_beat(now, changed)
                 if wait > 0:
                     self._wake.wait(min(wait, tick))
@@ -315,7 +325,7 @@ class HeartbeatThread(Liveness):
                     self.beats += 1
                     self.beat_confirmed(sent)
                     if fresh:
-                        last_load = (sent, load.activations)
+                        last_load = (sent, load)
         finally:
             client.close()
 
