@@ -101,7 +101,7 @@ class MembershipSettings(_Section):
         "unless a heartbeat younger than this is confirmed.",
     )
     refresh_s: float = Field(
-        10.0,
+        15.0,
         gt=0,
         description="How often a silo or client polls the membership version and a sample of loads "
         "(pub/sub tells every change sooner: this is the fallback); changes are read from the change feed.",
@@ -113,7 +113,7 @@ class MembershipSettings(_Section):
         "is watched by about this many others whatever the cluster's size.",
     )
     load_sample: int = Field(
-        10,
+        15,
         ge=0,
         description="Silos' published loads (for placement) each silo or client re-reads every refresh_s, "
         "in turn; all of them when there are no more silos than this.",
