@@ -98,7 +98,7 @@ class MembershipSettings(_Section):
         gt=0,
         description="A silo that has answered none of its monitors' probes this long, its heartbeat as old, is "
         "declared dead. A silo that one of its monitors has not probed for half of this refuses calls (fenced) "
-        "unless a heartbeat younger than this is confirmed.",
+        "unless a heartbeat as young is confirmed (it beats every heartbeat_s meanwhile).",
     )
     refresh_s: float = Field(
         15.0,

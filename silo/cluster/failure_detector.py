@@ -23,8 +23,8 @@ silo only to renew a lease (issue 39: an idle silo costs Redis < 2 commands a se
   it: the loop answers no PING, so the thread beats every second and the monitors, seeing a
   young heartbeat, do not vote. It also fences this silo (:meth:`Liveness.fenced`, asked by
   the dispatcher on every call) before its peers may declare it dead: when the lease runs out,
-  or when a monitor has been silent ``dead_after_s / 2`` and no beat younger than
-  ``dead_after_s`` is confirmed; that doubt latches until a beat sent after it is confirmed,
+  or when a monitor has been silent ``dead_after_s / 2`` and no beat as young is
+  confirmed (it beats every ``heartbeat_s`` by then); that doubt latches until a beat sent after it is confirmed,
   so a resumed SIGSTOPped silo, whose queued PINGs arrive at once, cannot answer a call
   before learning it is dead.
 * The reverse partition: a heartbeat that moves while the peer cannot be reached at all. A
@@ -126,7 +126,7 @@ class Liveness:
       only after its probes went unanswered ``dead_after_s`` *and* the heartbeat is
       ``dead_after_s`` old. Once a monitor has been silent ``silence_s`` (``dead_after_s / 2``),
       this silo is in doubt: it is fenced unless its last confirmed beat is younger than
-      ``dead_after_s``, and the doubt *latches*: only a beat sent after it began, confirmed
+      ``silence_s`` (it beats every ``heartbeat_s`` by then), and the doubt *latches*: only a beat sent after it began, confirmed
       (not Dead), lifts it, so PINGs that queued up during a SIGSTOP or a long pause, or a
       monitor that has not heard of our death yet, cannot unfence it. From ``silence_s / 2``
       of silence on it beats every ``heartbeat_s``, so a monitor that died or a loop that is
@@ -163,9 +163,13 @@ class Liveness:
         if self.dead:
             return True
         now = self._monotonic()
-        if now - self.last_confirmed <= self._settings.dead_after_s:
-            return False  # no vote on a timed-out probe counts while our heartbeat is this young
-        if now > self.vouched_until or now - self.last_confirmed > self._settings.lease_s:
+        age = now - self.last_confirmed
+        silent = now > self.vouched_until
+        # No vote on an unanswered probe counts while our heartbeat is younger than dead_after_s;
+        # while a monitor is silent we beat every heartbeat_s, so half of it leaves a margin.
+        if age <= (self._silence_s if silent else self._settings.dead_after_s):
+            return False
+        if silent or age > self._settings.lease_s:
             self._doubt(now)
             return True
         return self.doubt_since is not None

@@ -155,10 +155,11 @@ async def test_heartbeat_thread_fences_when_its_monitors_fall_silent_and_its_bea
     )  # fmt: skip
     hb.watch_monitors(["m"])
     assert not hb.fenced()
-    mono.jump(SETTINGS.dead_after_s - 0.1)
+    mono.jump(SETTINGS.dead_after_s / 2 - 0.1)
     assert not hb.fenced()
-    mono.jump(0.2)  # e.g. resumed after SIGSTOP: peers may have declared us dead
+    mono.jump(0.2)  # its monitor silent, no beat as young confirmed
     assert hb.fenced()
+    mono.jump(SETTINGS.dead_after_s)  # e.g. resumed after SIGSTOP: peers may have declared us dead
     hb.probed("m")  # a PING that waited in the socket does not lift it
     assert hb.fenced()
     hb.beat_confirmed(mono())
