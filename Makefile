@@ -79,9 +79,11 @@ SERVICE_SEEDS ?= 1-1000
 sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SEEDS) --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario services --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario results --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario versions --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
-	$(PY) -m pytest -q -s -m soak tests/chaos $(ARGS)
+	$(PY) -m pytest -q -s -m soak tests/chaos tests/grains/training/test_resume_matrix.py $(ARGS)
 
 # Long forms of the partition scenarios (silos on separate network namespaces; needs root).
 # The short forms run in `make test`. Figures: REDGRAIN_PARTITION_REPORT=path.jsonl.

@@ -41,6 +41,10 @@ MAX_BYTES = 4096
 
 _ENTRIES: ContextVar[Mapping[str, Value] | None] = ContextVar("redgrain_request_context", default=None)
 
+current = _ENTRIES.get
+"""The current task's entries, None when it has none (never an empty mapping): the bound
+``ContextVar.get``, so the runtime's per-call paths test for entries without a Python call."""
+
 
 class RequestContext:
     """The current task's entries (see the module docstring). All methods are static: the

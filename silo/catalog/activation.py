@@ -288,7 +288,10 @@ class Activation:
             self.calls += 1
             chain_token = CALL_CHAIN.set((*inv.chain, self.grain_key))
             # The caller's entries, or none: never those of whoever created this mailbox task.
-            context_token = request_context.enter(inv.context)
+            # (Neither has any, most turns: then no Python call.)
+            context_token = (
+                None if inv.context is None and request_context.current() is None else request_context.enter(inv.context)
+            )
             try:
                 if inv.callback is not None:
                     result = await inv.callback()
@@ -316,7 +319,8 @@ class Activation:
                 return
             finally:
                 CALL_CHAIN.reset(chain_token)
-                request_context.leave(context_token)
+                if context_token is not None:
+                    request_context.leave(context_token)
             if not inv.future.done():
                 inv.future.set_result(result)
         finally:

@@ -25,6 +25,7 @@ class GrainTypes:
         self._methods: dict[str, frozenset[str]] = {}
         self._streams: dict[str, frozenset[str]] = {}
         self._awaited: dict[str, frozenset[str]] = {}
+        self._options: dict[str, GrainOptions] = {}
         for cls in classes:
             self.add(cls)
 
@@ -73,7 +74,11 @@ class GrainTypes:
             raise errors.UnknownGrainError(type_name, "not hosted by this silo") from None
 
     def options(self, type_name: str) -> GrainOptions:
-        return grain_options(self.resolve(type_name))
+        # Read on every call a silo serves: one dict lookup, not two calls.
+        cached = self._options.get(type_name)
+        if cached is None:
+            cached = self._options[type_name] = grain_options(self.resolve(type_name))
+        return cached
 
     def methods(self, type_name: str) -> frozenset[str]:
         cached = self._methods.get(type_name)

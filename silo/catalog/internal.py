@@ -75,3 +75,5 @@ INTERNAL_TURNS: Mapping[str, TurnFactory] = MappingProxyType(
     {REMINDER_METHOD: reminder_turn, STREAM_METHOD: stream_turn, STREAM_GAP_METHOD: stream_gap_turn}
 )
 """Every internal method and the turn it runs (no grain method starts with ``_``: never remote)."""
+# invoke_method (pipeline.py) tells an internal turn by its leading "_" alone.
+assert all(name.startswith("_") for name in INTERNAL_TURNS)

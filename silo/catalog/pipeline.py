@@ -139,10 +139,10 @@ def invoke_method(ctx: CallContext) -> Awaitable[Any]:
     here), or the turn an internal method names (a reminder tick, a stream item: ``internal.py``);
     for an async-generator method, an awaitable of the generator, which the streamed call's
     turn then runs (silo/messaging/results.py): filters see such a call open."""
-    internal = INTERNAL_TURNS.get(ctx.method)
-    if internal is not None:
-        return internal(ctx.activation, ctx.args)()
-    fn = getattr(ctx.activation.instance, ctx.method)
+    method = ctx.method
+    if method[:1] == "_":  # an internal turn's name: no remote method starts with "_"
+        return INTERNAL_TURNS[method](ctx.activation, ctx.args)()
+    fn = getattr(ctx.activation.instance, method)
     result = fn(*ctx.args, **ctx.kwargs) if ctx.kwargs else fn(*ctx.args)
     if type(result) is AsyncGeneratorType:
         return _opened(result)

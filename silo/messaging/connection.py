@@ -494,7 +494,8 @@ class Connection(FrameReceiver):
         if timeout_s is not None:
             self._arm(req_id, timeout_s)
         self._send_frame(header, encoded)
-        if self._failed_in_write():
+        transport = self._transport  # _failed_in_write(), inlined: this runs on every call
+        if transport is not None and transport.is_closing():
             # Its own write failed: not one byte of it left this process, so it never ran.
             self._pending.pop(req_id, None)
             fut.cancel()
@@ -569,7 +570,9 @@ class Connection(FrameReceiver):
         req_id = next(self._ids)
         header[1] = req_id
         encoded = self.codec.encode(body)
-        self._check_sendable()
+        transport = self._transport  # _check_sendable(), inlined: this runs on every call
+        if transport is not None and transport.is_closing():
+            raise self._never_sent()
         return req_id, encoded
 
     def _check_sendable(self) -> None:

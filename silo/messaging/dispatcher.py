@@ -303,8 +303,12 @@ class Dispatcher:
             options = self._types.options(grain.type_name)
         except errors.UnknownGrainError:
             return None
-        if options.stateless_worker or method not in self._types.awaited(grain.type_name):
+        if method not in self._types.awaited(grain.type_name):
             return None
+        if options.stateless_worker:
+            # As dispatch() picks one: the least busy worker, or a new one below the limit. A
+            # served model is a reentrant worker: its requests skip a task each this way.
+            return self._catalog.stateless_worker(grain, options) or self._catalog.start_worker(grain)
         return self._catalog.get_or_start(grain, method)
 
     def _answer(
@@ -414,16 +418,19 @@ class Dispatcher:
             return await self.observers.serve(call, deadline)
         options = self._types.options(grain.type_name)  # UnknownGrainError if not hosted here
         entries = None if trace is None else context_entries(trace)  # CodecError: a peer's bad one
-        internal = INTERNAL_TURNS.get(method)  # a reminder tick, a stream item (silo/catalog/internal.py)
-        if internal is None and method not in self._types.methods(grain.type_name):
-            raise await self._not_in_this_version(grain, method, options)
         streamed = stream is not None or sink is not None
-        if internal is None and streamed != (method in self._types.streams(grain.type_name)):
-            raise TypeError(
-                f"{grain}.{method} is an async generator: iterate it (async for ... in ref.{method}(...))"
-                if not streamed
-                else f"{grain}.{method} is no async generator: await it"
-            )
+        internal = None
+        # An awaited method of the type, most calls: one set lookup decides all three checks.
+        if streamed or method not in self._types.awaited(grain.type_name):
+            internal = INTERNAL_TURNS.get(method)  # a reminder tick, a stream item (silo/catalog/internal.py)
+            if internal is None and method not in self._types.methods(grain.type_name):
+                raise await self._not_in_this_version(grain, method, options)
+            if internal is None and streamed != (method in self._types.streams(grain.type_name)):
+                raise TypeError(
+                    f"{grain}.{method} is an async generator: iterate it (async for ... in ref.{method}(...))"
+                    if not streamed
+                    else f"{grain}.{method} is no async generator: await it"
+                )
         loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
             move = self.moving.get(grain)

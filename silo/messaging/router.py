@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from grains.call import Call
 from grains.ids import GrainId, SiloAddress
+from grains.request_context import current as current_entries
 from grains.result_stream import StreamChannel
 from silo import errors
 from silo.catalog.internal import INTERNAL_TURNS
@@ -254,9 +255,9 @@ class Router:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             self._calls += 1
-            # Tracing off and no request context: the whole cost on this path is one call and one
-            # context-variable read (the trace context and the task's entries travel together).
-            trace = call_carrier(self.tracing)
+            # Tracing off and no request context: the whole cost on this path is one context-variable
+            # read, no Python call (the trace context and the task's entries travel together).
+            trace = None if self.tracing is None and current_entries() is None else call_carrier(self.tracing)
             last: Exception | None = None
             attempt = 0
             # Undelivered calls are retried until the deadline: a killed silo is

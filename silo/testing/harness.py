@@ -198,8 +198,10 @@ class PublishedManifests(Manifests):
     """Manifests read from ``published`` (type -> version -> manifest: what every silo of the
     world published) instead of Redis."""
 
-    def __init__(self, published: dict[str, dict[int, TypeInfo]]) -> None:
-        super().__init__(cast(Any, None), Keys("in-process"))
+    def __init__(self, published: dict[str, dict[int, TypeInfo]], clock: Callable[[], float] = time.monotonic) -> None:
+        # ``clock`` paces the re-reads after a miss (at most one a period): on virtual time,
+        # the loop's, or a version published mid-run is never read again.
+        super().__init__(cast(Any, None), Keys("in-process"), clock=clock)
         self.published = published
 
     async def _fetch(self) -> dict[str, dict[int, TypeInfo]]:
@@ -272,7 +274,7 @@ class InProcessSilo:
         default_directory = InMemoryGrainDirectory(self.membership.is_alive) if self.membership else None
         self.directory = directory or default_directory or InMemoryGrainDirectory()
         self.store = store or InMemoryStateStore(owner=self.directory.token_of)
-        self.manifests = PublishedManifests({} if published is None else published)
+        self.manifests = PublishedManifests({} if published is None else published, clock)
         for name in self.types.names():
             opts = self.types.options(name)
             self.manifests.add_local(

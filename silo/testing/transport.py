@@ -101,6 +101,7 @@ class InMemoryNetwork:
         self._listeners: dict[str, InMemoryTransport] = {}
         self._ports = itertools.count(first_port)
         self._ephemeral = itertools.count(40_000)
+        self._ends: weakref.WeakSet[_Pipe] = weakref.WeakSet()
 
     def free_port(self, host: str = "127.0.0.1") -> int:
         """A port nobody listens on at ``host`` (listen on it to take it)."""
@@ -112,6 +113,11 @@ class InMemoryNetwork:
     def listening(self) -> list[str]:
         """Endpoints someone listens on now."""
         return sorted(self._listeners)
+
+    def open_ends(self) -> list[tuple[contextvars.Context, str, str]]:
+        """(owner's context, local, remote) of every connection end not yet closed: after a process
+        stopped, none of its own may be left (a socket it never closed)."""
+        return [(end.context, end._local, end._remote) for end in list(self._ends) if not end.is_closing()]
 
     def open_raw(self, endpoint: str) -> RawPeer:
         """A bare connection to ``endpoint`` (the acceptor's HELLO will be its first frame)."""
@@ -159,6 +165,7 @@ class InMemoryNetwork:
         ours = _Pipe(loop, protocol, me, endpoint, network=self, context=context)
         theirs = _Pipe(loop, accepted, endpoint, me, network=self, context=listener.context.copy())
         ours.peer, theirs.peer = theirs, ours
+        self._ends.update((ours, theirs))
         protocol.connection_made(ours)
         if self.links is not None and not self.links.connectable(context, endpoint):
             # The handshake is lost on a cut link: nothing moves until it heals, and the

@@ -134,8 +134,35 @@ class History:
     before the replica had it: a ``WAIT`` that ran out, or one not waited for."""
     leaks: list[tuple[str, str]] = field(default_factory=list)
     """(silo, task) for tasks still running after their silo stopped."""
+    streams: list[StreamOp] = field(default_factory=list)
+    notes: list[tuple[str, int]] = field(default_factory=list)
+    """(client, seq) each time a client's observer handler ran for ``SimRoom.say(seq)``."""
+    said: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(seq, the clients whose observer answered) for each ``say`` that returned."""
+    generators_left: list[tuple[str, str]] = field(default_factory=list)
+    """(stream, silo) of each generator still running on a live silo once the run settled."""
+    open_connections: list[tuple[str, str]] = field(default_factory=list)
+    """(silo or client, "local -> remote") for connection ends still open after their owner stopped."""
     faults: int = 0
     services: ServiceRecord = field(default_factory=ServiceRecord)
+
+
+@dataclass(slots=True)
+class StreamOp:
+    """One streamed-result call (``SimCounter.count``) as its caller saw it."""
+
+    client: str
+    stream: str
+    n: int
+    """Items the generator yields when nobody stops it."""
+    leave_after: int | None
+    """The caller breaks out of its loop after this many items (None: reads to the end)."""
+    start: float
+    timeout: float
+    items: list[int] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)
+    end: float | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +315,51 @@ def no_task_left(h: History) -> Violation | None:
     return None
 
 
+def stream_results(h: History) -> Violation | None:
+    """A streamed call's caller gets a prefix of the items in order, no item twice; all of them
+    when nothing failed and it did not leave; each within its per-item deadline (plus slack);
+    and a generator whose caller left, failed or finished is not still running once the run
+    settled (docs/concepts.md, "Streamed results")."""
+    for op in h.streams:
+        if op.items != list(range(len(op.items))):
+            return Violation("stream_results", f"{op.client}'s stream {op.stream} got {op.items}: not 0, 1, 2, ... in order")
+        wanted = op.n if op.leave_after is None else min(op.n, op.leave_after)
+        if op.error is None and len(op.items) != wanted:
+            return Violation("stream_results", f"{op.client}'s stream {op.stream} ended without an error after "
+                                               f"{len(op.items)} of {wanted} items")  # fmt: skip
+        steps = [op.start, *op.received_at, *([] if op.end is None else [op.end])]
+        for a, b in itertools.pairwise(steps):
+            if b - a > op.timeout + DEADLINE_SLACK_S:
+                return Violation("stream_results", f"{op.client}'s stream {op.stream}: a step took {b - a:.2f} s, "
+                                                   f"past its {op.timeout} s deadline")  # fmt: skip
+    if h.generators_left:
+        stream, silo = h.generators_left[0]
+        return Violation("stream_results", f"the generator of stream {stream} still runs on {silo} after its caller left")
+    return None
+
+
+def observer_notes(h: History) -> Violation | None:
+    """An observer call runs its handler at most once (it is not retried: docs/concepts.md,
+    "Observers"), and a notification the grain saw answered was received."""
+    seen: set[tuple[str, int]] = set()
+    for note in h.notes:
+        if note in seen:
+            return Violation("observer_notes", f"{note[0]}'s observer ran notification {note[1]} twice")
+        seen.add(note)
+    for seq, answered in h.said:
+        for client in answered:
+            if (client, seq) not in seen:
+                return Violation("observer_notes", f"notification {seq} answered for {client}, whose handler never ran")
+    return None
+
+
+def no_connection_left(h: History) -> Violation | None:
+    if h.open_connections:
+        owner, conn = h.open_connections[0]
+        return Violation("no_connection_left", f"{owner} stopped with a connection still open: {conn}")
+    return None
+
+
 def _uncovered(start: float, end: float, windows: list[tuple[float, float]]) -> float:
     """Length of ``[start, end]`` outside every window (each stretched by RECOVERY_S)."""
     cut = [(max(a, start), min(b + RECOVERY_S, end)) for a, b in sorted(windows)]
@@ -367,6 +439,9 @@ CHECKS: list[Callable[[History], Violation | None]] = [
     deadline,
     no_fault_no_error,
     no_task_left,
+    no_connection_left,
+    stream_results,
+    observer_notes,
     reminder_ticks,
     timer_ticks,
     stream_delivered,

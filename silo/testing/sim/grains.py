@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from grains import Grain, one_way, read_only
+from grains import Grain, ObserverRef, ObserverSet, grain_type, one_way, read_only, version
 from grains.streams import subscribes
 
 if TYPE_CHECKING:
@@ -60,6 +61,101 @@ class SimLog(Grain):
 
 
 SIM_GRAINS: list[type[Grain]] = [SimRegister, SimLog]
+
+
+class SimCounter(Grain):
+    """Streams ``0 .. n-1`` (the ``results`` scenario): the world records when each generator
+    starts and when it ends on the callee, to check that a caller who leaves stops it."""
+
+    async def count(self, stream: str, n: int) -> AsyncIterator[int]:
+        world = WORLD.get()
+        world.generator_started(stream)
+        try:
+            for i in range(n):
+                await asyncio.sleep(0.02)
+                yield i
+        finally:
+            world.generator_ended(stream)
+
+
+class SimRoom(Grain):
+    """Keeps the clients' observers in an ObserverSet and notifies them (the ``results`` scenario)."""
+
+    def __init__(self) -> None:
+        self.members = ObserverSet(expiry_s=3.0)
+
+    async def join(self, obs: ObserverRef) -> None:
+        self.members.subscribe(obs)
+
+    async def say(self, seq: int) -> list[str]:
+        """Notify every member of ``seq``; the names of those whose handler answered."""
+        answered: list[str] = []
+
+        async def note(obs: ObserverRef) -> None:
+            answered.append(await obs.on_note(seq))
+
+        await self.members.notify(note)
+        return answered
+
+
+RESULT_GRAINS: list[type[Grain]] = [SimCounter, SimRoom]
+
+
+@version(1)
+@grain_type("SimVersioned")
+class SimVersionedV1(Grain):
+    """The old version of a register (the ``versions`` scenario): it knows ``value`` only."""
+
+    class State(BaseModel):
+        value: int = 0
+
+    async def on_activate(self) -> None:
+        world = WORLD.get()
+        await asyncio.sleep(world.activation_delay())
+        world.record("activate", self.key, str(self.silo), 1)
+
+    async def write(self, value: int) -> int:
+        self.state.value = value
+        await self.write_state()
+        return value
+
+    @read_only
+    async def read(self) -> int:
+        return self.state.value
+
+
+@version(2)
+@grain_type("SimVersioned")
+class SimVersionedV2(Grain):
+    """The new version: a ``tag`` field and two methods more. A v1 activation that writes
+    ``value`` must keep the tag it does not know (docs/concepts.md, "Versions")."""
+
+    class State(BaseModel):
+        value: int = 0
+        tag: int = 0
+
+    async def on_activate(self) -> None:
+        world = WORLD.get()
+        await asyncio.sleep(world.activation_delay())
+        world.record("activate", self.key, str(self.silo), 2)
+
+    async def write(self, value: int) -> int:
+        self.state.value = value
+        await self.write_state()
+        return value
+
+    @read_only
+    async def read(self) -> int:
+        return self.state.value
+
+    async def write_tag(self, tag: int) -> int:
+        self.state.tag = tag
+        await self.write_state()
+        return tag
+
+    @read_only
+    async def read_tag(self) -> int:
+        return self.state.tag
 
 FEED = "simfeed"
 """The stream namespace :class:`SimSubscriber` is subscribed to."""

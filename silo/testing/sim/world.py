@@ -53,8 +53,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from grains import Grain
+from grains import Grain, ObserverRef
 from grains.ids import GrainId, SiloAddress
+from grains.observer import CLIENT_PREFIX
 from silo import errors
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import DirectoryEntry
@@ -69,14 +70,26 @@ from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
 from silo.messaging.manifests import TypeInfo
+from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.records.membership import SiloLoad, SiloStatus
 from silo.settings import CatalogSettings, MembershipSettings, TransportSettings
 from silo.testing.directory import InMemoryGrainDirectory
 from silo.testing.harness import InProcessSilo, PublishedManifests
 from silo.testing.membership import InMemoryMembershipTable
-from silo.testing.sim.checks import History, Op
-from silo.testing.sim.grains import SERVICE_GRAINS, SIM_GRAINS, WORLD, SimLog, SimRegister
+from silo.testing.sim.checks import History, Op, StreamOp
+from silo.testing.sim.grains import (
+    RESULT_GRAINS,
+    SERVICE_GRAINS,
+    SIM_GRAINS,
+    WORLD,
+    SimCounter,
+    SimLog,
+    SimRegister,
+    SimRoom,
+    SimVersionedV1,
+    SimVersionedV2,
+)
 from silo.testing.sim.loop import SILO, SimLoop
 from silo.testing.sim.replication import MUTATIONS, WAITED, WINDOW_S, Replication
 from silo.testing.store import InMemoryStateStore
@@ -118,6 +131,13 @@ class Scenario:
     def zombie(self) -> bool:
         """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
         return "pause" in self.faults
+    versions: int = 0
+    """Registers of a type two versions of which run side by side, as in a rolling upgrade:
+    every silo starts on version 1 (it knows the value only) and comes back from a restart on
+    version 2 (a tag too, and the methods to use it); silo 1 is restarted on purpose early on."""
+    results: int = 0
+    """Grains whose streamed results (an async-generator method) the clients also iterate,
+    leaving some streams early."""
     services: bool = False
     """Silos also run reminders and stream delivery on a command-level Redis twin (sim/services.py)."""
     settle_s: float = 8.0
@@ -143,6 +163,14 @@ SCENARIOS: dict[str, Scenario] = {
         # the last fault's recovery (checks.RECOVERY_S).
         Scenario("services", clients=2, registers=2, logs=1, faults=("crash", "pause", "partition", "redis_cut"),
                  services=True, settle_s=20.0, in_rotation=False),
+        # Streamed results beside the registers and logs, across the faults that cut a stream
+        # short: its caller or callee crashed, paused or cut off, its connection reset.
+        Scenario("results", registers=2, logs=1, results=2, faults=("crash", "pause", "partition", "reset", "slow_net"),
+                 in_rotation=False),
+        # A rolling upgrade that stays half done: calls the old version lacks move the grain
+        # forward, calls both have land on either, and neither may lose what the other wrote.
+        # Its crashes are upgrades too (a silo comes back on version 2).
+        Scenario("versions", registers=1, logs=1, versions=2, faults=("crash", "pause", "partition"), in_rotation=False),
     )
 }
 
@@ -367,7 +395,7 @@ class SimSilo:
             services = {"redis": self.redis, "keys": w.services.keys, "reminders": w.services.reminders,
                         "streams": w.services.streams}  # fmt: skip
         self.silo = InProcessSilo(
-            w.grains,
+            w.grains_for(self.index),
             clock=w.now,
             settings=catalog,
             directory=self.link.wrap(w.directory),
@@ -447,6 +475,19 @@ class SimSilo:
             await self.redis.aclose()
 
 
+class _Notes:
+    """A client's observer handler: records what it was told."""
+
+    def __init__(self, world: World, client: str) -> None:
+        self._world = world
+        self._client = client
+
+    async def on_note(self, seq: int) -> str:
+        self._world.trace("note", self._client, seq)
+        self._world.history.notes.append((self._client, seq))
+        return self._client
+
+
 class SimClient:
     """What ``ClusterClient`` builds, on the twins: router, view, manifests, transport."""
 
@@ -466,7 +507,7 @@ class SimClient:
         self.redis: Any = None if w.services is None else w.services.client(self.name)
         self.transport = InMemoryTransport(w.transport_settings, codec, network=w.network)
         self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
-        self.manifests = PublishedManifests(w.published)
+        self.manifests = PublishedManifests(w.published, w.now)
         self.router = Router(
             transport=self.transport,
             directory=self.link.wrap(w.directory),
@@ -474,8 +515,28 @@ class SimClient:
             manifests=self.manifests,
             placer=Placer(random.Random(w.seed * 1_000 + 500 + int(self.name[1:]))),
             call_timeout_s=w.scenario.call_timeout_s,
+            # Streams of up to 12 items outrun a window of 4: a caller that leaves one early
+            # finds its generator waiting for credit, which only its CANCEL ends.
+            stream_window=4,
         )
         self.refs = RefFactory(self.router, self.manifests, codec)
+        # As ClusterClient wires it: observers answer on the connections this client opened. Only
+        # where the workload uses them: a handler changes how the client's connections start,
+        # and with it every other scenario's trace (the seeds the mutant tests rely on).
+        self.observers: ObserverHub | None = None
+        if w.scenario.results:
+            self.observers = ObserverHub(owner=CLIENT_PREFIX + self.name, codec=codec, transport=self.transport,
+                                         call_timeout_s=w.scenario.call_timeout_s)  # fmt: skip
+            self.transport.set_handler(self.observers.on_frame)
+        self.observer: ObserverRef | None = None
+
+    def observe(self) -> ObserverRef:
+        """This client's observer for ``SimRoom`` (made once): it records each notification."""
+        assert self.observers is not None, "observers are wired in the results scenario only"
+        if self.observer is None:
+            self.observer = self.observers.create(_Notes(self.world, self.name))
+            self.transport.identify_as(self.name)
+        return self.observer
 
     async def start(self) -> None:
         await self.view.start()
@@ -483,6 +544,8 @@ class SimClient:
 
     async def stop(self) -> None:
         await self.view.stop()
+        if self.observers is not None:
+            self.observers.close()
         await self.transport.close()
         if self.redis is not None:
             await self.redis.aclose()
@@ -536,6 +599,15 @@ class World:
 
             self.services = Services(self)
             self.grains += SERVICE_GRAINS
+        if scenario.results:
+            self.grains += RESULT_GRAINS
+        if scenario.versions:
+            self.grains.append(SimVersionedV2)
+        self._notes = 0
+        self._upgraded: set[int] = set()
+        """Silos restarted at least once: on the new version in ``versions``."""
+        self._generators: dict[str, tuple[str | None, bool]] = {}
+        """Stream -> (the silo its generator runs on, whether it ended)."""
         self.membership_settings = MembershipSettings(probe_interval_s=0.25)
         self.transport_settings = TransportSettings(call_timeout_s=scenario.call_timeout_s, local_sockets=False, connect_timeout_s=1.0)
         self.membership = RecordingMembership(self.now)
@@ -604,6 +676,20 @@ class World:
         self.history.applied.append((grain, incarnation, sender, seq))
         self.history.applied_at.append(self.now())
 
+    def grains_for(self, index: int) -> list[type[Grain]]:
+        """The grain classes silo ``index`` hosts: in ``versions``, the old version until it restarts."""
+        if self.scenario.versions and index not in self._upgraded:
+            return [SimVersionedV1 if cls is SimVersionedV2 else cls for cls in self.grains]
+        return self.grains
+
+    def generator_started(self, stream: str) -> None:
+        self.trace("generator_started", stream)
+        self._generators[stream] = (SILO.get(), False)
+
+    def generator_ended(self, stream: str) -> None:
+        self.trace("generator_ended", stream)
+        self._generators[stream] = (SILO.get(), True)
+
     def leave_after_turn(self) -> bool:
         return self.scenario.idle_timeout_s is not None and self.work_rng.random() < 0.15
 
@@ -634,6 +720,10 @@ class World:
             if check:
                 self.history.leaks.append((owner, repr(task.get_coro())))
             task.cancel()
+        if check:
+            for context, local, remote in self.network.open_ends():
+                if context.get(SILO) == owner:
+                    self.history.open_connections.append((owner, f"{local} -> {remote}"))
 
     # --- Links (the network's conditions) -----------------------------------------------
     def delay(self, sender: _Pipe, receiver: _Pipe) -> float | None:
@@ -679,6 +769,8 @@ class World:
             drivers.append(self.spawn(self.clients[0].name, self._drive_zombie_target(self.clients[0], end)))
         if self.services is not None:
             drivers.append(self.spawn(self.clients[0].name, self.services.drive(self.clients[0], end)))
+        if sc.versions:
+            drivers.append(self.spawn("world", self._upgrade(1, at=self.now() + 4.0)))
         injector = self.spawn("world", self._inject(end))
         await asyncio.gather(*drivers, injector)
         await self._heal()
@@ -686,9 +778,12 @@ class World:
         await asyncio.sleep(sc.settle_s)
         keys = [f"reg{k}" for k in range(sc.registers)] + ([ZOMBIE_KEY] if sc.zombie else [])
         reads = [self.spawn(self.clients[0].name, self._final_read(k)) for k in keys]
+        reads += [self.spawn(self.clients[0].name, self._call(self.clients[0], f"ver{k}", method, None))
+                  for k in range(sc.versions) for method in ("read", "read_tag")]  # fmt: skip
         await asyncio.gather(*reads)
         if self.services is not None:
             await self.spawn("world", self.services.collect())
+        self.history.generators_left = self._generators_left()
         await self._stop_all()
         from silo.testing.sim.checks import check, lost_acknowledged
 
@@ -705,6 +800,8 @@ class World:
         generation = await self.membership.new_generation()
         if self.replication is not None:
             self.replication.wrote()
+        if index < len(self.silos):
+            self._upgraded.add(index)
         silo = SimSilo(self, index, generation)
         if index < len(self.silos):
             self.silos[index] = silo
@@ -720,7 +817,17 @@ class World:
         seq = 0
         while self.now() < end:
             roll = rng.random()
-            if roll < 0.3 and sc.logs:
+            if sc.versions and roll >= 0.6:
+                key = f"ver{rng.randrange(sc.versions)}"
+                method = rng.choice(("write", "read", "write", "read", "write_tag", "read_tag"))
+                self._values += 1
+                await self._call(client, key, method, self._values if method.startswith("write") else None)
+            elif sc.results and roll >= 0.8:
+                seq += 1
+                await self._stream(client, f"{client.name}-{seq}", rng)
+            elif sc.results and roll >= 0.7:
+                await self._room(client, rng)
+            elif roll < 0.3 and sc.logs:
                 key = f"log{rng.randrange(sc.logs)}"
                 ref = client.refs.get_grain(SimLog, key)
                 for _ in range(rng.randint(1, 5)):
@@ -743,13 +850,17 @@ class World:
             await asyncio.sleep(rng.expovariate(1 / 0.05))
 
     async def _call(self, client: SimClient, key: str, method: str, arg: Any) -> None:
+        """A register's write or read; on a versioned register also of its tag, which the
+        checkers see as a register of its own (``key#tag``)."""
         timeout = self.scenario.call_timeout_s
-        ref = client.refs.get_grain(SimRegister, key).with_timeout(timeout)
-        op = Op(client.name, key, method, arg, self.now(), timeout)
+        versioned = key.startswith("ver")
+        ref: Any = client.refs.get_grain(SimVersionedV2 if versioned else SimRegister, key).with_timeout(timeout)
+        register = f"{key}#tag" if method.endswith("_tag") else key
+        op = Op(client.name, register, method.removesuffix("_tag"), arg, self.now(), timeout)
         self.history.ops.append(op)
         self.trace("call", client.name, key, method, arg)
         try:
-            result = await (ref.write(arg) if method == "write" else ref.read())
+            result = await getattr(ref, method)(*([] if arg is None else [arg]))
         except errors.RedgrainError as exc:
             op.error = f"{type(exc).__name__}: {exc}"
             self.trace("failed", client.name, key, method, arg, type(exc).__name__)
@@ -757,6 +868,48 @@ class World:
             op.ok, op.result = True, result
             self.trace("answered", client.name, key, method, arg, result)
         op.end = self.now()
+
+    async def _stream(self, client: SimClient, stream: str, rng: random.Random) -> None:
+        """Iterate one streamed call, leaving it early one time in three."""
+        timeout = self.scenario.call_timeout_s
+        key = f"count{rng.randrange(self.scenario.results)}"
+        n = rng.randint(1, 12)
+        leave = rng.randint(1, n - 1) if n > 1 and rng.random() < 0.33 else None
+        op = StreamOp(client.name, stream, n, leave, self.now(), timeout)
+        self.history.streams.append(op)
+        self.trace("stream", client.name, key, stream, n, leave)
+        ref = client.refs.get_grain(SimCounter, key).with_timeout(timeout)
+        try:
+            async for item in ref.count(stream, n):
+                op.items.append(item)
+                op.received_at.append(self.now())
+                if leave is not None and len(op.items) >= leave:
+                    break
+        except errors.RedgrainError as exc:
+            op.error = f"{type(exc).__name__}: {exc}"
+            self.trace("stream_failed", client.name, stream, type(exc).__name__)
+        op.end = self.now()
+        self.trace("stream_ended", client.name, stream, op.items)
+
+    async def _room(self, client: SimClient, rng: random.Random) -> None:
+        """Join the room with this client's observer (renewing its entry), or notify everyone in it."""
+        room = client.refs.get_grain(SimRoom, "room").with_timeout(self.scenario.call_timeout_s)
+        try:
+            if rng.random() < 0.5:
+                await room.join(client.observe())
+            else:
+                self._notes += 1
+                seq = self._notes
+                self.trace("say", client.name, seq)
+                answered = await room.say(seq)
+                self.history.said.append((seq, answered))
+        except errors.RedgrainError as exc:
+            self.trace("room_failed", client.name, type(exc).__name__)
+
+    def _generators_left(self) -> list[tuple[str, str]]:
+        """Generators still running on a silo that is up (a crashed silo's went with it)."""
+        live = {s.name for s in self.silos if s.state == "active"}
+        return [(stream, silo) for stream, (silo, ended) in self._generators.items() if not ended and silo in live]
 
     async def _drive_zombie_target(self, client: SimClient, end: float) -> None:
         """One writer on a register of its own, the one the first long pause strikes mid-write.
@@ -898,6 +1051,18 @@ class World:
 
     def _quick_activations(self) -> None:
         self.slow_activations -= 1
+
+    async def _upgrade(self, index: int, at: float) -> None:
+        """Stop silo ``index`` gracefully and start it again (on the new version)."""
+        await asyncio.sleep(at - self.now())
+        silo = self.silos[index]
+        if silo.state != "active" or self.loop.is_paused(silo.name):
+            return  # a fault got there first: its restart is the upgrade
+        self.trace("upgrade", silo.name)
+        self.history.disruptions.append(self.now())
+        await self.spawn(silo.name, silo.stop())
+        self.reap(silo.name, check=True)
+        await self.add_silo(index)
 
     async def _restart_later(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -46,11 +46,37 @@ CHAINS = {
 }
 
 
+# The whole matrix (make soak): every ordered pair of these layouts is a cell of one chain,
+# for each optimizer with and without groups. "pipeline/2" is two stages, two copies of them.
+LAYOUTS = [("sync", 1), ("sync", 2), ("async", 1), ("async", 2), ("ssp", 2), ("allreduce", 1), ("allreduce", 2), ("pipeline", 2)]
+OPTIMIZERS = {
+    "adamw": {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.05},
+    "momentum": {"optimizer": "momentum", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3},
+}
+EXACT = {"sync", "allreduce", "pipeline"}
+"""Modes whose steps equal a plain loop's; async and ssp must resume and complete."""
+
+
+def every_pair(nodes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """A walk through ``nodes`` that takes every ordered pair of distinct nodes once as a step
+    (an Euler circuit of the complete directed graph: Hierholzer's algorithm)."""
+    out = {u: [v for v in reversed(nodes) if v != u] for u in nodes}
+    stack, walk = [nodes[0]], []
+    while stack:
+        u = stack[-1]
+        if out[u]:
+            stack.append(out[u].pop())
+        else:
+            walk.append(stack.pop())
+    return walk[::-1]
+
+
 def layout(mode: str, count: int) -> dict[str, Any]:
     trainers = count if mode == "allreduce" else 2
-    shards = count if mode != "allreduce" else 1
+    shards = count if mode not in ("allreduce", "pipeline") else 1
+    extra = {"stages": count} if mode == "pipeline" else {}
     # The global batch stays the same, so the plain loop's batches are those of one schedule.
-    return {"mode": mode, "trainers": trainers, "shards": shards, "batch_size": GLOBAL_BATCH // trainers}
+    return {"mode": mode, "trainers": trainers, "shards": shards, "batch_size": GLOBAL_BATCH // trainers, **extra}
 
 
 class PlainLoop:
@@ -96,13 +122,38 @@ class PlainLoop:
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 async def test_a_checkpoint_resumes_into_every_layout_and_continues_as_a_plain_loop(cluster, client, chain):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
-    job = f"matrix-{chain}"
-    coord = client.get_grain(CoordinatorGrain, job)
     common = {**(WITH_GROUPS if chain == "groups" else WITHOUT_GROUPS), "checkpoint_every": 1, "keep_checkpoints": 100, "seed": 5}
+    await resume_through(client, f"matrix-{chain}", common, CHAINS[chain])
+
+
+def test_the_full_matrix_walk_takes_every_ordered_pair_of_layouts_once() -> None:
+    walk = every_pair(LAYOUTS)
+    pairs = list(zip(walk, walk[1:], strict=False))
+    assert len(pairs) == len(set(pairs)) == len(LAYOUTS) * (len(LAYOUTS) - 1)
+    assert all(a != b for a, b in pairs)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("groups", [True, False], ids=["groups", "no-groups"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+async def test_every_pair_of_layouts_resumes_with_each_optimizer_with_and_without_groups(cluster, client, optimizer, groups):
+    """Issue 38's whole matrix: {sync, async, ssp, allreduce, pipeline} x {1, 2} x groups x optimizer."""
+    await cluster(2, grains=GRAINS, membership=MembershipSettings())
+    common = {**OPTIMIZERS[optimizer], "checkpoint_every": 1, "keep_checkpoints": 1000, "seed": 5}
+    if groups:
+        common["param_groups"] = WITH_GROUPS["param_groups"]
+    await resume_through(client, f"full-{optimizer}-{groups}", common, every_pair(LAYOUTS))
+
+
+async def resume_through(client: Any, job: str, common: dict[str, Any], chain: list[tuple[str, int]]) -> None:
+    """Run ``job`` through ``chain``, STEPS steps a layout, each resumed from the last one's
+    checkpoint; every step of an exact layout checked against the plain loop."""
+    coord = client.get_grain(CoordinatorGrain, job)
     plain: PlainLoop | None = None
     exact_before = False
     before = "fresh"
-    for cell, (mode, count) in enumerate(CHAINS[chain]):
+    for cell, (mode, count) in enumerate(chain):
         start, end = cell * STEPS, (cell + 1) * STEPS
         spec = TrainingJob(**common, **layout(mode, count), steps=end, resume=cell > 0)
         st = await run_job(client, job, spec, timeout_s=120)
@@ -111,7 +162,7 @@ async def test_a_checkpoint_resumes_into_every_layout_and_continues_as_a_plain_l
         assert st.checkpoints[-1] == end, (where, st.checkpoints)
         if cell:
             assert st.resumed_from == start, (where, st)
-        exact = mode != "async"
+        exact = mode in EXACT
         if exact:
             if plain is None:
                 plain = PlainLoop(spec)

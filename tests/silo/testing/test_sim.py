@@ -117,6 +117,78 @@ def test_a_promise_broken_on_purpose_fails_a_seed_whose_replay_fails_the_same_wa
     assert f"seed {seed} FAIL {invariant}:" in again.stdout, again.stdout
 
 
+@pytest.mark.timeout(200)
+def test_twenty_four_seeds_of_the_results_scenario_keep_every_promise() -> None:
+    result = _sim("run", "--seeds", "1-24", "--scenario", "results", "--jobs", "2", timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "24 seeds, 0 failed" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_that_never_reaches_the_generator_fails_a_results_seed(tmp_path: Path) -> None:
+    # Leaving a stream early must stop its generator on the callee. The mutant drops what a
+    # CANCEL does on the serving side, on the connection (the stream's sink) and in the
+    # dispatcher (the turn): the generator then waits for credit that never comes.
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for path, old, new in [
+        ("silo/messaging/connection.py", "if kind == CANCEL and self._served and", "if False and self._served and"),
+        ("silo/messaging/dispatcher.py", "                inv.cancelled = True\n                if inv.activation is not None:\n"
+                                         "                    inv.activation.cancel_call(inv)\n", "                pass\n"),
+    ]:  # fmt: skip
+        source = (tmp_path / path).read_text()
+        assert old in source, f"the mutant's anchor moved: {path}"
+        (tmp_path / path).write_text(source.replace(old, new))
+    found = _sim("run", "--seeds", "1-40", "--scenario", "results", "--first-failure", cwd=tmp_path, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None and "FAIL stream_results:" in line, found.stdout[-3000:]
+    assert "still runs on" in line, line
+    seed = re.search(r"seed (\d+) FAIL", line).group(1)  # type: ignore[union-attr]
+    again = _sim("run", "--seeds", seed, "--scenario", "results", cwd=tmp_path, timeout=120)
+    assert again.returncode == 1 and f"seed {seed} FAIL stream_results:" in again.stdout, again.stdout
+
+
+@pytest.mark.timeout(300)
+def test_an_observer_call_sent_twice_fails_a_results_seed(tmp_path: Path) -> None:
+    # An observer call is not retried: its handler runs at most once. The mutant sends every
+    # call to a client's observer twice, as a retry after an unknown outcome would.
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "silo/messaging/observer_hub.py"
+    old = "        if back is not None:\n            return await self._send(back, key, method, args, kwargs, deadline, one_way, 0)\n"
+    source = path.read_text()
+    assert old in source, "the mutant's anchor moved"
+    path.write_text(source.replace(old, old.replace("return await", "await") + old.split("\n", 1)[1]))
+    found = _sim("run", "--seeds", "1-40", "--scenario", "results", "--first-failure", cwd=tmp_path, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None and "FAIL observer_notes:" in line, found.stdout[-3000:]
+    assert "twice" in line, line
+
+
+@pytest.mark.timeout(200)
+def test_twenty_four_seeds_of_the_versions_scenario_keep_every_promise() -> None:
+    result = _sim("run", "--seeds", "1-24", "--scenario", "versions", "--jobs", "2", timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "24 seeds, 0 failed" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_an_old_version_that_drops_fields_it_does_not_know_fails_a_versions_seed(tmp_path: Path) -> None:
+    # Issue 36's rolling-upgrade loss as a mutant: a version-1 activation writes its state
+    # without the tag version 2 stored, and the tag's register loses acknowledged writes.
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "silo/catalog/state.py"
+    old = "        if extra:\n            fields.update(extra)\n"
+    source = path.read_text()
+    assert old in source, "the mutant's anchor moved"
+    path.write_text(source.replace(old, old.replace("if extra:", "if False:")))
+    found = _sim("run", "--seeds", "1-40", "--scenario", "versions", "--first-failure", cwd=tmp_path, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None and "FAIL linearizable: register ver" in line, found.stdout[-3000:]
+    assert "#tag" in line, line
+
+
 # --- the checkers on histories written by hand ------------------------------------------------
 
 
@@ -139,6 +211,39 @@ def test_the_fencing_check_refuses_a_write_from_a_token_the_directory_no_longer_
     assert single_writer(History(writes=[(1.0, "g", 3, 3), (2.0, "g", 4, 4)])) is None
     found = single_writer(History(writes=[(1.0, "g", 3, 3), (2.0, "g", 3, 4)]))
     assert found is not None and "token 3" in found.detail
+
+
+def test_the_streamed_results_check_refuses_reordered_short_or_late_streams_and_left_generators() -> None:
+    from silo.testing.sim.checks import StreamOp, stream_results
+
+    def history(op: StreamOp, left: list[tuple[str, str]] | None = None) -> History:
+        return History(streams=[op], generators_left=left or [])
+
+    whole = StreamOp("c", "s", 3, None, 0.0, 5.0, [0, 1, 2], [0.1, 0.2, 0.3], 0.3)
+    assert stream_results(history(whole)) is None
+    assert stream_results(history(StreamOp("c", "s", 3, 2, 0.0, 5.0, [0, 1], [0.1, 0.2], 0.2))) is None
+    failed = StreamOp("c", "s", 3, None, 0.0, 5.0, [0], [0.1], 0.2, "SiloUnavailableError: gone")
+    assert stream_results(history(failed)) is None
+    for bad in (
+        StreamOp("c", "s", 3, None, 0.0, 5.0, [0, 2, 1], [0.1, 0.2, 0.3], 0.3),  # out of order
+        StreamOp("c", "s", 3, None, 0.0, 5.0, [0, 0, 1], [0.1, 0.2, 0.3], 0.3),  # an item twice
+        StreamOp("c", "s", 3, None, 0.0, 5.0, [0, 1], [0.1, 0.2], 0.3),  # short, yet no error
+        StreamOp("c", "s", 3, None, 0.0, 5.0, [0, 1, 2], [0.1, 7.0, 7.1], 7.1),  # a step past its deadline
+    ):
+        found = stream_results(history(bad))
+        assert found is not None and found.invariant == "stream_results", bad
+    left = stream_results(history(whole, [("s", "s1.1")]))
+    assert left is not None and "still runs on s1.1" in left.detail
+
+
+def test_the_observer_check_refuses_a_handler_run_twice_or_an_answer_nobody_received() -> None:
+    from silo.testing.sim.checks import observer_notes
+
+    assert observer_notes(History(notes=[("c0", 1), ("c1", 1)], said=[(1, ["c0", "c1"])])) is None
+    twice = observer_notes(History(notes=[("c0", 1), ("c0", 1)]))
+    assert twice is not None and "twice" in twice.detail
+    phantom = observer_notes(History(notes=[("c0", 1)], said=[(1, ["c0", "c1"])]))
+    assert phantom is not None and "never ran" in phantom.detail
 
 
 def test_one_way_order_allows_an_overtaking_only_across_a_fault_or_a_new_activation() -> None:
@@ -174,6 +279,25 @@ def test_the_shed_scenario_finds_one_way_calls_shed_without_being_counted(monkey
     assert out.violation is not None and out.violation.invariant == "one_way_delivered", out.violation
     monkeypatch.undo()
     assert run_seed(9, scenario_for(9, "shed")).violation is None
+
+
+def test_a_silo_that_stops_with_a_connection_open_fails_no_connection_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mutant of Transport.close that closes the connections it opened but not those it
+    # accepted: another silo's connection to the stopped one stays open on its side.
+    from silo.messaging.transport import Transport
+
+    async def close_outbound_only(self: Transport) -> None:
+        self.closed = True
+        for conn in self._out.values():
+            conn.close()
+        self._out.clear()
+
+    monkeypatch.setattr(Transport, "close", close_outbound_only)
+    out = run_seed(3, scenario_for(3, "calls"))
+    assert out.violation is not None and out.violation.invariant == "no_connection_left", out.violation
+    assert "stopped with a connection still open" in out.violation.detail
+    monkeypatch.undo()
+    assert run_seed(3, scenario_for(3, "calls")).violation is None
 
 
 # --- defects the simulator found, kept as seeds ------------------------------------------------
