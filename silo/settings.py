@@ -75,19 +75,36 @@ class TransportSettings(_Section):
 class MembershipSettings(_Section):
     """Heartbeats and failure detection."""
 
-    heartbeat_s: float = Field(1.0, gt=0, description="How often a silo writes its heartbeat.")
+    heartbeat_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often a silo in doubt beats (renews its lease in Redis): while one of its ring monitors "
+        "has not probed it for dead_after_s / 4 or more, or a renewal failed; also the quickest a changed "
+        "activation count is published.",
+    )
+    lease_s: float = Field(
+        20.0,
+        gt=0,
+        description="A silo's liveness lease: renewed every lease_s / 2 while all is well; a silo whose last "
+        "confirmed renewal is older than this refuses calls (fenced), and peers that can still probe it vote "
+        "it dead once its heartbeat is lease_s + dead_after_s old.",
+    )
     suspect_after_s: float = Field(
-        3.0, gt=0, description="A heartbeat older than this makes peers probe the silo."
+        3.0, gt=0, description="A monitored silo that has not answered a probe for this long is suspected."
     )
     probe_timeout_s: float = Field(1.0, gt=0, description="Time a direct TCP probe may take.")
     dead_after_s: float = Field(
-        4.0, gt=0, description="A suspected silo whose heartbeat stays stale this long is declared dead."
+        4.0,
+        gt=0,
+        description="A silo that has answered none of its monitors' probes this long, its heartbeat as old, is "
+        "declared dead. A silo that one of its monitors has not probed for half of this refuses calls (fenced) "
+        "unless a heartbeat as young is confirmed (it beats every heartbeat_s meanwhile).",
     )
     refresh_s: float = Field(
-        2.0,
+        15.0,
         gt=0,
         description="How often a silo or client polls the membership version and a sample of loads "
-        "(pub/sub tells most changes sooner); changes are read from the change feed, not the table.",
+        "(pub/sub tells every change sooner: this is the fallback); changes are read from the change feed.",
     )
     monitors: int = Field(
         10,
@@ -96,7 +113,7 @@ class MembershipSettings(_Section):
         "is watched by about this many others whatever the cluster's size.",
     )
     load_sample: int = Field(
-        2,
+        15,
         ge=0,
         description="Silos' published loads (for placement) each silo or client re-reads every refresh_s, "
         "in turn; all of them when there are no more silos than this.",
@@ -108,10 +125,11 @@ class MembershipSettings(_Section):
         "heartbeats read); a refused connection votes it dead at once.",
     )
     idle_read_s: float = Field(
-        5.0,
+        30.0,
         gt=0,
         description="While every monitored peer answers its pings and membership is unchanged, a detector reads "
-        "their heartbeats this often only (a silo whose heartbeat thread lost Redis is noticed up to this late).",
+        "their heartbeats this often only (a silo that lost Redis but answers pings is noticed up to this late "
+        "after its lease ran out).",
     )
 
 
@@ -394,10 +412,10 @@ class SiloSettings(_SecretAlias):
         1.0, gt=0, description="How often silo stats are published while the silo works (calls, activations)."
     )
     stats_idle_interval_s: float = Field(
-        15.0,
+        30.0,
         gt=0,
         description="How often they are published while nothing changes (no calls, the same activations and "
-        "status): an idle silo costs Redis almost nothing.",
+        "status): an idle silo costs Redis almost nothing (the dashboard shows an idle silo's figures this late).",
     )
     incoming_filters: tuple[str, ...] = Field(
         (),

@@ -413,10 +413,13 @@ class Silo:
             table=self.table,
             me=me,
             settings=s.membership,
-            probe=transport_probe(self.transport),
+            # A fenced silo's probes vouch for nobody (Liveness.probed): it may be the one cut off.
+            probe=transport_probe(self.transport, sender=lambda: None if self.heartbeat.fenced() else str(me)),
             on_self_dead=self._on_declared_dead,
             events=self.cluster_events,
+            on_monitors=self.heartbeat.watch_monitors,
         )
+        self.transport.on_probe(self.heartbeat.probed)
         self.view.on_unreachable(self.detector.hint_unreachable)
         self.view.on_change(lambda old, new: self.detector.membership_changed())
         self.migrator = Migrator(

@@ -29,6 +29,10 @@ FAST_ENV = {
     "REDGRAIN_MEMBERSHIP__PROBE_TIMEOUT_S": "0.3",
     "REDGRAIN_MEMBERSHIP__DEAD_AFTER_S": "1.2",
     "REDGRAIN_MEMBERSHIP__REFRESH_S": "0.5",
+    # Longer than dead_after_s, as by default, so a silo cut off is fenced by its monitors' silence
+    # (Liveness), not by its lease; short enough that a silo cut from Redis fences within seconds.
+    "REDGRAIN_MEMBERSHIP__LEASE_S": "3.0",
+    "REDGRAIN_MEMBERSHIP__IDLE_READ_S": "2.0",
 }
 
 

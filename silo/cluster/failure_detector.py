@@ -1,39 +1,40 @@
-"""Failure detection: heartbeats from a thread, probes from the loop, death by vote.
+"""Failure detection: probes between ring monitors, a slow liveness lease, death by vote.
 
-Two signals, so a busy silo is never mistaken for a dead one:
+Two signals, so a busy silo is never mistaken for a dead one, and Redis hears from an idle
+silo only to renew a lease (issue 39: an idle silo costs Redis < 2 commands a second):
 
-* :class:`HeartbeatThread` writes the heartbeat from a dedicated thread with
-  its own *synchronous* Redis connection. A 30 s torch step holding the event
-  loop does not stop it; only a dead or hung (SIGSTOPped) process does. It
-  also fences this silo: while the last heartbeat Redis confirmed was sent
-  longer than ``dead_after_s`` ago, peers may already have declared us dead,
-  so :meth:`HeartbeatThread.fenced` is true and the dispatcher refuses calls.
-  That closes the window in which a resumed SIGSTOPped silo could answer a
-  call before learning it is dead.
-* :class:`FailureDetector` runs on the event loop. It watches its
-  ``monitors`` successors on a ring of the live silos (:class:`Ring`, ordered
-  by a hash of the address; all peers when fewer): every ``probe_interval_s``
-  one script tells it the table's version and which of their heartbeats
-  moved since it last asked (``MembershipTable.moved``: a flag a silo, the
-  values kept in Redis for its votes), and it pings each over TCP. A peer whose heartbeat
-  has not moved for ``suspect_after_s`` (of *our* clock: we compare heartbeat
-  values, never clocks) is suspected; it gets a vote when its heartbeat has
-  been stale ``dead_after_s`` and a probe timed out, or at once when the probe
-  finds its port refusing connections (the process is gone: the fast path).
-  A probe that answers while the heartbeat stays stale means the heartbeat
-  thread lost Redis; that silo fences itself, and we vote after twice
-  ``dead_after_s`` (the longer bound). Only a silo's monitors vote on it;
-  death is declared by one Lua script when ``min(2, fresh monitors)`` valid
-  votes are in (see ``RedisMembershipTable.vote_dead`` and ``_needed``).
-* The reverse partition: a heartbeat that moves while the peer cannot be
-  reached at all. A probe that gets no answer tries a bare TCP handshake; a
-  busy or stopped process still completes one (its kernel answers), a host
-  cut off from us does not (``UNREACHABLE``). A peer unreachable for twice
-  ``dead_after_s`` without a break gets an *unreachable* vote
-  (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh
-  monitors)`` votes like the others: so a silo cut from all its peers is voted
-  out (it hears so on its next heartbeat and stops), while a link cut between
-  two silos of three removes neither.
+* :class:`FailureDetector` runs on the event loop. It watches its ``monitors`` successors on a
+  ring of the live silos (:class:`Ring`, ordered by a hash of the address; all peers when
+  fewer) and pings each over the silos' own connections every ``probe_interval_s``; the PING
+  names this silo, so the peer knows its monitor still reaches it. Redis is read when it can
+  tell something: while a peer is in doubt, on a membership change, else every
+  ``idle_read_s`` (one script: the table's version and which watched heartbeats moved,
+  ``MembershipTable.moved``). A probe refused votes at once (the process is gone: the fast
+  path); a peer that has answered no probe for ``dead_after_s`` while its heartbeat is as old
+  gets a vote (hung, or cut off from us and from Redis); one that answers while its lease ran
+  out (heartbeat older than ``lease_s + dead_after_s``) gets a vote (it lost Redis and has
+  fenced itself). Only a silo's monitors vote on it; death is declared by one Lua script when
+  ``min(2, fresh monitors)`` valid votes are in (``RedisMembershipTable.vote_dead``,
+  ``_needed``), and a vote counts only while the suspect's heartbeat is the value the voter saw.
+* :class:`HeartbeatThread` renews this silo's lease (its heartbeat, stamped with Redis'
+  clock) from a dedicated thread with its own *synchronous* Redis connection: every
+  ``lease_s / 2`` while all is well, every ``heartbeat_s`` while it is in doubt (a monitor
+  has been silent, :class:`Liveness`). A 30 s torch step holding the event loop does not stop
+  it: the loop answers no PING, so the thread beats every second and the monitors, seeing a
+  young heartbeat, do not vote. It also fences this silo (:meth:`Liveness.fenced`, asked by
+  the dispatcher on every call) before its peers may declare it dead: when the lease runs out,
+  or when a monitor has been silent ``dead_after_s / 2`` and no beat as young is
+  confirmed (it beats every ``heartbeat_s`` by then); that doubt latches until a beat sent after it is confirmed,
+  so a resumed SIGSTOPped silo, whose queued PINGs arrive at once, cannot answer a call
+  before learning it is dead.
+* The reverse partition: a heartbeat that moves while the peer cannot be reached at all. A
+  probe that gets no answer tries a bare TCP handshake; a busy or stopped process still
+  completes one (its kernel answers), a host cut off from us does not (``UNREACHABLE``). A
+  peer unreachable for twice ``dead_after_s`` without a break gets an *unreachable* vote
+  (``RedisMembershipTable.vote_unreachable``), declared with ``min(2, fresh monitors)`` votes
+  like the others: so a silo cut from all its peers is voted out (it beats every second, as
+  its monitors are silent, hears so on its next beat and stops), while a link cut between two
+  silos of three removes neither.
 """
 
 from __future__ import annotations
@@ -62,9 +63,20 @@ from silo.settings import MembershipSettings
 
 log = logging.getLogger("redgrain.failure")
 
-LOAD_REFRESH_S = 5.0
-"""The heartbeat thread sends the silo's load when its activation count changed, else this often
-(placement's CPU and memory figures are that old at most; views sample loads every refresh_s)."""
+LOAD_REFRESH_S = 30.0
+"""The heartbeat thread beats (at most every heartbeat_s) when the silo's load changed (its activation
+count, or CPU or memory by LOAD_STEP_PERCENT points) and sends the load then, else with a beat at
+least this long after the last one sent (one command in five of an idle silo's beats, issue 39)."""
+LOAD_STEP_PERCENT = 10.0
+
+
+def _load_changed(last: SiloLoad | None, now: SiloLoad) -> bool:
+    return (
+        last is None
+        or last.activations != now.activations
+        or abs(last.cpu_percent - now.cpu_percent) >= LOAD_STEP_PERCENT
+        or abs(last.memory_percent - now.memory_percent) >= LOAD_STEP_PERCENT
+    )
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
@@ -93,21 +105,127 @@ class HeartbeatStatistics:
     """Seconds since the send time of the last heartbeat Redis confirmed."""
     fenced: bool
     """True while this silo refuses calls because its liveness is unconfirmed."""
+    in_doubt: bool = False
+    """True while a monitor has been silent too long (or a beat failed to lift an earlier
+    doubt): beating every heartbeat_s until one is confirmed."""
 
 
 class Liveness:
-    """The fencing rule of a heartbeat: ``dead`` once told so, fenced while the last beat Redis
-    confirmed (``last_confirmed``, by ``_monotonic``) is older than ``dead_after_s``. The
-    heartbeat thread keeps it; the simulator's loop heartbeat (silo/testing/sim) does too."""
+    """When this silo may serve, and when it must beat: the fencing rule, kept by the heartbeat
+    thread (and by the simulator's loop heartbeat, silo/testing/sim).
+
+    The heartbeat is a slow *lease* (issue 39): Redis is written every ``lease_s / 2`` while
+    all is well, and every ``heartbeat_s`` while this silo is *in doubt*. Two signals fence it
+    (it refuses calls), so it stops serving before its peers may declare it dead:
+
+    * **the lease**: its last beat Redis confirmed (``last_confirmed``, sent by ``_monotonic``)
+      is older than ``lease_s``. Peers vote on a silo that answers probes only once its
+      heartbeat is older than ``lease_s + dead_after_s``;
+    * **its monitors' probes**: each ring monitor pings it every ``probe_interval_s`` (the
+      PING names the monitor, :meth:`probed`). A monitor votes on a hung or unreachable silo
+      only after its probes went unanswered ``dead_after_s`` *and* the heartbeat is
+      ``dead_after_s`` old. Once a monitor has been silent ``silence_s`` (``dead_after_s / 2``),
+      this silo is in doubt: it is fenced unless its last confirmed beat is younger than
+      ``silence_s`` (it beats every ``heartbeat_s`` by then), and the doubt *latches*: only a beat sent after it began, confirmed
+      (not Dead), lifts it, so PINGs that queued up during a SIGSTOP or a long pause, or a
+      monitor that has not heard of our death yet, cannot unfence it. From ``silence_s / 2``
+      of silence on it beats every ``heartbeat_s``, so a monitor that died or a loop that is
+      busy (PINGs unanswered, the thread still running) costs a beat a second, not a fence.
+
+    A silo with no monitors (alone) is fenced by the lease only; no peer can vote on it
+    sooner. :meth:`fenced` is on every call's path: one clock read and two comparisons.
+    """
 
     _settings: MembershipSettings
     _monotonic: Callable[[], float]
     last_confirmed: float
     dead: bool
+    vouched_until: float
+    """Our clock: past it, a monitor has been silent ``silence_s`` (inf: no monitors)."""
+    doubt_since: float | None
+    """Our clock when the doubt began; None while not in doubt."""
+    _heard: dict[str, float]
+    _last_attempt: float
+
+    def _init_liveness(self, settings: MembershipSettings, monotonic: Callable[[], float]) -> None:
+        self._settings = settings
+        self._monotonic = monotonic
+        self.last_confirmed = monotonic()
+        self.dead = False
+        self.vouched_until = float("inf")
+        self.doubt_since = None
+        self._heard = {}
+        self._last_attempt = float("-inf")
+        self._silence_s = settings.dead_after_s / 2
 
     def fenced(self) -> bool:
         """True when peers may already have declared us dead: serve nothing."""
-        return self.dead or self._monotonic() - self.last_confirmed > self._settings.dead_after_s
+        if self.dead:
+            return True
+        now = self._monotonic()
+        age = now - self.last_confirmed
+        silent = now > self.vouched_until
+        # No vote on an unanswered probe counts while our heartbeat is younger than dead_after_s;
+        # while a monitor is silent we beat every heartbeat_s, so half of it leaves a margin.
+        if age <= (self._silence_s if silent else self._settings.dead_after_s):
+            return False
+        if silent or age > self._settings.lease_s:
+            self._doubt(now)
+            return True
+        return self.doubt_since is not None
+
+    def _doubt(self, now: float) -> None:
+        if self.doubt_since is None:
+            self.doubt_since = now
+            self._wake_beat()
+
+    def _wake_beat(self) -> None:
+        """Make the beater look now (it beats at once when in doubt)."""
+
+    def probed(self, monitor: str) -> None:
+        """A PING from ``monitor`` reached us (the transport calls this; not from a monitor: ignored)."""
+        last = self._heard.get(monitor)
+        if last is None:
+            return
+        now = self._monotonic()
+        if now > self.vouched_until:
+            self._doubt(now)  # a gap: the PINGs that end it do not undo it
+        self._heard[monitor] = now
+        if last + self._silence_s <= self.vouched_until:
+            self.vouched_until = min(self._heard.values()) + self._silence_s
+
+    def watch_monitors(self, monitors: Iterable[str]) -> None:
+        """The silos that probe us now (the failure detector's ring). A new one counts as heard
+        from now: it is given ``silence_s`` to reach us."""
+        now = self._monotonic()
+        if now > self.vouched_until:
+            self._doubt(now)
+        self._heard = {m: self._heard.get(m, now) for m in monitors}
+        self.vouched_until = min(self._heard.values()) + self._silence_s if self._heard else float("inf")
+        self._wake_beat()
+
+    def next_beat(self, now: float, load_changed: bool = False) -> float:
+        """Seconds until the next beat is due (0: now)."""
+        s = self._settings
+        retry = max(0.0, self._last_attempt + s.heartbeat_s - now)
+        if self.doubt_since is not None:
+            return 0.0 if self._last_attempt < self.doubt_since else retry
+        early = self.vouched_until - self._silence_s / 2
+        if now >= early or load_changed:
+            return retry
+        renew = max(0.0, self.last_confirmed + s.lease_s / 2 - now)
+        if self._last_attempt > self.last_confirmed:  # the last one failed: retry, do not wait out the lease
+            renew = min(renew, retry)
+        return min(renew, early - now)
+
+    def beat_sent(self, sent: float) -> None:
+        self._last_attempt = sent
+
+    def beat_confirmed(self, sent: float) -> None:
+        """Redis took the beat sent at ``sent`` (our clock) and we are not Dead."""
+        self.last_confirmed = max(self.last_confirmed, sent)
+        if self.doubt_since is not None and sent >= self.doubt_since:
+            self.doubt_since = None
 
     async def confirm(self, timeout_s: float) -> bool:
         """Wait (up to ``timeout_s``) for a heartbeat Redis accepts; False if none or we are dead.
@@ -125,7 +243,7 @@ class Liveness:
 
 
 class HeartbeatThread(Liveness):
-    """Writes this silo's heartbeat from its own thread and Redis connection."""
+    """Writes this silo's heartbeat (its lease) from its own thread and Redis connection."""
 
     def __init__(
         self,
@@ -143,18 +261,19 @@ class HeartbeatThread(Liveness):
         self._url = redis_url
         self._keys = keys
         self._address = address
-        self._settings = settings
         self._load = load
         self._on_dead = on_dead
         self._loop = loop
         self._clock = clock
-        self._monotonic = monotonic
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_confirmed = monotonic()
+        self._init_liveness(settings, monotonic)
         self.beats = 0
         self.failures = 0
-        self.dead = False
+
+    def _wake_beat(self) -> None:
+        self._wake.set()
 
     def start(self) -> None:
         # Built with the other components (the dispatcher asks fenced()), started
@@ -165,6 +284,7 @@ class HeartbeatThread(Liveness):
 
     async def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
             self._thread = None
@@ -173,15 +293,25 @@ class HeartbeatThread(Liveness):
         timeout = max(1.0, self._settings.dead_after_s)
         client = connect_redis_sync(self._url, timeout_s=timeout)
         script = client.register_script(HEARTBEAT_LUA)
-        last_load: tuple[float, int] | None = None  # (when, activations) of the last load Redis took
+        last_load: tuple[float, SiloLoad] | None = None  # when, and what, the last load Redis took
+        # Looked at this often at least: a monitor falling silent is noticed well within silence_s.
+        tick = min(self._settings.heartbeat_s, self._silence_s / 4)
         try:
             while not self._stop.is_set():
-                sent = self._monotonic()
+                now = self._monotonic()
                 try:
                     load = self._load()
                 except Exception:  # noqa: BLE001 - read across threads: a dict may change size under us
                     load = SiloLoad()
-                fresh = last_load is None or last_load[1] != load.activations or sent - last_load[0] >= LOAD_REFRESH_S
+                changed = _load_changed(last_load[1] if last_load else None, load)
+                wait = self.next_beat(now, changed)
+                if wait > 0:
+                    self._wake.wait(min(wait, tick))
+                    self._wake.clear()
+                    continue
+                sent = self._monotonic()
+                self.beat_sent(sent)
+                fresh = last_load is None or changed or sent - last_load[0] >= LOAD_REFRESH_S
                 try:
                     raw = script(
                         keys=[self._keys.members, self._keys.members_heartbeats, self._keys.members_loads],
@@ -197,10 +327,9 @@ class HeartbeatThread(Liveness):
                         self._declare_dead()
                         return
                     self.beats += 1
-                    self.last_confirmed = sent
+                    self.beat_confirmed(sent)
                     if fresh:
-                        last_load = (sent, load.activations)
-                self._stop.wait(self._settings.heartbeat_s)
+                        last_load = (sent, load)
         finally:
             client.close()
 
@@ -216,6 +345,7 @@ class HeartbeatThread(Liveness):
             failures=self.failures,
             last_confirmed_age_s=self._monotonic() - self.last_confirmed,
             fenced=self.fenced(),
+            in_doubt=self.doubt_since is not None,
         )
 
 
@@ -254,9 +384,12 @@ async def handshake(endpoint: str, timeout_s: float) -> ProbeResult:
 Handshake = Callable[[str, float], Awaitable[ProbeResult]]
 
 
-def transport_probe(transport: Any, handshake: Handshake = handshake) -> Probe:
+def transport_probe(
+    transport: Any, handshake: Handshake = handshake, sender: Callable[[], str | None] = lambda: None
+) -> Probe:
     """A probe over the silo's transport: connect (pooled) and PING; without an answer, a handshake
-    (``handshake``: a real TCP one; a simulation gives its network's)."""
+    (``handshake``: a real TCP one; a simulation gives its network's). The PING names ``sender()``
+    (this silo, None while it is fenced): the peer counts it as its monitor's (:meth:`Liveness.probed`)."""
 
     async def probe(silo: SiloAddress, timeout_s: float) -> ProbeResult:
         for _ in range(2):  # a pooled connection that just broke gets one fresh try
@@ -271,7 +404,7 @@ def transport_probe(transport: Any, handshake: Handshake = handshake) -> Probe:
             except errors.RedgrainError:
                 return ProbeResult.TIMEOUT
             try:
-                await conn.ping(timeout_s)
+                await conn.ping(timeout_s, sender())
                 return ProbeResult.OK
             except errors.GrainTimeoutError:
                 return await handshake(silo.endpoint, timeout_s)
@@ -320,6 +453,9 @@ class _Peer:
     """Our clock at the first of an unbroken run of UNREACHABLE probes."""
     answered: bool = True
     """The last probe that ended got an answer (OK)."""
+    last_ok: float = float("-inf")
+    """Our clock when a probe last got an answer (or when we began tracking it): a hung or
+    unreachable peer is voted on only once this is ``dead_after_s`` old."""
 
 
 def ring_position(address: str) -> int:
@@ -371,8 +507,11 @@ class FailureDetector:
         on_self_dead: Callable[[], Any] = lambda: None,
         events: ClusterEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_monitors: Callable[[list[str]], Any] = lambda monitors: None,
     ) -> None:
         self._table = table
+        self._on_monitors = on_monitors
+        """Told who monitors us after every read (:meth:`Liveness.watch_monitors`: their probes vouch for us)."""
         self._me = me
         self._addr = str(me)
         self._s = settings
@@ -492,6 +631,7 @@ class FailureDetector:
         live = [a for a, r in self._rows.items() if r.status is not SiloStatus.DEAD]
         self._ring = Ring([*live, self._addr], self._s.monitors)
         self._monitored = self._ring.successors(self._addr)
+        self._on_monitors(self._ring.monitors(self._addr))
         if watch.changes is None:  # we did not know whom to watch: ask again, for those
             watch = await self._table.moved(self._addr, self._version, self._watched())
         return watch.moved, watch.ages
@@ -549,6 +689,7 @@ class FailureDetector:
                     refused_at=refused,
                     unreachable_since=peer.unreachable_since if peer else None,
                     answered=peer.answered if peer else True,
+                    last_ok=peer.last_ok if peer else now,
                 )
             if peer is None:
                 self._dirty = True  # newly watched: its heartbeat is read from the next round on
@@ -559,18 +700,35 @@ class FailureDetector:
                 self._launch_probe(addr, peer, row, now)
                 continue
             stale = now - peer.since
-            if stale >= self._s.suspect_after_s and not peer.suspected:
+            silent = now - peer.last_ok
+            # The heartbeat is a slow lease: stale alone says nothing until the lease ran out; a silo
+            # whose PINGs go unanswered beats every heartbeat_s while it lives (Liveness).
+            limit = self._s.suspect_after_s
+            if not peer.suspected and ((not peer.answered and silent >= limit and stale >= limit) or stale >= self._s.lease_s):
                 peer.suspected = True
-                self._events.emit("suspect", {"silo": addr, "stale_s": round(stale, 3), "by": self._addr})
+                self._events.emit(
+                    "suspect",
+                    {"silo": addr, "stale_s": round(stale, 3), "silent_s": round(silent, 3), "by": self._addr},
+                )
             if peer.refused_at is not None:
                 await self._vote(addr, peer, "refused connections")
-            elif not peer.answered and stale >= self._s.dead_after_s:
-                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
-            elif stale >= self._s.dead_after_s * 2:
-                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s")
+            elif self._hung(peer, now):
+                await self._vote(addr, peer, f"no answer for {silent:.1f}s, heartbeat stale {stale:.1f}s")
+            elif stale >= self._s.lease_s + self._s.dead_after_s:
+                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s (lease run out)")
             elif peer.unreachable_since is not None and now - peer.unreachable_since >= self._s.dead_after_s * 2:
                 await self._vote_unreachable(addr, now - peer.unreachable_since)
             self._launch_probe(addr, peer, row, now)
+
+    def _hung(self, peer: _Peer, now: float) -> bool:
+        """Its probes unanswered ``dead_after_s`` and its heartbeat as old: a silo that is alive beats
+        every ``heartbeat_s`` once its monitors' PINGs stop reaching it (:class:`Liveness`), so its
+        heartbeat stays young while its loop is busy or the link to us is cut."""
+        return (
+            not peer.answered
+            and now - peer.last_ok >= self._s.dead_after_s
+            and now - peer.since >= self._s.dead_after_s
+        )
 
     def _launch_probe(self, addr: str, peer: _Peer, row: MemberRow, now: float) -> None:
         if not peer.probing and now - peer.last_probe >= self._s.probe_interval_s:
@@ -600,6 +758,9 @@ class FailureDetector:
             self._unreachable_logged.discard(addr)
         if result is ProbeResult.OK:
             peer.refused_at = None
+            peer.last_ok = self._clock()
+            if peer.suspected and peer.last_ok - peer.since < self._s.lease_s:
+                peer.suspected = False
             return
         self.probe_failures += 1
         stale = self._clock() - peer.since
@@ -614,9 +775,9 @@ class FailureDetector:
                 await self._vote(addr, peer, "refused connections")
             else:
                 await self._round_now()
-        elif stale >= self._s.dead_after_s:
+        elif self._hung(peer, self._clock()):
             if fresh:
-                await self._vote(addr, peer, f"heartbeat stale {stale:.1f}s and probe timed out")
+                await self._vote(addr, peer, f"no answer, heartbeat stale {stale:.1f}s")
             else:
                 await self._round_now()
 
@@ -629,17 +790,26 @@ class FailureDetector:
     def _needed(self, suspect: str) -> int:
         """min(2, the suspect's monitors that look alive to us, ourselves included).
 
-        A monitor we track counts while its heartbeat moved within ``suspect_after_s`` and it
-        does not refuse connections; one we do not track yet counts (we learn otherwise within
-        a round or two), so a vote never goes through alone on a guess."""
+        A monitor we track counts unless it refuses connections; one we probe while it answers or
+        its heartbeat moved within ``suspect_after_s`` (a live silo our probes cannot reach misses
+        them, is in doubt and beats every ``heartbeat_s``: so a silo cut off alone cannot vote the
+        others out by itself); one we do not probe while its lease runs. One we do not track yet
+        counts (we learn otherwise within a round or two), so a vote never goes through alone on a
+        guess."""
         now = self._clock()
         fresh = 1  # ourselves
         for addr in self._ring.monitors(suspect):
             if addr == self._addr:
                 continue
             p = self._peers.get(addr)
-            if p is None or (now - p.since < self._s.suspect_after_s and p.refused_at is None):
+            if p is None:
                 fresh += 1
+            elif p.refused_at is not None:
+                continue
+            elif addr in self._monitored:
+                fresh += p.answered or now - p.last_ok < self._s.suspect_after_s or now - p.since < self._s.suspect_after_s
+            else:
+                fresh += now - p.since < self._s.lease_s
         return min(2, fresh)
 
     async def _vote(self, addr: str, peer: _Peer, why: str) -> None:

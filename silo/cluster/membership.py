@@ -143,7 +143,7 @@ if at == '' then
 end
 redis.call('HSET', KEYS[2], ARGV[1], at)
 -- An empty load: unchanged since the last one sent (the heartbeat thread sends it on change or every
--- LOAD_REFRESH_S, not each beat: one command a second less for an idle silo, issue 39).
+-- LOAD_REFRESH_S, not each beat: one command less a beat for an idle silo, issue 39).
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
 return m['status']
 """

@@ -106,9 +106,11 @@ class Connection(FrameReceiver):
         on_close: Callable[[Connection], None] | None = None,
         on_open: Callable[[Connection], None] | None = None,
         on_client: Callable[[Connection], None] | None = None,
+        on_probe: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(settings, counters, server_side)
         self._on_client = on_client
+        self._on_probe = on_probe
         self.client_id: str | None = None
         """The id the peer named itself with (a CLIENT frame): set on a silo's side of a client's connection."""
         self.codec = codec
@@ -254,6 +256,9 @@ class Connection(FrameReceiver):
             self._handler(self, frame)
         elif kind == PING:
             self._send_frame([PONG, frame.header[1] if len(frame.header) > 1 else 0])
+            # A failure detector's probe names its silo: it tells us that monitor still reaches us.
+            if self._on_probe is not None and len(frame.header) > 2 and isinstance(frame.header[2], str):
+                self._on_probe(frame.header[2])
         elif kind == PONG:
             self._on_response(frame)
         elif kind == CLIENT and self._server_side and self.client_id is None:
@@ -593,12 +598,14 @@ class Connection(FrameReceiver):
         """Name this (client's) end to the silo: calls to the client's observers may come back on it."""
         self._send_frame([CLIENT, 0, client_id])
 
-    def ping(self, timeout_s: float) -> asyncio.Future[Any]:
+    def ping(self, timeout_s: float, sender: str | None = None) -> asyncio.Future[Any]:
+        """PING the peer; ``sender``: this silo's address, when the ping is its failure detector's
+        probe (the peer counts it as its monitor's, ``Transport.on_probe``)."""
         req_id = next(self._ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[req_id] = (fut, "ping")
         self._arm(req_id, timeout_s)
-        self._send_frame([PING, req_id])
+        self._send_frame([PING, req_id] if sender is None else [PING, req_id, sender])
         return fut
 
     def _arm(self, req_id: int, timeout_s: float) -> None:

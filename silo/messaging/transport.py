@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -73,7 +74,7 @@ class Link(Protocol):
         self, header: list[Any], body: Any, timeout_s: float | None, label: str | tuple[object, str] = ""
     ) -> asyncio.Future[Any]: ...
 
-    def ping(self, timeout_s: float) -> asyncio.Future[Any]: ...
+    def ping(self, timeout_s: float, sender: str | None = None) -> asyncio.Future[Any]: ...
 
     def has_slot(self) -> bool: ...
 
@@ -109,6 +110,7 @@ class Transport:
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
         self._inbound: set[Connection] = set()
         self.closed = False
+        self._on_probe: Callable[[str], None] | None = None
         # Built once (a bad file fails the start with ConfigError); None: plain sockets.
         self._server_ssl = tls.server_context(settings, self._tls_refused)
         self._client_ssl = tls.client_context(settings)
@@ -121,6 +123,15 @@ class Transport:
     def set_handler(self, handler: RequestHandler) -> None:
         self._handler = handler
 
+    def on_probe(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(monitor)`` for every PING that names the silo that sent it (a failure detector's
+        probe): how a silo knows its monitors still reach it (``Liveness.probed``)."""
+        self._on_probe = fn
+
+    def _probed(self, sender: str) -> None:
+        if self._on_probe is not None:
+            self._on_probe(sender)
+
     def _connection(self, server_side: bool) -> Connection:
         return Connection(
             codec=self.codec,
@@ -132,6 +143,7 @@ class Transport:
             # Counted as inbound once made: under TLS a peer whose handshake fails never is.
             on_open=self._inbound.add if server_side else None,
             on_client=self._client_named if server_side else None,
+            on_probe=self._probed,
         )
 
     def _client_named(self, conn: Connection) -> None:

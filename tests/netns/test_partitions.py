@@ -32,6 +32,7 @@ pytestmark = pytest.mark.netns
 DEADLINE_S = 2.0
 """Deadline of every workload call."""
 DEAD_AFTER_S = float(FAST_ENV["REDGRAIN_MEMBERSHIP__DEAD_AFTER_S"])
+LEASE_S = float(FAST_ENV["REDGRAIN_MEMBERSHIP__LEASE_S"])
 ENV = {
     **FAST_ENV,
     # The rebalancer runs (leases expire fast, so a dead leader is replaced quickly).
@@ -188,8 +189,9 @@ async def _cut_from_redis(
     net.heal(victim.host, redis_host)
     assert await _exit_code(victim, 10) == 3, victim.process.output()[-2000:]
     stopped = time.monotonic() - t_heal
-    # Self-fenced: no call that reached it after the fence was answered with a result.
-    fence_at = t_cut + DEAD_AFTER_S + 0.3
+    # Self-fenced: no call that reached it after the fence was answered with a result (its
+    # monitors still probe it, so its lease is what fences it).
+    fence_at = t_cut + LEASE_S + 0.3
     late = [r for r in direct.ends() if r["ok"] and r["res"][0] == addr and r["t0"] > fence_at]
     assert not late, late[:3]
     report(REDIS, "fences itself (lease not renewed), declared dead by its peers; exits when it hears so "
@@ -198,6 +200,71 @@ async def _cut_from_redis(
     if rnd + 1 < form.rounds:
         silos[silos.index(victim)] = await run.restart(victim.host)
     return silos
+
+
+ALONE = "2b silo cut from its peers and Redis, its lease still young"
+
+
+@pytest.mark.parametrize("form", FORMS)
+async def test_silo_cut_from_peers_and_redis_refuses_calls_before_its_grains_serve_elsewhere(
+    cluster_of: Lab, form: Form
+) -> None:
+    """Its lease (30 s here) outlives the detection: what fences it is that its monitors' probes
+    stopped (issue 39). It must refuse calls before the others declare it dead and its grains
+    answer from them, answer nothing after, and exit once it hears it is dead."""
+    run = Run(cluster_of, "alone", env={**ENV, "REDGRAIN_MEMBERSHIP__LEASE_S": "30"})
+    try:
+        silos = await run.start(cluster_of.silos[: form.silos])
+        keys = _keys(form)
+        direct = await run.workload("direct", "--keys", ",".join(keys), "--workers", "4", "--timeout", str(DEADLINE_S))
+        await _cut_from_peers_and_redis(run, form, silos, keys, direct)
+        counts = await run.check_invariants(DEADLINE_S)
+        report(ALONE, "invariants", form=form.name, **counts)
+    finally:
+        await run.close()
+
+
+async def _cut_from_peers_and_redis(
+    run: Run, form: Form, silos: list[NetSilo], keys: list[str], direct: Workload
+) -> None:
+    net, redis_host = run.lab.net, run.lab.redis
+    victim, addr, moved = await _victim(run, silos, keys, direct)
+    probe = "probe-alone"
+    first = await run.raw_call(victim.address, probe)
+    assert isinstance(first, list) and first[0] == addr, first
+    peers = [s for s in silos if s is not victim]
+    for p in peers:
+        net.cut(victim.host, p.host)
+    net.cut(victim.host, redis_host)  # this test's process still reaches it
+    t_cut = time.monotonic()
+    fenced_after = None
+    while fenced_after is None:
+        answer = await run.raw_call(victim.address, probe, timeout_s=0.5)
+        if isinstance(answer, errors.SiloNotServingError):
+            fenced_after = time.monotonic() - t_cut
+        assert time.monotonic() - t_cut < 10, f"never fenced itself: {answer!r}"
+        await asyncio.sleep(0.02)
+    await run.wait(lambda: addr in run.dead_at, 20, "the peers to declare it dead")
+    detection = run.dead_at[addr] - t_cut
+    await run.wait(lambda: run.served_elsewhere_at(direct, moved, t_cut, addr) is not None, 20,
+                   "its grains to answer from the peers")  # fmt: skip
+    recovery = (run.served_elsewhere_at(direct, moved, t_cut, addr) or 0) - t_cut
+    assert fenced_after < detection <= recovery, (fenced_after, detection, recovery)
+    # Fenced for good: its monitors' PINGs stopped, and no beat can confirm it.
+    answers = [await run.raw_call(victim.address, probe, timeout_s=0.5) for _ in range(5)]
+    assert all(isinstance(a, errors.SiloNotServingError) for a in answers), answers
+    late = [r for r in direct.ends() if r["ok"] and r["res"][0] == addr and r["t0"] > t_cut + fenced_after]
+    assert not late, late[:3]
+    await asyncio.sleep(form.hold_s)
+    t_heal = time.monotonic()
+    for p in peers:
+        net.heal(victim.host, p.host)
+    net.heal(victim.host, redis_host)
+    assert await _exit_code(victim, 10) == 3, victim.process.output()[-2000:]
+    stopped = time.monotonic() - t_heal
+    report(ALONE, "fenced by its monitors' silence before it is declared dead; exits when it hears so after "
+           "the heal", form=form.name, self_fenced_s=fenced_after, detection_s=detection, recovery_s=recovery,
+           exit_after_heal_s=stopped, grains_moved=len(moved))  # fmt: skip
 
 
 CLIENT = "3 client cut from the silo hosting its grain, mid-call"

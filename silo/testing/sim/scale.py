@@ -138,6 +138,9 @@ async def _scale(world: World, silos: int, kill: int, window_s: float, rng: rand
         await world.loop.create_task(node.start(), context=node.context.copy())
     # Let every view and ring settle, then count an idle window.
     await asyncio.sleep(2 * settings.refresh_s + settings.suspect_after_s)
+    # At least one period of the slowest idle reader (the detector's idle read, the view's poll):
+    # a shorter window may count none of them (issue 39 made them 30 s and 15 s).
+    window_s = max(window_s, settings.idle_read_s, settings.refresh_s)
     before = world.commands
     await asyncio.sleep(window_s)
     per_silo = (world.commands - before) / window_s / silos

@@ -59,7 +59,13 @@ from grains.observer import CLIENT_PREFIX
 from silo import errors
 from silo.catalog.runtime import RefFactory
 from silo.cluster.directory import DirectoryEntry
-from silo.cluster.failure_detector import FailureDetector, Liveness, ProbeResult, transport_probe
+from silo.cluster.failure_detector import (
+    FailureDetector,
+    Liveness,
+    ProbeResult,
+    transport_probe,
+    wait_event,
+)
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
@@ -312,16 +318,19 @@ class RecordingStore(InMemoryStateStore):
 
 
 class LoopHeartbeat(Liveness):
-    """The heartbeat thread's job on the loop (see the module docstring): beat every
-    ``heartbeat_s``; the same fencing rule (:class:`~silo.cluster.failure_detector.Liveness`);
+    """The heartbeat thread's job on the loop (see the module docstring): the same lease, doubt
+    and fencing rule (:class:`~silo.cluster.failure_detector.Liveness`), beats when it says;
     told Dead, call ``on_dead``."""
 
     def __init__(self, table: Any, address: str, settings: MembershipSettings, on_dead: Callable[[], Any], clock: Callable[[], float]) -> None:
-        self._table, self._address, self._settings, self._on_dead, self._monotonic = table, address, settings, on_dead, clock
-        self.last_confirmed = clock()
-        self.dead = False
+        self._table, self._address, self._on_dead = table, address, on_dead
+        self._init_liveness(settings, clock)
         self.beats = self.failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def _wake_beat(self) -> None:
+        self._wake.set()
 
     def start(self) -> None:
         self.last_confirmed = self._monotonic()
@@ -334,8 +343,15 @@ class LoopHeartbeat(Liveness):
             self._task = None
 
     async def _run(self) -> None:
+        tick = min(self._settings.heartbeat_s, self._silence_s / 4)
         while True:
+            wait = self.next_beat(self._monotonic(), self.beats + self.failures == 0)
+            if wait > 0:
+                await wait_event(self._wake, min(wait, tick))
+                self._wake.clear()
+                continue
             sent = self._monotonic()
+            self.beat_sent(sent)
             try:
                 status = await self._table.heartbeat(self._address, sent, SiloLoad())
             except errors.StorageError:
@@ -346,8 +362,7 @@ class LoopHeartbeat(Liveness):
                     self._on_dead()
                     return
                 self.beats += 1
-                self.last_confirmed = sent
-            await asyncio.sleep(self._settings.heartbeat_s)
+                self.beat_confirmed(sent)
 
 
 class SimSilo:
@@ -404,10 +419,14 @@ class SimSilo:
             table=self.link.wrap(w.membership),
             me=address,
             settings=w.membership_settings,
-            probe=transport_probe(self.silo.transport, handshake=w.handshake),
+            probe=transport_probe(
+                self.silo.transport, handshake=w.handshake, sender=lambda: None if self.heartbeat.fenced() else str(address)
+            ),
             on_self_dead=self._declared_dead,
             clock=w.now,
+            on_monitors=self.heartbeat.watch_monitors,
         )
+        self.silo.transport.on_probe(self.heartbeat.probed)
 
     def _fenced(self) -> bool:
         fenced = self.heartbeat.fenced()

@@ -145,7 +145,7 @@ async def test_silo_that_reads_itself_dead_stops() -> None:
     assert w.self_dead == [a]
 
 
-async def test_heartbeat_thread_fences_when_liveness_is_unconfirmed() -> None:
+async def test_heartbeat_thread_fences_when_its_monitors_fall_silent_and_its_beat_is_old() -> None:
     import asyncio
 
     mono = VirtualClock(start=1000.0)
@@ -153,12 +153,16 @@ async def test_heartbeat_thread_fences_when_liveness_is_unconfirmed() -> None:
         redis_url="redis://unused", keys=Keys("t"), address="x", settings=SETTINGS,
         load=SiloLoad, on_dead=lambda: None, loop=asyncio.get_running_loop(), monotonic=mono,
     )  # fmt: skip
+    hb.watch_monitors(["m"])
     assert not hb.fenced()
-    mono.jump(SETTINGS.dead_after_s - 0.1)
+    mono.jump(SETTINGS.dead_after_s / 2 - 0.1)
     assert not hb.fenced()
-    mono.jump(0.2)  # e.g. resumed after SIGSTOP: peers may have declared us dead
+    mono.jump(0.2)  # its monitor silent, no beat as young confirmed
     assert hb.fenced()
-    hb.last_confirmed = mono()
+    mono.jump(SETTINGS.dead_after_s)  # e.g. resumed after SIGSTOP: peers may have declared us dead
+    hb.probed("m")  # a PING that waited in the socket does not lift it
+    assert hb.fenced()
+    hb.beat_confirmed(mono())
     assert not hb.fenced()
 
 

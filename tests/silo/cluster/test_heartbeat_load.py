@@ -15,45 +15,45 @@ from silo.settings import MembershipSettings
 from silo.testing.clock import VirtualClock
 
 
-async def test_the_heartbeat_thread_sends_its_load_when_activations_change_not_each_beat(
+async def test_the_heartbeat_thread_beats_when_activations_change_else_only_to_renew_its_lease(
     redis_url: str, cluster_name: str
 ) -> None:
     redis, keys, me = connect_redis(redis_url), Keys(cluster_name), SiloAddress("127.0.0.1", 7001, 1)
     table = RedisMembershipTable(redis, keys)
     await table.join(MemberRow(address=str(me), host=me.host, port=me.port, generation=1))
     await table.set_status(str(me), SiloStatus.ACTIVE)
-    beats: list[int] = []
+    mono = VirtualClock(start=1000.0)
     activations = [0]
-    changed_at: list[int] = []
-    go = threading.Event()
-    quiet, sent = threading.Event(), threading.Event()
+    looks = threading.Semaphore(0)
 
     def load() -> SiloLoad:
-        beats.append(1)
-        n = len(beats)
-        if n == 5:
-            quiet.set()
-        if go.is_set() and not changed_at:
-            activations[0] = 3  # work arrived: this beat sees it
-            changed_at.append(n)
-        elif changed_at and n >= changed_at[0] + 2:
-            sent.set()  # the beat that saw it has gone out
-        return SiloLoad(cpu_percent=float(n), activations=activations[0])
+        mono.jump(0.01)  # each look of the thread: 10 ms of its clock
+        looks.release()
+        return SiloLoad(cpu_percent=mono(), activations=activations[0])
 
+    async def look(times: int) -> None:
+        for _ in range(times):
+            assert await asyncio.to_thread(looks.acquire, True, 10)
+
+    settings = MembershipSettings(heartbeat_s=0.05, lease_s=20.0)
     hb = HeartbeatThread(
-        redis_url=redis_url, keys=keys, address=str(me), settings=MembershipSettings(heartbeat_s=0.01),
-        load=load, on_dead=lambda: None, loop=asyncio.get_running_loop(),
-        monotonic=VirtualClock(start=1000.0),  # frozen: the periodic refresh never falls due
+        redis_url=redis_url, keys=keys, address=str(me), settings=settings,
+        load=load, on_dead=lambda: None, loop=asyncio.get_running_loop(), monotonic=mono,
     )  # fmt: skip
     hb.start()
     try:
-        await asyncio.to_thread(quiet.wait, 10)
-        first = SiloLoad.model_validate_json(await redis.hget(keys.members_loads, str(me)) or b"")
-        assert first.cpu_percent == 1.0 and first.activations == 0  # beats 2-5 sent no load: nothing changed
-        go.set()
-        await asyncio.to_thread(sent.wait, 10)
-        changed = SiloLoad.model_validate_json(await redis.hget(keys.members_loads, str(me)) or b"")
-        assert changed.activations == 3 and changed.cpu_percent == float(changed_at[0])
+        await look(3)
+        assert hb.beats == 1  # the first beat sends the load
+        await look(100)  # a second of its clock, nothing changed: no beat
+        assert hb.beats == 1
+        activations[0] = 3
+        await look(10)
+        assert hb.beats == 2
+        sent = SiloLoad.model_validate_json(await redis.hget(keys.members_loads, str(me)) or b"")
+        assert sent.activations == 3
+        mono.jump(settings.lease_s / 2)
+        await look(3)
+        assert hb.beats == 3  # the lease renewed
     finally:
         await hb.stop()
         await close_redis(redis)
