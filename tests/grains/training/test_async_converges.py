@@ -1,22 +1,52 @@
-"""Async and ssp reach sync's accuracy with the same spec (the small benchmark config)."""
+"""Async and ssp reach sync's accuracy with the same spec: the small benchmark config (momentum-SGD,
+Adam) and the HF-style fine-tune (AdamW)."""
 
 from __future__ import annotations
 
+import pytest
+
 from grains.training import TrainingJob
 from silo.settings import MembershipSettings
-from tests.grains.training.conftest import GRAINS, run_job
+from tests.grains.training.conftest import GRAINS, run_job, training_silos
 
 # benchmarks/bench_training.py's small config: the digits MLP, momentum 0.9 at lr 0.05, batch 64.
 SMALL = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "checkpoint_every": 0, "trainers": 2, "shards": 2}
+ADAM = {**SMALL, "optimizer": "adam", "lr": 0.003}
 
 
-async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client):
+@pytest.mark.parametrize("spec", [SMALL, ADAM], ids=["momentum", "adam"])
+async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     acc = {}
     for mode in ("sync", "async", "ssp"):
-        st = await run_job(client, f"conv-{mode}", TrainingJob(**SMALL, mode=mode, steps=600), timeout_s=180)
+        st = await run_job(client, f"conv-{mode}", TrainingJob(**spec, mode=mode, steps=600), timeout_s=180)
         assert st.status == "completed" and st.accuracy is not None, st
         acc[mode] = st.accuracy
     assert acc["sync"] >= 0.95, acc
-    # Before the staleness-aware rate, async ended anywhere between 38% and 93% here.
+    # Before the staleness-aware rate, momentum-SGD async ended anywhere between 38% and 93% here.
     assert acc["async"] >= acc["sync"] - 0.01 and acc["ssp"] >= acc["sync"] - 0.01, acc
+
+
+@pytest.mark.slow
+async def test_ssp_with_adamw_ends_within_two_f1_points_of_sync_on_the_hf_fine_tune(silo_processes, client):
+    # samples/hf_finetune.py's job (tiny BERT, AdamW with no-decay groups, HF's warmup schedule,
+    # accumulation 2, clipping) run to its end: early stopping on a plateau would measure when
+    # the plateau ended, not the update rule. Seed 3: sync F1 0.991, ssp 0.980-0.996 measured.
+    # Async is held only to leaving the task's initial plateau (F1 ~0.2): run by run it ended
+    # 0.786-0.978 here at lr/sqrt(trainers), 1.7 points behind sync on average over seeds 1-4 in
+    # `python -m benchmarks async_adam` (which checks the 2-point goal on that average and
+    # prints met / not met); one run cannot hold async to 2 points, nor separate it from the
+    # rule before (lr/trainers: 6 points behind on average). test_async_rate.py pins the rule.
+    from samples.hf_finetune import Args, job
+
+    silo_processes(2, grains="grains.training", env={"OMP_NUM_THREADS": "1"})
+    await training_silos(client, 2)
+    f1 = {}
+    for mode in ("sync", "async", "ssp"):
+        spec = TrainingJob.model_validate({**job(Args(seed=3), mode), "callbacks": []})
+        st = await run_job(client, f"hf-{mode}", spec, timeout_s=180)
+        assert st.status == "completed" and st.step == spec.steps, st
+        f1[mode] = st.eval_metrics["f1"]
+    assert f1["sync"] >= 0.98, f1
+    assert f1["ssp"] >= f1["sync"] - 0.02, f1
+    assert f1["async"] >= 0.7, f1
