@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                       f" {r.samples_per_s:,.0f} samples/s, max staleness {r.max_staleness}", flush=True)  # fmt: skip
                 runs.append(r)
     print("\n".join(summary(runs)))
+    from benchmarks import common
+
+    common.write_result("async_adam", {"quick": opts.quick, "steps": steps, "early_stopping": not opts.no_early_stopping,
+                                       "runs": [dataclasses.asdict(r) for r in runs]})  # fmt: skip
     return 0
 
 
