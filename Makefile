@@ -83,7 +83,7 @@ sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario versions --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
-	$(PY) -m pytest -q -s -m soak tests/chaos tests/grains/training/test_resume_matrix.py $(ARGS)
+	$(PY) -m pytest -q -s -m soak tests/chaos tests/grains/training/test_resume_matrix.py tests/grains/training/test_async_converges.py $(ARGS)
 
 # Long forms of the partition scenarios (silos on separate network namespaces; needs root).
 # The short forms run in `make test`. Figures: REDGRAIN_PARTITION_REPORT=path.jsonl.

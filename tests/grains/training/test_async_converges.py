@@ -28,6 +28,7 @@ async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # about a minute: make soak (make test keeps the digits cases and test_async_rate.py)
 async def test_ssp_with_adamw_ends_within_two_f1_points_of_sync_on_the_hf_fine_tune(silo_processes, client):
     # samples/hf_finetune.py's job (tiny BERT, AdamW with no-decay groups, HF's warmup schedule,
     # accumulation 2, clipping) run to its end: early stopping on a plateau would measure when

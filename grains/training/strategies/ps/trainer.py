@@ -40,7 +40,7 @@ from grains.checkpoints import snapshots
 from grains.immutable import immutable
 from grains.placement import hash_placement, immovable, interleave, keep_alive
 from grains.ref import Ref
-from grains.training.api.job import TrainingJob, parse_compression
+from grains.training.api.job import DEFAULT_STEP, TrainingJob, parse_compression
 from grains.training.api.messages import (
     Evaluation,
     ExchangeReply,
@@ -343,8 +343,11 @@ class TrainerGrain(Grain):
             await self._restore_residual(a, core)
         pipelined = a.spec.mode == "async"
         # A sub-millisecond step runs on the loop (inline.py): its two thread hops cost more than
-        # it does. Not with DataLoader workers (a batch could wait on another process) or a GPU.
-        cheap = a.spec.loader_workers == 0 and core.device == "cpu"
+        # it does. Not with DataLoader workers (a batch could wait on another process), a GPU, or a
+        # step function of the user's own: it may wait (on a lock, a file, another process), and
+        # on the loop that wait would hold every grain of the silo (seen: a test's step waiting
+        # for its go-ahead held the loop 60 s, so the go-ahead never came).
+        cheap = a.spec.loader_workers == 0 and core.device == "cpu" and a.spec.step == DEFAULT_STEP
         work = InlineWhenCheap(self.run_in_thread) if cheap else None
         pending: asyncio.Future[list[ExchangeReply]] | None = None
         step = a.start_step
