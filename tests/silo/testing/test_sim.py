@@ -89,16 +89,30 @@ _MUTANTS = {
 }
 
 
+def _mutant(tmp_path: Path, edits: list[tuple[str, str, str]]) -> Path:
+    """A copy of the code in ``tmp_path`` with each (path, old, new) edit made; an anchor that
+    moved fails the test rather than leaving the promise unbroken."""
+    for package in ("silo", "grains"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for path, old, new in edits:
+        source = (tmp_path / path).read_text()
+        assert old in source, f"the mutant's anchor moved: {path}"
+        (tmp_path / path).write_text(source.replace(old, new))
+    return tmp_path
+
+
+def _first_failure(cwd: Path, scenario: str, seeds: str = "1-40") -> str:
+    """The FAIL line of the first failing seed of ``scenario`` (the test fails when none fails)."""
+    found = _sim("run", "--seeds", seeds, "--scenario", scenario, "--first-failure", cwd=cwd, timeout=200)
+    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
+    assert found.returncode == 1 and line is not None, found.stdout[-3000:]
+    return line
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("mutant", sorted(_MUTANTS))
 def test_a_promise_broken_on_purpose_fails_a_seed_whose_replay_fails_the_same_way(mutant: str, tmp_path: Path) -> None:
-    for package in ("silo", "grains"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    path, old, new = _MUTANTS[mutant]
-    source = (tmp_path / path).read_text()
-    assert old in source, f"the mutant's anchor moved: {path}"
-    (tmp_path / path).write_text(source.replace(old, new))
-
+    _mutant(tmp_path, [_MUTANTS[mutant]])
     started = time.monotonic()
     found = _sim("run", "--seeds", "1-400", "--first-failure", cwd=tmp_path, timeout=200)
     took = time.monotonic() - started
@@ -129,19 +143,13 @@ def test_a_cancel_that_never_reaches_the_generator_fails_a_results_seed(tmp_path
     # Leaving a stream early must stop its generator on the callee. The mutant drops what a
     # CANCEL does on the serving side, on the connection (the stream's sink) and in the
     # dispatcher (the turn): the generator then waits for credit that never comes.
-    for package in ("silo", "grains"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    for path, old, new in [
+    _mutant(tmp_path, [
         ("silo/messaging/connection.py", "if kind == CANCEL and self._served and", "if False and self._served and"),
-        ("silo/messaging/dispatcher.py", "                inv.cancelled = True\n                if inv.activation is not None:\n"
-                                         "                    inv.activation.cancel_call(inv)\n", "                pass\n"),
-    ]:  # fmt: skip
-        source = (tmp_path / path).read_text()
-        assert old in source, f"the mutant's anchor moved: {path}"
-        (tmp_path / path).write_text(source.replace(old, new))
-    found = _sim("run", "--seeds", "1-40", "--scenario", "results", "--first-failure", cwd=tmp_path, timeout=200)
-    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
-    assert found.returncode == 1 and line is not None and "FAIL stream_results:" in line, found.stdout[-3000:]
+        ("silo/messaging/dispatcher.py", ("                inv.cancelled = True\n                if inv.activation is not None:\n"
+                                          "                    inv.activation.cancel_call(inv)\n"), "                pass\n"),
+    ])  # fmt: skip
+    line = _first_failure(tmp_path, "results")
+    assert "FAIL stream_results:" in line, line
     assert "still runs on" in line, line
     seed = re.search(r"seed (\d+) FAIL", line).group(1)  # type: ignore[union-attr]
     again = _sim("run", "--seeds", seed, "--scenario", "results", cwd=tmp_path, timeout=120)
@@ -152,16 +160,10 @@ def test_a_cancel_that_never_reaches_the_generator_fails_a_results_seed(tmp_path
 def test_an_observer_call_sent_twice_fails_a_results_seed(tmp_path: Path) -> None:
     # An observer call is not retried: its handler runs at most once. The mutant sends every
     # call to a client's observer twice, as a retry after an unknown outcome would.
-    for package in ("silo", "grains"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    path = tmp_path / "silo/messaging/observer_hub.py"
     old = "        if back is not None:\n            return await self._send(back, key, method, args, kwargs, deadline, one_way, 0)\n"
-    source = path.read_text()
-    assert old in source, "the mutant's anchor moved"
-    path.write_text(source.replace(old, old.replace("return await", "await") + old.split("\n", 1)[1]))
-    found = _sim("run", "--seeds", "1-40", "--scenario", "results", "--first-failure", cwd=tmp_path, timeout=200)
-    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
-    assert found.returncode == 1 and line is not None and "FAIL observer_notes:" in line, found.stdout[-3000:]
+    _mutant(tmp_path, [("silo/messaging/observer_hub.py", old, old.replace("return await", "await") + old.split("\n", 1)[1])])
+    line = _first_failure(tmp_path, "results")
+    assert "FAIL observer_notes:" in line, line
     assert "twice" in line, line
 
 
@@ -176,16 +178,10 @@ def test_twenty_four_seeds_of_the_versions_scenario_keep_every_promise() -> None
 def test_an_old_version_that_drops_fields_it_does_not_know_fails_a_versions_seed(tmp_path: Path) -> None:
     # Issue 36's rolling-upgrade loss as a mutant: a version-1 activation writes its state
     # without the tag version 2 stored, and the tag's register loses acknowledged writes.
-    for package in ("silo", "grains"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    path = tmp_path / "silo/catalog/state.py"
     old = "        if extra:\n            fields.update(extra)\n"
-    source = path.read_text()
-    assert old in source, "the mutant's anchor moved"
-    path.write_text(source.replace(old, old.replace("if extra:", "if False:")))
-    found = _sim("run", "--seeds", "1-40", "--scenario", "versions", "--first-failure", cwd=tmp_path, timeout=200)
-    line = next((ln for ln in found.stdout.splitlines() if " FAIL " in ln), None)
-    assert found.returncode == 1 and line is not None and "FAIL linearizable: register ver" in line, found.stdout[-3000:]
+    _mutant(tmp_path, [("silo/catalog/state.py", old, old.replace("if extra:", "if False:"))])
+    line = _first_failure(tmp_path, "versions")
+    assert "FAIL linearizable: register ver" in line, line
     assert "#tag" in line, line
 
 
