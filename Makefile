@@ -61,9 +61,11 @@ $(IPROUTE):
 # The tests start a few hundred Python processes (silos, samples, CLIs). Each would compile the
 # project's modules again where PYTHONDONTWRITEBYTECODE is set (it is on this workplace's
 # machines): compiled once here, every process reads the bytecode (0.2-0.3 s a process).
+# The 30 slowest tests are listed at the end of every run: make test must stay under 20 minutes,
+# and what grows it shows there (a long one belongs behind make soak / sim / bench).
 test: $(STAMP) $(CHROMIUM) $(PROMTOOL) $(REDIS_CLI) $(H2LOAD) $(IPROUTE)
 	$(PY) -m compileall -q -j 0 grains silo dashboard benchmarks samples tests >/dev/null
-	$(PY) -m pytest -q -m "not soak" $(ARGS)
+	$(PY) -m pytest -q -m "not soak" --durations=30 $(ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/redgrain demo $(ARGS)
