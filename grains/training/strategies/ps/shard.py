@@ -236,8 +236,12 @@ class ParamShardGrain(Grain):
         version, published = core.current
         params = None
         if version != have_version:
-            params = published if have_version >= 0 or not core.frozen else {**published, **core.frozen_payload()}
-            self._bytes_out += sum(t.nbytes for t in params.values())
+            if have_version >= 0 or not core.frozen:
+                params, nbytes = published, core.published_nbytes
+            else:
+                params = {**published, **core.frozen_payload()}
+                nbytes = sum(t.nbytes for t in params.values())
+            self._bytes_out += nbytes
         return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
     def _check(self, generation: int) -> None:

@@ -100,6 +100,9 @@ class TrainerCore:
         )
         self._next_step = a.start_step
         self.compressor = Compressor(parse_compression(spec.compression))
+        self.dense_nbytes = sum(self.params[n].nbytes for names in self.shard_grads for n in names)
+        """Bytes of a step's push when it is not compressed: every gradient whole (a skipped
+        step's zeros too), the same each step."""
         # Sync mode clips the averaged gradient on the shards (one global norm); async and ssp
         # apply each push alone, so each trainer clips its own (after the residual is added back).
         self.clip = spec.mode != "sync"
@@ -343,6 +346,10 @@ class TrainerGrain(Grain):
         """One step on the executor (or inline while steps are cheap: ``work``); a step longer than
         ``step_timeout_s`` fails this run (the coordinator restarts the trainer: a new core; the
         late thread only touches the old one)."""
+        if work is not None and work.inline:
+            # On the loop, the step runs to its end before any timer could fire: a timeout there
+            # would only cost its timer (a heap push and a cancel a step).
+            return await work.run(core.step, payloads, step)
         run = work.run if work is not None else self.run_in_thread
         try:
             # asyncio.timeout, not wait_for: no task wrapping the step, one loop turn less a step.
@@ -394,7 +401,9 @@ class TrainerGrain(Grain):
             if pending is not None:
                 payloads = self._take(await self._timed(pending), versions)
                 pending = None
-            self._n.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
+            self._n.bytes_pushed += (
+                sum(payload_nbytes(g) for d in r.grads for g in d.values()) if core.compressor.lossy else core.dense_nbytes
+            )
             if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, core, step + 1)
