@@ -148,3 +148,18 @@ def test_whole_runs_a_coroutine_that_does_not_suspend_without_a_task_and_shields
         assert await whole(suspends()) == 2  # gate set: its result comes back through the task
 
     asyncio.run(main())
+
+
+def test_a_trainers_counters_report_the_rate_over_its_last_steps_when_read():
+    from collections import deque
+
+    from grains.training.strategies.ps.trainer import _RunCounters
+
+    n = _RunCounters(step=5, steps_done=3, staleness_sum=6, replies=4)
+    times: deque[tuple[float, int]] = deque([(10.0, 64), (10.5, 64), (11.0, 32)], maxlen=3)
+    fields = n.fields(times)
+    # The first step's samples came before the window's span began: (64 + 32) / 1.0 s.
+    assert fields["samples_per_s"] == 96.0 and fields["mean_staleness"] == 1.5
+    times.append((12.0, 64))  # the oldest leaves the window
+    assert n.fields(times)["samples_per_s"] == (32 + 64) / 1.5
+    assert _RunCounters().fields(deque())["samples_per_s"] == 0.0

@@ -317,7 +317,14 @@ class TrainerGrain(Grain):
 
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current run, and the per-step points from ``since_step`` on."""
-        points = [p for p in self._points if p.step >= since_step]
+        # The points are in step order: the new ones are read from the end, not found among the
+        # last 2000 at every tick.
+        points: list[StepPoint] = []
+        for p in reversed(self._points):
+            if p.step < since_step:
+                break
+            points.append(p)
+        points.reverse()
         return self._p.model_copy(update={**self._n.fields(self._times), "points": points})
 
     async def _cancel(self) -> None:
