@@ -132,9 +132,9 @@ class StepPoint(BaseModel):
     """One trainer's figures of one step.
 
     ``@immutable``: a trainer's ``progress`` hands the coordinator on its silo the points by
-    reference (a codec copy of each was most of the coordinator's work per step on a
-    sub-millisecond step). A point is made once, when its step is committed, and nothing
-    changes it after; its ``metrics`` are the step's own dict."""
+    reference, not a codec copy of each (a point a step, read once a tick). A point is made
+    once, when its step is committed, and nothing changes it after; its ``metrics`` are the
+    step's own dict."""
 
     step: int
     loss: float

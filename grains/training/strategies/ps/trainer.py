@@ -216,8 +216,8 @@ def residual_group(a: TrainerAssignment) -> str:
 @dataclass(slots=True)
 class _RunCounters:
     """What a run counts at each step, as plain attributes: a pydantic model's assignment is
-    two Python calls (eleven a step were a tenth of the trainer's own calls on the small MLP);
-    ``progress`` turns them into the reported ``TrainerProgress`` once a tick."""
+    two Python calls, and a step made eleven; ``progress`` turns them into the reported
+    ``TrainerProgress`` once a tick."""
 
     step: int = 0
     steps_done: int = 0
