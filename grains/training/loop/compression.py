@@ -39,8 +39,8 @@ def payload_nbytes(payload: Payload | None) -> int:
     if payload is None:
         return 0
     if isinstance(payload, torch.Tensor):
-        return payload.numel() * payload.element_size()
-    return sum(t.numel() * t.element_size() for t in payload)
+        return payload.nbytes
+    return sum(t.nbytes for t in payload)
 
 
 class Compressor:

@@ -52,3 +52,21 @@ def test_training_benchmark_quick_mode_runs_and_writes_its_results():
         assert "redgrain / Ray parameter server, samples/s" in out.stdout
     else:
         assert "Ray parameter-server rows skipped" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_step_census_counts_per_step_what_a_step_does():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "training", "--census", "--quick"],
+        cwd=REPO, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    census = json.loads((REPO / "benchmarks" / "results" / "training_census_quick.json").read_text())["census"]
+    job, plain = census["job"], census["plain"]
+    # The two jobs' difference leaves exactly what each step adds: one history entry a step,
+    # and the MLP's step and update inline (no executor job), each call charged to who made it.
+    assert job["redis"]["xadd"] == pytest.approx(1.0), job["redis"]
+    assert job["executor_jobs"] == pytest.approx(0.0, abs=0.05)
+    assert job["python_calls"] > plain["python_calls"] > 50 and plain["redis_commands"] == 0
+    assert any("trainer" in what for what in job["by_what"]) and any("driver" in what for what in job["by_what"])
+    assert "per-step census" in out.stdout

@@ -63,6 +63,24 @@ def test_points_of_both_splits_flatten_to_stream_fields_and_back() -> None:
     assert (ev.loss, ev.samples_per_s) == (None, None)  # no training figure on an eval point
 
 
+def test_a_training_point_is_written_field_for_field_as_its_job_point_would_be() -> None:
+    # The publish path writes training points without building a JobPoint (one a step): the
+    # stream entry must be what JobPoint.fields() writes, in the same order, non-finite left out.
+    nan, inf = float("nan"), float("inf")
+    points = [
+        HistoryPoint(step=3, loss=0.5, metrics={"accuracy": 0.25, "f1": nan, "n": 2}, samples_per_s=12.5, at=1.7e9 + 0.123),
+        HistoryPoint(step=1, loss=inf, samples_per_s=nan),
+        HistoryPoint(step=7, loss=None, samples_per_s=-inf, at=2.0, metrics={"z": -0.0, "big": 1e300}),
+        HistoryPoint(step=9, loss=1 / 3, samples_per_s=0.1 + 0.2, at=2.5),
+    ]
+    for point in points:
+        for per_step in (None, 0, 123_456):
+            fields = progress.training_fields(point, per_step)
+            expected = progress.history_point(point, per_step).fields()
+            assert list(fields.items()) == list(expected.items())
+            assert JobPoint.from_fields(fields) == progress.history_point(point, per_step)
+
+
 def test_an_eval_point_is_written_only_when_an_evaluation_finished() -> None:
     record = JobProgress(job="j", step=12, loss=0.4, eval_metrics={"r2": 0.8}, eval_step=10)
     assert [p.split for p in job_points(record)] == ["train"]

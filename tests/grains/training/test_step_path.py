@@ -7,6 +7,7 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from grains.immutable import is_immutable
@@ -14,7 +15,7 @@ from grains.training.api.job import TrainingJob
 from grains.training.api.messages import ExchangeReply, ShardConfig, TrainerAssignment
 from grains.training.models import build_model
 from grains.training.state.model_tensors import layout_of
-from grains.training.strategies.ps.inline import InlineWhenCheap
+from grains.training.strategies.ps.inline import InlineWhenCheap, whole
 from grains.training.strategies.ps.shard_core import ShardCore
 from grains.training.strategies.ps.trainer import TrainerCore
 from silo.codec import Codec
@@ -100,3 +101,65 @@ def test_short_named_optimizers_run_foreach_and_step_as_the_per_tensor_loop_does
     custom = SPEC.model_copy(update={"optimizer": "adamw", "optimizer_args": {"foreach": False}})
     opt = build_optimizer([("w", torch.nn.Parameter(torch.randn(3)))], custom)
     assert opt is not None and opt.defaults["foreach"] is False
+
+
+def test_whole_runs_a_coroutine_that_does_not_suspend_without_a_task_and_shields_one_that_does():
+    async def main() -> None:
+        tasks = len(asyncio.all_tasks())
+
+        async def at_once() -> int:
+            assert len(asyncio.all_tasks()) == tasks  # no shield's task was made for it
+            return 1
+
+        assert await whole(at_once()) == 1
+
+        async def failing() -> None:
+            raise ValueError("in the first part")
+
+        with pytest.raises(ValueError, match="first part"):
+            await whole(failing())
+
+        gate, steps = asyncio.Event(), []
+
+        async def suspends() -> int:
+            steps.append("before")
+            await gate.wait()
+            await asyncio.sleep(0)  # a bare yield to the loop, passed through too
+            steps.append("after")
+            return 2
+
+        caller = asyncio.create_task(whole(suspends()))
+        await asyncio.sleep(0)
+        assert steps == ["before"]
+        caller.cancel()  # the caller gives up while its coroutine waits: the rest still runs
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert steps == ["before", "after"]
+
+        async def fails_later() -> None:
+            await asyncio.sleep(0)
+            raise KeyError("after suspending")
+
+        with pytest.raises(KeyError, match="after suspending"):
+            await whole(fails_later())
+        assert await whole(suspends()) == 2  # gate set: its result comes back through the task
+
+    asyncio.run(main())
+
+
+def test_a_trainers_counters_report_the_rate_over_its_last_steps_when_read():
+    from collections import deque
+
+    from grains.training.strategies.ps.trainer import _RunCounters
+
+    n = _RunCounters(step=5, steps_done=3, staleness_sum=6, replies=4)
+    times: deque[tuple[float, int]] = deque([(10.0, 64), (10.5, 64), (11.0, 32)], maxlen=3)
+    fields = n.fields(times)
+    # The first step's samples came before the window's span began: (64 + 32) / 1.0 s.
+    assert fields["samples_per_s"] == 96.0 and fields["mean_staleness"] == 1.5
+    times.append((12.0, 64))  # the oldest leaves the window
+    assert n.fields(times)["samples_per_s"] == (32 + 64) / 1.5
+    assert _RunCounters().fields(deque())["samples_per_s"] == 0.0

@@ -18,12 +18,19 @@ piece, and any after a slow one, go to the executor, whose thread lets the
 loop serve calls while a large model's kernels (which release the GIL) run;
 so a job whose steps take longer than the budget never runs inline, and one
 whose steps become slow goes back to the executor at the next step.
+
+:func:`whole` is the same idea for a coroutine that must not be cut short by
+its caller's cancellation (``asyncio.shield``): a shield is a task, and a task
+is three more turns of the loop (its first step, its done callback, the
+caller's wake-up), each of which waits behind whatever else the loop has
+ready. A shard's push of an inline update never suspends, so it needs neither.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -54,3 +61,51 @@ class InlineWhenCheap:
             return fn(*args)
         finally:
             self.inline = time.perf_counter() - t0 < self._budget_s
+
+
+async def whole(coro: Coroutine[Any, Any, R]) -> R:
+    """``await asyncio.shield(coro)``, except that ``coro`` starts at once, in the caller's task:
+    if it finishes without suspending (nothing could cancel it then) no task is made; if it
+    suspends, the rest runs as a shielded task, so cancelling the caller never cuts it short."""
+    try:
+        yielded = coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    except BaseException:
+        coro.close()
+        raise
+    return await asyncio.shield(_resume(coro, yielded))
+
+
+async def _resume(coro: Coroutine[Any, Any, R], yielded: Any) -> R:
+    return await _Resumed(coro, yielded)
+
+
+class _Resumed:
+    """Awaits ``coro`` on from the point where it yielded ``yielded`` (a future it waits on, or
+    None: a bare yield to the loop), as ``yield from`` would have: the task running this sees
+    that future, and what the task sends or throws goes on to ``coro``."""
+
+    __slots__ = ("_coro", "_yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
+        self._coro, self._yielded = coro, yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, yielded = self._coro, self._yielded
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every throw goes on to coro, as yield from's
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as done:
+                    return done.value

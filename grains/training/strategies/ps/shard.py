@@ -64,7 +64,7 @@ from grains.training.models import build_model
 from grains.training.state import checkpoint
 from grains.training.state.checkpoint import SnapshotState, TrainingSnapshot
 from grains.training.state.model_tensors import persistent_buffers
-from grains.training.strategies.ps.inline import InlineWhenCheap
+from grains.training.strategies.ps.inline import InlineWhenCheap, whole
 from grains.training.strategies.ps.shard_core import ShardCore
 
 log = logging.getLogger("redgrain.training.shard")
@@ -226,17 +226,22 @@ class ParamShardGrain(Grain):
         self._check(generation)
         staleness = 0
         if grads is not None:
-            # Shielded: a push the shard has taken is applied whole even if the caller gives up
-            # (a restarted trainer's retry is then a duplicate, never half a step).
-            staleness = await asyncio.shield(self._push(generation, rank, step, grads, base_version, buffers, skip))
+            # Whole: a push the shard has taken is applied whole even if the caller gives up
+            # (a restarted trainer's retry is then a duplicate, never half a step); an inline
+            # update never suspends, and then runs without the shield's task (inline.py).
+            staleness = await whole(self._push(generation, rank, step, grads, base_version, buffers, skip))
         gap = await self._wait_turn(generation, rank, step + (grads is not None))
         core = self._core
         assert core is not None
         version, published = core.current
         params = None
         if version != have_version:
-            params = published if have_version >= 0 or not core.frozen else {**published, **core.frozen_payload()}
-            self._bytes_out += sum(t.numel() * t.element_size() for t in params.values())
+            if have_version >= 0 or not core.frozen:
+                params, nbytes = published, core.published_nbytes
+            else:
+                params = {**published, **core.frozen_payload()}
+                nbytes = sum(t.nbytes for t in params.values())
+            self._bytes_out += nbytes
         return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
     def _check(self, generation: int) -> None:

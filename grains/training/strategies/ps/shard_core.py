@@ -92,6 +92,8 @@ class ShardCore:
         """The version and its parameters in the pull dtype, replaced in one assignment: updates
         run on the executor while the event loop answers pulls, which must never pair a new
         version with the old tensors (a sync trainer would then compute on stale weights)."""
+        self.published_nbytes = sum(t.nbytes for t in self.current[1].values())
+        """Bytes of every version's parameters and buffers (the same tensors, fresh copies)."""
 
     @property
     def version(self) -> int:

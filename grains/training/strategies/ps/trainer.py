@@ -100,6 +100,9 @@ class TrainerCore:
         )
         self._next_step = a.start_step
         self.compressor = Compressor(parse_compression(spec.compression))
+        self.dense_nbytes = sum(self.params[n].nbytes for names in self.shard_grads for n in names)
+        """Bytes of a step's push when it is not compressed: every gradient whole (a skipped
+        step's zeros too), the same each step."""
         # Sync mode clips the averaged gradient on the shards (one global norm); async and ssp
         # apply each push alone, so each trainer clips its own (after the residual is added back).
         self.clip = spec.mode != "sync"
@@ -210,6 +213,39 @@ def residual_group(a: TrainerAssignment) -> str:
     return f"training.{a.job}.r{a.run}.residual.{a.rank}"
 
 
+@dataclass(slots=True)
+class _RunCounters:
+    """What a run counts at each step, as plain attributes: a pydantic model's assignment is
+    two Python calls, and a step made eleven; ``progress`` turns them into the reported
+    ``TrainerProgress`` once a tick."""
+
+    step: int = 0
+    steps_done: int = 0
+    loss: float = 0.0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    max_staleness: int = 0
+    staleness_sum: int = 0
+    replies: int = 0
+    max_gap: int = 0
+    exchange_s: float = 0.0
+    skipped: int = 0
+    first_step_at: float | None = None
+
+    def fields(self, times: deque[tuple[float, int]]) -> dict[str, Any]:
+        """The counters as ``TrainerProgress`` fields; ``times``: (time, samples) of the last steps."""
+        rate = 0.0
+        if len(times) > 1:
+            span = times[-1][0] - times[0][0]
+            rate = (sum(n for _, n in times) - times[0][1]) / span if span > 0 else 0.0
+        return {
+            "step": self.step, "steps_done": self.steps_done, "loss": self.loss, "samples_per_s": rate,
+            "bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled, "max_staleness": self.max_staleness,
+            "mean_staleness": self.staleness_sum / max(1, self.replies), "max_gap": self.max_gap,
+            "exchange_s": self.exchange_s, "skipped": self.skipped, "first_step_at": self.first_step_at,
+        }  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class TrainerStatistics:
     steps: int
@@ -231,9 +267,10 @@ class TrainerGrain(Grain):
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._p = TrainerProgress(activation_id="", silo="")
+        """The run's identity and outcome; what it counts per step is in ``_n``."""
+        self._n = _RunCounters()
         self._times: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
         self._points: deque[StepPoint] = deque(maxlen=_POINTS)
-        self._staleness_sum = self._replies = 0
         self._evaluations = CheckpointEvaluations()
 
     async def on_activate(self) -> None:
@@ -250,9 +287,9 @@ class TrainerGrain(Grain):
             activation_id=self.activation_id, silo=str(self.silo), generation=a.generation, rank=a.rank,
             status="running", step=a.start_step,
         )  # fmt: skip
+        self._n = _RunCounters(step=a.start_step)
         self._times.clear()
         self._points.clear()
-        self._staleness_sum = self._replies = 0
         self._task = self.start_task(self._loop(a), name=f"{self.key} loop g{a.generation}")
 
     async def prepare(self, spec: TrainingJob) -> None:
@@ -280,8 +317,15 @@ class TrainerGrain(Grain):
 
     async def progress(self, since_step: int = 0) -> TrainerProgress:
         """Counters of the current run, and the per-step points from ``since_step`` on."""
-        points = [p for p in self._points if p.step >= since_step]
-        return self._p.model_copy(update={"points": points})
+        # The points are in step order: the new ones are read from the end, not found among the
+        # last 2000 at every tick.
+        points: list[StepPoint] = []
+        for p in reversed(self._points):
+            if p.step < since_step:
+                break
+            points.append(p)
+        points.reverse()
+        return self._p.model_copy(update={**self._n.fields(self._times), "points": points})
 
     async def _cancel(self) -> None:
         task, self._task = self._task, None
@@ -297,7 +341,7 @@ class TrainerGrain(Grain):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
-            log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._p.step, exc)
+            log.info("%s: generation %d stopped at step %d: %s", self.key, a.generation, self._n.step, exc)
             self._p.status = "failed"
             self._p.error = f"{type(exc).__name__}: {exc}"[:2000]
             self._p.fatal = is_fatal(exc)
@@ -309,6 +353,10 @@ class TrainerGrain(Grain):
         """One step on the executor (or inline while steps are cheap: ``work``); a step longer than
         ``step_timeout_s`` fails this run (the coordinator restarts the trainer: a new core; the
         late thread only touches the old one)."""
+        if work is not None and work.inline:
+            # On the loop, the step runs to its end before any timer could fire: a timeout there
+            # would only cost its timer (a heap push and a cancel a step).
+            return await work.run(core.step, payloads, step)
         run = work.run if work is not None else self.run_in_thread
         try:
             # asyncio.timeout, not wait_for: no task wrapping the step, one loop turn less a step.
@@ -360,7 +408,9 @@ class TrainerGrain(Grain):
             if pending is not None:
                 payloads = self._take(await self._timed(pending), versions)
                 pending = None
-            self._p.bytes_pushed += sum(payload_nbytes(g) for d in r.grads for g in d.values())
+            self._n.bytes_pushed += (
+                sum(payload_nbytes(g) for d in r.grads for g in d.values()) if core.compressor.lossy else core.dense_nbytes
+            )
             if own_state and checkpoint.checkpoint_due(a.spec, step + 1, a.end_step):
                 # Before this push: checkpoint step+1 cannot complete until it is applied.
                 await self._save_residual(a, core, step + 1)
@@ -384,7 +434,7 @@ class TrainerGrain(Grain):
         try:
             return await exchange
         finally:
-            self._p.exchange_s += time.perf_counter() - t0
+            self._n.exchange_s += time.perf_counter() - t0
 
     async def _save_residual(self, a: TrainerAssignment, core: TrainerCore, step: int) -> None:
         residual = {n: t.to("cpu") for n, t in core.compressor.residual().items()}
@@ -417,34 +467,31 @@ class TrainerGrain(Grain):
     def _take(self, replies: list[ExchangeReply], versions: list[int]) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []
         for i, rep in enumerate(replies):
-            self._p.max_staleness = max(self._p.max_staleness, rep.staleness)
-            self._staleness_sum += rep.staleness
-            self._replies += 1
-            self._p.max_gap = max(self._p.max_gap, rep.gap)
+            n = self._n
+            n.max_staleness = max(n.max_staleness, rep.staleness)
+            n.staleness_sum += rep.staleness
+            n.replies += 1
+            n.max_gap = max(n.max_gap, rep.gap)
             if rep.params is not None:
                 versions[i] = rep.version
-                self._p.bytes_pulled += sum(t.numel() * t.element_size() for t in rep.params.values())
+                n.bytes_pulled += sum(t.nbytes for t in rep.params.values())
                 out.append(rep.params)
             else:
                 out.append({})
         return out
 
     def _record(self, step: int, r: StepResult) -> None:
-        now = time.monotonic()
-        self._times.append((now, r.samples))
-        p = self._p
-        p.step = step + 1
-        p.steps_done += 1
-        if p.first_step_at is None:
-            p.first_step_at = time.time()
-        p.loss = r.loss
-        if len(self._times) > 1:
-            span = self._times[-1][0] - self._times[0][0]
-            p.samples_per_s = sum(s for _, s in list(self._times)[1:]) / span if span > 0 else 0.0
-        p.mean_staleness = self._staleness_sum / max(1, self._replies)
-        p.skipped += r.skip
-        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=time.time()))
+        self._times.append((time.monotonic(), r.samples))
+        n = self._n
+        n.step = step + 1
+        n.steps_done += 1
+        now = time.time()
+        if n.first_step_at is None:
+            n.first_step_at = now
+        n.loss = r.loss
+        n.skipped += r.skip
+        self._points.append(StepPoint(step=step, loss=r.loss, metrics=r.metrics, at=now))
 
     def statistics(self) -> TrainerStatistics:
-        p = self._p
-        return TrainerStatistics(p.steps_done, p.bytes_pushed, p.bytes_pulled, p.samples_per_s)
+        n = self._n
+        return TrainerStatistics(n.steps_done, n.bytes_pushed, n.bytes_pulled, n.fields(self._times)["samples_per_s"])
