@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,12 +71,18 @@ from grains.training.strategies.ps.shard_core import ShardCore
 log = logging.getLogger("redgrain.training.shard")
 
 
+
 ADAPTIVE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
 )  # fmt: skip
 """Optimizers whose step divides by a running gradient scale (subclasses included): their
 step's size does not follow the gradient's noise, so they take the square-root rule below."""
+
+
+_SENT_KEPT = 3
+"""Versions kept per trainer for delay compensation: a pipelined async trainer's push is computed
+on the reply before its last (a reply may carry none when the version did not change)."""
 
 
 def push_lr_scale(mode: str, trainers: int, opt: torch.optim.Optimizer | None) -> float:
@@ -157,6 +164,8 @@ class ParamShardGrain(Grain):
         self._max_staleness = self._max_gap = 0
         self._end = 0
         self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
+        self._started: set[int] = set()  # async/ssp: ranks whose first pull of this configuration came
+        self._sent: list[deque[tuple[int, dict[str, torch.Tensor]]]] = []  # per rank: versions last sent (compensation)
         self._updates = InlineWhenCheap(self.run_in_thread)  # updates inline while cheap (inline.py)
 
     # --- configuration ------------------------------------------------------
@@ -181,6 +190,8 @@ class ParamShardGrain(Grain):
             self._next_ckpt = self._checkpoint_after(start)
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
             self._norms = {}
+            self._started = set()
+            self._sent = [deque(maxlen=_SENT_KEPT) for _ in range(cfg.trainers)]
         async with self._changed:
             self._changed.notify_all()
         return await self.status()
@@ -229,6 +240,8 @@ class ParamShardGrain(Grain):
             # Shielded: a push the shard has taken is applied whole even if the caller gives up
             # (a restarted trainer's retry is then a duplicate, never half a step).
             staleness = await asyncio.shield(self._push(generation, rank, step, grads, base_version, buffers, skip))
+        elif self._mode != "sync" and rank not in self._started:
+            await self._start_together(generation, rank)
         gap = await self._wait_turn(generation, rank, step + (grads is not None))
         core = self._core
         assert core is not None
@@ -236,6 +249,8 @@ class ParamShardGrain(Grain):
         params = None
         if version != have_version:
             params = published if have_version >= 0 or not core.frozen else {**published, **core.frozen_payload()}
+            if core.compensation:
+                self._sent[rank].append((version, published))
             self._bytes_out += sum(t.numel() * t.element_size() for t in params.values())
         return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
@@ -287,12 +302,33 @@ class ParamShardGrain(Grain):
                 self._check(generation)
                 staleness = core.version - base if base >= 0 else 0
                 self._applied[rank] = step + 1
-                await self._updates.run(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale())
+                pulled = self._pulled(rank, base) if base != core.version else None
+                await self._updates.run(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(), pulled)
                 await self._maybe_snapshot(core)
         self._max_staleness = max(self._max_staleness, staleness)
         async with self._changed:
             self._changed.notify_all()
         return staleness
+
+    def _pulled(self, rank: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The parameters of ``version`` as sent to ``rank`` (DC-ASGD's per-trainer backup: a
+        pipelined async trainer computes on the reply before its last, so the last few are kept)."""
+        if rank >= len(self._sent):
+            return None
+        return next((params for v, params in self._sent[rank] if v == version), None)
+
+    async def _start_together(self, generation: int, rank: int) -> None:
+        """async/ssp: a trainer's first pull waits for every trainer's. Trainers become ready
+        seconds apart (a silo's first job imports the model's libraries): measured, one trainer
+        ran the 16 steps to the first checkpoint alone, at the warmup's lr of step 0 (its
+        gradients reached only Adam's moments), then waited there, and its next pushes landed
+        17 updates stale. A trainer restarted later finds the others past their first pull."""
+        async with self._changed:
+            self._started.add(rank)
+            self._changed.notify_all()
+            while len(self._started) < len(self._next):
+                self._check(generation)
+                await self._changed.wait()
 
     def _lr_scale(self) -> float:
         """The factor on every param group's lr for one async/ssp push (:func:`push_lr_scale`)."""
