@@ -8,7 +8,9 @@ as the mode says:
   averaged and applied once (torch's own optimizer, fp32 master weights);
   the reply waits for version t+1. Same math as one process on the global
   batch.
-- ``async``: every push is applied as it comes; the reply never waits.
+- ``async``: every push is applied as it comes; the reply never waits, but
+  for the first step's: it waits until every trainer's first push is applied
+  (so trainers start together, whenever each became ready).
 - ``ssp``: like async, but the reply waits while the caller is more than
   ``staleness`` steps ahead of the slowest trainer.
 
@@ -164,7 +166,7 @@ class ParamShardGrain(Grain):
         self._max_staleness = self._max_gap = 0
         self._end = 0
         self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
-        self._started: set[int] = set()  # async/ssp: ranks whose first pull of this configuration came
+        self._started: set[int] = set()  # async/ssp: ranks whose first push of this configuration came
         self._sent: list[deque[tuple[int, dict[str, torch.Tensor]]]] = []  # per rank: versions last sent (compensation)
         self._updates = InlineWhenCheap(self.run_in_thread)  # updates inline while cheap (inline.py)
 
@@ -240,8 +242,8 @@ class ParamShardGrain(Grain):
             # Shielded: a push the shard has taken is applied whole even if the caller gives up
             # (a restarted trainer's retry is then a duplicate, never half a step).
             staleness = await asyncio.shield(self._push(generation, rank, step, grads, base_version, buffers, skip))
-        elif self._mode != "sync" and rank not in self._started:
-            await self._start_together(generation, rank)
+            if self._mode != "sync" and rank not in self._started:
+                await self._start_together(generation, rank, step)
         gap = await self._wait_turn(generation, rank, step + (grads is not None))
         core = self._core
         assert core is not None
@@ -317,16 +319,17 @@ class ParamShardGrain(Grain):
             return None
         return next((params for v, params in self._sent[rank] if v == version), None)
 
-    async def _start_together(self, generation: int, rank: int) -> None:
-        """async/ssp: a trainer's first pull waits for every trainer's. Trainers become ready
-        seconds apart (a silo's first job imports the model's libraries): measured, one trainer
-        ran the 16 steps to the first checkpoint alone, at the warmup's lr of step 0 (its
-        gradients reached only Adam's moments), then waited there, and its next pushes landed
-        17 updates stale. A trainer restarted later finds the others past their first pull."""
+    async def _start_together(self, generation: int, rank: int, step: int) -> None:
+        """async/ssp: the reply to a trainer's first push waits until every trainer's push of that
+        step is applied, so they start together. Measured on a fresh cluster (the silos' first
+        job imports the model's libraries): one trainer computed its first step 1-2.7 s after the
+        other, which ran the 16 steps to the first checkpoint alone, at the warmup's lr of step
+        0 (its gradients reached only Adam's moments), waited there, and then pushed 17 updates
+        stale. Waiting at the first pull instead left the first step's own warm-up (1.5 s on one
+        silo) to skew them. A trainer restarted later finds the others past its step."""
+        self._started.add(rank)
         async with self._changed:
-            self._started.add(rank)
-            self._changed.notify_all()
-            while len(self._started) < len(self._next):
+            while self._done_step() <= step:
                 self._check(generation)
                 await self._changed.wait()
 
