@@ -27,8 +27,9 @@ MODES = ("sync", "async", "ssp")
 GOAL_POINTS = 2.0
 """Issue 38: async and ssp with AdamW within 2 F1 points of sync, run by run (each seed against sync's
 run of that seed), at least as fast."""
-PLATEAU_F1 = 0.7
-"""Below this a run ended on the task's initial plateau (F1 ~0.2-0.6) rather than converging (0.95+)."""
+PLATEAU_F1 = 0.8
+"""Below this a run ended on the task's initial plateau (F1 ~0.2-0.7), or just off it, rather than
+converging (0.95+)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ as the mode says:
 - ``ssp``: like async, but the reply waits while the caller is more than
   ``staleness`` steps ahead of the slowest trainer.
 
+In async and ssp, an Adam-family push is first carried from the weights its
+trainer computed on to the current ones (delay compensation,
+:func:`~grains.training.strategies.ps.shard_core.compensated`); the shard
+keeps the last few versions it sent each trainer for that.
+
 A push carries ``(rank, step)``; one the shard has already taken is ignored,
 so a retried push is applied once. The shard is ``@reentrant``: a waiting
 exchange never blocks the pushes that will release it. Every call carries the
@@ -71,7 +76,6 @@ from grains.training.strategies.ps.inline import InlineWhenCheap
 from grains.training.strategies.ps.shard_core import ShardCore
 
 log = logging.getLogger("redgrain.training.shard")
-
 
 
 ADAPTIVE: tuple[type[torch.optim.Optimizer], ...] = (
