@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-early-stopping", action="store_true",
                         help="every run to --steps: the F1 then measures the update rule, not when a plateau ended")
+    parser.add_argument("--delay-compensation", type=float, default=None, metavar="LAMBDA",
+                        help="the spec's delay_compensation for async/ssp (0: off; default: the spec's default)")
     parser.add_argument("--quick", action="store_true", help="24 steps, one seed: checks the benchmark runs")
     opts = parser.parse_args(argv)
     import torch
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = job(args, mode)
                 if opts.no_early_stopping:
                     spec["callbacks"] = []
+                if opts.delay_compensation is not None:
+                    spec["delay_compensation"] = opts.delay_compensation
                 r = asyncio.run(run_one(lc.redis_url, lc.cluster, f"aa-{mode}-{seed}", spec))
                 end = "stopped early" if r.stopped_early else "ran"
                 print(f"{mode} seed {seed}: F1 {r.f1:.4f} accuracy {r.accuracy:.4f} ({end} at step {r.step}),"
