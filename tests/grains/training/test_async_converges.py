@@ -35,8 +35,8 @@ async def test_ssp_with_adamw_ends_within_two_f1_points_of_sync_on_the_hf_fine_t
     # the plateau ended, not the update rule. Seed 3: sync F1 0.991, ssp 0.980-0.996 measured.
     # Async is held only to leaving the task's initial plateau (F1 ~0.2): run by run it ended
     # 0.786-0.978 here at lr/sqrt(trainers); with delay compensation and the start barrier,
-    # 1.1-1.9 points behind sync on average over seeds 1-4 in `python -m benchmarks async_adam`
-    # but up to 3.1 behind on one seed (two runs of one seed differ by as much), so one run
+    # 0.9-1.9 points behind sync on average over seeds 1-4 in `python -m benchmarks async_adam`
+    # at load 6-9 (2.3-3.8 idle) and up to 3.1 (5.9 idle) behind on one seed, so one run
     # cannot hold async to 2 points, nor separate it from the rules before. test_async_rate.py,
     # test_delay_compensation.py and test_async_start.py pin the rules.
     from samples.hf_finetune import Args, job
