@@ -25,7 +25,11 @@ from typing import Any
 
 MODES = ("sync", "async", "ssp")
 GOAL_POINTS = 2.0
-"""Issue 38: async and ssp with AdamW within 2 F1 points of sync (mean over seeds), at least as fast."""
+"""Issue 38: async and ssp with AdamW within 2 F1 points of sync, run by run (each seed against sync's
+run of that seed), at least as fast."""
+PLATEAU_F1 = 0.8
+"""Below this a run ended on the task's initial plateau (F1 ~0.2-0.7), or just off it, rather than
+converging (0.95+)."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +70,19 @@ def summary(runs: list[Run]) -> list[str]:
     base_f1 = sum(r.f1 for r in sync) / len(sync) if sync else None
     base_rate = sum(r.samples_per_s for r in sync) / len(sync) if sync else None
     out = []
+    sync_f1 = {r.seed: r.f1 for r in sync or []}
     for mode, rs in by.items():
         f1 = sum(r.f1 for r in rs) / len(rs)
         rate = sum(r.samples_per_s for r in rs) / len(rs)
+        plateau = sum(r.f1 < PLATEAU_F1 for r in rs)
         line = f"{mode:>5}: F1 {f1:.3f} ({' '.join(f'{r.f1:.3f}' for r in rs)}), {rate:,.0f} samples/s"
-        if base_f1 is not None and base_rate and mode != "sync":
-            met = "met" if f1 >= base_f1 - GOAL_POINTS / 100 and rate >= base_rate else "NOT met"
-            line += (f"; vs sync: F1 {100 * (f1 - base_f1):+.1f} points, samples/s x{rate / base_rate:.2f}"
-                     f" (goal: within {GOAL_POINTS:g} points, at least sync's samples/s: {met})")  # fmt: skip
+        line += f", on the plateau {plateau} of {len(rs)}"
+        gaps = [100 * (r.f1 - sync_f1[r.seed]) for r in rs if r.seed in sync_f1]
+        if base_f1 is not None and base_rate and mode != "sync" and gaps:
+            met = "met" if min(gaps) >= -GOAL_POINTS and rate >= base_rate else "NOT met"
+            line += (f"; vs sync: F1 {100 * (f1 - base_f1):+.1f} points (worst seed {min(gaps):+.1f}),"
+                     f" samples/s x{rate / base_rate:.2f} (goal: every seed within {GOAL_POINTS:g} points,"
+                     f" at least sync's samples/s: {met})")  # fmt: skip
         out.append(line)
     return out
 
@@ -86,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-early-stopping", action="store_true",
                         help="every run to --steps: the F1 then measures the update rule, not when a plateau ended")
+    parser.add_argument("--delay-compensation", type=float, default=None, metavar="LAMBDA",
+                        help="the spec's delay_compensation for async/ssp (0: off; default: the spec's default)")
     parser.add_argument("--quick", action="store_true", help="24 steps, one seed: checks the benchmark runs")
     opts = parser.parse_args(argv)
     import torch
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = job(args, mode)
                 if opts.no_early_stopping:
                     spec["callbacks"] = []
+                if opts.delay_compensation is not None:
+                    spec["delay_compensation"] = opts.delay_compensation
                 r = asyncio.run(run_one(lc.redis_url, lc.cluster, f"aa-{mode}-{seed}", spec))
                 end = "stopped early" if r.stopped_early else "ran"
                 print(f"{mode} seed {seed}: F1 {r.f1:.4f} accuracy {r.accuracy:.4f} ({end} at step {r.step}),"

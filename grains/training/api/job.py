@@ -103,6 +103,11 @@ class TrainingJob(BaseModel):
         " | pipeline (the model cut into stages on different silos).",
     )
     staleness: int = Field(2, ge=0, description="ssp: how many steps a trainer may run ahead of the slowest.")
+    delay_compensation: float = Field(
+        2.0, ge=0,
+        description="async/ssp with Adam, AdamW, NAdam or RAdam: lambda of the delay-compensated gradient"
+        " g + lambda * g*g/sqrt(v) * (w_now - w_pulled) (DC-ASGD-a); 0: pushes are applied as computed.",
+    )  # fmt: skip
     stages: int = Field(
         2, ge=1, description="pipeline: stages the model is cut into (with split_points: their number plus one)."
     )

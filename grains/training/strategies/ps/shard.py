@@ -8,9 +8,16 @@ as the mode says:
   averaged and applied once (torch's own optimizer, fp32 master weights);
   the reply waits for version t+1. Same math as one process on the global
   batch.
-- ``async``: every push is applied as it comes; the reply never waits.
+- ``async``: every push is applied as it comes; the reply never waits, but
+  for the first step's: it waits until every trainer's first push is applied
+  (so trainers start together, whenever each became ready).
 - ``ssp``: like async, but the reply waits while the caller is more than
   ``staleness`` steps ahead of the slowest trainer.
+
+In async and ssp, an Adam-family push is first carried from the weights its
+trainer computed on to the current ones (delay compensation,
+:func:`~grains.training.strategies.ps.shard_core.compensated`); the shard
+keeps the last few versions it sent each trainer for that.
 
 A push carries ``(rank, step)``; one the shard has already taken is ignored,
 so a retried push is applied once. The shard is ``@reentrant``: a waiting
@@ -44,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +84,11 @@ ADAPTIVE: tuple[type[torch.optim.Optimizer], ...] = (
 )  # fmt: skip
 """Optimizers whose step divides by a running gradient scale (subclasses included): their
 step's size does not follow the gradient's noise, so they take the square-root rule below."""
+
+
+_SENT_KEPT = 3
+"""Versions kept per trainer for delay compensation: a pipelined async trainer's push is computed
+on the reply before its last (a reply may carry none when the version did not change)."""
 
 
 def push_lr_scale(mode: str, trainers: int, opt: torch.optim.Optimizer | None) -> float:
@@ -157,6 +170,8 @@ class ParamShardGrain(Grain):
         self._max_staleness = self._max_gap = 0
         self._end = 0
         self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
+        self._started: set[int] = set()  # async/ssp: ranks whose first push of this configuration came
+        self._sent: list[deque[tuple[int, dict[str, torch.Tensor]]]] = []  # per rank: versions last sent (compensation)
         self._updates = InlineWhenCheap(self.run_in_thread)  # updates inline while cheap (inline.py)
 
     # --- configuration ------------------------------------------------------
@@ -181,6 +196,8 @@ class ParamShardGrain(Grain):
             self._next_ckpt = self._checkpoint_after(start)
             self._saved = [cfg.restore_step] if cfg.restore_step is not None else []
             self._norms = {}
+            self._started = set()
+            self._sent = [deque(maxlen=_SENT_KEPT) for _ in range(cfg.trainers)]
         async with self._changed:
             self._changed.notify_all()
         return await self.status()
@@ -230,6 +247,8 @@ class ParamShardGrain(Grain):
             # (a restarted trainer's retry is then a duplicate, never half a step); an inline
             # update never suspends, and then runs without the shield's task (inline.py).
             staleness = await whole(self._push(generation, rank, step, grads, base_version, buffers, skip))
+            if self._mode != "sync" and rank not in self._started:
+                await self._start_together(generation, rank, step)
         gap = await self._wait_turn(generation, rank, step + (grads is not None))
         core = self._core
         assert core is not None
@@ -241,6 +260,8 @@ class ParamShardGrain(Grain):
             else:
                 params = {**published, **core.frozen_payload()}
                 nbytes = sum(t.nbytes for t in params.values())
+            if core.compensation:
+                self._sent[rank].append((version, published))
             self._bytes_out += nbytes
         return ExchangeReply(version=version, params=params, staleness=staleness, gap=gap)
 
@@ -292,12 +313,34 @@ class ParamShardGrain(Grain):
                 self._check(generation)
                 staleness = core.version - base if base >= 0 else 0
                 self._applied[rank] = step + 1
-                await self._updates.run(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale())
+                pulled = self._pulled(rank, base) if base != core.version else None
+                await self._updates.run(core.apply_push, grads, buffers, skip, self._done_step(), self._lr_scale(), pulled)
                 await self._maybe_snapshot(core)
         self._max_staleness = max(self._max_staleness, staleness)
         async with self._changed:
             self._changed.notify_all()
         return staleness
+
+    def _pulled(self, rank: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The parameters of ``version`` as sent to ``rank`` (DC-ASGD's per-trainer backup: a
+        pipelined async trainer computes on the reply before its last, so the last few are kept)."""
+        if rank >= len(self._sent):
+            return None
+        return next((params for v, params in self._sent[rank] if v == version), None)
+
+    async def _start_together(self, generation: int, rank: int, step: int) -> None:
+        """async/ssp: the reply to a trainer's first push waits until every trainer's push of that
+        step is applied, so they start together. Measured on a fresh cluster (the silos' first
+        job imports the model's libraries): one trainer computed its first step 1-2.7 s after the
+        other, which ran the 16 steps to the first checkpoint alone, at the warmup's lr of step
+        0 (its gradients reached only Adam's moments), waited there, and then pushed 17 updates
+        stale. Waiting at the first pull instead left the first step's own warm-up (1.5 s on one
+        silo) to skew them. A trainer restarted later finds the others past its step."""
+        self._started.add(rank)
+        async with self._changed:
+            while self._done_step() <= step:
+                self._check(generation)
+                await self._changed.wait()
 
     def _lr_scale(self) -> float:
         """The factor on every param group's lr for one async/ssp push (:func:`push_lr_scale`)."""

@@ -94,6 +94,8 @@ class ShardCore:
         version with the old tensors (a sync trainer would then compute on stale weights)."""
         self.published_nbytes = sum(t.nbytes for t in self.current[1].values())
         """Bytes of every version's parameters and buffers (the same tensors, fresh copies)."""
+        self.compensation = spec.delay_compensation if spec.mode != "sync" and _has_second_moment(self.opt) else 0.0
+        """DC-ASGD's lambda for async/ssp pushes (:func:`compensated`); 0: pushes are applied as sent."""
 
     @property
     def version(self) -> int:
@@ -188,14 +190,18 @@ class ShardCore:
         self.step_optimizer(grads, coef, skip=self.skip, global_step=global_step)
 
     def apply_push(
-        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, global_step: int, lr_scale: float = 1.0
+        self, grads: dict[str, Payload], buffers: dict[str, torch.Tensor] | None, skip: bool, global_step: int, lr_scale: float = 1.0,
+        pulled: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """async / ssp: one push applied alone (its buffers replace the shard's)."""
+        """async / ssp: one push applied alone (its buffers replace the shard's); ``pulled``: the
+        parameters its gradients were computed on, when they are not the current ones."""
         if not skip and buffers:
             with torch.no_grad():
                 for n in self.buffer_names:
                     self.buffers[n].copy_(buffers[n])
         dense = {n: _as_grad(p, grads[n]) for n, p in self.params.items()}
+        if self.compensation and pulled is not None and not skip and self.opt is not None:
+            dense = compensated(self.opt, self.params, dense, pulled, self.compensation)
         self.step_optimizer(dense, 1.0, skip=skip, global_step=global_step, lr_scale=lr_scale)
 
     def step_optimizer(
@@ -230,6 +236,45 @@ class ShardCore:
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         out.update({n: t.detach().to("cpu", copy=True) for n, t in {**self.frozen, **self.buffers}.items()})
         return out
+
+
+def _has_second_moment(opt: torch.optim.Optimizer | None) -> bool:
+    """Adam, AdamW, NAdam, RAdam (and subclasses) keep ``exp_avg_sq``, the per-weight gradient
+    scale :func:`compensated` divides by; other optimizers' pushes are applied as sent."""
+    return isinstance(opt, torch.optim.Adam | torch.optim.AdamW | torch.optim.NAdam | torch.optim.RAdam)
+
+
+def compensated(
+    opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], grads: dict[str, torch.Tensor],
+    pulled: dict[str, torch.Tensor], strength: float,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A stale gradient carried to the current weights: ``g + lambda * g*g / sqrt(v) * (w - w_pulled)``.
+
+    DC-ASGD (Zheng et al., "Asynchronous SGD with delay compensation", ICML 2017): the gradient
+    at the current weights ``w`` is about the pushed one, computed at ``w_pulled``, plus the
+    Hessian times the step between them; ``g*g`` approximates the Hessian's diagonal, and the
+    adaptive form (DC-ASGD-a) divides it by the root of the gradient's running mean square, here
+    Adam's own bias-corrected ``exp_avg_sq`` (so ``lambda`` is scale-free: the paper's 2).
+    New tensors: the pushed ones may be a trainer's, passed by reference. A parameter with no
+    optimizer state yet (the first push) or no pulled copy is left as pushed.
+    """
+    out = dict(grads)
+    by_id = {id(p): n for n, p in params.items()}
+    with torch.no_grad():
+        for group in opt.param_groups:
+            beta2 = group["betas"][1]
+            eps = group["eps"]
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                v = state.get("exp_avg_sq")
+                name = by_id.get(id(p))
+                if v is None or name is None or name not in pulled:
+                    continue
+                g = grads[name]
+                v_hat = v / (1 - beta2 ** float(state["step"]))
+                hessian = g * g / (v_hat.sqrt() + eps)
+                out[name] = g + strength * hessian * (p - pulled[name].to(p.dtype))
+    return out
 
 
 @contextlib.contextmanager
