@@ -45,10 +45,12 @@ import asyncio
 import hashlib
 import json
 import random
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
 import fakeredis
+import redis.exceptions
 
 from silo.cluster.directory import _REGISTER, LIVE_STATUSES
 from silo.cluster.membership import HEARTBEAT_LUA
@@ -71,11 +73,16 @@ from silo.silo import Silo, SiloState
 from silo.storage.store import _WRITE
 from silo.testing.sim import redis_twin
 from silo.testing.sim.grains import WORLD
+from silo.testing.sim.loop import SILO
 from silo.testing.transport import InMemoryTransport
 
 if TYPE_CHECKING:
     from silo.messaging.transport import Transport
     from silo.testing.sim.world import World
+
+
+_GRAIN_IN_KEY = re.compile(rb":g:([^}]+)\}")
+"""A grain's id in one of its keys (``rg:{cluster:g:Type/key}:...``)."""
 
 
 def _sha(script: str | bytes) -> str:
@@ -90,11 +97,45 @@ class RealRedis:
         self.server = redis_twin.new_server()
         self.keys = Keys("sim")
         self.scripts = {_sha(_WRITE): "write", _sha(_REGISTER): "register"}
+        self._write_sha = _sha(_WRITE).encode()
         """Script id -> what :class:`RecordingSocket` records around it (ids of the code as imported:
         a mutant's edited script is recorded as the original would be)."""
 
     def client(self, name: str) -> fakeredis.FakeAsyncRedis:
         return redis_twin.client(self.server, name, connection_class=RecordingConnection)
+
+    def owner_of(self, grain: str) -> str | None:
+        """The silo the directory names for ``grain`` now (read off the server: no command sent)."""
+        item = self.server.dbs[0].get(self.keys.directory_entry(grain).encode())
+        silo = None if item is None else item.value.get(b"silo")
+        return None if silo is None else bytes(silo).decode()
+
+    def state_write_of(self, command: Any) -> str | None:
+        """The grain whose state ``command`` (as redis-py packed it) commits, if it runs the
+        store's write script: the link pauses a silo there (the ``pause`` faults' zombie writes)."""
+        first = command if isinstance(command, (bytes, bytearray, memoryview)) else (command[0] if command else b"")
+        head = bytes(first[:400])
+        if self._write_sha not in head[:120]:
+            return None
+        found = _GRAIN_IN_KEY.search(head)
+        return None if found is None else found.group(1).decode()
+
+    async def collect(self) -> dict[str, int]:
+        """After the run: how many of each cluster event the silos' event logs wrote (deaths,
+        failovers, rebalances...), and ``moved``: activations the rebalancer's orders moved."""
+        reader = redis_twin.client(self.server, "checker", linked=False)
+        try:
+            entries: Any = await reader.xrange(self.keys.events)
+        finally:
+            await reader.aclose()
+        counts: dict[str, int] = {}
+        for _, fields in entries:
+            kind = fields[b"kind"].decode()
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind == "rebalance":
+                counts["moved"] = counts.get("moved", 0) + int(json.loads(fields[b"data"])["moved"])
+        self.world.trace("cluster_events", sorted(counts.items()))
+        return counts
 
     def wrote(self, grain: str, token: int, owner: int) -> None:
         w = self.world
@@ -153,8 +194,21 @@ class RecordingSocket(redis_twin._ScriptShapes):
         return row is not None and json.loads(row).get("status") in LIVE_STATUSES
 
 
-class RecordingConnection(redis_twin.LinkedConnection):
+class RecordingConnection(redis_twin.TwinConnection):
+    """A twin connection on :class:`RecordingSocket` whose every send passes the sender's link
+    (as :class:`~silo.testing.sim.redis_twin.LinkedConnection`), a state write as a ``write``."""
+
     socket_class = RecordingSocket
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        world = WORLD.get(None)
+        if world is not None and world.real is not None:
+            link = world.redis_links.get(SILO.get() or "world")
+            if link is not None:
+                grain = world.real.state_write_of(command)
+                what, args = ("redis", ()) if grain is None else ("write", (grain,))
+                await link.enter(what, args, error=redis.exceptions.ConnectionError)
+        await super().send_packed_command(command, check_health)
 
 
 class _ScriptTable:

@@ -110,6 +110,7 @@ CLOCK_RESOLUTION_S = 1e-9
 
 ZOMBIE_KEY = "zreg"
 """The register the zombie workload writes (scenarios with pauses): see :meth:`World._drive_zombie_target`."""
+ZOMBIE_GRAIN = f"SimRegister/{ZOMBIE_KEY}"
 
 FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation", "failover", "clock_jump")
 
@@ -136,7 +137,7 @@ class Scenario:
     @property
     def zombie(self) -> bool:
         """Whether the zombie workload runs: one writer on its own register, aimed at by the first long pause."""
-        return "pause" in self.faults and not self.real
+        return "pause" in self.faults
     versions: int = 0
     """Registers of a type two versions of which run side by side, as in a rolling upgrade:
     every silo starts on version 1 (it knows the value only) and comes back from a restart on
@@ -603,6 +604,9 @@ class Outcome:
     failovers: int = 0
     lost_acknowledged: int = 0
     """Acknowledged writes or registrations a failover lost, each acknowledged short of its replica."""
+    cluster_events: dict[str, int] = field(default_factory=dict)
+    """The ``silo`` scenario: cluster events the silos wrote, by kind (``moved``: activations
+    the rebalancer moved)."""
 
 
 class World:
@@ -829,6 +833,7 @@ class World:
         await asyncio.gather(*reads)
         if self.services is not None:
             await self.spawn("world", self.services.collect())
+        cluster_events = {} if self.real is None else await self.spawn("world", self.real.collect())
         self.history.generators_left = self._generators_left()
         await self._stop_all()
         from silo.testing.sim.checks import check, lost_acknowledged
@@ -840,6 +845,7 @@ class World:
         return Outcome(
             self.seed, sc.name, violation, self._trace.hexdigest(), self.events, list(self.faults),
             len(self.history.ops), self.now() - 1_000.0, len(self.history.failovers), len(lost_acknowledged(self.history)),
+            cluster_events,
         )  # fmt: skip
 
     async def add_silo(self, index: int) -> SimSilo:
@@ -1044,9 +1050,8 @@ class World:
                 # at its next write of it (see _drive_zombie_target).
                 self._aimed = True
                 self.trace("aimed", aimed.name)
-                self.pause_at_write[aimed.name] = (fault.length_s + 6.0, str(self._zombie_grain))
-            elif self.real is not None:
-                self.pause_now(silo.name, fault.length_s)
+                grain = ZOMBIE_GRAIN if self.real is not None else str(self._zombie_grain)
+                self.pause_at_write[aimed.name] = (fault.length_s + 6.0, grain)
             elif silo.state == "active" and not self.loop.is_paused(silo.name):
                 if fault.length_s > 3.0:
                     # At its next state write, and long enough for the cluster to declare it
@@ -1088,12 +1093,16 @@ class World:
 
     def _zombie_holder(self) -> SimSilo | None:
         """The live, running silo whose activation of :data:`ZOMBIE_KEY` the directory names, if any."""
-        grain = self._zombie_grain
-        entry = None if grain is None else self.directory.entries()[grain]
-        if not self.scenario.zombie or entry is None:
+        if self.real is not None:
+            owner = self.real.owner_of(ZOMBIE_GRAIN) if self.scenario.zombie else None
+        else:
+            grain = self._zombie_grain
+            entry = None if grain is None else self.directory.entries()[grain]
+            owner = None if not self.scenario.zombie or entry is None else str(entry.silo)
+        if owner is None:
             return None
         for s in self.silos:
-            if s.address == entry.silo and s.state == "active" and not self.loop.is_paused(s.name):
+            if str(s.address) == owner and s.state == "active" and not self.loop.is_paused(s.name):
                 return s
         return None
 
