@@ -1,0 +1,82 @@
+"""The simulator's ``silo`` scenario: :class:`silo.silo.Silo` itself, every stage and service, on fakeredis.
+
+Through the command line, as tests/silo/testing/test_sim.py runs the other
+scenarios (it fixes PYTHONHASHSEED itself). The long form is ``make sim``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from silo.silo import Silo
+from silo.testing.sim.runner import run_seed
+from silo.testing.sim.world import SCENARIOS
+from tests.silo.testing.test_sim import _digest, _first_failure, _mutant, _sim
+
+# fakeredis and lupa are dev dependencies (`make install`): missing, these tests fail, not skip.
+
+
+@pytest.mark.timeout(200)
+def test_sixteen_seeds_of_the_silo_scenario_keep_every_promise() -> None:
+    result = _sim("run", "--seeds", "1-16", "--scenario", "silo", "--jobs", "2", timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "16 seeds, 0 failed" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_silo_seed_replays_to_the_same_digest_and_another_seed_does_not() -> None:
+    first = _sim("run", "--seeds", "3", "--scenario", "silo")
+    second = _sim("run", "--seeds", "3", "--scenario", "silo")
+    other = _sim("run", "--seeds", "4", "--scenario", "silo")
+    assert first.returncode == second.returncode == other.returncode == 0, first.stdout + first.stderr
+    assert _digest(first.stdout) == _digest(second.stdout) != _digest(other.stdout)
+
+
+def test_the_silos_are_the_production_class_and_the_cluster_they_form_fails_over_and_rebalances() -> None:
+    # Seed 8: a crash; the survivors declare it dead, the rebalancer's leader purges its entries
+    # and, once a new process joined empty, orders moves to it.
+    built: list[object] = []
+    original = Silo.start
+
+    async def start(self: Silo) -> Silo:
+        built.append(self)
+        return await original(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Silo, "start", start)
+        out = run_seed(8, SCENARIOS["silo"])
+    assert out.violation is None, out.violation
+    assert len(built) >= 4 and all(type(s) is Silo for s in built)  # three, and one after the crash
+    events = out.cluster_events
+    assert events.get("dead", 0) >= 1 and events.get("failover", 0) >= 1, events
+    assert events.get("moved", 0) >= 1, events
+    assert out.calls > 300
+
+
+_MUTANTS = {
+    # The directory's register script lets a second silo take a grain a live silo holds.
+    "register": ("silo/cluster/directory.py", "if cur[1] and not (cur[1] == ARGV[3] and cur[3] == ARGV[4]) then return cur end\n", ""),
+    # The state store's write script accepts a writer whose fencing token the directory no longer names.
+    "fence": (
+        "silo/storage/store.py",
+        "  return redis.call('HGET', entry, 'token') == token\nend\n\"\"\"\n\n# KEYS: head",
+        "  return true\nend\n\"\"\"\n\n# KEYS: head",
+    ),
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("mutant", "invariant"), [("register", "single_activation"), ("fence", "single_writer")])
+def test_a_redis_script_broken_on_purpose_fails_a_silo_seed_whose_replay_fails_the_same_way(
+    mutant: str, invariant: str, tmp_path: Path
+) -> None:
+    _mutant(tmp_path, [_MUTANTS[mutant]])
+    line = _first_failure(tmp_path, "silo", seeds="1-6")
+    seed, found = re.search(r"seed (\d+) FAIL (\w+):", line).groups()  # type: ignore[union-attr]
+    assert found == invariant, line
+    again = _sim("run", "--seeds", seed, "--scenario", "silo", cwd=tmp_path, timeout=120)
+    assert again.returncode == 1
+    assert f"seed {seed} FAIL {invariant}:" in again.stdout, again.stdout
