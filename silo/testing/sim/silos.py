@@ -55,7 +55,7 @@ import redis.exceptions
 from silo.cluster.directory import _REGISTER, LIVE_STATUSES
 from silo.cluster.membership import HEARTBEAT_LUA
 from silo.codec import Codec
-from silo.environment import HeartbeatSpec, SiloEnvironment
+from silo.environment import Heartbeat, HeartbeatSpec, SiloEnvironment
 from silo.keys import Keys
 from silo.records.membership import SiloLoad, SiloStatus
 from silo.redis_util import redis_errors
@@ -86,7 +86,7 @@ _GRAIN_IN_KEY = re.compile(rb":g:([^}]+)\}")
 
 
 def _sha(script: str | bytes) -> str:
-    return hashlib.sha1(script if isinstance(script, bytes) else script.encode()).hexdigest()  # noqa: S324 - Redis' script id
+    return hashlib.sha1(script if isinstance(script, bytes) else script.encode()).hexdigest()
 
 
 class RealRedis:
@@ -226,14 +226,12 @@ class _ScriptTable:
         return None if status == "Gone" else SiloStatus(status)
 
 
-def sim_heartbeat(world: World) -> Any:
-    """A heartbeat factory for :class:`SiloEnvironment`: the world's loop heartbeat on the real script."""
-    from silo.testing.sim.world import LoopHeartbeat
+def sim_heartbeat(spec: HeartbeatSpec) -> Heartbeat:
+    """The heartbeat of :class:`SiloEnvironment`: the world's loop heartbeat, beating the heartbeat
+    thread's script through the silo's own client."""
+    from silo.testing.sim.world import LoopHeartbeat  # world imports this module lazily
 
-    def build(spec: HeartbeatSpec) -> LoopHeartbeat:
-        return LoopHeartbeat(_ScriptTable(spec), spec.address, spec.settings, spec.on_dead, spec.monotonic, load=spec.load)
-
-    return build
+    return LoopHeartbeat(_ScriptTable(spec), spec.address, spec.settings, spec.on_dead, spec.monotonic, load=spec.load)
 
 
 class RealSilo:
@@ -252,7 +250,7 @@ class RealSilo:
         environment = SiloEnvironment(
             redis=self._open_redis,
             transport=self._transport,
-            heartbeat=sim_heartbeat(world),
+            heartbeat=sim_heartbeat,
             handshake=world.handshake,
             monotonic=world.now,
             rng=lambda: random.Random(draws.getrandbits(64)),
@@ -347,8 +345,9 @@ def real_settings(world: World) -> SiloSettings:
         catalog=CatalogSettings(**catalog),
         rebalancer=RebalancerSettings(period_s=1.0, lease_ttl_s=3.0, max_moves_per_period=2, tolerance=0.2),
         reminders=RemindersSettings(poll_interval_s=0.2, idle_poll_s=5.0, delivery_timeout_s=3.0),
-        streams=StreamSettings(maxlen=None, lease_s=3.0, discover_interval_s=0.5, block_ms=500, delivery_timeout_s=3.0,
-                               retention_interval_s=2.0),  # fmt: skip
+        streams=StreamSettings(
+            maxlen=None, lease_s=3.0, discover_interval_s=0.5, block_ms=500, delivery_timeout_s=3.0, retention_interval_s=2.0
+        ),
         retention=RetentionSettings(dead_silo_s=5.0, period_s=2.0),
         logs=LogStreamSettings(enabled=False),
         stats_interval_s=1.0,
