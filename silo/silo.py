@@ -56,6 +56,12 @@ keep-alive grains moved, every activation deactivated). A silo the cluster
 declares dead stops serving at once (connections aborted, activations
 dropped) and then runs the same undos, skipping the leave: the cluster wrote
 it Dead already, and a zombie must not purge what its successors registered.
+
+What a silo takes from its process and machine (the Redis connection, the
+socket transport, the heartbeat thread, TCP handshakes, clocks, placement
+draws, psutil's load, host name and pid) comes from its ``environment``
+(``silo/environment.py``), production's by default; the simulator gives
+its own to run this class on virtual time (``silo/testing/sim/silos.py``).
 """
 
 from __future__ import annotations

@@ -80,3 +80,25 @@ def test_a_redis_script_broken_on_purpose_fails_a_silo_seed_whose_replay_fails_t
     again = _sim("run", "--seeds", seed, "--scenario", "silo", cwd=tmp_path, timeout=120)
     assert again.returncode == 1
     assert f"seed {seed} FAIL {invariant}:" in again.stdout, again.stdout
+
+
+def test_a_crashed_silo_sends_nothing_more_to_redis_and_is_declared_dead_by_its_peers() -> None:
+    from silo.testing.sim import silos
+    from silo.testing.sim.world import Fault
+    from tests.silo.testing.test_sim import _world_run
+
+    sent_at_crash: dict[str, int] = {}
+    crash = silos.RealSilo.crash
+
+    async def counted(self: silos.RealSilo) -> None:
+        await crash(self)
+        sent_at_crash[self.name] = self.link.commands
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(silos.RealSilo, "crash", counted)
+        world, out = _world_run(5, "silo", [Fault(3.0, "crash", 1)])
+    assert out.violation is None, str(out.violation)
+    (name,) = sent_at_crash
+    # Its undos (the leave, the event log's flush, the leases handed back) never ran: not even tried.
+    assert world.redis_links[name].commands == sent_at_crash[name] > 0
+    assert out.cluster_events.get("dead", 0) >= 1 and out.cluster_events.get("join", 0) == 4, out.cluster_events
