@@ -74,6 +74,7 @@ from silo.storage.store import _WRITE
 from silo.testing.sim import redis_twin
 from silo.testing.sim.grains import WORLD
 from silo.testing.sim.loop import SILO
+from silo.testing.sim.world import LoopHeartbeat
 from silo.testing.transport import InMemoryTransport
 
 if TYPE_CHECKING:
@@ -226,12 +227,25 @@ class _ScriptTable:
         return None if status == "Gone" else SiloStatus(status)
 
 
-def sim_heartbeat(spec: HeartbeatSpec) -> Heartbeat:
-    """The heartbeat of :class:`SiloEnvironment`: the world's loop heartbeat, beating the heartbeat
-    thread's script through the silo's own client."""
-    from silo.testing.sim.world import LoopHeartbeat  # world imports this module lazily
+class SimHeartbeat(LoopHeartbeat):
+    """The world's loop heartbeat, beating the heartbeat thread's script through the silo's own
+    client; a fenced answer is a disruption, as for the other scenarios' silos
+    (:meth:`~silo.testing.sim.world.SimSilo._fenced`): the silo turns calls away and one-way
+    calls are sent on again, so their order across it is not promised."""
 
-    return LoopHeartbeat(_ScriptTable(spec), spec.address, spec.settings, spec.on_dead, spec.monotonic, load=spec.load)
+    def fenced(self) -> bool:
+        fenced = super().fenced()
+        world = WORLD.get(None)
+        if fenced and world is not None:
+            disruptions, now = world.history.disruptions, world.now()
+            if not disruptions or disruptions[-1] != now:
+                disruptions.append(now)
+        return fenced
+
+
+def sim_heartbeat(spec: HeartbeatSpec) -> Heartbeat:
+    """The heartbeat of :class:`SiloEnvironment` in the ``silo`` scenario (:class:`SimHeartbeat`)."""
+    return SimHeartbeat(_ScriptTable(spec), spec.address, spec.settings, spec.on_dead, spec.monotonic, load=spec.load)
 
 
 class RealSilo:
