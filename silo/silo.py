@@ -317,8 +317,10 @@ class Silo:
         # the address (the port is only known once this listens) and the router
         # (which sends through this transport). Set in "components", before any
         # row names the address, so no peer can have sent a request yet.
-        env = self._env
-        self.transport = Transport(s.transport, self.codec) if env.transport is None else env.transport(s.transport, self.codec)
+        if self._env.transport is None:
+            self.transport = Transport(s.transport, self.codec)
+        else:
+            self.transport = self._env.transport(s.transport, self.codec)
         self._on_stop("transport", self.transport.close)  # also closes the Unix socket
         self._port = await self.transport.listen(s.host, s.port)
 
