@@ -181,7 +181,8 @@ SCENARIOS: dict[str, Scenario] = {
         # Its crashes are upgrades too (a silo comes back on version 2).
         Scenario("versions", registers=1, logs=1, versions=2, faults=("crash", "pause", "partition"), in_rotation=False),
         # The production Silo class, every stage and service of it, on one fakeredis (decision 110).
-        Scenario("silo", registers=4, logs=2, faults=("crash", "pause", "partition", "redis_cut"), real=True,
+        # Its "restart" is a graceful one (stop(): the hand-off, then the leave; a new process).
+        Scenario("silo", registers=4, logs=2, faults=("crash", "pause", "partition", "redis_cut", "restart"), real=True,
                  settle_s=10.0, in_rotation=False),
     )
 }
@@ -886,6 +887,13 @@ class World:
         self.trace("silo_started", silo.name)
         return silo
 
+    async def _restart_gracefully(self, index: int) -> None:
+        """Stop silo ``index`` through ``Silo.stop()`` (hand-off, leave) and start a new process."""
+        silo = self.silos[index]
+        await self.spawn(silo.name, silo.stop())
+        self.reap(silo.name, check=True)
+        await self.restart_real(index, 0.5)
+
     async def restart_real(self, index: int, delay: float) -> None:
         """A supervisor starting silo ``index`` again after its process ended, until one start succeeds."""
         await asyncio.sleep(delay)
@@ -1082,6 +1090,8 @@ class World:
         elif fault.kind == "clock_jump":
             # NTP steps the clock, or an operator sets it: time.time moves, monotonic does not.
             self.wall_offsets[fault.target] = self.wall_offsets.get(fault.target, 0.0) + fault.length_s
+        elif fault.kind == "restart" and silo.state == "active" and not self.loop.is_paused(silo.name):
+            self.spawn("world", self._restart_gracefully(fault.target))
         elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
             silo.silo.transport.abort_all()
             # abort_all stops listening too; the process lives on and listens again.
