@@ -20,6 +20,9 @@ What each part is:
   on the loop, since a thread cannot run on virtual time). Each silo's code
   runs in a context naming it (:data:`~silo.testing.sim.loop.SILO`), which
   is how the loop pauses one silo and the network knows who is talking.
+  In the ``silo`` scenario each silo is :class:`silo.silo.Silo` itself
+  (:class:`~silo.testing.sim.silos.RealSilo`, on a fakeredis server for
+  everything Redis holds; :mod:`silo.testing.sim.silos`).
 * **Clients** (:class:`SimClient`) are what ``ClusterClient`` builds: a
   router, a membership view and a transport, no grains.
 * **Redis** is the twins (:mod:`silo.testing.directory`,
