@@ -335,6 +335,9 @@ class InMemoryTransport(Transport):
         except (OSError, TimeoutError) as exc:
             conn.abort()
             raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
+        except asyncio.CancelledError:
+            conn.abort()  # the transport closed mid-handshake
+            raise
         return conn
 
     def write_raw(self, conn: Connection, data: bytes) -> None:

@@ -56,6 +56,16 @@ def test_the_silos_are_the_production_class_and_the_cluster_they_form_fails_over
     assert out.calls > 300
 
 
+@pytest.mark.timeout(120)
+def test_a_connect_in_flight_when_a_silo_stops_ends_with_the_stop() -> None:
+    # Seed 89: s2 restarted gracefully while its failure detector's shielded probe was still
+    # connecting to a paused peer; the connect ran on past the stop (and would have pooled a
+    # connection nobody closed). The transport now opens connections in tasks of its own and
+    # close() ends them. tests/silo/messaging/test_transport_contract.py pins it on both transports.
+    result = _sim("run", "--seeds", "89", "--scenario", "silo")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 _MUTANTS = {
     # The directory's register script lets a second silo take a grain a live silo holds.
     "register": ("silo/cluster/directory.py", "if cur[1] and not (cur[1] == ARGV[3] and cur[3] == ARGV[4]) then return cur end\n", ""),
