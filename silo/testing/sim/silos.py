@@ -98,9 +98,9 @@ class RealRedis:
         self.server = redis_twin.new_server()
         self.keys = Keys("sim")
         self.scripts = {_sha(_WRITE): "write", _sha(_REGISTER): "register"}
-        self._write_sha = _sha(_WRITE).encode()
         """Script id -> what :class:`RecordingSocket` records around it (ids of the code as imported:
         a mutant's edited script is recorded as the original would be)."""
+        self._write_sha = _sha(_WRITE).encode()
 
     def client(self, name: str) -> fakeredis.FakeAsyncRedis:
         return redis_twin.client(self.server, name, connection_class=RecordingConnection)
