@@ -73,7 +73,7 @@ bench: $(STAMP)
 
 # The simulator's long soak: many thousands of seeded clusters (make test runs 200), then the
 # services scenario (reminders, timers, streams on the fakeredis twin; make test runs 50), and
-# the silo scenario (the production Silo class on fakeredis, ~2 s a seed; make test runs 16).
+# the silo scenario (the production Silo class on fakeredis, ~2 s a seed; make test runs 12).
 # A failing seed prints its replay command; SEEDS=1-500, SERVICE_SEEDS=1-100, SILO_SEEDS=1-50 run fewer.
 SEEDS ?= 1-5000
 SERVICE_SEEDS ?= 1-1000

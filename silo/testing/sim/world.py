@@ -1005,7 +1005,7 @@ class World:
 
     def _generators_left(self) -> list[tuple[str, str]]:
         """Generators still running on a silo that is up (a crashed silo's went with it)."""
-        live = {s.name for s in self.silos if s.state == "active"}
+        live: set[str] = {s.name for s in self.silos if s.state == "active"}
         return [(stream, silo) for stream, (silo, ended) in self._generators.items() if not ended and silo in live]
 
     async def _drive_zombie_target(self, client: SimClient, end: float) -> None:
