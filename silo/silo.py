@@ -56,6 +56,12 @@ keep-alive grains moved, every activation deactivated). A silo the cluster
 declares dead stops serving at once (connections aborted, activations
 dropped) and then runs the same undos, skipping the leave: the cluster wrote
 it Dead already, and a zombie must not purge what its successors registered.
+
+What a silo takes from its process and machine (the Redis connection, the
+socket transport, the heartbeat thread, TCP handshakes, clocks, placement
+draws, psutil's load, host name and pid) comes from its ``environment``
+(``silo/environment.py``), production's by default; the simulator gives
+its own to run this class on virtual time (``silo/testing/sim/silos.py``).
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ from silo.cluster.directory import RedisGrainDirectory
 from silo.cluster.drain import Departure, DrainRequests
 from silo.cluster.events import ClusterEvents
 from silo.cluster.failure_detector import FailureDetector, HeartbeatThread, transport_probe
+from silo.cluster.failure_detector import handshake as tcp_handshake
 from silo.cluster.housekeeping import Housekeeper
 from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.migrator import Migrator
@@ -100,6 +107,7 @@ from silo.cluster.rebalancer import Rebalancer
 from silo.cluster.reminders import ReminderService, ReminderTable, ticks_through
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
+from silo.environment import Heartbeat, HeartbeatSpec, SiloEnvironment
 from silo.keys import Keys, manifest_field
 from silo.logstream import LogStream
 from silo.messaging.dispatcher import Dispatcher
@@ -184,7 +192,7 @@ class Silo:
     runtime: SiloRuntime
     call_stats: CallStats
     catalog: Catalog
-    heartbeat: HeartbeatThread
+    heartbeat: Heartbeat
     detector: FailureDetector
     migrator: Migrator
     drain: DrainRequests
@@ -206,8 +214,11 @@ class Silo:
         outgoing_filters: Iterable[OutgoingFilter] = (),
         clock: Callable[[], float] = time.time,
         tracing: Tracing | None = None,
+        environment: SiloEnvironment | None = None,
     ) -> None:
         self.settings = settings or SiloSettings()
+        self._env = environment or SiloEnvironment()
+        """What it takes from its process and machine (silo/environment.py; the simulator's differs)."""
         self._extra_classes = list(grains)
         self._user_filters = list(filters)
         """Incoming filters given in code; the settings' incoming_filters run after them."""
@@ -217,6 +228,8 @@ class Silo:
         self._tracing = tracing
         """Spans for this silo's calls; None: what settings.tracing says (off by default)."""
         self._clock = clock
+        # Given to every component explicitly: a default argument holds the clock of import time.
+        self._monotonic = self._env.monotonic or time.monotonic
         self.keys = Keys(self.settings.cluster)
         self.status = SiloState.CREATED
         self.address: SiloAddress | None = None
@@ -269,7 +282,10 @@ class Silo:
 
     async def _stage_redis(self) -> None:
         s = self.settings
-        self.redis = await open_redis(s.redis_url, f"connect to {redact(s.redis_url)}")
+        if self._env.redis is not None:
+            self.redis = await self._env.redis()
+        else:
+            self.redis = await open_redis(s.redis_url, f"connect to {redact(s.redis_url)}")
         self._on_stop("redis client", functools.partial(close_redis, self.redis))
 
     async def _stage_logs(self) -> None:
@@ -301,7 +317,10 @@ class Silo:
         # the address (the port is only known once this listens) and the router
         # (which sends through this transport). Set in "components", before any
         # row names the address, so no peer can have sent a request yet.
-        self.transport = Transport(s.transport, self.codec)
+        if self._env.transport is None:
+            self.transport = Transport(s.transport, self.codec)
+        else:
+            self.transport = self._env.transport(s.transport, self.codec)
         self._on_stop("transport", self.transport.close)  # also closes the Unix socket
         self._port = await self.transport.listen(s.host, s.port)
 
@@ -331,7 +350,7 @@ class Silo:
             refresh_s=s.membership.refresh_s,
             load_sample=s.membership.load_sample,
         )
-        self.manifests = Manifests(self.redis, self.keys)
+        self.manifests = Manifests(self.redis, self.keys, clock=self._monotonic)
         for name in self.types.names():
             opts = self.types.options(name)
             self.manifests.add_local(
@@ -350,7 +369,7 @@ class Silo:
             directory=self.directory,
             view=self.view,
             manifests=self.manifests,
-            placer=Placer(),
+            placer=Placer(self._env.rng()),
             call_timeout_s=s.transport.call_timeout_s,
             stream_window=s.transport.stream_window,
             cache_size=s.directory.cache_size,
@@ -398,25 +417,38 @@ class Silo:
             directory=self.directory,
             runtime=self.runtime,
             filters=[self.call_stats, *self._user_filters],
+            clock=self._monotonic,
         )
-        self.heartbeat = HeartbeatThread(
-            redis_url=s.redis_url,
-            keys=self.keys,
-            address=str(me),
-            settings=s.membership,
-            load=self._load,
-            on_dead=self._on_declared_dead,
-            loop=asyncio.get_running_loop(),
-            clock=self._clock,
-        )
+        if self._env.heartbeat is None:
+            self.heartbeat = HeartbeatThread(
+                redis_url=s.redis_url,
+                keys=self.keys,
+                address=str(me),
+                settings=s.membership,
+                load=self._load,
+                on_dead=self._on_declared_dead,
+                loop=asyncio.get_running_loop(),
+                clock=self._clock,
+                monotonic=self._monotonic,
+            )
+        else:
+            self.heartbeat = self._env.heartbeat(
+                HeartbeatSpec(self.redis, s.redis_url, self.keys, str(me), s.membership, self._load,
+                              self._on_declared_dead, self._clock, self._monotonic)
+            )  # fmt: skip
         self.detector = FailureDetector(
             table=self.table,
             me=me,
             settings=s.membership,
             # A fenced silo's probes vouch for nobody (Liveness.probed): it may be the one cut off.
-            probe=transport_probe(self.transport, sender=lambda: None if self.heartbeat.fenced() else str(me)),
+            probe=transport_probe(
+                self.transport,
+                handshake=self._env.handshake or tcp_handshake,
+                sender=lambda: None if self.heartbeat.fenced() else str(me),
+            ),
             on_self_dead=self._on_declared_dead,
             events=self.cluster_events,
+            clock=self._monotonic,
             on_monitors=self.heartbeat.watch_monitors,
         )
         self.transport.on_probe(self.heartbeat.probed)
@@ -428,7 +460,7 @@ class Silo:
             router=self.router,
             view=self.view,
             manifests=self.manifests,
-            placer=Placer(),
+            placer=Placer(self._env.rng()),
             events=self.cluster_events,
             unreachable=self.detector.unreachable,
         )
@@ -474,9 +506,11 @@ class Silo:
             router=self.router,
             settings=s.rebalancer,
             events=self.cluster_events,
+            clock=self._monotonic,
         )
         self.housekeeper = Housekeeper(
-            self.redis, self.keys, self.table, self.directory, s.retention, me=me, rows=lambda: self.view.rows
+            self.redis, self.keys, self.table, self.directory, s.retention, me=me, clock=self._clock,
+            rows=lambda: self.view.rows,
         )
         self.watchdog = LoopWatchdog(s.catalog.slow_turn_ms, self.catalog.running_turns)
         self.stats_publisher = StatsPublisher(
@@ -507,8 +541,8 @@ class Silo:
             grain_versions=self.types.versions(),
             started=self._started_at,
             heartbeat=self._started_at,
-            pid=os.getpid(),
-            hostname=socket.gethostname(),
+            pid=os.getpid() if self._env.pid is None else self._env.pid,
+            hostname=socket.gethostname() if self._env.hostname is None else self._env.hostname,
         )
         # Registered first: a join whose answer was lost may still have written the row.
         self._on_stop("leave", self._leave)
@@ -559,7 +593,8 @@ class Silo:
         self.catalog.start()
         self._on_stop("watchdog", self.watchdog.stop)
         self.watchdog.start()
-        self._process.cpu_percent(None)  # prime: the first reading is meaningless
+        if self._env.load is None:
+            self._process.cpu_percent(None)  # prime: the first reading is meaningless
         self._on_stop("stats publisher", self.stats_publisher.stop)
         self.stats_publisher.start()
         self._on_stop("reminders", self.reminders.stop)
@@ -610,6 +645,8 @@ class Silo:
         await run_startup_tasks(self._startup_tasks, self, self.settings.startup_timeout_s)
 
     def _load(self) -> SiloLoad:
+        if self._env.load is not None:
+            return self._env.load(len(self.catalog))
         return SiloLoad(
             cpu_percent=self._process.cpu_percent(None),
             memory_percent=self._process.memory_percent(),

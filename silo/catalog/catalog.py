@@ -316,6 +316,18 @@ class Catalog:
         for timer in list(act.timers):
             timer.cancel()
         queued = act.take_queued()
+        try:
+            await self._deactivate(act, reason, queued)
+        except asyncio.CancelledError:
+            # The silo stops, or was declared dead, mid-way (stop, drop_all_nowait): the calls this
+            # held fail as the silo's others do, and whoever waits for the activation's end is told.
+            for inv in queued:
+                if not inv.future.done():
+                    inv.future.set_exception(errors.SiloUnavailableError(str(self.silo), "silo stopping"))
+            act.deactivated.set()
+            raise
+
+    async def _deactivate(self, act: Activation, reason: DeactivationReason, queued: list[Invocation]) -> None:
         await act.cancel_tasks()
         timeout = self.settings.deactivation_timeout_s
         if not await act.wait_idle(timeout):
@@ -379,6 +391,9 @@ class Catalog:
                     inv.task.cancel()
             for task in list(act.tasks):
                 task.cancel()
+        # A deactivation in flight would still unregister in Redis, and outlive the silo's stop.
+        for task in list(self._deactivating.values()):
+            task.cancel()
         self._activations.clear()
         self._workers.clear()
 
@@ -391,10 +406,13 @@ class Catalog:
         if self._collector is not None:
             self._collector.cancel()
             await asyncio.gather(self._collector, return_exceptions=True)
-        starting = list(self._starting)
-        for task in starting:
+        # Activations still starting, and deactivations still running (the hand-off, when there
+        # was one, waited for those it began): none may outlive the stop (the leave purges our
+        # directory entries; the calls they hold fail and are re-routed by their callers).
+        pending = [*self._starting, *self._deactivating.values()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*starting, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _collect_forever(self) -> None:
         while True:

@@ -107,7 +107,8 @@ class Transport:
         self._local_server: asyncio.base_events.Server | None = None
         self._local_path: Path | None = None
         self._out: dict[str, Connection] = {}
-        self._connecting: dict[str, asyncio.Future[Connection]] = {}
+        self._connecting: dict[str, asyncio.Task[Connection]] = {}
+        """Connections being opened, each in a task of the transport's own (``close`` ends them)."""
         self._inbound: set[Connection] = set()
         self.closed = False
         self._on_probe: Callable[[str], None] | None = None
@@ -228,24 +229,38 @@ class Transport:
         conn = self._out.get(endpoint)
         if conn is not None and not conn.closed:
             return conn
-        pending = self._connecting.get(endpoint)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
-        self._connecting[endpoint] = fut
+        opening = self._connecting.get(endpoint)
+        if opening is None:
+            # Opened in a task of the transport's own, which close() ends: one run in a caller's
+            # task outlived a silo stopped meanwhile (a failure detector's shielded probe) and
+            # pooled a connection nobody would close (the simulator's seed 89 of `silo`). A
+            # caller that gives up waiting (its deadline) leaves it to finish for the pool.
+            opening = asyncio.get_running_loop().create_task(self._open_pooled(endpoint), name=f"connect {endpoint}")
+            self._connecting[endpoint] = opening
+        return await asyncio.shield(opening)
+
+    async def _open_pooled(self, endpoint: str) -> Connection:
         try:
             conn = await self._open(endpoint)
-            if self.client_id is not None:
-                conn.identify(self.client_id)  # before any request: the silo knows us when one arrives
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()
+        except asyncio.CancelledError:
+            if self.closed:
+                raise errors.SiloClosedError("transport") from None
             raise
         finally:
             self._connecting.pop(endpoint, None)
-        fut.set_result(conn)
+        if self.closed:  # closed as the handshake finished
+            conn.abort()
+            raise errors.SiloClosedError("transport")
+        if self.client_id is not None:
+            conn.identify(self.client_id)  # before any request: the silo knows us when one arrives
         self._out[endpoint] = conn
         return conn
+
+    def _stop_connecting(self) -> list[asyncio.Task[Connection]]:
+        opening = list(self._connecting.values())
+        for task in opening:
+            task.cancel()
+        return opening
 
     async def _open(self, endpoint: str) -> Connection:
         host, _, port = endpoint.rpartition(":")
@@ -270,6 +285,10 @@ class Transport:
             if conn is None:
                 conn = (await asyncio.wait_for(loop.create_connection(factory, host, int(port), **secure), timeout))[1]
             await asyncio.wait_for(conn.ready, timeout)
+        except asyncio.CancelledError:
+            if conn is not None:
+                conn.abort()  # the transport closed mid-handshake
+            raise
         except ssl.SSLError as exc:
             raise tls.refusal(endpoint, exc) from exc
         except TimeoutError as exc:
@@ -300,6 +319,7 @@ class Transport:
 
     async def close(self) -> None:
         self.closed = True
+        opening = self._stop_connecting()
         self._close_local()
         if self._server is not None:
             self._server.close()
@@ -313,10 +333,12 @@ class Transport:
                 pass
         for conn in list(self._inbound):
             conn.abort()
+        await asyncio.gather(*opening, return_exceptions=True)
 
     def abort_all(self) -> None:
         """Drop every connection at once (a silo declared dead must stop serving)."""
         self.closed = True
+        self._stop_connecting()
         self._close_local()
         if self._server is not None:
             self._server.close()

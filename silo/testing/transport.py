@@ -102,6 +102,8 @@ class InMemoryNetwork:
         self._ports = itertools.count(first_port)
         self._ephemeral = itertools.count(40_000)
         self._ends: weakref.WeakSet[_Pipe] = weakref.WeakSet()
+        self._unaccepted: dict[str, list[_Pipe]] = {}
+        """Endpoint -> listener-side ends of handshakes lost on a cut link (never accepted)."""
 
     def free_port(self, host: str = "127.0.0.1") -> int:
         """A port nobody listens on at ``host`` (listen on it to take it)."""
@@ -136,6 +138,10 @@ class InMemoryNetwork:
 
     def _unbind(self, endpoint: str) -> None:
         self._listeners.pop(endpoint, None)
+        # A handshake still lost on a cut link has no socket at a port nobody listens on any more
+        # (the acceptor never learnt of it): the end goes, the connector's own timeout ends its side.
+        for end in self._unaccepted.pop(endpoint, []):
+            end._closing = end._lost = True
 
     def is_listening(self, endpoint: str) -> bool:
         return endpoint in self._listeners
@@ -171,6 +177,8 @@ class InMemoryNetwork:
             # The handshake is lost on a cut link: nothing moves until it heals, and the
             # connector's own timeout gives up first (as a SYN that is never answered).
             ours._cut = theirs._cut = True
+            pending = [e for e in self._unaccepted.get(endpoint, []) if not e._closing]
+            self._unaccepted[endpoint] = [*pending, theirs]
             return ours
         loop.call_soon(accepted.connection_made, theirs, context=listener.context.copy())  # the acceptor learns of it a turn later
         return ours
@@ -335,6 +343,9 @@ class InMemoryTransport(Transport):
         except (OSError, TimeoutError) as exc:
             conn.abort()
             raise errors.SiloUnavailableError(endpoint, f"cannot connect ({exc or 'timed out'})") from exc
+        except asyncio.CancelledError:
+            conn.abort()  # the transport closed mid-handshake
+            raise
         return conn
 
     def write_raw(self, conn: Connection, data: bytes) -> None:

@@ -60,11 +60,14 @@ class _ScriptShapes(AsyncFakeSocket):
 class TwinConnection(FakeAsyncRedisConnection):
     """A fakeredis connection on :class:`_ScriptShapes` (the twin outside a simulation too)."""
 
+    socket_class: type[_ScriptShapes] = _ScriptShapes
+    """The server side of the connection (the ``silo`` scenario's records what the checkers need)."""
+
     async def _connect(self) -> None:
         # fakeredis' own _connect, with the mended socket class.
         if self._server is None or not self._server.connected:
             raise self._connection_error_class("Connection refused (the twin server is down)")
-        self._sock = _ScriptShapes(
+        self._sock = self.socket_class(
             self._server, self.db, client_class=self._client_class, lua_modules=self._lua_modules,
             client_info=self._client_info,
         )  # fmt: skip
@@ -94,9 +97,11 @@ def new_server() -> fakeredis.FakeServer:
     return fakeredis.FakeServer(version=VERSION)
 
 
-def client(server: fakeredis.FakeServer, name: str, *, linked: bool = True) -> fakeredis.FakeAsyncRedis:
+def client(
+    server: fakeredis.FakeServer, name: str, *, linked: bool = True, connection_class: type[TwinConnection] | None = None
+) -> fakeredis.FakeAsyncRedis:
     """A client of ``server`` for the process ``name`` (its own pool, as each silo has);
-    ``linked``: its commands pass the sender's link (in a simulation)."""
-    return fakeredis.FakeAsyncRedis(
-        server=server, host=f"sim-{name}", version=VERSION, connection_class=LinkedConnection if linked else TwinConnection
-    )
+    ``linked``: its commands pass the sender's link (in a simulation); ``connection_class``
+    replaces both."""
+    cls = connection_class or (LinkedConnection if linked else TwinConnection)
+    return fakeredis.FakeAsyncRedis(server=server, host=f"sim-{name}", version=VERSION, connection_class=cls)

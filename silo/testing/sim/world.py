@@ -20,6 +20,9 @@ What each part is:
   on the loop, since a thread cannot run on virtual time). Each silo's code
   runs in a context naming it (:data:`~silo.testing.sim.loop.SILO`), which
   is how the loop pauses one silo and the network knows who is talking.
+  In the ``silo`` scenario each silo is :class:`silo.silo.Silo` itself
+  (:class:`~silo.testing.sim.silos.RealSilo`, on a fakeredis server for
+  everything Redis holds; :mod:`silo.testing.sim.silos`).
 * **Clients** (:class:`SimClient`) are what ``ClusterClient`` builds: a
   router, a membership view and a transport, no grains.
 * **Redis** is the twins (:mod:`silo.testing.directory`,
@@ -58,18 +61,20 @@ from grains.ids import GrainId, SiloAddress
 from grains.observer import CLIENT_PREFIX
 from silo import errors
 from silo.catalog.runtime import RefFactory
-from silo.cluster.directory import DirectoryEntry
+from silo.cluster.directory import DirectoryEntry, RedisGrainDirectory
 from silo.cluster.failure_detector import (
     FailureDetector,
+    HeartbeatStatistics,
     Liveness,
     ProbeResult,
     transport_probe,
     wait_event,
 )
+from silo.cluster.membership import RedisMembershipTable
 from silo.cluster.placement import Placer
 from silo.cluster.view import MembershipView
 from silo.codec import Codec, TypeRegistry
-from silo.messaging.manifests import TypeInfo
+from silo.messaging.manifests import Manifests, TypeInfo
 from silo.messaging.observer_hub import ObserverHub
 from silo.messaging.router import Router
 from silo.records.membership import SiloLoad, SiloStatus
@@ -97,13 +102,18 @@ from silo.testing.transport import InMemoryNetwork, InMemoryTransport, _Pipe
 
 if TYPE_CHECKING:
     from silo.testing.sim.services import Services
+    from silo.testing.sim.silos import RealRedis, RealSilo
 
 log = logging.getLogger("redgrain.sim")
 
 T = TypeVar("T")
 
+CLOCK_RESOLUTION_S = 1e-9
+"""asyncio runs a timer due within this of now at once (the monotonic clock's resolution)."""
+
 ZOMBIE_KEY = "zreg"
 """The register the zombie workload writes (scenarios with pauses): see :meth:`World._drive_zombie_target`."""
+ZOMBIE_GRAIN = f"SimRegister/{ZOMBIE_KEY}"
 
 FAULT_KINDS = ("crash", "pause", "partition", "redis_cut", "slow_net", "reset", "slow_activation", "failover", "clock_jump")
 
@@ -144,6 +154,8 @@ class Scenario:
     """Virtual time after the faults heal before the final reads (deaths declared, views refreshed)."""
     in_rotation: bool = True
     """Whether seeds cycle through it when no scenario is named (False: only by name)."""
+    real: bool = False
+    """Every silo is :class:`silo.silo.Silo` on a command-level Redis twin (sim/silos.py)."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -171,6 +183,10 @@ SCENARIOS: dict[str, Scenario] = {
         # forward, calls both have land on either, and neither may lose what the other wrote.
         # Its crashes are upgrades too (a silo comes back on version 2).
         Scenario("versions", registers=1, logs=1, versions=2, faults=("crash", "pause", "partition"), in_rotation=False),
+        # The production Silo class, every stage and service of it, on one fakeredis (decision 110).
+        # Its "restart" is a graceful one (stop(): the hand-off, then the leave; a new process).
+        Scenario("silo", registers=4, logs=2, faults=("crash", "pause", "partition", "redis_cut", "restart"), real=True,
+                 settle_s=10.0, in_rotation=False),
     )
 }
 
@@ -238,6 +254,8 @@ class RedisLink:
             await asyncio.sleep(0)
         if self.name in world.redis_cut:
             raise error(f"{what}: Redis unreachable (simulated partition of {self.name})")
+        if self.name in world.gone:
+            raise error(f"{what}: the process {self.name} is gone (crashed or exited)")
         if world.redis_down:
             raise error(f"{what}: Redis unreachable (simulated failover: no master yet)")
 
@@ -322,8 +340,9 @@ class LoopHeartbeat(Liveness):
     and fencing rule (:class:`~silo.cluster.failure_detector.Liveness`), beats when it says;
     told Dead, call ``on_dead``."""
 
-    def __init__(self, table: Any, address: str, settings: MembershipSettings, on_dead: Callable[[], Any], clock: Callable[[], float]) -> None:
-        self._table, self._address, self._on_dead = table, address, on_dead
+    def __init__(self, table: Any, address: str, settings: MembershipSettings, on_dead: Callable[[], Any], clock: Callable[[], float],
+                 load: Callable[[], SiloLoad] = SiloLoad) -> None:  # fmt: skip
+        self._table, self._address, self._on_dead, self._load = table, address, on_dead, load
         self._init_liveness(settings, clock)
         self.beats = self.failures = 0
         self._task: asyncio.Task[None] | None = None
@@ -346,14 +365,16 @@ class LoopHeartbeat(Liveness):
         tick = min(self._settings.heartbeat_s, self._silence_s / 4)
         while True:
             wait = self.next_beat(self._monotonic(), self.beats + self.failures == 0)
-            if wait > 0:
+            # A wait within the loop's clock resolution ends on the same virtual instant (asyncio
+            # runs such a timer at once): it would spin; the thread's real clock moves on instead.
+            if wait > CLOCK_RESOLUTION_S:
                 await wait_event(self._wake, min(wait, tick))
                 self._wake.clear()
                 continue
             sent = self._monotonic()
             self.beat_sent(sent)
             try:
-                status = await self._table.heartbeat(self._address, sent, SiloLoad())
+                status = await self._table.heartbeat(self._address, sent, self._load())
             except errors.StorageError:
                 self.failures += 1
             else:
@@ -363,6 +384,12 @@ class LoopHeartbeat(Liveness):
                     return
                 self.beats += 1
                 self.beat_confirmed(sent)
+
+    def statistics(self) -> HeartbeatStatistics:
+        return HeartbeatStatistics(
+            beats=self.beats, failures=self.failures, last_confirmed_age_s=self._monotonic() - self.last_confirmed,
+            fenced=self.fenced(), in_doubt=self.doubt_since is not None,
+        )  # fmt: skip
 
 
 class SimSilo:
@@ -506,11 +533,23 @@ class SimClient:
         codec = Codec(registry)
         self.redis: Any = None if w.services is None else w.services.client(self.name)
         self.transport = InMemoryTransport(w.transport_settings, codec, network=w.network)
-        self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
-        self.manifests = PublishedManifests(w.published, w.now)
+        directory: Any
+        self.manifests: Any
+        if w.real is not None:
+            # As ClusterClient builds them, on the scenario's Redis.
+            self.redis = w.real.client(self.name)
+            keys = w.real.keys
+            self.view = MembershipView(RedisMembershipTable(self.redis, keys), redis=self.redis, keys=keys,
+                                       refresh_s=w.membership_settings.refresh_s)  # fmt: skip
+            directory = RedisGrainDirectory(self.redis, keys, cache_size=0)
+            self.manifests = Manifests(self.redis, keys)
+        else:
+            self.view = MembershipView(self.link.wrap(w.membership), refresh_s=w.membership_settings.refresh_s)
+            directory = self.link.wrap(w.directory)
+            self.manifests = PublishedManifests(w.published, w.now)
         self.router = Router(
             transport=self.transport,
-            directory=self.link.wrap(w.directory),
+            directory=directory,
             view=self.view,
             manifests=self.manifests,
             placer=Placer(random.Random(w.seed * 1_000 + 500 + int(self.name[1:]))),
@@ -569,6 +608,9 @@ class Outcome:
     failovers: int = 0
     lost_acknowledged: int = 0
     """Acknowledged writes or registrations a failover lost, each acknowledged short of its replica."""
+    cluster_events: dict[str, int] = field(default_factory=dict)
+    """The ``silo`` scenario: cluster events the silos wrote, by kind (``moved``: activations
+    the rebalancer moved)."""
 
 
 class World:
@@ -603,6 +645,14 @@ class World:
             self.grains += RESULT_GRAINS
         if scenario.versions:
             self.grains.append(SimVersionedV2)
+        self.real: RealRedis | None = None
+        if scenario.real:
+            from silo.testing.sim.silos import RealRedis  # fakeredis: a development dependency
+
+            self.real = RealRedis(self)
+        self.gone: set[str] = set()
+        """Processes that crashed or exited: their Redis links refuse every command from now on."""
+        self._stopping = False
         self._notes = 0
         self._upgraded: set[int] = set()
         """Silos restarted at least once: on the new version in ``versions``."""
@@ -627,7 +677,8 @@ class World:
         self.published: dict[str, dict[int, TypeInfo]] = {}
         self.base = contextvars.copy_context()
         self.base.run(WORLD.set, self)
-        self.silos: list[SimSilo] = []
+        self.silos: list[Any] = []
+        """SimSilo, or RealSilo in the ``silo`` scenario."""
         self.clients: list[SimClient] = []
         self.redis_cut: set[str] = set()
         self.pause_at_write: dict[str, tuple[float, str | None]] = {}
@@ -749,7 +800,7 @@ class World:
 
     def _owner_of(self, endpoint: str) -> str | None:
         for s in self.silos:
-            if s.address.endpoint == endpoint:
+            if s.address is not None and s.address.endpoint == endpoint:
                 return s.name
         return None
 
@@ -757,7 +808,10 @@ class World:
     async def run(self) -> Outcome:
         sc = self.scenario
         for i in range(sc.silos):
-            await self.add_silo(i)
+            if self.real is not None:
+                await self.add_real_silo(i)
+            else:
+                await self.add_silo(i)
         for i in range(sc.clients):
             client = SimClient(self, i)
             self.clients.append(client)
@@ -783,6 +837,7 @@ class World:
         await asyncio.gather(*reads)
         if self.services is not None:
             await self.spawn("world", self.services.collect())
+        cluster_events = {} if self.real is None else await self.spawn("world", self.real.collect())
         self.history.generators_left = self._generators_left()
         await self._stop_all()
         from silo.testing.sim.checks import check, lost_acknowledged
@@ -794,6 +849,7 @@ class World:
         return Outcome(
             self.seed, sc.name, violation, self._trace.hexdigest(), self.events, list(self.faults),
             len(self.history.ops), self.now() - 1_000.0, len(self.history.failovers), len(lost_acknowledged(self.history)),
+            cluster_events,
         )  # fmt: skip
 
     async def add_silo(self, index: int) -> SimSilo:
@@ -810,6 +866,47 @@ class World:
         await self.spawn(silo.name, silo.start())
         self.trace("silo_started", silo.name)
         return silo
+
+    def link_for(self, name: str) -> RedisLink:
+        return RedisLink(self, name)
+
+    async def add_real_silo(self, index: int) -> RealSilo:
+        """Start a new process running :class:`silo.silo.Silo` as silo ``index`` (sim/silos.py)."""
+        from silo.testing.sim.silos import RealSilo
+
+        self._incarnations += 1
+        silo = RealSilo(self, index, self._incarnations)
+        if index < len(self.silos):
+            self.silos[index] = silo
+        else:
+            self.silos.append(silo)
+        try:
+            await self.spawn(silo.name, silo.start())
+        except errors.RedgrainError:
+            # A failed start unwound what it did; nothing of it may be left running.
+            self.reap(silo.name, check=True)
+            self.gone.add(silo.name)
+            raise
+        self.trace("silo_started", silo.name)
+        return silo
+
+    async def _restart_gracefully(self, index: int) -> None:
+        """Stop silo ``index`` through ``Silo.stop()`` (hand-off, leave) and start a new process."""
+        silo = self.silos[index]
+        await self.spawn(silo.name, silo.stop())
+        self.reap(silo.name, check=True)
+        await self.restart_real(index, 0.5)
+
+    async def restart_real(self, index: int, delay: float) -> None:
+        """A supervisor starting silo ``index`` again after its process ended, until one start succeeds."""
+        await asyncio.sleep(delay)
+        while not self._stopping:
+            try:
+                await self.add_real_silo(index)
+                return
+            except errors.RedgrainError as exc:
+                self.trace("start_failed", index, type(exc).__name__)
+                await asyncio.sleep(1.0)
 
     async def _drive(self, client: SimClient, end: float) -> None:
         rng = random.Random(self.work_rng.getrandbits(64))
@@ -908,7 +1005,7 @@ class World:
 
     def _generators_left(self) -> list[tuple[str, str]]:
         """Generators still running on a silo that is up (a crashed silo's went with it)."""
-        live = {s.name for s in self.silos if s.state == "active"}
+        live: set[str] = {s.name for s in self.silos if s.state == "active"}
         return [(stream, silo) for stream, (silo, ended) in self._generators.items() if not ended and silo in live]
 
     async def _drive_zombie_target(self, client: SimClient, end: float) -> None:
@@ -955,7 +1052,8 @@ class World:
         if fault.kind == "crash":
             if silo.state == "active" and not self.loop.is_paused(silo.name):
                 await silo.crash()
-                self.spawn("world", self._restart_later(fault.target, 2.0))
+                restart = self.restart_real if self.real is not None else self._restart_later
+                self.spawn("world", restart(fault.target, 2.0))
         elif fault.kind == "pause":
             aimed = self._zombie_holder() if fault.length_s > 3.0 and not self._aimed else None
             if aimed is not None:
@@ -963,7 +1061,8 @@ class World:
                 # at its next write of it (see _drive_zombie_target).
                 self._aimed = True
                 self.trace("aimed", aimed.name)
-                self.pause_at_write[aimed.name] = (fault.length_s + 6.0, str(self._zombie_grain))
+                grain = ZOMBIE_GRAIN if self.real is not None else str(self._zombie_grain)
+                self.pause_at_write[aimed.name] = (fault.length_s + 6.0, grain)
             elif silo.state == "active" and not self.loop.is_paused(silo.name):
                 if fault.length_s > 3.0:
                     # At its next state write, and long enough for the cluster to declare it
@@ -994,6 +1093,8 @@ class World:
         elif fault.kind == "clock_jump":
             # NTP steps the clock, or an operator sets it: time.time moves, monotonic does not.
             self.wall_offsets[fault.target] = self.wall_offsets.get(fault.target, 0.0) + fault.length_s
+        elif fault.kind == "restart" and silo.state == "active" and not self.loop.is_paused(silo.name):
+            self.spawn("world", self._restart_gracefully(fault.target))
         elif fault.kind == "reset" and silo.state == "active" and silo.silo.transport is not None:
             silo.silo.transport.abort_all()
             # abort_all stops listening too; the process lives on and listens again.
@@ -1005,12 +1106,16 @@ class World:
 
     def _zombie_holder(self) -> SimSilo | None:
         """The live, running silo whose activation of :data:`ZOMBIE_KEY` the directory names, if any."""
-        grain = self._zombie_grain
-        entry = None if grain is None else self.directory.entries()[grain]
-        if not self.scenario.zombie or entry is None:
+        if self.real is not None:
+            owner = self.real.owner_of(ZOMBIE_GRAIN) if self.scenario.zombie else None
+        else:
+            grain = self._zombie_grain
+            entry = None if grain is None else self.directory.entries()[grain]
+            owner = None if not self.scenario.zombie or entry is None else str(entry.silo)
+        if owner is None:
             return None
         for s in self.silos:
-            if s.address == entry.silo and s.state == "active" and not self.loop.is_paused(s.name):
+            if str(s.address) == owner and s.state == "active" and not self.loop.is_paused(s.name):
                 return s
         return None
 
@@ -1092,9 +1197,11 @@ class World:
     async def _stop_all(self) -> None:
         # One-way calls lost and counted (docs/concepts.md: shed past the bound, deadline passed):
         # what the one_way_delivered check allows to be missing, and nothing more.
+        self._stopping = True
         for silo in self.silos:
-            if silo.silo.dispatcher is not None:
-                self.history.one_way_counted += silo.silo.dispatcher.statistics().one_way_failed
+            dispatcher = getattr(silo.silo, "dispatcher", None)
+            if dispatcher is not None:
+                self.history.one_way_counted += dispatcher.statistics().one_way_failed
         for client in self.clients:
             await self.spawn(client.name, client.stop())
             self.reap(client.name, check=True)
@@ -1102,7 +1209,7 @@ class World:
             if silo.state == "active":
                 await self.spawn(silo.name, silo.stop())
                 self.reap(silo.name, check=True)
-            elif silo.state == "dying":
+            elif silo.state in ("dying", "starting"):
                 await self.spawn(silo.name, silo.crash())
 
 

@@ -99,3 +99,27 @@ async def test_busy_activation_is_not_collected(
     assert await held == "h"
     await clock.advance(30)
     assert silo.catalog.collect_idle() == 1
+
+
+async def test_a_deactivation_in_flight_when_the_silo_is_declared_dead_ends_with_the_silos_stop(
+    silo: InProcessSilo, clock: VirtualClock
+) -> None:
+    # The simulator's seed 144 of `silo`: a zombie's refused write started a deactivation, the
+    # silo learnt it was dead, and the deactivation (its unregister in Redis) outlived the stop.
+    clock.autojump = True
+    latch = silo.get_grain(Latch, "d")
+    held = asyncio.ensure_future(latch.hold("h"))
+    queued = [asyncio.ensure_future(latch.step(i)) for i in range(3)]
+    await clock.settle()
+    act = silo.activation(latch)
+    assert act is not None and act.queue_length == 3
+    silo.catalog.schedule_deactivation(act, DeactivationReason.REQUESTED)
+    await clock.settle()
+    leaving = [t for t in asyncio.all_tasks() if "Catalog.deactivate" in repr(t.get_coro())]
+    assert len(leaving) == 1 and not act.deactivated.is_set()  # waiting for the running turn
+    silo.catalog.drop_all_nowait()  # declared dead: stop serving, touch nothing in Redis
+    await silo.catalog.stop()
+    assert leaving[0].done() and act.deactivated.is_set()
+    # The calls it had taken from the mailbox end too (failed here; a caller may retry elsewhere).
+    _, pending = await asyncio.wait([held, *queued], timeout=60)
+    assert not pending

@@ -86,6 +86,10 @@ class Backend:
     def unused_endpoint(self) -> str:
         raise NotImplementedError
 
+    async def silent_endpoint(self) -> str:
+        """An endpoint whose connections never finish the handshake (no HELLO comes back)."""
+        raise NotImplementedError
+
     async def close(self) -> None:
         for t in self.made:
             await t.close()
@@ -103,6 +107,18 @@ class Tcp(Backend):
             port = s.getsockname()[1]
         return f"127.0.0.1:{port}"
 
+    async def silent_endpoint(self) -> str:
+        # The kernel completes the TCP handshake into the backlog; nobody ever accepts.
+        self.silent = socket.socket()
+        self.silent.bind(("127.0.0.1", 0))
+        self.silent.listen(8)
+        return f"127.0.0.1:{self.silent.getsockname()[1]}"
+
+    async def close(self) -> None:
+        await super().close()
+        if hasattr(self, "silent"):
+            self.silent.close()
+
 
 class Twin(Backend):
     name = "twin"
@@ -116,6 +132,22 @@ class Twin(Backend):
 
     def unused_endpoint(self) -> str:
         return f"127.0.0.1:{self.network.free_port()}"
+
+    async def silent_endpoint(self) -> str:
+        _, endpoint = await self.server(EchoServer())
+        self.network.links = _Unreachable(endpoint)  # the handshake is lost, as on a cut link
+        return endpoint
+
+
+class _Unreachable:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def delay(self, sender: Any, receiver: Any) -> float | None:
+        return 0.0
+
+    def connectable(self, connector: Any, endpoint: str) -> bool:
+        return endpoint != self.endpoint
 
 
 @pytest.fixture(params=[Tcp, Twin], ids=["tcp", "twin"])
@@ -207,6 +239,23 @@ async def test_a_closed_transport_connects_nowhere(backend: Backend) -> None:
     client = backend.transport()
     await client.connect(endpoint)
     await client.close()
+    with pytest.raises(errors.SiloClosedError):
+        await client.connect(endpoint)
+
+
+async def test_a_transport_closed_while_a_connect_is_pending_leaves_no_task_and_no_connection(backend: Backend) -> None:
+    # As the failure detector's probe connects: shielded, and given up on at its timeout. The
+    # silo then stops (the simulator's seed 89 of `silo`: the connect outlived the stop).
+    endpoint = await backend.silent_endpoint()
+    client = backend.transport()
+    before = asyncio.all_tasks()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(client.connect(endpoint)), 0.05)
+    await client.close()
+    for _ in range(3):
+        await asyncio.sleep(0)  # the shielded caller hears of the close
+    assert [t for t in asyncio.all_tasks() - before if not t.done()] == []
+    assert client.statistics().connections == 0
     with pytest.raises(errors.SiloClosedError):
         await client.connect(endpoint)
 

@@ -184,3 +184,34 @@ async def test_the_failure_detectors_probe_sees_a_gone_silo_as_refused(
     listener.abort_all()
     await clock.settle()
     assert await probe(SiloAddress(host, int(port), 1), 1.0) is ProbeResult.REFUSED
+
+
+class _CutTo:
+    """Links on which every handshake to ``endpoint`` is lost (a partition)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def delay(self, sender: Any, receiver: Any) -> float | None:
+        return 0.0
+
+    def connectable(self, connector: Any, endpoint: str) -> bool:
+        return endpoint != self.endpoint
+
+
+async def test_a_listener_that_stops_while_a_handshake_to_it_is_lost_keeps_no_end_open(
+    clock: VirtualClock, network: InMemoryNetwork
+) -> None:
+    # The simulator's seed 181 of `silo`: a silo restarted while a peer's connect to it hung on a
+    # partition; the listener's end of that lost handshake stayed open after the silo stopped.
+    listener, endpoint = await serve(network, Recorder())
+    network.links = _CutTo(endpoint)
+    connecting = asyncio.ensure_future(transport(network, connect_timeout_s=5.0).connect(endpoint))
+    await clock.settle()
+    assert not connecting.done() and len(network.open_ends()) == 2
+    await listener.close()
+    assert [(local, remote) for _, local, remote in network.open_ends() if local == endpoint] == []
+    await clock.advance(5.0)
+    with pytest.raises(errors.SiloUnavailableError):
+        await connecting  # the connector's own timeout ends its side
+    assert network.open_ends() == []
