@@ -183,7 +183,7 @@ SCENARIOS: dict[str, Scenario] = {
         # forward, calls both have land on either, and neither may lose what the other wrote.
         # Its crashes are upgrades too (a silo comes back on version 2).
         Scenario("versions", registers=1, logs=1, versions=2, faults=("crash", "pause", "partition"), in_rotation=False),
-        # The production Silo class, every stage and service of it, on one fakeredis (decision 110).
+        # The production Silo class, every stage and service of it, on one fakeredis (decision 112).
         # Its "restart" is a graceful one (stop(): the hand-off, then the leave; a new process).
         Scenario("silo", registers=4, logs=2, faults=("crash", "pause", "partition", "redis_cut", "restart"), real=True,
                  settle_s=10.0, in_rotation=False),
