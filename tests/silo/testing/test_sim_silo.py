@@ -20,10 +20,11 @@ from tests.silo.testing.test_sim import _digest, _first_failure, _mutant, _sim
 
 
 @pytest.mark.timeout(200)
-def test_twelve_seeds_of_the_silo_scenario_keep_every_promise() -> None:
-    result = _sim("run", "--seeds", "1-12", "--scenario", "silo", "--jobs", "2", timeout=180)
+def test_eight_seeds_of_the_silo_scenario_keep_every_promise() -> None:
+    # With the replay test's seeds 3-4, seeds 1-10 in make test; make sim runs 1-500.
+    result = _sim("run", "--seeds", "1-2,5-10", "--scenario", "silo", "--jobs", "2", timeout=180)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "12 seeds, 0 failed" in result.stdout
+    assert "8 seeds, 0 failed" in result.stdout
 
 
 def _seed_digests(out: str) -> dict[str, str]:
