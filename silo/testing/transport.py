@@ -87,6 +87,20 @@ class Links(Protocol):
         handshake is lost, as on a cut link: the attempt times out)."""
 
 
+class CutTo:
+    """:class:`Links` on which every handshake to ``endpoint`` is lost (a partition, as seen by
+    a connect: it times out); bytes on connections already open flow at once."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def delay(self, sender: _Pipe, receiver: _Pipe) -> float | None:
+        return 0.0
+
+    def connectable(self, connector: contextvars.Context, endpoint: str) -> bool:
+        return endpoint != self.endpoint
+
+
 class InMemoryNetwork:
     """Listening endpoints of one test's world: ``host:port`` -> the transport listening there.
 

@@ -25,7 +25,7 @@ from silo.codec import Codec
 from silo.messaging.frame import CANCEL, REQUEST, Frame
 from silo.messaging.transport import Transport
 from silo.settings import TransportSettings
-from silo.testing.transport import InMemoryNetwork, InMemoryTransport
+from silo.testing.transport import CutTo, InMemoryNetwork, InMemoryTransport
 
 
 @dataclass
@@ -135,19 +135,8 @@ class Twin(Backend):
 
     async def silent_endpoint(self) -> str:
         _, endpoint = await self.server(EchoServer())
-        self.network.links = _Unreachable(endpoint)  # the handshake is lost, as on a cut link
+        self.network.links = CutTo(endpoint)  # the handshake is lost, as on a cut link
         return endpoint
-
-
-class _Unreachable:
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-
-    def delay(self, sender: Any, receiver: Any) -> float | None:
-        return 0.0
-
-    def connectable(self, connector: Any, endpoint: str) -> bool:
-        return endpoint != self.endpoint
 
 
 @pytest.fixture(params=[Tcp, Twin], ids=["tcp", "twin"])

@@ -18,7 +18,7 @@ from silo.codec import Codec
 from silo.messaging.frame import CANCEL, HELLO, PREFIX, REQUEST, Frame
 from silo.settings import TransportSettings
 from silo.testing.clock import VirtualClock
-from silo.testing.transport import InMemoryNetwork, InMemoryTransport
+from silo.testing.transport import CutTo, InMemoryNetwork, InMemoryTransport
 
 
 class Recorder:
@@ -186,26 +186,13 @@ async def test_the_failure_detectors_probe_sees_a_gone_silo_as_refused(
     assert await probe(SiloAddress(host, int(port), 1), 1.0) is ProbeResult.REFUSED
 
 
-class _CutTo:
-    """Links on which every handshake to ``endpoint`` is lost (a partition)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-
-    def delay(self, sender: Any, receiver: Any) -> float | None:
-        return 0.0
-
-    def connectable(self, connector: Any, endpoint: str) -> bool:
-        return endpoint != self.endpoint
-
-
 async def test_a_listener_that_stops_while_a_handshake_to_it_is_lost_keeps_no_end_open(
     clock: VirtualClock, network: InMemoryNetwork
 ) -> None:
     # The simulator's seed 181 of `silo`: a silo restarted while a peer's connect to it hung on a
     # partition; the listener's end of that lost handshake stayed open after the silo stopped.
     listener, endpoint = await serve(network, Recorder())
-    network.links = _CutTo(endpoint)
+    network.links = CutTo(endpoint)
     connecting = asyncio.ensure_future(transport(network, connect_timeout_s=5.0).connect(endpoint))
     await clock.settle()
     assert not connecting.done() and len(network.open_ends()) == 2

@@ -40,6 +40,16 @@ def _sim(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.Compl
     )
 
 
+def _all_pass(seeds: str, count: int, *, scenario: str | None = None, timeout: float = 180) -> str:
+    """Runs ``seeds`` (of ``scenario``, or every scenario in turn) with 2 jobs and asserts all
+    ``count`` kept every promise; the run's output."""
+    which = ("--scenario", scenario) if scenario else ()
+    result = _sim("run", "--seeds", seeds, *which, "--jobs", "2", timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"{count} seeds, 0 failed" in result.stdout, result.stdout[-2000:]
+    return result.stdout
+
+
 def _digest(out: str) -> str:
     found = re.search(r"digest ([0-9a-f]{64})", out)
     assert found, out
@@ -67,9 +77,7 @@ def test_two_seeds_of_one_scenario_run_different_traces() -> None:
 @pytest.mark.timeout(400)
 def test_two_hundred_seeds_across_every_scenario_keep_every_promise() -> None:
     started = time.monotonic()
-    result = _sim("run", "--seeds", "1-200", "--jobs", "2", timeout=380)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "200 seeds, 0 failed" in result.stdout
+    _all_pass("1-200", 200, timeout=380)
     print(f"200 seeds in {time.monotonic() - started:.1f} s")
 
 
@@ -133,9 +141,7 @@ def test_a_promise_broken_on_purpose_fails_a_seed_whose_replay_fails_the_same_wa
 
 @pytest.mark.timeout(200)
 def test_twenty_four_seeds_of_the_results_scenario_keep_every_promise() -> None:
-    result = _sim("run", "--seeds", "1-24", "--scenario", "results", "--jobs", "2", timeout=180)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "24 seeds, 0 failed" in result.stdout
+    _all_pass("1-24", 24, scenario="results", timeout=180)
 
 
 @pytest.mark.timeout(300)
@@ -169,9 +175,7 @@ def test_an_observer_call_sent_twice_fails_a_results_seed(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(200)
 def test_twenty_four_seeds_of_the_versions_scenario_keep_every_promise() -> None:
-    result = _sim("run", "--seeds", "1-24", "--scenario", "versions", "--jobs", "2", timeout=180)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "24 seeds, 0 failed" in result.stdout
+    _all_pass("1-24", 24, scenario="versions", timeout=180)
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import pytest
 from silo.silo import Silo
 from silo.testing.sim.runner import run_seed
 from silo.testing.sim.world import SCENARIOS
-from tests.silo.testing.test_sim import _digest, _first_failure, _mutant, _sim
+from tests.silo.testing.test_sim import _all_pass, _digest, _first_failure, _mutant, _sim
 
 # fakeredis and lupa are dev dependencies (`make install`): missing, these tests fail, not skip.
 
@@ -22,9 +22,7 @@ from tests.silo.testing.test_sim import _digest, _first_failure, _mutant, _sim
 @pytest.mark.timeout(200)
 def test_eight_seeds_of_the_silo_scenario_keep_every_promise() -> None:
     # With the replay test's seeds 3-4, seeds 1-10 in make test; make sim runs 1-500.
-    result = _sim("run", "--seeds", "1-2,5-10", "--scenario", "silo", "--jobs", "2", timeout=180)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "8 seeds, 0 failed" in result.stdout
+    _all_pass("1-2,5-10", 8, scenario="silo", timeout=180)
 
 
 def _seed_digests(out: str) -> dict[str, str]:
@@ -76,9 +74,7 @@ def test_the_silos_are_the_production_class_and_the_cluster_they_form_fails_over
 #     tests/silo/messaging/test_transport_twin.py).
 @pytest.mark.timeout(120)
 def test_seeds_of_the_silo_scenario_that_found_defects_replay_clean() -> None:
-    result = _sim("run", "--seeds", "89,144,181", "--scenario", "silo", "--jobs", "2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "3 seeds, 0 failed" in result.stdout
+    _all_pass("89,144,181", 3, scenario="silo")
 
 
 _MUTANTS = {
