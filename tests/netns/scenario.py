@@ -25,6 +25,7 @@ from silo.client import ClusterClient
 from silo.keys import Keys
 from silo.messaging.transport import Transport
 from silo.settings import TransportSettings
+from silo.shutdown import raise_if_cancelled
 from tests.netns import invariants
 from tests.netns.cluster import NetCluster, NetSilo, Workload
 from tests.netns.conftest import Lab, cluster_name
@@ -69,6 +70,7 @@ class Run:
         self.observer: ClusterClient | None = None
         self._watch: asyncio.Task[None] | None = None
         self._raw: Transport | None = None
+        self._stopping = False
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self, hosts: list[Host], ports: dict[str, int] | None = None) -> list[NetSilo]:
@@ -91,6 +93,10 @@ class Run:
             if w.process.alive():
                 await asyncio.to_thread(w.stop)
         if self._watch is not None:
+            # A flag as well as cancel(): redis-py can swallow a cancellation that lands inside
+            # a command, and this loop, which takes RedisError for an empty table, then polled
+            # forever (CI's run of the stop-43 commits hung here for pytest's 120 s).
+            self._stopping = True
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         if self._raw is not None:
@@ -102,11 +108,12 @@ class Run:
         r = aioredis.Redis.from_url(self.lab.redis_url, socket_timeout=2)
         key = Keys(self.name).members
         try:
-            while True:
+            while not self._stopping:
                 try:
                     rows = await r.hgetall(key)
                 except aioredis.RedisError:
                     rows = {}
+                raise_if_cancelled()
                 now = time.monotonic()
                 for addr, raw in rows.items():
                     a = addr.decode() if isinstance(addr, bytes) else addr
