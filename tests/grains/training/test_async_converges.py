@@ -14,17 +14,25 @@ SMALL = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "checkpoint_ever
 ADAM = {**SMALL, "optimizer": "adam", "lr": 0.003}
 
 
-@pytest.mark.parametrize("spec", [SMALL, ADAM], ids=["momentum", "adam"])
-async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec):
+# Adam over three seeds, its modes compared by their means: one seed's run is at the noise this
+# bound sits in. Seed 0 is the worst of seeds 0-6 for ssp: 0.961-0.972 over 22 runs against sync's
+# 0.975 (a point below in about one run in three, before and after decision 111), while seeds
+# 1-6 ended within 0.6 points of sync (sync itself 0.969-0.981 across them). Momentum-SGD's ssp and
+# async end at or above sync on each of seeds 0-6.
+@pytest.mark.parametrize(("spec", "seeds"), [(SMALL, (0,)), (ADAM, (0, 1, 2))], ids=["momentum", "adam"])
+async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec, seeds):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
-    acc = {}
-    for mode in ("sync", "async", "ssp"):
-        st = await run_job(client, f"conv-{mode}", TrainingJob(**spec, mode=mode, steps=600), timeout_s=180)
-        assert st.status == "completed" and st.accuracy is not None, st
-        acc[mode] = st.accuracy
-    assert acc["sync"] >= 0.95, acc
+    acc: dict[str, list[float]] = {}
+    for seed in seeds:
+        for mode in ("sync", "async", "ssp"):
+            job = TrainingJob(**spec, mode=mode, steps=600, seed=seed)
+            st = await run_job(client, f"conv-{mode}-{seed}", job, timeout_s=180)
+            assert st.status == "completed" and st.accuracy is not None, st
+            acc.setdefault(mode, []).append(st.accuracy)
+    mean = {mode: sum(a) / len(a) for mode, a in acc.items()}
+    assert all(a >= 0.95 for a in acc["sync"]), acc
     # Before the staleness-aware rate, momentum-SGD async ended anywhere between 38% and 93% here.
-    assert acc["async"] >= acc["sync"] - 0.01 and acc["ssp"] >= acc["sync"] - 0.01, acc
+    assert mean["async"] >= mean["sync"] - 0.01 and mean["ssp"] >= mean["sync"] - 0.01, acc
 
 
 @pytest.mark.slow
