@@ -293,9 +293,16 @@ async def test_reminders_and_logs_pages_list_rows_filter_and_tail_live(
             assert await first.get_attribute("data-level") == "WARNING"
             await grumbler.grumble("live")  # no reload: the page's one-second tail picks it up
             await page.locator(message.format("live")).wait_for()
-            assert await page.locator("[data-testid=logs-table] tbody tr").first.get_attribute(
-                "data-id"
-            ) == await page.locator(message.format("live")).get_attribute("data-id")  # newest first
+            # Newest first. Not "live is the top row": the silos may log meanwhile (a run had a
+            # line a second after it there).
+            rows = await page.eval_on_selector_all(
+                "[data-testid=logs-table] tbody tr",
+                "rows => rows.map(r => [r.dataset.id, r.querySelector('td.message')?.textContent])",
+            )
+            ids = [tuple(int(part) for part in rid.split("-")) for rid, _ in rows]
+            assert ids == sorted(ids, reverse=True), rows
+            messages = [text for _, text in rows]
+            assert messages.index("grumble: live") < messages.index("grumble: first"), rows
             await page.screenshot(path=str(ARTIFACTS / "dashboard-logs.png"), full_page=True)
 
             await page.select_option("[data-testid=log-level]", "ERROR")
