@@ -91,7 +91,8 @@ soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos tests/grains/training/test_resume_matrix.py tests/grains/training/test_async_converges.py $(ARGS)
 
 # Long forms of the partition scenarios (silos on separate network namespaces; needs root).
-# The short forms run in `make test`. Figures: REDGRAIN_PARTITION_REPORT=path.jsonl.
+# The short forms run in `make test`, but the training run over slow links (both of its forms
+# run here). Figures: REDGRAIN_PARTITION_REPORT=path.jsonl.
 partition-test: $(STAMP)
 	$(PY) -m pytest -q -s -m "netns and soak" tests/netns $(ARGS)
 

@@ -14,12 +14,13 @@ SMALL = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "checkpoint_ever
 ADAM = {**SMALL, "optimizer": "adam", "lr": 0.003}
 
 
-# Adam over three seeds, its modes compared by their means: one seed's run is at the noise this
+# Adam over two seeds, its modes compared by their means: one seed's run is at the noise this
 # bound sits in. Seed 0 is the worst of seeds 0-6 for ssp: 0.961-0.972 over 22 runs against sync's
 # 0.975 (a point below in about one run in three, before and after decision 111), while seeds
-# 1-6 ended within 0.6 points of sync (sync itself 0.969-0.981 across them). Momentum-SGD's ssp and
+# 1-6 ended within 0.6 points of sync (sync itself 0.969-0.981 across them; seed 1's ssp 0.975-0.978
+# in 5 runs against 0.978), so the worst pair seen is 0.84 points below. Momentum-SGD's ssp and
 # async end at or above sync on each of seeds 0-6.
-@pytest.mark.parametrize(("spec", "seeds"), [(SMALL, (0,)), (ADAM, (0, 1, 2))], ids=["momentum", "adam"])
+@pytest.mark.parametrize(("spec", "seeds"), [(SMALL, (0,)), (ADAM, (0, 1))], ids=["momentum", "adam"])
 async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec, seeds):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     acc: dict[str, list[float]] = {}
