@@ -264,7 +264,7 @@ async def _run(seconds: float) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks front_attacks")
-    p.add_argument("--quick", action="store_true", help="3 s an attack (default 15 s)")
+    p.add_argument("--quick", action="store_true", help="1 s an attack (default 15 s)")
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -274,7 +274,7 @@ def main(argv: list[str]) -> int:
         run_async(_serve())
         return 0
     print("# front_attacks: issue 37's HTTP/2 attacks on the gRPC server, a canary calling every 50 ms beside")
-    seconds = args.seconds or (3.0 if args.quick else 15.0)
+    seconds = args.seconds or (1.0 if args.quick else 15.0)
     rows = run_async(_run(seconds))
     write_result("front_attacks", {"quick": args.quick, "seconds_per_attack": seconds, "attacks": rows})
     return 0
