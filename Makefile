@@ -74,7 +74,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks all $(ARGS)
 
 # The simulator's long soak: many thousands of seeded clusters (make test runs 200), then the
-# services scenario (reminders, timers, streams on the fakeredis twin; make test runs 50), and
+# services scenario (reminders, timers, streams on the fakeredis twin; make test runs 30), and
 # the silo scenario (the production Silo class on fakeredis, ~2 s a seed; make test runs 12).
 # A failing seed prints its replay command; SEEDS=1-500, SERVICE_SEEDS=1-100, SILO_SEEDS=1-50 run fewer.
 SEEDS ?= 1-5000

@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [10, 30] if args.quick else [int(x) for x in args.sizes.split(",") if x]
     real_sizes = [] if args.quick else [int(x) for x in args.real.split(",") if x]
-    window = 3.0 if args.quick else args.window
+    window = 1.5 if args.quick else args.window
     settings = MembershipSettings()
     facts = machine_facts()
     print_header("scale: idle Redis cost per silo and failure detection, simulated silos", facts, args.quick)

@@ -17,8 +17,9 @@ from tests.silo.testing.test_sim import REPO, _all_pass, _digest, _sim
 
 
 @pytest.mark.timeout(300)
-def test_fifty_seeds_of_the_services_scenario_keep_every_promise() -> None:
-    _all_pass("1-50", 50, scenario="services", timeout=280)
+def test_thirty_seeds_of_the_services_scenario_keep_every_promise() -> None:
+    # 30, not 50: make test's 20 minutes (make sim runs 1,000 of them).
+    _all_pass("1-30", 30, scenario="services", timeout=280)
 
 
 @pytest.mark.timeout(120)
