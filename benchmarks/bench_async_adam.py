@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="every run to --steps: the F1 then measures the update rule, not when a plateau ended")
     parser.add_argument("--delay-compensation", type=float, default=None, metavar="LAMBDA",
                         help="the spec's delay_compensation for async/ssp (0: off; default: the spec's default)")
-    parser.add_argument("--quick", action="store_true", help="24 steps, one seed: checks the benchmark runs")
+    parser.add_argument("--quick", action="store_true", help="8 steps, one seed: checks the benchmark runs")
     opts = parser.parse_args(argv)
     import torch
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     os.chdir(ROOT)  # the silos import samples.hf_finetune from here
-    steps, seeds = (24, opts.seeds[:1]) if opts.quick else (opts.steps, opts.seeds)
+    steps, seeds = (8, opts.seeds[:1]) if opts.quick else (opts.steps, opts.seeds)
     runs: list[Run] = []
     with LocalCluster("grains.training", silos=2, cluster="async-adam", persist=False) as lc:
         for seed in seeds:
