@@ -142,6 +142,7 @@ class Connection(FrameReceiver):
         self._sweep_at = float("inf")
         self._out: deque[bytes | memoryview] = deque()
         self._flush_scheduled = False
+        self._joining_writelines = False
         self._big: asyncio.Task[None] | None = None
         self._paused: asyncio.Future[None] | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
@@ -156,6 +157,10 @@ class Connection(FrameReceiver):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
         self._tls = transport.get_extra_info("ssl_object") is not None
+        # Python 3.11's own transports inherit writelines() from WriteTransport, which joins the
+        # parts into one bytes: a frame and its 1 MB buffer copied whole on every call (a client
+        # on asyncio's loop spent a quarter of a 1 MB echo there). uvloop's writes them as they are.
+        self._joining_writelines = getattr(type(transport), "writelines", None) is asyncio.WriteTransport.writelines
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else (str(peer) or "same-host socket")
         sock = transport.get_extra_info("socket")
@@ -420,7 +425,11 @@ class Connection(FrameReceiver):
         if len(batch) == 1:
             self._transport.write(batch[0])
         elif batch:
-            self._transport.writelines(batch)
+            if self._joining_writelines and any(len(part) >= DIRECT_MIN for part in batch):
+                for part in batch:  # a write each: asyncio sends at once what the kernel takes
+                    self._transport.write(part)
+            else:
+                self._transport.writelines(batch)
 
     async def _write_big(self, part: memoryview) -> None:
         # Writing a huge buffer at once makes asyncio copy the unsent rest and
