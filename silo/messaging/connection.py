@@ -415,18 +415,23 @@ class Connection(FrameReceiver):
                 batch.append(b"".join(small) if len(small) > 1 else small[0])
                 small = []
             if len(part) > _SLICE and isinstance(part, memoryview):
-                if batch:
-                    self._transport.writelines(batch)
+                self._write_parts(batch)
                 self._big = self._loop.create_task(self._write_big(part.cast("B")))
                 return
             batch.append(part)
         if small:
             batch.append(b"".join(small) if len(small) > 1 else small[0])
+        self._write_parts(batch)
+
+    def _write_parts(self, batch: list[bytes | memoryview]) -> None:
+        assert self._transport is not None
         if len(batch) == 1:
             self._transport.write(batch[0])
         elif batch:
-            if self._joining_writelines and any(len(part) >= DIRECT_MIN for part in batch):
-                for part in batch:  # a write each: asyncio sends at once what the kernel takes
+            if self._joining_writelines:
+                # More than one part means a big one among them (small frames are joined
+                # before): a write each, and asyncio sends at once what the kernel takes.
+                for part in batch:
                     self._transport.write(part)
             else:
                 self._transport.writelines(batch)
