@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
-from grains.call import CALL_CHAIN, Call
+from grains.call import CALL_CHAIN, UNREAD, Call
 from grains.ids import GrainId
 from grains.result_stream import ResultStream, StreamChannel
 
@@ -43,7 +43,10 @@ class Caller(Protocol):
     async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
         """Deliver ``call`` and return its result; with ``one_way``, return once it is sent; with
         ``stream`` (a call of an async-generator method), return once it has its first item or
-        its end, which go to ``stream`` (grains/result_stream.py), as do the later ones."""
+        its end, which go to ``stream`` (grains/result_stream.py), as do the later ones.
+
+        A reference's call has ``chain`` UNREAD: read it when the call starts, in the task it runs
+        in (``grains.call.started(call)``), before anything looks at it."""
         ...
 
 
@@ -164,20 +167,19 @@ _new_call = tuple.__new__
 
 
 def _remote_method(name: str, doc: str | None, one_way: bool = False, stream: bool = False) -> Callable[..., Any]:
-    # The chain is read when the call starts, in the task that runs it, not when the coroutine
-    # is made: ``self.start_task(ref.m())`` makes it inside a turn, but it runs outside the
-    # turn (start_task clears the chain), so it must not carry the turn's chain (a call back
-    # into this grain would be refused as a deadlock while nothing waits). The one coroutine
-    # frame this costs (~0.1 µs) buys that. The Call is built with tuple.__new__ and all seven
-    # fields: 0.13 µs, where Call(...) goes through NamedTuple's Python-level __new__ (0.24 µs).
-    async def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
-        return await self._caller.invoke(
-            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0))
-        )
+    # Plain functions returning the caller's coroutine: no coroutine frame of their own. The
+    # chain is left UNREAD, and the caller reads it when its invoke starts, in the task that runs
+    # the call (grains.call.started): ``self.start_task(ref.m())`` makes the coroutine inside a
+    # turn, but it runs outside the turn, so it must not carry the turn's chain (a call back
+    # into this grain would be refused as a deadlock while nothing waits). The Call is built
+    # with tuple.__new__ and all seven fields: 0.13 µs, where Call(...) goes through
+    # NamedTuple's Python-level __new__ (0.24 µs).
+    def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        return self._caller.invoke(_new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, UNREAD, 0)))
 
-    async def send(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
-        return await self._caller.invoke(
-            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), True
+    def send(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
+        return self._caller.invoke(
+            _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, UNREAD, 0)), True
         )
 
     def iterate(self: GrainRef, *args: Any, **kwargs: Any) -> ResultStream[Any]:
@@ -236,6 +238,7 @@ UnknownMethodError when none has."""
 def _late_method(name: str, resolve: Resolver) -> Callable[..., Any]:
     async def call(self: GrainRef, *args: Any, **kwargs: Any) -> Any:
         one_way = await resolve(self._grain_id.type_name, name)
+        # Already in the task that runs the call (this frame awaited the resolve): read it now.
         return await self._caller.invoke(
             _new_call(Call, (self._grain_id, name, args, kwargs or None, self._timeout_s, _chain(), 0)), one_way
         )

@@ -62,3 +62,38 @@ def test_benchmark_runs_in_quick_mode_and_writes_its_json(name: str) -> None:
             assert data["ray"], data.get("ray_note")
         else:
             assert "Ray columns skipped" in proc.stdout and data["ray"] is None
+
+
+def test_the_interleaved_interval_is_a_t_interval_of_the_rounds_log_ratios() -> None:
+    from benchmarks.interleaved import interval
+
+    assert interval([1.25] * 6) == pytest.approx((1.25, 1.25))
+    lo, hi = interval([1.0, 4.0])  # geometric mean 2, t(1 df) = 12.71, sd of logs ln(4)/sqrt(2)
+    assert lo == pytest.approx(2 / 4**6.355) and hi == pytest.approx(2 * 4**6.355)
+    few, many = interval([0.9, 1.1] * 3), interval([0.9, 1.1] * 30)
+    assert few[0] < many[0] < 1 < many[1] < few[1]  # more rounds, a narrower interval
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_side_by_side_interleaved_runs_both_trees_burst_for_burst() -> None:
+    # This tree against itself: two workers (each its Redis, two silos, a client), two rows.
+    result = REPO / "benchmarks" / "results" / "side_by_side_interleaved.json"
+    started = time.time()
+    rows = ["client_grain_seq_100B", "grain_grain_across_pipe_1MB"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.side_by_side", "--baseline", str(REPO), "--interleave", "--rounds", "2",
+         "--rows", ",".join(rows)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=False, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert result.stat().st_mtime >= started - 1
+    data = json.loads(result.read_text())
+    assert list(data["rows"]) == rows and data["rounds"] == 2
+    for name, row in data["rows"].items():
+        # Every round ran one burst of the row's size on each tree, whole units only.
+        assert row["calls"] == {"baseline": 2 * row["burst_calls"], "this tree": 2 * row["burst_calls"]}, name
+        assert row["burst_calls"] % (64 if name.endswith("pipe_1MB") else 1) == 0
+        assert row["baseline_per_s"] > 0 and row["this_per_s"] > 0 and 0 < row["interval"][0] <= row["interval"][1]
+        assert name in proc.stdout
+    assert "idle silos' CPU while the other tree runs" in proc.stdout

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import AsyncGeneratorType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from grains.call import Call
+from grains.call import Call, started
 from grains.ids import GrainId
 from grains.ref import Caller
 from grains.result_stream import StreamChannel
@@ -126,7 +126,7 @@ class FilteredCaller:
         return self.inner.invoke(ctx.call, ctx.one_way, ctx.stream)
 
     async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
-        return await self._chain(OutgoingContext(call, one_way, stream))
+        return await self._chain(OutgoingContext(started(call), one_way, stream))  # filters read the chain
 
 
 def filtered_caller(inner: Caller, filters: Sequence[OutgoingFilter]) -> Caller:

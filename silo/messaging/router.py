@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from grains.call import Call
+from grains.call import CALL_CHAIN, UNREAD, Call
 from grains.ids import GrainId, SiloAddress
 from grains.request_context import current as current_entries
 from grains.result_stream import StreamChannel
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("redgrain.router")
 
 __all__ = ["LocalDispatch", "Manifests", "Router", "RouterStatistics", "TypeInfo"]
+
+_chain = CALL_CHAIN.get
+_new_call = tuple.__new__
 
 RETRY_BACKOFF_S = 0.025
 MAX_RETRY_BACKOFF_S = 0.2
@@ -243,6 +246,9 @@ class Router:
         (within the deadline; a call turned away unrun is retried as any call is)."""
         try:
             grain_id, method, args, kwargs, timeout_s, chain, hops = call  # one unpack: cheaper than seven reads
+            if chain is UNREAD:  # as a reference leaves it: the chain of the task this call starts in
+                chain = _chain()
+                call = _new_call(Call, (grain_id, method, args, kwargs, timeout_s, chain, hops))
             info = self._manifests.get_nowait(grain_id.type_name) or await self._manifests.get(grain_id.type_name)
             placed_for: str | None = method
             if method not in info.methods:

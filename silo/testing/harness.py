@@ -70,7 +70,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast, overload
 
 from grains.base import DeactivationReason, Grain
-from grains.call import Call
+from grains.call import Call, started
 from grains.ids import GrainId, SiloAddress
 from grains.observer import ObserverRef
 from grains.placement import grain_options
@@ -133,6 +133,7 @@ class _LocalRouter:
 
     async def invoke(self, call: Call, one_way: bool = False, stream: StreamChannel | None = None) -> Any:
         assert self.dispatcher is not None, "InProcessSilo wires the dispatcher before any call"
+        call = started(call)
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
         self.calls += 1

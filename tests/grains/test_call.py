@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from grains import Grain, GrainId
-from grains.call import CALL_CHAIN, Call
+from grains.call import CALL_CHAIN, UNREAD, Call, started
 from grains.ref import ref_class_for
 
 
@@ -15,14 +15,15 @@ class Adder(Grain):
 
 
 class Recorder:
-    """A Caller that keeps the calls it is handed and answers with them."""
+    """A Caller that keeps the calls it is handed and answers with them (their chain read as a
+    caller reads it, when the call starts)."""
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
     async def invoke(self, call: Call) -> Any:
         self.calls.append(call)
-        return call
+        return started(call)
 
 
 async def test_a_reference_call_becomes_one_call_with_the_callers_fields() -> None:
@@ -46,6 +47,19 @@ async def test_keywords_timeout_and_the_call_chain_travel_in_the_call() -> None:
     assert call.chain == ("Outer/1", "Middle/2")
     # Outside any turn the chain is empty again.
     assert (await ref.add(1)).chain == ()
+
+
+async def test_the_chain_is_the_one_of_the_task_a_call_starts_in_not_where_it_was_made() -> None:
+    # self.start_task(ref.m()) makes the call inside a turn and runs it in a task outside it.
+    caller = Recorder()
+    ref = ref_class_for(Adder)(caller, GrainId("Adder", "k"))
+    token = CALL_CHAIN.set(("Outer/1",))
+    try:
+        made_inside = ref.add(1)
+    finally:
+        CALL_CHAIN.reset(token)
+    assert (await made_inside).chain == ()
+    assert caller.calls[0].chain is UNREAD  # the reference left it to the caller
 
 
 def test_a_forwarded_call_is_one_hop_further_with_the_time_it_has_left() -> None:
