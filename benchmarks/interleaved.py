@@ -1,6 +1,7 @@
-"""The call rows of two checkouts, measured in alternating bursts in one run.
+"""The call rows (and the serving fronts' rows) of two checkouts, in alternating bursts in one run.
 
     python -m benchmarks.side_by_side --baseline ../old-main --what calls --interleave [--rounds 30]
+    python -m benchmarks.side_by_side --baseline ../old-main --what serving --interleave [--rounds 20]
 
 ``side_by_side``'s plain mode runs each tree's whole ``calls`` benchmark in turn,
 a few minutes each. On a shared host whose speed drifts by 1.5x within minutes
@@ -18,6 +19,12 @@ their logarithms), so a reader sees whether a ratio below 1 is more than noise.
 The idle tree is not paused: its silos' background work (heartbeats, a membership
 poll) runs beside the other's burst, and each worker reports its silos' CPU per
 second while idle, so that cost is seen, not guessed.
+
+``--what serving``: each tree's worker starts ``redgrain serve`` (HTTP and gRPC) for the
+digits model as ``benchmarks serving`` does, and this tree's clients
+(benchmarks/wire_clients.py: tritonclient HTTP and gRPC, httpx JSON) drive each front in
+turn at 1, 8, 16 and 64 requests in flight: the same client code for both, so only the
+servers differ.
 
 The worker only uses what both trees have (``BenchCluster``, ``BenchEcho``,
 ``BenchDriver``, ``ClusterClient``), so the baseline can be any checkout since
@@ -158,18 +165,19 @@ class Row:
 
 
 class Worker:
-    def __init__(self, name: str, tree: Path, python: str) -> None:
+    def __init__(self, name: str, tree: Path, python: str, kind: str = "calls") -> None:
         self.name = name
-        runner = f"import runpy, sys; sys.argv = ['interleaved']; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__worker__')"
+        runner = (f"import runpy, sys; sys.argv = ['interleaved', {kind!r}]; "
+                  f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__worker__')")  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen([python, "-c", runner], cwd=tree, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
 
-    def ready(self) -> None:
+    def ready(self) -> Any:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("{") and "ready" in json.loads(line):
-                return
+                return json.loads(line)["ready"]
         raise RuntimeError(f"the {self.name} worker ended before it was ready (exit {self.proc.wait()})")
 
     def ask(self, command: str) -> list[float]:
@@ -260,5 +268,101 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name:<34} {fmt(r['baseline_per_s']):>14} {fmt(r['this_per_s']):>14} {r['ratio']:>5.2f}x  {lo:.2f}-{hi:.2f}")
 
 
+# --- serving: the fronts over the wire --------------------------------------------------------------
+def serving_worker() -> None:
+    """Inside a tree: its own Redis, a serving silo and ``redgrain serve`` (HTTP and gRPC) for the
+    digits model, as ``benchmarks serving`` starts them; prints the ports, serves until stdin closes."""
+    import tempfile
+
+    from benchmarks import common, serving_wire
+    from benchmarks.bench_serving import save_weights
+    from benchmarks.serving_common import MAX_BATCH, MODELS
+
+    model = serving_wire.MODEL
+    factory, features = MODELS[model]
+    with tempfile.TemporaryDirectory() as tmp, common.BenchCluster(1, grains="grains.serving") as lc:
+        weights = save_weights(Path(tmp))[model]
+        port, grpc_port = serving_wire._free_port(), serving_wire._free_port()
+        front = common.start_subprocess(
+            ["-m", "grains.cli", "serve", "--redis", lc.redis_url, "--cluster", lc.cluster, "--name", model,
+             "--model", factory, "--weights", weights, "--input", f"input:FP32:-1,{features}",
+             "--max-batch-size", str(MAX_BATCH), "--port", str(port), "--grpc-port", str(grpc_port)]
+        )  # fmt: skip
+        try:
+            serving_wire._wait_ready(f"127.0.0.1:{port}", front, f"/v2/models/{model}/ready")
+            print(json.dumps({"ready": {"http": port, "grpc": grpc_port, "model": model, "features": features}}), flush=True)
+            sys.stdin.read()
+        finally:
+            serving_wire._stop(front)
+
+
+SERVING_IN_FLIGHT = (1, 8, 16, 64)
+
+
+def measure_serving(baseline: Path, this: Path, python: dict[str, str], rounds: int, only: list[str] | None = None) -> dict[str, Any]:
+    """The fronts of both trees, driven by this tree's clients (benchmarks/wire_clients.py), one
+    burst of one kind and concurrency at a time, alternating; as :func:`measure` for calls."""
+    from benchmarks import wire_clients
+    from benchmarks.serving_wire import kinds_available
+
+    workers = {"baseline": Worker("baseline", baseline, python["baseline"], "serving"),
+               "this tree": Worker("this tree", this, python["this tree"], "serving")}  # fmt: skip
+    kinds, _ = kinds_available()
+    rows = [Row(f"{kind} / {c}", c, 0) for kind in kinds for c in SERVING_IN_FLIGHT]
+    rows = [r for r in rows if only is None or r.name in only]
+    try:
+        fronts = {name: w.ready() for name, w in workers.items()}
+
+        def burst(tree: str, row: Row) -> float:
+            kind, c = row.name.split(" / ")
+            f = fronts[tree]
+            url = f"127.0.0.1:{f['grpc'] if kind == 'triton-grpc' else f['http']}"
+            got = wire_clients.measure(kind, url, f["model"], f["features"], int(c), row.n, int(c))
+            return float(got["requests"] / got["per_s"])
+
+        for row in rows:
+            n = row.unit * 20
+            while True:
+                for tree in workers:
+                    burst(tree, _sized(row, n))
+                took = burst("baseline", _sized(row, n))
+                if took >= BURST_S or n >= 1_000_000:
+                    break
+                n = max(n * 2, int(n * 1.5 * BURST_S / max(took, 1e-6)) // row.unit * row.unit)
+            row.n = n
+        for r in range(rounds):
+            order = list(workers) if r % 2 == 0 else list(workers)[::-1]
+            for row in rows:
+                took: dict[str, float] = {}
+                for name in order:
+                    took[name] = burst(name, row)
+                    row.calls[name] = row.calls.get(name, 0) + row.n
+                    row.seconds[name] = row.seconds.get(name, 0.0) + took[name]
+                row.round_ratios.append(took["baseline"] / took["this tree"])
+            print(f"# interleaved serving: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    out: dict[str, Any] = {"rounds": rounds, "rows": {}}
+    for row in rows:
+        lo, hi = interval(row.round_ratios)
+        base, ours = row.rate("baseline"), row.rate("this tree")
+        out["rows"][row.name] = {"baseline_per_s": base, "this_per_s": ours, "ratio": ours / base if base else math.nan,
+                                 "interval": [lo, hi], "burst_calls": row.n, "calls": dict(row.calls)}  # fmt: skip
+    return out
+
+
+def _sized(row: Row, n: int) -> Row:
+    return Row(row.name, row.unit, row.size, n)
+
+
+def print_serving(result: dict[str, Any]) -> None:
+    print(f"\n## serving over the wire, interleaved ({result['rounds']} alternating bursts a row; requests/s)")
+    print(f"{'client / in flight':<34} {'baseline':>14} {'this tree':>14} {'ratio':>6}  {'95% interval':>13}")
+    for name, r in result["rows"].items():
+        lo, hi = r["interval"]
+        print(f"{name:<34} {r['baseline_per_s']:>14,.0f} {r['this_per_s']:>14,.0f} {r['ratio']:>5.2f}x  {lo:.2f}-{hi:.2f}")
+
+
 if __name__ == "__worker__":
-    worker()
+    serving_worker() if sys.argv[1:] == ["serving"] else worker()

@@ -13,10 +13,11 @@ inside the other tree, so only functions both trees have are used); ``serving`` 
 ``python -m benchmarks serving --no-ray`` and reads the per-second figures of
 ``benchmarks/results/serving.json`` (the Predictor, plain grain calls, the fronts over the wire).
 
-``--what calls --interleave`` runs both trees at once instead and alternates short
-bursts of each call row (benchmarks/interleaved.py): on a host whose speed drifts
-within minutes, the only form whose ratios separate a few percent from noise.
-``--rounds`` is then the number of bursts a row (30 is about 6 minutes).
+``--what calls --interleave`` (or ``--what serving --interleave``) runs both trees at
+once instead and alternates short bursts of each row (benchmarks/interleaved.py): on a
+host whose speed drifts within minutes, the only form whose ratios separate a few
+percent from noise. ``--rounds`` is then the number of bursts a row (30 calls rounds
+are about 6 minutes).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--what", default="calls,training")
     p.add_argument("--interleave", action="store_true",
-                   help="calls only: both trees at once, each row in alternating short bursts (benchmarks/interleaved.py)")
+                   help="calls or serving: both trees at once, each row in alternating short bursts (benchmarks/interleaved.py)")
     p.add_argument("--rows", help="with --interleave: only these rows (comma-separated names)")
     p.add_argument("--worker-training", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -129,15 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--baseline is required")
     trees = {"baseline": args.baseline.resolve(), "this tree": HERE}
     if args.interleave:
-        if args.what not in ("calls", p.get_default("what")):
-            p.error("--interleave measures the calls rows only")
         from benchmarks import interleaved
 
         pythons = {name: _python(tree) for name, tree in trees.items()}
         only = args.rows.split(",") if args.rows else None
-        result = interleaved.measure(trees["baseline"], HERE, pythons, args.rounds, only)
-        interleaved.print_table(result)
-        out = HERE / "benchmarks" / "results" / "side_by_side_interleaved.json"
+        what = "calls" if args.what == p.get_default("what") else args.what
+        if what not in ("calls", "serving"):
+            p.error("--interleave measures --what calls or --what serving")
+        if what == "calls":
+            result = interleaved.measure(trees["baseline"], HERE, pythons, args.rounds, only)
+            interleaved.print_table(result)
+        else:
+            result = interleaved.measure_serving(trees["baseline"], HERE, pythons, args.rounds, only)
+            interleaved.print_serving(result)
+        out = HERE / "benchmarks" / "results" / f"side_by_side_interleaved{'' if what == 'calls' else '_serving'}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"baseline": str(trees["baseline"]), **result}, indent=2))
         print(f"# written to {out}", file=sys.stderr)

@@ -46,6 +46,7 @@ from silo.catalog.invocation import Invocation, Reroute
 from silo.catalog.pipeline import CallContext, CallNext
 from silo.catalog.state import NamedState
 from silo.catalog.timer import Timer
+from silo.loop import running_loop
 
 if TYPE_CHECKING:
     from silo.catalog.state import StateHandle
@@ -147,6 +148,9 @@ class Activation:
         self.last_used = catalog.clock()
         self.calls = 0
         self.deactivated = asyncio.Event()
+        # The loop this activation lives on, read once: on Python 3.11 each get_running_loop()
+        # (and current_task()) is a getpid() system call, and a call's turn made three of them.
+        self._loop = running_loop()
 
     def __repr__(self) -> str:
         return f"<Activation {self.grain_key} {self.status}>"
@@ -210,7 +214,7 @@ class Activation:
             return
         self._queue.append(inv)
         if self._pump is None and self.status is _ACTIVE:
-            self._pump = asyncio.get_running_loop().create_task(self._drain_mailbox())
+            self._pump = (self._loop or asyncio.get_running_loop()).create_task(self._drain_mailbox())
 
     def enqueue_internal(
         self, callback: Callable[[], Awaitable[Any]], *, interleave: bool = False
@@ -237,7 +241,7 @@ class Activation:
 
     def _start(self, inv: Invocation) -> None:
         self._running.add(inv)
-        inv.task = asyncio.get_running_loop().create_task(self._turn(inv))
+        inv.task = (self._loop or asyncio.get_running_loop()).create_task(self._turn(inv))
 
     async def _drain_mailbox(self) -> None:
         try:
@@ -277,14 +281,14 @@ class Activation:
             self._idle.set()
 
     async def _turn(self, inv: Invocation) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         try:
             if inv.cancelled or inv.future.done():
                 return
             if loop.time() > inv.deadline:
                 inv.future.set_exception(errors.GrainTimeoutError(self.grain_key, inv.method, 0.0))
                 return
-            inv.task = inv.task or asyncio.current_task()
+            inv.task = inv.task or asyncio.current_task(loop)
             self.calls += 1
             chain_token = CALL_CHAIN.set((*inv.chain, self.grain_key))
             # The caller's entries, or none: never those of whoever created this mailbox task.
@@ -407,7 +411,7 @@ class Activation:
                 (early if self.options.reentrant or inv.interleave else self._queue).append(inv)
             self._refill()
         if self._queue and self._pump is None:
-            self._pump = asyncio.get_running_loop().create_task(self._drain_mailbox())
+            self._pump = (self._loop or asyncio.get_running_loop()).create_task(self._drain_mailbox())
         for inv in early:
             self._start(inv)
 

@@ -136,6 +136,8 @@ class Dispatcher:
         self.observers = observers
         """Serves calls to observers (grain type ``$observer``); None: this silo takes none."""
         self._codec = codec
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """Read at the first call (silo/loop.py: each read of it is a system call on 3.11)."""
         """Copies a local call's arguments and result (None: passed as they are; tests of the
         dispatcher alone)."""
         self._catalog = catalog
@@ -221,7 +223,10 @@ class Dispatcher:
             return
         # A peer that sends no trace context (or predates it) sends eight items.
         trace = carrier_from_header(header) if len(header) > 8 else None
-        deadline = asyncio.get_running_loop().time() + (call.timeout_s or 0.0)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        deadline = loop.time() + (call.timeout_s or 0.0)
         if kind == STREAM:
             # Known now, before the CREDIT that follows it on this connection is read.
             sink = conn.serve_stream(req_id)
@@ -431,7 +436,9 @@ class Dispatcher:
                     if not streamed
                     else f"{grain}.{method} is no async generator: await it"
                 )
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         for _ in range(MAX_REROUTES):
             move = self.moving.get(grain)
             if move is not None:
