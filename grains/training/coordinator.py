@@ -554,6 +554,15 @@ class CoordinatorGrain(Grain):
         # The job's state stays readable from its checkpoints: free the grains' memory.
         await driver.release()
         s.released = True
+        if s.spec is not None and s.spec.callbacks:
+            # Before the end is written or published: whoever sees the job ended (a client's
+            # poll, the CLI) may count on its callbacks' on_end having run, as HF's Trainer
+            # calls on_train_end before train() returns.
+            try:
+                callbacks = await self._job_callbacks()
+                await self.run_in_thread(callbacks.on_end, status, s.step)
+            except Exception as exc:  # noqa: BLE001 - the job has ended; nothing is left to fail
+                log.warning("%s: %s", self.key, exc)
         await self._log(end=status)
         await self._write()
         self._live = self._status_from_state(
@@ -574,12 +583,6 @@ class CoordinatorGrain(Grain):
             # The period is the retry of a forget cut short (its silo killed): soon, not a ttl later.
             await self.register_reminder(_FORGET, period_s=min(max(ttl, 1.0), 60.0), due_s=ttl)
         log.info("%s: job %s at step %d (evaluation %s)", self.key, status, s.step, s.eval_metrics)
-        if s.spec is not None and s.spec.callbacks:
-            try:
-                callbacks = await self._job_callbacks()
-                await self.run_in_thread(callbacks.on_end, status, s.step)
-            except Exception as exc:  # noqa: BLE001 - the job has ended; nothing is left to fail
-                log.warning("%s: %s", self.key, exc)
 
     async def _write(self) -> None:
         async with self._write_lock:

@@ -3,6 +3,7 @@ callbacks with early stopping, the best checkpoint kept, a resume from any commi
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -66,6 +67,8 @@ class StopAtStep20:
         self.seen.append(("checkpoint", step))
 
     def on_end(self, status: str, step: int) -> None:
+        # A slow on_end (saving an artifact, say): the job must not read ended before it returns.
+        time.sleep(0.3)
         self.seen.append((status, step))
 
 
