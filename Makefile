@@ -75,7 +75,8 @@ bench: $(STAMP)
 
 # The simulator's long soak: many thousands of seeded clusters (make test runs 200), then the
 # services scenario (reminders, timers, streams on the fakeredis twin; make test runs 30), and
-# the silo scenario (the production Silo class on fakeredis, ~2 s a seed; make test runs 12).
+# the silo and stops scenarios (the production Silo class on fakeredis, ~1-2 s a seed; make test
+# runs 12 and 2).
 # A failing seed prints its replay command; SEEDS=1-500, SERVICE_SEEDS=1-100, SILO_SEEDS=1-50 run fewer.
 SEEDS ?= 1-5000
 SERVICE_SEEDS ?= 1-1000
@@ -86,6 +87,7 @@ sim: $(STAMP)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario results --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SERVICE_SEEDS) --scenario versions --jobs 2 --shrink $(ARGS)
 	$(PY) -m silo.testing.sim run --seeds $(SILO_SEEDS) --scenario silo --jobs 2 --shrink $(ARGS)
+	$(PY) -m silo.testing.sim run --seeds $(SILO_SEEDS) --scenario stops --jobs 2 --shrink $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/chaos tests/grains/training/test_resume_matrix.py tests/grains/training/test_async_converges.py $(ARGS)

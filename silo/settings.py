@@ -147,7 +147,7 @@ class CatalogSettings(_Section):
         "retried by its caller's router until its deadline); up to as many one-way calls wait behind, in order.",
     )
     deactivation_timeout_s: float = Field(
-        10.0, gt=0, description="Time on_deactivate and draining may take."
+        10.0, gt=0, description="Time on_deactivate and draining may take; turns still running after it are cancelled."
     )
     thread_pool_size: int = Field(
         2, gt=0, description="Threads for Grain.run_in_thread (CPU-heavy work off the event loop)."

@@ -378,6 +378,27 @@ class Activation:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task %s failed", self.grain_key, task.get_name(), exc_info=task.exception())
 
+    def abandon_turns(self, reason: str) -> list[asyncio.Task[Any]]:
+        """End the turns still running on an activation that must go anyway (its deactivation
+        timed out, its silo stops without a hand-off or was declared dead): each caller is
+        told, each turn cancelled.
+
+        Left running, a turn would outlive its activation: its state writes after the final
+        flush, its task pending when the silo's loop closed (seen as a coroutine closed by the
+        garbage collector in a later test). Returns the tasks, to be awaited by the catalog."""
+        tasks: list[asyncio.Task[Any]] = []
+        for inv in list(self._running):
+            inv.cancelled = True  # so the turn takes its cancellation as its end, not the pump's
+            if not inv.future.done():
+                inv.future.set_exception(errors.GrainDeactivatedError(self.grain_key, reason))
+            if inv.task is not None and not inv.task.done():
+                inv.task.cancel()
+                tasks.append(inv.task)
+        for task in self.tasks:
+            task.cancel()
+            tasks.append(task)
+        return tasks
+
     async def cancel_tasks(self) -> None:
         tasks = list(self.tasks)
         for t in tasks:

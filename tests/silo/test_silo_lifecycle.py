@@ -25,7 +25,7 @@ from silo.records.membership import MemberRow, SiloStatus
 from silo.settings import SiloSettings
 from silo.silo import Silo, SiloState
 from tests.conftest import FAST_MEMBERSHIP
-from tests.sample_grains import Echo
+from tests.sample_grains import Echo, Ticker, Worker
 
 
 class InjectedFailure(Exception):
@@ -156,6 +156,30 @@ async def test_a_start_and_graceful_stop_leave_nothing_and_the_row_dead(
     await probe.assert_nothing_left()
     assert [r.status for r in probe.rows()] == [SiloStatus.DEAD]
     assert probe.redis.scard(probe.keys.directory_index(address)) == 0
+
+
+async def test_a_stop_without_hand_off_ends_its_activations_timers_and_turns(
+    probe: Probe, redis_url: str, cluster_name: str
+) -> None:
+    # A CI run: a stop with graceful=False (the test fixtures', the loop shutdown's) left its
+    # activations live; a serving grain's poll timer ticked on into the stopped silo, and a tick
+    # started while the loop cancelled its tasks was closed by the garbage collector a test later.
+    silo = await Silo(probe.settings(redis_url, cluster_name)).start()
+    ticker = silo.get_grain(Ticker, "t")
+    await ticker.start(0.01)
+    assert await asyncio.wait_for(ticker.wait_ticks(), 5) >= 3
+    busy = asyncio.ensure_future(silo.get_grain(Worker, 0).work(600))
+    while not silo.catalog.running_turns():  # no event says a turn started: look each 10 ms
+        await asyncio.sleep(0.01)
+    act = next(a for a in silo.catalog.activations() if a.grain_id.type_name == "Ticker")
+    instance = act.instance
+    await silo.stop(graceful=False)
+    assert silo.status is SiloState.STOPPED and act.deactivated.is_set() and not act.timers
+    ticks = instance.ticks
+    with pytest.raises(errors.GrainCallError):
+        await asyncio.wait_for(busy, 5)  # told, not left to its 600 s
+    await probe.assert_nothing_left()  # no turn, no timer's tick, left running
+    assert instance.ticks == ticks
 
 
 async def test_a_silo_declared_dead_stops_at_once_and_touches_nothing_in_redis(

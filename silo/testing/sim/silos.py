@@ -332,11 +332,11 @@ class RealSilo:
         if self.redis is not None:
             await self.redis.connection_pool.disconnect()
 
-    async def stop(self) -> None:
+    async def stop(self, *, graceful: bool = True) -> None:
         if self.state != "active":
             return
         self.state = "stopped"
-        await self.silo.stop()
+        await self.silo.stop(graceful=graceful)
         # What stop() cancelled last (its shutdown hook's task) ends on the loop's next turn.
         await asyncio.sleep(0)
         self.world.gone.add(self.name)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import pytest
+
 from grains.base import DeactivationReason
+from silo import errors
 from silo.settings import CatalogSettings
 from silo.testing.clock import VirtualClock
 from silo.testing.harness import InProcessSilo
@@ -123,3 +126,53 @@ async def test_a_deactivation_in_flight_when_the_silo_is_declared_dead_ends_with
     # The calls it had taken from the mailbox end too (failed here; a caller may retry elsewhere).
     _, pending = await asyncio.wait([held, *queued], timeout=60)
     assert not pending
+
+
+async def test_a_turn_still_running_when_the_deactivation_times_out_is_cancelled_and_its_caller_told(
+    make_silo: Callable[..., InProcessSilo], clock: VirtualClock
+) -> None:
+    # A CI run: a serving grain's timer tick still awaited a call when its silo stopped; the
+    # deactivation went on "anyway", the turn outlived the silo and the test's loop, and a later
+    # test's garbage collection closed its coroutine (an unraisable error there).
+    silo = await make_silo(CatalogSettings(deactivation_timeout_s=5)).start()
+    latch = silo.get_grain(Latch, "stuck")
+    held = asyncio.ensure_future(latch.with_timeout(600).hold("never"))
+    read = asyncio.ensure_future(latch.with_timeout(600).peek("never"))  # a turn in a task of its own
+    await clock.settle()
+    act, grain = silo.activation(latch), silo.instance(latch)
+    assert act is not None and grain.running == 1
+    leaving = asyncio.ensure_future(silo.catalog.deactivate(act, DeactivationReason.REQUESTED))
+    await clock.advance(4.9)
+    assert not leaving.done() and not held.done()  # the turn has its deactivation_timeout_s
+    await clock.advance(0.2)
+    assert leaving.done() and held.done()
+    await leaving
+    with pytest.raises(errors.GrainDeactivatedError, match="ran past 5s"):
+        await held
+    assert grain.running == 0 and grain.log == ["start never"]  # cancelled: its finally ran, no end
+    assert act.deactivated.is_set() and not act.busy
+    # The read-only call queued behind it never started: re-routed to a new activation, where it waits.
+    assert not read.done() and silo.activation(latch) not in (None, act)
+    silo.instance(latch).open("never")
+    await clock.settle()
+    assert read.done() and read.result() == "never"
+
+
+async def test_the_turns_of_a_silo_declared_dead_end_before_its_stop_does(
+    silo: InProcessSilo, clock: VirtualClock
+) -> None:
+    latch = silo.get_grain(Latch, "dead")
+    held = [asyncio.ensure_future(latch.with_timeout(600).peek(f"p{i}")) for i in range(3)]
+    await clock.settle()
+    act, grain = silo.activation(latch), silo.instance(latch)
+    assert act is not None and grain.running == 3
+    turns = [t for t in asyncio.all_tasks() if "Activation._turn" in repr(t.get_coro())]
+    assert len(turns) == 3
+    silo.catalog.drop_all_nowait()
+    await clock.settle()
+    assert all(call.done() for call in held)  # told at once, not at their 600 s deadline
+    for call in held:
+        with pytest.raises(errors.GrainDeactivatedError, match="declared dead"):
+            await call
+    await silo.catalog.stop()
+    assert all(t.done() for t in turns) and grain.running == 0
