@@ -44,7 +44,15 @@ def _caller(kind: str, url: str, model: str, row: np.ndarray) -> tuple[Callable[
         def call() -> Any:
             return c.infer(model, [inp], outputs=out).as_numpy("output")
 
-        return call, c.close
+        def close() -> None:
+            c.close()
+            # Each thread that used the client has a gevent hub of its own, and its event loop's
+            # descriptors outlive the thread: two a client, so a long run ran out of them.
+            import gevent
+
+            gevent.get_hub().destroy(destroy_loop=True)
+
+        return call, close
     if kind == "triton-grpc":
         import tritonclient.grpc as tg
 
