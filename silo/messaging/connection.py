@@ -147,6 +147,9 @@ class Connection(FrameReceiver):
         self._paused: asyncio.Future[None] | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
         self.closed = False
+        self._closed_here = False
+        """close() was called: the calls in flight end with SiloClosedError (we closed it), not
+        SiloUnavailableError (the peer broke), as a call made after the close does."""
         self._nonce = b""
         """The acceptor's HELLO nonce (sent by us on an accepted connection, received otherwise)."""
         self._our_nonce = b""
@@ -183,7 +186,11 @@ class Connection(FrameReceiver):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._direct = None
-        err: errors.RedgrainError = errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
+        err: errors.RedgrainError = (
+            errors.SiloClosedError(f"connection to {self.peer}")
+            if self._closed_here
+            else errors.SiloUnavailableError(self.peer, f"connection lost ({exc or 'closed by peer'})")
+        )
         if self._tls and not self.ready.done() and not self._server_side:
             # Under TLS 1.3 the silo checks our certificate after our side of the handshake is
             # done, and sends its HELLO only once it accepted it: a refusal shows as an alert
@@ -713,6 +720,7 @@ class Connection(FrameReceiver):
 
     def close(self) -> None:
         if self._transport is not None and not self.closed:
+            self._closed_here = True
             self._flush()
             self._transport.close()
 

@@ -155,7 +155,8 @@ async def test_a_client_gone_mid_stream_stops_the_generator(cluster, client, red
     producer = client.get_grain(Producer, "p")
     assert await producer.with_timeout(10).wait_ended() == "closed"
     assert [x async for x in producer.count(2)] == [0, 1]
-    with pytest.raises(errors.SiloUnavailableError):  # what came before the loss, then its error
+    # What came before the close, then its error: the client closed it, not the silo.
+    with pytest.raises(errors.SiloClosedError):
         async for _ in stream:
             pass
 

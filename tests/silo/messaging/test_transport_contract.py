@@ -232,6 +232,22 @@ async def test_a_closed_transport_connects_nowhere(backend: Backend) -> None:
         await client.connect(endpoint)
 
 
+async def test_a_call_in_flight_when_we_close_our_transport_fails_as_ours_not_the_peers(backend: Backend) -> None:
+    # Errors are named for who is at fault: a client closed with a call under way told it
+    # "SiloUnavailableError ... connection lost (closed by peer)", and a call made a moment later
+    # "SiloClosedError"; a caller that retries a broken peer's calls retried its own close.
+    _, endpoint = await backend.server(EchoServer())
+    client = backend.transport()
+    conn = await client.connect(endpoint)
+    pending = asyncio.ensure_future(conn.request(call("hold"), [], 5.0))
+    await asyncio.sleep(0)
+    await client.close()
+    with pytest.raises(errors.SiloClosedError, match="is closed"):
+        await pending
+    with pytest.raises(errors.SiloClosedError):
+        await client.connect(endpoint)
+
+
 async def test_a_transport_closed_while_a_connect_is_pending_leaves_no_task_and_no_connection(backend: Backend) -> None:
     # As the failure detector's probe connects: shielded, and given up on at its timeout. The
     # silo then stops (the simulator's seed 89 of `silo`: the connect outlived the stop).
