@@ -381,7 +381,7 @@ class Activation:
     def abandon_turns(self, reason: str) -> list[asyncio.Task[Any]]:
         """End the turns still running on an activation that must go anyway (its deactivation
         timed out, its silo stops without a hand-off or was declared dead): each caller is
-        told, each turn cancelled.
+        told, each turn cancelled, and so is any background task (``start_task``) still left.
 
         Left running, a turn would outlive its activation: its state writes after the final
         flush, its task pending when the silo's loop closed (seen as a coroutine closed by the

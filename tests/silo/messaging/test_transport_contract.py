@@ -246,6 +246,15 @@ async def test_a_call_in_flight_when_we_close_our_transport_fails_as_ours_not_th
         await pending
     with pytest.raises(errors.SiloClosedError):
         await client.connect(endpoint)
+    # An abort stays the peer's kind of loss (a silo declared dead drops its links so; its
+    # callers elsewhere may go on): only an orderly close of our own is ours.
+    aborting = backend.transport()
+    conn = await aborting.connect(endpoint)
+    pending = asyncio.ensure_future(conn.request(call("hold"), [], 5.0))
+    await asyncio.sleep(0)
+    aborting.abort_all()
+    with pytest.raises(errors.SiloUnavailableError):
+        await pending
 
 
 async def test_a_transport_closed_while_a_connect_is_pending_leaves_no_task_and_no_connection(backend: Backend) -> None:
