@@ -2,8 +2,9 @@
 
 The in-process silos of the ``cluster`` fixture share this module, so a test
 reads :data:`RECORDS` directly and steers the trainers through :data:`CONTROL`:
-a step at or past ``limit`` waits until the test raises it, and the first step
-at or past ``oom_at`` of generation ``oom_gen`` or later runs out of memory.
+a step at or past ``limit`` waits until the test raises it (a trainer of any
+mode), and the first step at or past ``oom_at`` of generation ``oom_gen`` or
+later runs out of memory (parameter-server trainers, which also record).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 RECORDS: list[tuple[int, int, int, list[int]]] = []
-"""``(generation, rank, step, ids)`` of every step a trainer ran."""
+"""``(generation, rank, step, ids)`` of every step a parameter-server trainer ran."""
 CONTROL: dict[str, int | None] = {"limit": None, "oom_at": None, "oom_gen": None}
 _CHANGED = threading.Condition()
 _WAIT_S = 60.0
@@ -50,6 +51,8 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         generation, rank, t = where
         with _CHANGED:
             _CHANGED.wait_for(lambda: (limit := CONTROL["limit"]) is None or t < limit, timeout=_WAIT_S)
+            if generation is None:
+                return F.cross_entropy(model(x), y)
             oom_at, oom_gen = CONTROL["oom_at"], CONTROL["oom_gen"]
             if oom_at is not None and oom_gen is not None and t >= oom_at and generation >= oom_gen:
                 CONTROL["oom_at"] = None
@@ -58,9 +61,10 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
-def _trainer_step() -> tuple[int, int, int] | None:
-    """``(generation, rank, step)`` of the parameter-server trainer calling the step (None: another
-    caller, such as the submit-time check)."""
+def _trainer_step() -> tuple[int | None, int, int] | None:
+    """``(generation, rank, step)`` of the trainer calling the step (None: another caller, such as
+    the submit-time check). An all-reduce trainer's generation is not at hand: None."""
+    from grains.training.strategies.allreduce.trainer_core import TrainerCore as GroupTrainer
     from grains.training.strategies.ps.trainer import TrainerCore
 
     frame = sys._getframe(1)
@@ -68,6 +72,8 @@ def _trainer_step() -> tuple[int, int, int] | None:
         me, t = frame.f_locals.get("self"), frame.f_locals.get("step")
         if isinstance(me, TrainerCore) and isinstance(t, int):
             return me.a.generation, me.a.rank, t
+        if isinstance(me, GroupTrainer) and isinstance(t, int):
+            return None, frame.f_locals["rank"], t
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

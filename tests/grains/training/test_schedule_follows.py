@@ -19,13 +19,16 @@ from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from grains.training.state.store import CheckpointStoreGrain
-from tests.grains.training.conftest import GRAINS, run_job, wait_done
+from tests.grains.training import data_ids
+from tests.grains.training.conftest import GRAINS, run_job, training_silos, wait_done
 from tests.grains.training.test_allreduce import status_when
 
+IDS = 512
 
-async def rate_at(client, job: str, run: int, step: int) -> float:
+
+async def rate_at(client, job: str, run: int, step: int, spec: TrainingJob | None = None) -> float:
     """The rate checkpoint ``step`` holds (its optimizer's groups, by name)."""
-    names = [n for n, p in build_model(TrainingJob()).named_parameters() if p.requires_grad]
+    names = [n for n, p in build_model(spec or TrainingJob()).named_parameters() if p.requires_grad]
     snap = await client.get_grain(CheckpointStoreGrain, job).read(run, step, names, [])
     return float(snap.optimizer["param_groups"][0]["lr"])
 
@@ -59,26 +62,46 @@ async def test_hugging_faces_warmup_factory_runs_unmodified_and_equals_a_plain_l
 
 @pytest.mark.parametrize("mode", ["sync", "allreduce"])
 async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_last_step(cluster, client, mode):
-    await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode=mode, trainers="auto", shards=1, epochs=5, batch_size=16, optimizer="momentum", lr=0.05,
-                       lr_schedule="torch.optim.lr_scheduler:LinearLR",
-                       lr_schedule_args={"start_factor": 1.0, "end_factor": 0.0, "total_iters": "total_steps"},
-                       checkpoint_every=10, keep_checkpoints=100)  # fmt: skip
-    job = f"lr-follows-{mode}"
-    coord = client.get_grain(CoordinatorGrain, job)
-    await coord.start(spec)
-    first = await status_when(coord, lambda s: s.status == "running" and s.step >= 5)
-    alone = first.total_steps
-    await cluster(1, grains=GRAINS)
-    grown = await status_when(coord, lambda s: s.trainers == 2)
-    st = await wait_done(coord, timeout_s=120)
+    # The trainers are held at a step gate until the job has grown: a joining silo that warms up
+    # slowly (a loaded host) must not find the job already at its end (CI once grew it at step
+    # 430 of 440, leaving no checkpoint of the 2-trainer phase to check).
+    data_ids.reset(limit=20)
+    try:
+        await cluster(1, grains=GRAINS)
+        spec = TrainingJob(mode=mode, trainers="auto", shards=1, epochs=5, batch_size=16, optimizer="momentum", lr=0.05,
+                           lr_schedule="torch.optim.lr_scheduler:LinearLR",
+                           lr_schedule_args={"start_factor": 1.0, "end_factor": 0.0, "total_iters": "total_steps"},
+                           checkpoint_every=10, keep_checkpoints=100, model_args={"in_features": 8, "hidden": [16], "classes": 2},
+                           dataset="tests.grains.training.data_ids:ids", dataset_args={"size": IDS},
+                           step="tests.grains.training.data_ids:step")  # fmt: skip
+        job = f"lr-follows-{mode}"
+        coord = client.get_grain(CoordinatorGrain, job)
+        await coord.start(spec)
+        first = await status_when(coord, lambda s: s.status == "running" and 20 in s.checkpoints)
+        alone = first.total_steps
+        assert alone == 5 * IDS // 16, first
+        await cluster(1, grains=GRAINS)
+        await training_silos(client, 2)
+        grown = None
+        for limit in range(30, alone // 2, 10):  # a checkpoint a round: the job grows at one once warmed up
+            data_ids.control(limit=limit)
+            try:
+                grown = await status_when(coord, lambda s: s.trainers == 2, timeout_s=10.0)
+                break
+            except AssertionError:
+                continue
+        assert grown is not None, "the job did not grow in its first half"
+        data_ids.control(limit=None)
+        st = await wait_done(coord, timeout_s=120)
+    finally:
+        data_ids.control(limit=None)
     assert st.status == "completed", st
     assert st.total_steps < alone, (alone, st.total_steps)  # two trainers: fewer steps to five epochs
     # The rate reaches 0 exactly at the job's last step and not before (a schedule over the
     # 1-trainer length would still be above 0 at the end).
-    assert await rate_at(client, job, st.run, st.total_steps) == 0.0
+    assert await rate_at(client, job, st.run, st.total_steps, spec) == 0.0
     before = [c for c in st.checkpoints if grown.changes[-1].start_step < c < st.total_steps]
-    assert before, st.checkpoints
+    assert len(before) >= 2, st.checkpoints
     for c in before:
         want = spec.lr * (1 - c / st.total_steps)
-        assert abs(await rate_at(client, job, st.run, c) - want) < 1e-6, c
+        assert abs(await rate_at(client, job, st.run, c, spec) - want) < 1e-6, c

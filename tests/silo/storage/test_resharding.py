@@ -119,7 +119,15 @@ class _Writers:
 
 
 async def _assign(nodes: dict[int, aioredis.Redis], ids: dict[int, str], slot: int, src: int, dst: int) -> None:
-    """End a move: ``slot`` belongs to ``dst``, told to the target, the source, then the rest."""
+    """End a move: the keys left on ``src`` migrated, then ``slot`` belongs to ``dst``, told to the
+    target, the source, then the rest.
+
+    The source refuses the slot's new owner while it holds keys of it, unless the target's claim
+    has already reached it by gossip (which deletes them): a test that ends a move half-way won
+    that race on an idle host and lost it on a loaded one.
+    """
+    while keys := await nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        await nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
     for port in (dst, src, *(p for p in nodes if p not in (src, dst))):
         await nodes[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
 
