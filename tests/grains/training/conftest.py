@@ -41,3 +41,24 @@ async def training_silos(client: Any, count: int, timeout_s: float = 30.0) -> li
             return rows
         assert loop.time() < deadline, rows
         await asyncio.sleep(0.05)
+
+
+async def grown_at_a_gate(coord: Any, done: Any, first: int, last: int, every: int, wait_s: float = 10.0) -> TrainingStatus:
+    """Let trainers held at step ``first - every`` by :mod:`data_ids` (``limit``) on, ``every``
+    steps a round, up to ``last``, until ``done(status)``: the job cannot end before a joining
+    silo warmed up (a loaded host once grew a job at step 430 of 440). Each round waits
+    ``wait_s``; the steps run past no other gate until the caller lifts the limit."""
+    from tests.grains.training import data_ids
+
+    loop = asyncio.get_running_loop()
+    for limit in range(first, last + 1, every):
+        data_ids.control(limit=limit)
+        deadline = loop.time() + wait_s
+        while loop.time() < deadline:
+            st: TrainingStatus = await coord.status()
+            if done(st):
+                return st
+            assert st.status not in ("completed", "failed", "cancelled"), st
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"not reached by step {last}: {await coord.status()}")
+

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from grains.training.steps import classification_step
+
 RECORDS: list[tuple[int, int, int, list[int]]] = []
 """``(generation, rank, step, ids)`` of every step a parameter-server trainer ran."""
 CONTROL: dict[str, int | None] = {"limit": None, "oom_at": None, "oom_gen": None}
@@ -50,7 +52,7 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if where is not None:
         generation, rank, t = where
         with _CHANGED:
-            _CHANGED.wait_for(lambda: (limit := CONTROL["limit"]) is None or t < limit, timeout=_WAIT_S)
+            _hold(t)
             if generation is None:
                 return F.cross_entropy(model(x), y)
             oom_at, oom_gen = CONTROL["oom_at"], CONTROL["oom_gen"]
@@ -59,6 +61,20 @@ def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
                 raise MemoryError(f"simulated: no memory for step {t}")
             RECORDS.append((generation, rank, t, i.tolist()))
     return F.cross_entropy(model(x), y)
+
+
+def gated(model: torch.nn.Module, batch: Any) -> Any:
+    """The default step (any dataset's ``(input, label)``), held at ``limit`` as :func:`step` is."""
+    where = _trainer_step()
+    if where is not None:
+        with _CHANGED:
+            _hold(where[2])
+    return classification_step(model, batch)
+
+
+def _hold(step: int) -> None:
+    """Wait (holding ``_CHANGED``) until step ``step`` is below the limit (or none is set)."""
+    _CHANGED.wait_for(lambda: (limit := CONTROL["limit"]) is None or step < limit, timeout=_WAIT_S)
 
 
 def _trainer_step() -> tuple[int | None, int, int] | None:

@@ -23,7 +23,8 @@ from grains.training.strategies.cluster import key_on
 from grains.training.strategies.ps.shard import make_optimizer
 from silo import errors
 from silo.settings import MembershipSettings
-from tests.grains.training.conftest import GRAINS, run_job, training_silos, wait_done
+from tests.grains.training import data_ids
+from tests.grains.training.conftest import GRAINS, grown_at_a_gate, run_job, training_silos, wait_done
 from tests.grains.training.test_sync import reference_parameters
 
 
@@ -62,15 +63,19 @@ async def test_allreduce_with_two_trainers_on_two_silos_matches_single_process_t
 
 
 async def test_a_trainer_silo_that_joins_is_taken_into_the_next_group_generation(cluster, client):
-    await cluster(1, grains=GRAINS)
-    spec = TrainingJob(mode="allreduce", trainers="auto", steps=1500, batch_size=32, optimizer="momentum",
-                       lr=0.05, checkpoint_every=0)  # fmt: skip
-    coord = client.get_grain(CoordinatorGrain, "ar-join")
-    await coord.start(spec)
-    first = await status_when(coord, lambda s: s.status == "running" and s.step >= 20)
-    assert first.trainers == 1
-    (joiner,) = await cluster(1, grains=GRAINS)
-    grown = await status_when(coord, lambda s: s.trainers == 2 and s.generation > first.generation)
+    data_ids.reset(limit=40)  # held until the joiner is in (grown_at_a_gate): the job must not end first
+    try:
+        await cluster(1, grains=GRAINS)
+        spec = TrainingJob(mode="allreduce", trainers="auto", steps=1500, batch_size=32, optimizer="momentum",
+                           lr=0.05, checkpoint_every=0, step="tests.grains.training.data_ids:gated")  # fmt: skip
+        coord = client.get_grain(CoordinatorGrain, "ar-join")
+        await coord.start(spec)
+        first = await status_when(coord, lambda s: s.status == "running" and s.step >= 20)
+        assert first.trainers == 1
+        (joiner,) = await cluster(1, grains=GRAINS)
+        grown = await grown_at_a_gate(coord, lambda s: s.trainers == 2 and s.generation > first.generation, 50, 1000, 10)
+    finally:
+        data_ids.control(limit=None)
     change = grown.changes[-1]
     assert "joined" in change.reason and change.trainers == 2
     assert change.start_step >= first.step  # the new member copied the survivor's state: nothing redone

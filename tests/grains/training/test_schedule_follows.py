@@ -20,7 +20,7 @@ from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from grains.training.state.store import CheckpointStoreGrain
 from tests.grains.training import data_ids
-from tests.grains.training.conftest import GRAINS, run_job, training_silos, wait_done
+from tests.grains.training.conftest import GRAINS, grown_at_a_gate, run_job, training_silos, wait_done
 from tests.grains.training.test_allreduce import status_when
 
 IDS = 512
@@ -62,9 +62,8 @@ async def test_hugging_faces_warmup_factory_runs_unmodified_and_equals_a_plain_l
 
 @pytest.mark.parametrize("mode", ["sync", "allreduce"])
 async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_last_step(cluster, client, mode):
-    # The trainers are held at a step gate until the job has grown: a joining silo that warms up
-    # slowly (a loaded host) must not find the job already at its end (CI once grew it at step
-    # 430 of 440, leaving no checkpoint of the 2-trainer phase to check).
+    # The trainers are held at a step gate until the job has grown (grown_at_a_gate): CI once
+    # grew it at step 430 of 440, leaving no checkpoint of the 2-trainer phase to check.
     data_ids.reset(limit=20)
     try:
         await cluster(1, grains=GRAINS)
@@ -82,15 +81,8 @@ async def test_an_elastic_epochs_job_decays_its_rate_to_zero_at_its_recomputed_l
         assert alone == 5 * IDS // 16, first
         await cluster(1, grains=GRAINS)
         await training_silos(client, 2)
-        grown = None
-        for limit in range(30, alone // 2, 10):  # a checkpoint a round: the job grows at one once warmed up
-            data_ids.control(limit=limit)
-            try:
-                grown = await status_when(coord, lambda s: s.trainers == 2, timeout_s=10.0)
-                break
-            except AssertionError:
-                continue
-        assert grown is not None, "the job did not grow in its first half"
+        # A checkpoint a round: the job grows at one once the joiner warmed up.
+        grown = await grown_at_a_gate(coord, lambda s: s.trainers == 2, 30, alone // 2, 10)
         data_ids.control(limit=None)
         st = await wait_done(coord, timeout_s=120)
     finally:
