@@ -90,6 +90,13 @@ _SENT_KEPT = 3
 """Versions kept per trainer for delay compensation: a pipelined async trainer's push is computed
 on the reply before its last (a reply may carry none when the version did not change)."""
 
+UPDATE_BUDGET_S = 0.004
+"""The inline budget of a shard's update (inline.py), above a step's: an update of many small
+tensors (AdamW over the tiny BERT's 41: ~1.4 ms) is torch's dispatcher and Python, holding the
+GIL, so on the executor it holds the loop about as long and costs two thread hops besides;
+an update whose kernels take longer (a large model's, which release the GIL) still goes to
+the executor."""
+
 
 def push_lr_scale(mode: str, trainers: int, opt: torch.optim.Optimizer | None) -> float:
     """The factor on each param group's lr for one push applied alone (async, ssp).
@@ -172,7 +179,7 @@ class ParamShardGrain(Grain):
         self._norms: dict[int, dict[int, float]] = {}  # sync clipping: step -> shard index -> squared norm
         self._started: set[int] = set()  # async/ssp: ranks whose first push of this configuration came
         self._sent: list[deque[tuple[int, dict[str, torch.Tensor]]]] = []  # per rank: versions last sent (compensation)
-        self._updates = InlineWhenCheap(self.run_in_thread)  # updates inline while cheap (inline.py)
+        self._updates = InlineWhenCheap(self.run_in_thread, UPDATE_BUDGET_S)  # inline while cheap (inline.py)
 
     # --- configuration ------------------------------------------------------
     async def configure(self, cfg: ShardConfig) -> ShardStatus:
@@ -187,7 +194,7 @@ class ParamShardGrain(Grain):
             core = await self.run_in_thread(ShardCore, cfg, self.device, snapshot)
             start = cfg.restore_step or 0
             self._cfg, self._core = cfg, core
-            self._updates = InlineWhenCheap(self.run_in_thread)  # a new core: measured afresh
+            self._updates = InlineWhenCheap(self.run_in_thread, UPDATE_BUDGET_S)  # a new core: measured afresh
             self._mode, self._staleness, self._every = cfg.spec.mode, cfg.spec.staleness, cfg.spec.checkpoint_every
             self._next = [start] * cfg.trainers
             self._applied = [start] * cfg.trainers
