@@ -43,6 +43,28 @@ async def training_silos(client: Any, count: int, timeout_s: float = 30.0) -> li
         await asyncio.sleep(0.05)
 
 
+async def poll_status(coord: Any, pred: Any, timeout_s: float) -> TrainingStatus | None:
+    """The first status ``pred`` accepts within ``timeout_s`` (None: none did); fails at once on a
+    job that ended without one (the job runs in other tasks or processes)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        st: TrainingStatus = await coord.status()
+        if pred(st):
+            return st
+        assert st.status not in ("completed", "failed", "cancelled"), st
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(0.05)
+
+
+async def status_when(coord: Any, pred: Any, timeout_s: float = 60.0) -> TrainingStatus:
+    """Poll until ``pred(status)``; fail early on a dead job, and after ``timeout_s``."""
+    st = await poll_status(coord, pred, timeout_s)
+    assert st is not None, f"condition not reached: {await coord.status()}"
+    return st
+
+
 async def grown_at_a_gate(coord: Any, done: Any, first: int, last: int, every: int, wait_s: float = 10.0) -> TrainingStatus:
     """Let trainers held at step ``first - every`` by :mod:`data_ids` (``limit``) on, ``every``
     steps a round, up to ``last``, until ``done(status)``: the job cannot end before a joining
@@ -50,15 +72,9 @@ async def grown_at_a_gate(coord: Any, done: Any, first: int, last: int, every: i
     ``wait_s``; the steps run past no other gate until the caller lifts the limit."""
     from tests.grains.training import data_ids
 
-    loop = asyncio.get_running_loop()
     for limit in range(first, last + 1, every):
         data_ids.control(limit=limit)
-        deadline = loop.time() + wait_s
-        while loop.time() < deadline:
-            st: TrainingStatus = await coord.status()
-            if done(st):
-                return st
-            assert st.status not in ("completed", "failed", "cancelled"), st
-            await asyncio.sleep(0.05)
+        st = await poll_status(coord, done, wait_s)
+        if st is not None:
+            return st
     raise AssertionError(f"not reached by step {last}: {await coord.status()}")
-

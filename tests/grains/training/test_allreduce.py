@@ -8,13 +8,12 @@ generation. The SIGKILL case runs real silo processes.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from grains.training import CoordinatorGrain, TrainingJob, TrainingStatus
+from grains.training import CoordinatorGrain, TrainingJob
 from grains.training.data.batches import Batches
 from grains.training.data.position import DataSchedule
 from grains.training.datasets import load_dataset
@@ -24,21 +23,15 @@ from grains.training.strategies.ps.shard import make_optimizer
 from silo import errors
 from silo.settings import MembershipSettings
 from tests.grains.training import data_ids
-from tests.grains.training.conftest import GRAINS, grown_at_a_gate, run_job, training_silos, wait_done
+from tests.grains.training.conftest import (
+    GRAINS,
+    grown_at_a_gate,
+    run_job,
+    status_when,
+    training_silos,
+    wait_done,
+)
 from tests.grains.training.test_sync import reference_parameters
-
-
-async def status_when(coord: Any, pred: Any, timeout_s: float = 60.0) -> TrainingStatus:
-    """Poll until ``pred(status)`` (the job runs in other tasks); fail early on a dead job."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        st: TrainingStatus = await coord.status()
-        if pred(st):
-            return st
-        assert st.status not in ("completed", "failed", "cancelled"), st
-        assert loop.time() < deadline, f"condition not reached: {st}"
-        await asyncio.sleep(0.05)
 
 
 async def test_allreduce_with_two_trainers_on_two_silos_matches_single_process_training(cluster, client):

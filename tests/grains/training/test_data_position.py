@@ -15,8 +15,13 @@ from grains.training.data.batches import Batches, batch_indices
 from grains.training.data.position import DataSchedule, Segment
 from silo.errors import ConfigError
 from tests.grains.training import data_ids
-from tests.grains.training.conftest import GRAINS, training_silos, wait_done
-from tests.grains.training.test_allreduce import status_when
+from tests.grains.training.conftest import (
+    GRAINS,
+    grown_at_a_gate,
+    status_when,
+    training_silos,
+    wait_done,
+)
 from tests.grains.training.test_datasets import Counting
 
 
@@ -197,14 +202,8 @@ async def test_a_job_grown_and_shrunk_trains_every_sample_once_an_epoch(cluster,
         assert first.trainers == 1 and first.total_steps == 2 * IDS // B
         await cluster(1, grains=GRAINS)
         await training_silos(client, 2)
-        grown = None
-        for limit in (24, 32):  # the next committed checkpoint takes the joined silo in
-            try:
-                grown = await _advance(coord, limit, lambda s: s.trainers == 2, timeout_s=10.0)
-                break
-            except AssertionError:
-                continue
-        assert grown is not None, "the job did not grow at checkpoint 24 or 32"
+        # The next committed checkpoint takes the joined silo in: 24, else 32.
+        grown = await grown_at_a_gate(coord, lambda s: s.trainers == 2, 24, 32, 8)
         c = grown.changes[-1].start_step
         assert c in (24, 32) and grown.total_steps == DataSchedule.of(IDS, B, [], 1).resized(c, 2).end_step(2)
         # Shrink after one more checkpoint of two trainers: one of them runs out of memory.

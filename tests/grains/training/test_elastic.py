@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from grains.training import CoordinatorGrain, TrainingJob
 from tests.grains.training import data_ids
-from tests.grains.training.conftest import GRAINS, grown_at_a_gate, wait_done
-from tests.grains.training.test_allreduce import status_when
+from tests.grains.training.conftest import GRAINS, grown_at_a_gate, status_when, wait_done
 
 
 async def test_ps_job_with_auto_trainers_gains_a_trainer_when_a_silo_joins(cluster, client):

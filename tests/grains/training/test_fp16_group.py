@@ -21,8 +21,7 @@ from grains.training.state.store import CheckpointStoreGrain
 from grains.training.steps import classification_step
 from grains.training.strategies.allreduce.trainer_core import TrainerCore
 from silo.settings import MembershipSettings
-from tests.grains.training.conftest import GRAINS, wait_done
-from tests.grains.training.test_allreduce import status_when
+from tests.grains.training.conftest import GRAINS, status_when, wait_done
 
 _TRACES: dict[str, list[str]] = {}
 _IDS = itertools.count()

@@ -20,8 +20,14 @@ from grains.training.datasets import load_dataset
 from grains.training.models import build_model
 from grains.training.state.store import CheckpointStoreGrain
 from tests.grains.training import data_ids
-from tests.grains.training.conftest import GRAINS, grown_at_a_gate, run_job, training_silos, wait_done
-from tests.grains.training.test_allreduce import status_when
+from tests.grains.training.conftest import (
+    GRAINS,
+    grown_at_a_gate,
+    run_job,
+    status_when,
+    training_silos,
+    wait_done,
+)
 
 IDS = 512
 
