@@ -30,16 +30,24 @@ MARK = "__redgrain_immutable__"
 """The attribute that marks a class (in its own ``__dict__``: subclasses are not marked) or a tensor."""
 
 
+_TENSOR_TYPES: set[type] = set()
+"""torch's tensor classes once seen (this module does not import torch)."""
+
+
 def immutable(obj: T) -> T:
     """Mark a class or a tensor/array as passed by reference on the same silo (see the module doc)."""
     if isinstance(obj, type):
         setattr(obj, MARK, True)
         return obj  # type: ignore[return-value]
+    if type(obj) in _TENSOR_TYPES:  # a step marks every tensor it sends: no name built for them
+        setattr(obj, MARK, True)
+        return obj
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     if kind == "numpy.ndarray":
         obj.flags.writeable = False  # type: ignore[attr-defined]
         return obj
     if kind in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+        _TENSOR_TYPES.add(type(obj))
         setattr(obj, MARK, True)
         return obj
     raise TypeError(f"immutable() marks a class, a torch.Tensor or a numpy.ndarray, not a {kind}")
@@ -50,8 +58,12 @@ def is_immutable(value: Any) -> bool:
     t = type(value)
     if t.__dict__.get(MARK):
         return True
-    flags = getattr(value, "flags", None)
-    if flags is not None and t.__module__ == "numpy":
-        return not flags.writeable
+    # The instance's own mark first: asking a tensor for ``flags`` raises (and catches) an
+    # AttributeError, a microsecond per tensor of a push.
     d = getattr(value, "__dict__", None)
-    return bool(d and d.get(MARK))
+    if d and d.get(MARK):
+        return True
+    if t.__module__ == "numpy":
+        flags = getattr(value, "flags", None)
+        return flags is not None and not flags.writeable
+    return False

@@ -44,9 +44,17 @@ def test_a_step_sends_and_receives_its_tensors_by_reference_on_one_silo():
     pushed = codec.copy(r.grads[0])
     assert r.grads[0] and all(pushed[n] is g for n, g in r.grads[0].items())
     assert is_immutable(ExchangeReply(version=1, params=published))
-    # The shard publishes fresh tensors for the next version (the trainer holds the old ones).
+    # The shard publishes fresh tensors for the next version (the trainer holds the old ones),
+    # and its update in place never reaches them: the master weights are one flat buffer,
+    # and a version is a copy of it, not views of it.
+    before = {n: t.clone() for n, t in published.items()}
     shard.push_sync(r.grads[0], None, False, True, 1.0, 0)
     assert all(shard.current[1][n] is not t for n, t in published.items())
+    assert all(torch.equal(published[n], before[n]) for n in published)
+    assert not all(torch.equal(shard.current[1][n], before[n]) for n in published)
+    flat = shard._flat.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != flat for t in shard.current[1].values())
+    assert all(p.untyped_storage().data_ptr() == flat for p in shard.params.values())
 
 
 def test_cheap_work_runs_inline_once_measured_and_slow_work_goes_back_to_the_executor():
@@ -76,31 +84,46 @@ def test_cheap_work_runs_inline_once_measured_and_slow_work_goes_back_to_the_exe
     asyncio.run(main())
 
 
-def test_short_named_optimizers_run_foreach_and_step_as_the_per_tensor_loop_does():
+def test_short_named_optimizers_run_fused_and_step_as_the_per_tensor_loop_does_to_rounding():
     from grains.training.loop.optim import build_optimizer
+
+    def steps(spec: TrainingJob, ours: list[torch.nn.Parameter], theirs: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = build_optimizer([(str(i), p) for i, p in enumerate(ours)], spec)
+        assert opt is not None
+        # What a plain loop writes (foreach left to torch: the per-tensor loop on the CPU).
+        plain: torch.optim.Optimizer = (
+            torch.optim.SGD(theirs, lr=spec.lr, momentum=spec.momentum, weight_decay=0.01) if spec.optimizer == "momentum"
+            else torch.optim.AdamW(theirs, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=0.01)
+        )  # fmt: skip
+        for _ in range(5):
+            grads = [torch.randn_like(p) for p in ours]
+            for p, q, g in zip(ours, theirs, grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            plain.step()
+        return opt
 
     torch.manual_seed(0)
     for name in ("momentum", "adamw"):
         spec = SPEC.model_copy(update={"optimizer": name, "weight_decay": 0.01})
         a = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
         b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-        ours = build_optimizer([(str(i), p) for i, p in enumerate(a)], spec)
-        assert ours is not None and ours.defaults["foreach"] is True
-        # What a plain loop writes (foreach left to torch: the per-tensor loop on the CPU).
-        theirs: torch.optim.Optimizer = (
-            torch.optim.SGD(b, lr=spec.lr, momentum=spec.momentum, weight_decay=0.01) if name == "momentum"
-            else torch.optim.AdamW(b, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=0.01)
-        )  # fmt: skip
-        for _ in range(5):
-            grads = [torch.randn_like(p) for p in a]
-            for p, q, g in zip(a, b, grads, strict=True):
-                p.grad, q.grad = g.clone(), g.clone()
-            ours.step()
-            theirs.step()
+        opt = steps(spec, a, b)
+        assert opt.defaults["fused"] is True and not opt.defaults.get("foreach")
+        # Fused kernels may round differently from the loop (an operation fused), never by more.
+        assert all(torch.allclose(p, q, rtol=1e-6, atol=1e-6) for p, q in zip(a, b, strict=True)), name
+        # Asked for foreach: bitwise the loop's steps.
+        a = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        opt = steps(spec.model_copy(update={"optimizer_args": {"foreach": True}}), a, b)
+        assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), name
     custom = SPEC.model_copy(update={"optimizer": "adamw", "optimizer_args": {"foreach": False}})
     opt = build_optimizer([("w", torch.nn.Parameter(torch.randn(3)))], custom)
-    assert opt is not None and opt.defaults["foreach"] is False
+    assert opt is not None and opt.defaults["foreach"] is False and not opt.defaults.get("fused")
+    # A device with no fused kernels gets foreach (the meta device: shapes only).
+    opt = build_optimizer([("w", torch.nn.Parameter(torch.empty(3, device="meta")))], SPEC.model_copy(update={"optimizer": "adamw"}))
+    assert opt is not None and opt.defaults["foreach"] is True and not opt.defaults.get("fused")
 
 
 def test_whole_runs_a_coroutine_that_does_not_suspend_without_a_task_and_shields_one_that_does():

@@ -289,7 +289,7 @@ class ParamShardGrain(Grain):
             raise StaleGenerationError(f"{self.key}: trainer {rank} pushed step {step}, expected {self._next[rank]}")
         self._next[rank] = step + 1
         self._pushes += 1
-        self._bytes_in += sum(payload_nbytes(p) for p in grads.values())
+        self._bytes_in += sum(p.nbytes if type(p) is torch.Tensor else payload_nbytes(p) for p in grads.values())
         core = self._core
         assert core is not None
         if self._mode == "sync":

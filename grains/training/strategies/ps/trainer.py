@@ -107,20 +107,27 @@ class TrainerCore:
         # apply each push alone, so each trainer clips its own (after the residual is added back).
         self.clip = spec.mode != "sync"
         self.device = device
+        self._device = next(iter(self.params.values())).device if self.params else torch.device(device)
+        """The model's device as its tensors name it ("cuda:0" for "cuda"): pulls on it load as they are."""
         self._prefetched: tuple[int, Any] | None = None
 
     def load(self, params: dict[str, torch.Tensor]) -> None:
         # The pulled parameters become the weights, with no copy: the shard publishes fresh
         # tensors for each version and never writes to them again, and nothing here writes
-        # to weights (the optimizer lives on the shards). fp16/bf16 pulls are converted.
+        # to weights (the optimizer lives on the shards). fp16/bf16 pulls, and tensors from
+        # another device or flattened, are converted; the usual pull (a shard's own fp32
+        # tensors) is taken as it is, without the conversion's two calls a tensor.
         # Buffers are copied in: the forward pass updates them in place.
-        with torch.no_grad():
-            for n, t in params.items():
-                p = self.params.get(n)
-                if p is not None:
-                    p.data = t.to(p.device, p.dtype).view_as(p)
-                else:
+        device = self._device
+        for n, t in params.items():
+            p = self.params.get(n)
+            if p is None:
+                with torch.no_grad():
                     self.buffers[n].copy_(t)
+            elif t.dtype is p.dtype and t.shape == p.shape and t.device == device:
+                p.data = t
+            else:
+                p.data = t.to(p.device, p.dtype).view_as(p)
 
     def batch(self, step: int) -> Any:
         if self._prefetched is not None and self._prefetched[0] == step:
@@ -139,10 +146,15 @@ class TrainerCore:
             epoch = self.batches.schedule(self.a.spec.trainer_batch, self.a.trainers, self.a.data_segments).position(step)[0]
         b = self.runner.backward(self.model, batch, step, rank=self.a.rank, trainers=self.a.trainers, epoch=epoch)
         # An fp16 overflow skips the step as a non-finite loss does: the shards apply nothing.
-        skip = b.skip or self.runner.unscale([p.grad for p in self.trainable if p.grad is not None])
+        skip = b.skip or (
+            self.runner.scaler is not None and self.runner.unscale([p.grad for p in self.trainable if p.grad is not None])
+        )
         grads: list[dict[str, Payload]]
         if skip:
             grads = [{n: torch.zeros_like(self.params[n]) for n in names} for names in self.shard_grads]
+        elif not self.compressor.lossy and not self.clip:
+            # Sent as they are (sync, uncompressed: most jobs): no residual, nothing to clip.
+            grads = [{n: self._grad(n) for n in names} for names in self.shard_grads]
         else:
             dense = self.compressor.add_residual({n: self._grad(n) for names in self.shard_grads for n in names})
             if self.clip:
