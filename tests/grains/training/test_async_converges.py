@@ -14,13 +14,14 @@ SMALL = {"optimizer": "momentum", "lr": 0.05, "batch_size": 64, "checkpoint_ever
 ADAM = {**SMALL, "optimizer": "adam", "lr": 0.003}
 
 
-# Adam over two seeds, its modes compared by their means: one seed's run is at the noise this
-# bound sits in. Seed 0 is the worst of seeds 0-6 for ssp: 0.961-0.972 over 22 runs against sync's
-# 0.975 (a point below in about one run in three, before and after decision 111), while seeds
-# 1-6 ended within 0.6 points of sync (sync itself 0.969-0.981 across them; seed 1's ssp 0.975-0.978
-# in 5 runs against 0.978), so the worst pair seen is 0.84 points below. Momentum-SGD's ssp and
-# async end at or above sync on each of seeds 0-6.
-@pytest.mark.parametrize(("spec", "seeds"), [(SMALL, (0,)), (ADAM, (0, 1))], ids=["momentum", "adam"])
+# Adam over four seeds, its modes compared by their means: one seed's async or ssp run moves a
+# point or two from run to run (the order the two trainers' pushes land in), and seed 0 is the
+# worst of seeds 0-6: its ssp 0.958-0.972 against sync's 0.975, its async 0.950-0.969. Over two
+# seeds (0, 1) that failed about one run in eighteen; over four, seed 0's worst run seen moves
+# the mean by 0.6 points. Seeds 0-3, once each (2026-12-05, fused and foreach Adam): sync
+# 0.975/0.978/0.978/0.969, async within 1.4 points of it and ssp within 1.7 on every seed, the
+# means within 0.3. Momentum-SGD's ssp and async end at or above sync on each of seeds 0-6.
+@pytest.mark.parametrize(("spec", "seeds"), [(SMALL, (0,)), (ADAM, (0, 1, 2, 3))], ids=["momentum", "adam"])
 async def test_async_and_ssp_end_within_a_point_of_sync(cluster, client, spec, seeds):
     await cluster(2, grains=GRAINS, membership=MembershipSettings())
     acc: dict[str, list[float]] = {}
