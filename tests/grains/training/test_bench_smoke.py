@@ -66,7 +66,11 @@ def test_the_step_census_counts_per_step_what_a_step_does():
     # The two jobs' difference leaves exactly what each step adds: one history entry a step,
     # and the MLP's step and update inline (no executor job), each call charged to who made it.
     assert job["redis"]["xadd"] == pytest.approx(1.0), job["redis"]
-    assert job["executor_jobs"] == pytest.approx(0.0, abs=0.05)
+    # Inline, the step and the update are no executor jobs (on the executor: two a step). What
+    # the process sends there by the clock (a connection's address lookup, say) a step counts
+    # more of the longer the step took: under load it reached 0.06 a step.
+    assert job["executor_jobs"] < 0.5, job["executor_jobs_by"]
+    assert not [k for k in job["executor_jobs_by"] if "TrainerCore" in k or "ShardCore" in k or "_timed" in k], job["executor_jobs_by"]
     assert job["python_calls"] > plain["python_calls"] > 50 and plain["redis_commands"] == 0
     assert any("trainer" in what for what in job["by_what"]) and any("driver" in what for what in job["by_what"])
     assert "per-step census" in out.stdout
