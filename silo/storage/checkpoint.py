@@ -426,6 +426,16 @@ class Checkpoints:
         if not raw or b"members" not in raw:
             return None
         m = {k.decode(): v.decode() for k, v in raw.items()}
+        if m.get("status") == "complete":
+            # Complete only while listed: retention unlists a snapshot in the script that completes
+            # a newer one, then its saver deletes the blobs and the manifest last. A saver killed in
+            # between leaves a manifest that still says complete over deleted blobs; a restore that
+            # trusted it failed forever (test_faults.py: a shard's silo SIGKILLed, keep_checkpoints 1, under load).
+            listed = await self._blobs.retry(
+                f"read snapshot {group}/{snap}", lambda: self._redis.zscore(self._keys.checkpoint_index(group), snap)
+            )
+            if listed is None:
+                m["status"] = "unlisted"
         return SnapshotInfo(
             group=group,
             snapshot_id=snap,

@@ -125,3 +125,30 @@ async def test_a_newer_epoch_takes_over_what_an_abandoned_one_left_at_the_same_i
     assert await b.checkpoint("e", both, 5, epoch=3) is False  # a's epoch-2 part no longer counts
     assert await a.checkpoint("e", both, 5, epoch=3) is True
 
+
+
+async def test_a_snapshot_retention_unlisted_is_not_complete_though_its_saver_died_before_deleting_it(
+    cluster, client: ClusterClient
+) -> None:
+    # Retention unlists an old snapshot in the script that completes a newer one; the saver then
+    # deletes its blobs, the manifest last. A saver SIGKILLed in between left a manifest saying
+    # "complete" over deleted blobs, and a training rollback that asked info() restored from it
+    # forever ("holds no state", tests/grains/training/test_faults.py under load).
+    await cluster(1)
+    shards = [client.get_grain(Shard, f"ret/s{i}") for i in range(2)]
+    members = [f"Shard/ret/s{i}" for i in range(2)]
+    cps = Checkpoints(client.redis, client.keys)
+    for step in (10, 20):
+        for s in shards:
+            await s.train(step, 1000)
+            await s.checkpoint("ret", members, 2)
+    assert (await cps.info("ret", 10)).complete  # type: ignore[union-attr]
+    # What a saver killed mid-retention leaves: 10 unlisted, one member's blob gone, the manifest kept.
+    await client.redis.zrem(client.keys.checkpoint_index("ret"), "10")
+    await client.redis.delete(client.keys.checkpoint_member("ret", "10", members[0]))
+    info = await cps.info("ret", 10)
+    assert info is not None and not info.complete
+    assert (await cps.latest_complete("ret")).snapshot_id == "20"  # type: ignore[union-attr]
+    with pytest.raises(errors.StorageError, match="incomplete"):
+        await shards[0].restore("ret", 10)
+    assert await shards[0].restore("ret", 20) == "20"
